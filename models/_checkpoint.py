@@ -1,0 +1,122 @@
+"""Reading checkpoint files without running pickled code, and the state-dict surgery every family shares.
+
+Official InLine / FLatten / Swin training checkpoints pickle a yacs `CfgNode` under 'config'. Unpickling is
+restricted to tensors and plain containers (`torch.load(weights_only=True)`); the `CfgNode` is read as the plain
+`OrderedDict` it is, so no yacs code runs. The allow-list is registered with torch at import, which lets timm's
+own `pretrained_cfg_overlay=dict(file=...)` loading read those files too.
+"""
+import argparse
+import os
+import pickle
+import zipfile
+from collections import OrderedDict
+from typing import Any, Dict, Mapping, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+__all__ = [
+    'CheckpointError', 'SAFE_GLOBALS', 'load_checkpoint_file', 'checkpoint_state_dict', 'drop_derived_buffers',
+    'load_state_dict_checked', 'resize_grid_embedding', 'resize_rel_pos_bias_table',
+]
+
+SAFE_GLOBALS = [(OrderedDict, 'yacs.config.CfgNode'), set, argparse.Namespace]
+torch.serialization.add_safe_globals(SAFE_GLOBALS)
+
+DERIVED_BUFFERS = ('relative_position_index', 'relative_coords_table', 'attn_mask')
+WRAPPER_PREFIXES = ('module.', '_orig_mod.')
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file that cannot be read, is unsafe, or does not fit the model."""
+
+
+def load_checkpoint_file(path: str, map_location: Any = 'cpu') -> Any:
+    """Load a checkpoint file, refusing pickled objects outside the allow-list without running them."""
+    if not os.path.isfile(path):
+        raise CheckpointError(f"checkpoint {path!r} does not exist or is not a file")
+    try:
+        with torch.serialization.safe_globals(SAFE_GLOBALS):
+            return torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as e:
+        detail = str(e).split('WeightsUnpickler error:')[-1].strip().splitlines()[0] if str(e) else ''
+        raise CheckpointError(
+            f"checkpoint {path!r} is refused: it pickles objects outside the allow-list of tensors and plain "
+            f"containers ({detail})") from None
+    except (RuntimeError, EOFError, zipfile.BadZipFile, OSError, ValueError) as e:
+        raise CheckpointError(f"checkpoint {path!r} is truncated or corrupt ({type(e).__name__}: "
+                              f"{str(e).splitlines()[0] if str(e) else 'no detail'})") from None
+
+
+def checkpoint_state_dict(checkpoint: Any, keys: Sequence[str] = ('model', 'state_dict')) -> Dict[str, Tensor]:
+    """The model weights inside a checkpoint: the first of `keys` present, else the checkpoint itself.
+
+    Wrapper prefixes ('module.' from DDP, '_orig_mod.' from torch.compile) are removed.
+    """
+    if not isinstance(checkpoint, Mapping):
+        raise CheckpointError(f"expected a checkpoint dict, got {type(checkpoint).__name__}")
+    for key in keys:
+        if isinstance(checkpoint.get(key), Mapping):
+            checkpoint = checkpoint[key]
+            break
+    state_dict = {}
+    for name, value in checkpoint.items():
+        if not isinstance(value, Tensor):
+            raise CheckpointError(f"checkpoint entry {name!r} is a {type(value).__name__}, not a tensor; "
+                                  f"expected one of the keys {', '.join(keys)} or a flat state dict")
+        for prefix in WRAPPER_PREFIXES:
+            if name.startswith(prefix):
+                name = name[len(prefix):]
+        state_dict[name] = value
+    return state_dict
+
+
+def drop_derived_buffers(state_dict: Mapping[str, Tensor]) -> Dict[str, Tensor]:
+    """Remove the buffers the models recompute (relative position indices, shifted-window masks)."""
+    return {k: v for k, v in state_dict.items() if k.rsplit('.', 1)[-1] not in DERIVED_BUFFERS}
+
+
+def load_state_dict_checked(model: nn.Module, state_dict: Mapping[str, Tensor], source: str = 'checkpoint') -> None:
+    """Strict `load_state_dict` whose error names the missing, unexpected and mis-shaped keys on one line."""
+    own = model.state_dict()
+    missing = [k for k in own if k not in state_dict]
+    unexpected = [k for k in state_dict if k not in own]
+    shapes = [f"{k} {tuple(state_dict[k].shape)} vs {tuple(own[k].shape)}"
+              for k in own if k in state_dict and state_dict[k].shape != own[k].shape]
+    if missing or unexpected or shapes:
+        parts = []
+        for what, keys in (('missing', missing), ('unexpected', unexpected), ('mis-shaped', shapes)):
+            if keys:
+                shown = ', '.join(keys[:8]) + (f', ... ({len(keys)} in all)' if len(keys) > 8 else '')
+                parts.append(f"{what}: {shown}")
+        raise CheckpointError(f"{source} does not match {type(model).__name__}: " + '; '.join(parts))
+    model.load_state_dict(state_dict, strict=True)
+
+
+def resize_grid_embedding(embedding: Tensor, new_grid: Tuple[int, int], num_prefix_tokens: int = 0) -> Tensor:
+    """Bicubically resize a (1, prefix + S*S, C) embedding over a square grid to (1, prefix + H*W, C)."""
+    prefix, grid = embedding[:, :num_prefix_tokens], embedding[:, num_prefix_tokens:]
+    if grid.shape[1] == new_grid[0] * new_grid[1]:
+        return embedding
+    side = int(round(grid.shape[1] ** 0.5))
+    if side * side != grid.shape[1]:
+        raise CheckpointError(f"cannot resize an embedding of {grid.shape[1]} tokens: not a square grid")
+    C = grid.shape[-1]
+    image = grid.reshape(1, side, side, C).permute(0, 3, 1, 2).float()
+    image = F.interpolate(image, size=new_grid, mode='bicubic', align_corners=False)
+    grid = image.permute(0, 2, 3, 1).reshape(1, new_grid[0] * new_grid[1], C).to(embedding.dtype)
+    return torch.cat([prefix, grid], dim=1)
+
+
+def resize_rel_pos_bias_table(table: Tensor, new_window: Tuple[int, int]) -> Tensor:
+    """Bicubically resize a ((2w-1)^2, heads) relative position bias table to a new window."""
+    rows = (2 * new_window[0] - 1) * (2 * new_window[1] - 1)
+    if table.shape[0] == rows:
+        return table
+    side = int(round(table.shape[0] ** 0.5))
+    heads = table.shape[1]
+    image = table.T.reshape(1, heads, side, side).float()
+    image = F.interpolate(image, size=(2 * new_window[0] - 1, 2 * new_window[1] - 1), mode='bicubic',
+                          align_corners=False)
+    return image.reshape(heads, rows).T.contiguous().to(table.dtype)

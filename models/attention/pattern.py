@@ -1,0 +1,59 @@
+"""Which attention each block of a staged backbone gets, from a name, a list or an official pattern string."""
+from typing import List, Sequence, Union
+
+from .registry import get_attention_class, list_attentions
+
+__all__ = ['PATTERN_LETTERS', 'stage_attentions']
+
+# Letters of the official InLine / FLatten `attn_type` strings.
+PATTERN_LETTERS = {'I': 'inline', 'L': 'flatten', 'S': 'softmax'}
+
+
+def _pattern_error(attn_type: str, num_stages: int, why: str) -> ValueError:
+    return ValueError(
+        f"bad attn_type {attn_type!r} ({why}); expected an attention name ({', '.join(list_attentions())}), "
+        f"a list of {num_stages} names, or a pattern of {num_stages} letters from I (inline), L (flatten), "
+        f"S (softmax), M (mixed) with the number of linear blocks of the M stage appended, e.g. 'IIMS2'")
+
+
+def stage_attentions(
+        attn_type: Union[str, Sequence[str]],
+        depths: Sequence[int],
+        mixed_linear: str = 'inline',
+) -> List[List[str]]:
+    """Per stage, the attention name of every block.
+
+    `attn_type` is one registered name for every block, a list with one name per stage, or a pattern string with
+    one letter per stage: 'I' InLine, 'L' FLatten, 'S' softmax, and 'M' for a stage whose first m blocks use the
+    pattern's linear attention (its I or L, else `mixed_linear`) and the rest softmax, m being the number after the
+    letters ('IIMS2': stage 3 has 2 InLine blocks, then softmax).
+    """
+    num_stages = len(depths)
+    if isinstance(attn_type, str):
+        if attn_type in list_attentions():
+            return [[attn_type] * d for d in depths]
+        letters, suffix = attn_type[:num_stages], attn_type[num_stages:]
+        if len(letters) < num_stages or any(c not in 'ILSM' for c in letters):
+            raise _pattern_error(attn_type, num_stages, 'not a name or pattern')
+        if 'M' in letters and not suffix.isdigit():
+            raise _pattern_error(attn_type, num_stages, "an M stage needs its number of linear blocks")
+        if 'M' not in letters and suffix:
+            raise _pattern_error(attn_type, num_stages, f"unexpected {suffix!r} after the stage letters")
+        linear = [PATTERN_LETTERS[c] for c in letters if c in 'IL']
+        if len(set(linear)) > 1 and 'M' in letters:
+            raise _pattern_error(attn_type, num_stages, 'an M stage is ambiguous with both I and L stages')
+        mixed = linear[0] if linear else mixed_linear
+        stages = []
+        for letter, depth in zip(letters, depths):
+            if letter == 'M':
+                m = int(suffix)
+                stages.append([mixed] * min(m, depth) + ['softmax'] * max(depth - m, 0))
+            else:
+                stages.append([PATTERN_LETTERS[letter]] * depth)
+        return stages
+    names = list(attn_type)
+    if len(names) != num_stages:
+        raise _pattern_error(str(names), num_stages, f'{len(names)} names for {num_stages} stages')
+    for name in names:
+        get_attention_class(name)
+    return [[name] * d for name, d in zip(names, depths)]
