@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 __all__ = [
     'CheckpointError', 'SAFE_GLOBALS', 'load_checkpoint_file', 'checkpoint_state_dict', 'drop_derived_buffers',
-    'load_state_dict_checked', 'resize_grid_embedding', 'resize_rel_pos_bias_table',
+    'check_state_dict', 'load_state_dict_checked', 'resize_grid_embedding', 'resize_rel_pos_bias_table',
 ]
 
 SAFE_GLOBALS = [(OrderedDict, 'yacs.config.CfgNode'), set, argparse.Namespace]
@@ -77,13 +77,23 @@ def drop_derived_buffers(state_dict: Mapping[str, Tensor]) -> Dict[str, Tensor]:
     return {k: v for k, v in state_dict.items() if k.rsplit('.', 1)[-1] not in DERIVED_BUFFERS}
 
 
-def load_state_dict_checked(model: nn.Module, state_dict: Mapping[str, Tensor], source: str = 'checkpoint') -> None:
-    """Strict `load_state_dict` whose error names the missing, unexpected and mis-shaped keys on one line."""
+def check_state_dict(
+        model: nn.Module,
+        state_dict: Mapping[str, Tensor],
+        source: str = 'checkpoint',
+        free_shape_prefixes: Sequence[str] = (),
+) -> None:
+    """Raise `CheckpointError` naming the missing, unexpected and mis-shaped keys, on one line.
+
+    Keys under `free_shape_prefixes` (a classifier that the loader re-creates for another class count) may differ
+    in shape.
+    """
     own = model.state_dict()
     missing = [k for k in own if k not in state_dict]
     unexpected = [k for k in state_dict if k not in own]
     shapes = [f"{k} {tuple(state_dict[k].shape)} vs {tuple(own[k].shape)}"
-              for k in own if k in state_dict and state_dict[k].shape != own[k].shape]
+              for k in own if k in state_dict and state_dict[k].shape != own[k].shape
+              and not k.startswith(tuple(free_shape_prefixes))]
     if missing or unexpected or shapes:
         parts = []
         for what, keys in (('missing', missing), ('unexpected', unexpected), ('mis-shaped', shapes)):
@@ -91,6 +101,11 @@ def load_state_dict_checked(model: nn.Module, state_dict: Mapping[str, Tensor], 
                 shown = ', '.join(keys[:8]) + (f', ... ({len(keys)} in all)' if len(keys) > 8 else '')
                 parts.append(f"{what}: {shown}")
         raise CheckpointError(f"{source} does not match {type(model).__name__}: " + '; '.join(parts))
+
+
+def load_state_dict_checked(model: nn.Module, state_dict: Mapping[str, Tensor], source: str = 'checkpoint') -> None:
+    """Strict `load_state_dict` whose error names the missing, unexpected and mis-shaped keys on one line."""
+    check_state_dict(model, state_dict, source)
     model.load_state_dict(state_dict, strict=True)
 
 
