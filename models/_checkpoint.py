@@ -36,9 +36,11 @@ def load_checkpoint_file(path: str, map_location: Any = 'cpu') -> Any:
     """Load a checkpoint file, refusing pickled objects outside the allow-list without running them."""
     if not os.path.isfile(path):
         raise CheckpointError(f"checkpoint {path!r} does not exist or is not a file")
+    # Registered again rather than through the `safe_globals` context manager, whose exit would also remove the
+    # process-wide registration that timm's own loader relies on.
+    torch.serialization.add_safe_globals(SAFE_GLOBALS)
     try:
-        with torch.serialization.safe_globals(SAFE_GLOBALS):
-            return torch.load(path, map_location=map_location, weights_only=True)
+        return torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as e:
         detail = str(e).split('WeightsUnpickler error:')[-1].strip().splitlines()[0] if str(e) else ''
         raise CheckpointError(

@@ -268,7 +268,8 @@ class Attention(nn.Module):
                 out = out + self._lepe(v, size, num_prefix)
             return out
         if num_prefix:
-            raise ValueError("windowed attention does not support prefix tokens")
+            raise ValueError(f"windowed attention does not support prefix tokens, got {num_prefix} before the "
+                             f"{H}x{W} grid")
         window, shift = self.window, self.shift_size
         groups = [q, k, v] if tokens is None else [q, k, v, tokens]
         if shift:

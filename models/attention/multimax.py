@@ -40,10 +40,11 @@ def multimax_attention(
 
     `bias` (added before σ) and `mask` (added after σ) broadcast to the (B, h, n, m) scores.
     """
-    scores = torch.matmul(q, k.transpose(-2, -1)).float() * q.shape[-1] ** -0.5
+    work = torch.promote_types(q.dtype, torch.float32)
+    scores = torch.matmul(q, k.transpose(-2, -1)).to(work) * q.shape[-1] ** -0.5
     if bias is not None:
         scores = scores + bias
-    scores = multimax_modulation(scores, ranges.float(), ts.float())
+    scores = multimax_modulation(scores, ranges.to(work), ts.to(work))
     if mask is not None:
         scores = scores + mask
     weights = scores.softmax(dim=-1)

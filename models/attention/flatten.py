@@ -1,0 +1,99 @@
+"""FLatten: focused linear attention with a depthwise convolution on V.
+
+Queries and keys (keys plus a learned positional encoding) go through the focused feature map
+
+    φ(x) = f_p((ReLU(x) + 1e-6) / softplus(scale)),   f_p(t) = ‖t‖·t^p / ‖t^p‖   (norms over all C channels),
+
+which sharpens the direction of each feature towards its largest channels while keeping its norm. Per head,
+out_i = Σ_j (φq_i·φk_j) v_j / (Σ_j φq_i·φk_j + N·1e-6), computed in Q(KᵀV) order, plus a k×k depthwise
+convolution of V imaged on the grid whose weights all heads share.
+
+The cube, the norms and the normaliser overflow float16 at ordinary activation sizes (NaN under float16 AMP
+is this attention's known failure), so the feature map and the attention run in float32 at least, with autocast off,
+whatever the input dtype; float64 stays float64.
+"""
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .base import Attention, Grid, image_to_tokens, merge_heads, split_heads, tokens_to_image
+from .registry import register_attention
+
+__all__ = ['focused_feature_map', 'focused_linear_attention', 'FocusedLinearAttention']
+
+
+def focused_feature_map(x: Tensor, scale: Tensor, focusing_factor: float = 3.) -> Tensor:
+    """x: (..., C), scale broadcastable to x -> (..., C) non-negative features φ(x), in float32 at least."""
+    dtype = torch.promote_types(x.dtype, torch.float32)
+    with torch.autocast(x.device.type, enabled=False):
+        x = (F.relu(x.to(dtype)) + 1e-6) / F.softplus(scale.to(dtype))
+        powered = x ** focusing_factor
+        return powered * (x.norm(dim=-1, keepdim=True) / powered.norm(dim=-1, keepdim=True))
+
+
+def focused_linear_attention(phi_q: Tensor, phi_k: Tensor, v: Tensor, eps: float = 1e-6) -> Tensor:
+    """phi_q, phi_k: (B, h, n, d) non-negative features, v: (B, h, n, e) -> (B, h, n, e) in v's dtype.
+
+    Σ_j (φq_i·φk_j) v_j / (Σ_j φq_i·φk_j + n·eps); keys and values are scaled by n^-½ each so that KᵀV is an
+    average rather than a sum over the tokens.
+    """
+    dtype = torch.promote_types(torch.promote_types(phi_q.dtype, v.dtype), torch.float32)
+    n = phi_k.shape[-2]
+    with torch.autocast(v.device.type, enabled=False):
+        phi_q, phi_k, values = phi_q.to(dtype), phi_k.to(dtype), v.to(dtype)
+        z = 1 / (phi_q @ phi_k.mean(dim=-2, keepdim=True).transpose(-2, -1) + eps)
+        kv = (phi_k.transpose(-2, -1) * n ** -0.5) @ (values * n ** -0.5)
+        return ((phi_q @ kv) * z).to(v.dtype)
+
+
+@register_attention('flatten')
+class FocusedLinearAttention(Attention):
+    """Focused linear attention over a fixed token grid (the window when windowed, else `grid_size`).
+
+    Parameters: `scale` (1, 1, C) (softplus gives the per-channel temperature), `positional_encoding` (1, T, C)
+    added to the keys of the T grid tokens of a group (not to prefix tokens), and `dwc`, a depthwise
+    Conv2d(head_dim, head_dim, kernel_size) applied to every head's V image.
+    """
+    linear = True
+
+    def __init__(
+            self,
+            dim: int,
+            num_heads: int,
+            grid_size: Optional[Grid] = None,
+            qkv_bias: bool = True,
+            *,
+            focusing_factor: float = 3,
+            kernel_size: int = 5,
+            **kwargs,
+    ):
+        super().__init__(dim, num_heads, grid_size, qkv_bias, **kwargs)
+        self.focusing_factor = focusing_factor
+        self.kernel_size = kernel_size
+        self.group_grid: Grid = self.window or self._require_grid('the positional encoding')
+        self.scale = nn.Parameter(torch.zeros(1, 1, dim))
+        self.positional_encoding = nn.Parameter(torch.zeros(1, self.group_grid[0] * self.group_grid[1], dim))
+        self.dwc = nn.Conv2d(self.head_dim, self.head_dim, kernel_size, padding=kernel_size // 2, groups=self.head_dim)
+
+    def extra_repr(self) -> str:
+        return f'{super().extra_repr()}, focusing_factor={self.focusing_factor}, kernel_size={self.kernel_size}'
+
+    def mix(self, q: Tensor, k: Tensor, v: Tensor, grid: Grid, num_prefix_tokens: int, tokens: Optional[Tensor],
+            pos_bias: Optional[Tensor], mask: Optional[Tensor]) -> Tensor:
+        if tuple(grid) != self.group_grid:
+            gh, gw = self.group_grid
+            raise ValueError(f"flatten attention: input grid {grid[0]}x{grid[1]} does not match the {gh}x{gw} grid "
+                             f"its positional_encoding of {gh * gw} tokens was built for")
+        h = self.num_heads
+        k = k + F.pad(self.positional_encoding, (0, 0, num_prefix_tokens, 0))
+        phi_q = focused_feature_map(q, self.scale, self.focusing_factor)
+        phi_k = focused_feature_map(k, self.scale, self.focusing_factor)
+        out = merge_heads(focused_linear_attention(split_heads(phi_q, h), split_heads(phi_k, h), split_heads(v, h)))
+        B, n, C = v.shape
+        v_image = tokens_to_image(v[:, num_prefix_tokens:], grid).reshape(B * h, self.head_dim, *grid)
+        local = image_to_tokens(self.dwc(v_image).reshape(B, C, *grid))
+        if num_prefix_tokens:
+            local = F.pad(local, (0, 0, num_prefix_tokens, 0))
+        return out + local

@@ -1,0 +1,80 @@
+"""InLine: injective linear attention with an input-dependent local residual.
+
+The global term uses the identity kernel and subtracts each query's mean score, so every row of the implicit
+attention matrix sums to one while distinct queries keep distinct weights:
+
+    A_ij = (s/N)·(q_i·k_j − q_i·k̄) + 1/N,   s = head_dim^-½,  N = tokens of the group (prefix tokens included).
+
+It is computed in Q(KᵀV) order, never forming A. The local residual is a 3×3 depthwise convolution of V imaged on
+the grid whose kernel is predicted, per sample and channel, from the mean token of the group.
+"""
+from typing import Optional
+
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .base import Attention, Grid, image_to_tokens, merge_heads, split_heads, tokens_to_image
+from .registry import register_attention
+
+__all__ = ['inline_attention', 'inline_local_residual', 'InLineAttention']
+
+
+def inline_attention(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+    """q, k: (B, h, n, d), v: (B, h, n, e) -> (B, h, n, e), Σ_j A_ij v_j with A as in the module docstring.
+
+    √(scale/n) goes on both K and V so that KᵀV stays an average in range; no epsilon, no division.
+    """
+    n = k.shape[-2]
+    factor = (scale / n) ** 0.5
+    kv = (k.transpose(-2, -1) * factor) @ (v * factor)
+    k_mean = k.mean(dim=-2, keepdim=True)
+    v_mean = v.mean(dim=-2, keepdim=True)
+    return q @ kv + (1 - scale * (q @ k_mean.transpose(-2, -1))) * v_mean
+
+
+def inline_local_residual(v: Tensor, kernels: Tensor) -> Tensor:
+    """v: (B, C, H, W), kernels: (B, C, 3, 3) -> (B, C, H, W).
+
+    Per-sample depthwise cross-correlation with zero padding 1 and no bias; one grouped convolution over all
+    B·C channels, since every sample has its own kernels.
+    """
+    B, C, H, W = v.shape
+    out = F.conv2d(v.reshape(1, B * C, H, W), kernels.reshape(B * C, 1, 3, 3), padding=1, groups=B * C)
+    return out.view(B, C, H, W)
+
+
+@register_attention('inline')
+class InLineAttention(Attention):
+    """Injective linear attention plus the local residual (`residual`: token mean -> 3×3 kernels per channel).
+
+    `residual` maps the (C,) mean token of a group through two 1×1 convolutions grouped by head to 9C values;
+    value 9c + 3u + w is tap (u, w) of channel c's kernel. The mean covers prefix tokens, the convolution and
+    its addition only the grid tokens.
+    """
+    linear = True
+    uses_tokens = True
+
+    def __init__(self, dim: int, num_heads: int, grid_size: Optional[Grid] = None, qkv_bias: bool = True, **kwargs):
+        super().__init__(dim, num_heads, grid_size, qkv_bias, **kwargs)
+        self.residual = nn.Sequential(
+            nn.Conv1d(dim, dim, kernel_size=1, groups=num_heads),
+            nn.GELU(),
+            nn.Conv1d(dim, dim * 9, kernel_size=1, groups=num_heads),
+        )
+
+    def residual_kernels(self, tokens: Tensor) -> Tensor:
+        """tokens: (B', n, C) -> (B', C, 3, 3) kernels predicted from the mean token."""
+        return self.residual(tokens.mean(dim=1).unsqueeze(-1)).view(-1, self.dim, 3, 3)
+
+    def mix(self, q: Tensor, k: Tensor, v: Tensor, grid: Grid, num_prefix_tokens: int, tokens: Optional[Tensor],
+            pos_bias: Optional[Tensor], mask: Optional[Tensor]) -> Tensor:
+        if tokens is None:
+            raise ValueError("inline attention: mix needs the attention input `tokens` of the group, got None")
+        h = self.num_heads
+        out = merge_heads(inline_attention(split_heads(q, h), split_heads(k, h), split_heads(v, h),
+                                           self.head_dim ** -0.5))
+        local = inline_local_residual(tokens_to_image(v[:, num_prefix_tokens:], grid), self.residual_kernels(tokens))
+        local = image_to_tokens(local)
+        if num_prefix_tokens:
+            local = F.pad(local, (0, 0, num_prefix_tokens, 0))
+        return out + local

@@ -1,0 +1,49 @@
+"""SimA, softmax-free attention: Q̂ K̂ᵀ V with queries and keys ℓ1-normalised over the tokens.
+
+Every channel of every head of Q and K is divided by its ℓ1 norm over the tokens of the group (clamped at 1e-12,
+as `F.normalize(p=1, dim=-2)` does); there is no scale, no softmax and no score bias. The product is taken in the
+cheaper order for the shapes, (Q̂K̂ᵀ)V when the group has fewer tokens than a head has channels, else Q̂(K̂ᵀV): the
+two are equal, only their cost differs. Prefix tokens (a class token) are normalised with the grid tokens.
+"""
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .base import Attention, Grid, merge_heads, split_heads
+from .registry import register_attention
+
+__all__ = ['l1_normalize_tokens', 'sima_attention', 'SimAAttention']
+
+
+def l1_normalize_tokens(x: Tensor, eps: float = 1e-12) -> Tensor:
+    """(..., n, d) divided by its ℓ1 norm over the n tokens, per channel, clamped at `eps`.
+
+    The sums run in at least float32: in float16 the clamp `eps` underflows to zero and an all-zero channel
+    would give 0/0.
+    """
+    wide = x.to(torch.promote_types(x.dtype, torch.float32))
+    return (wide / wide.abs().sum(dim=-2, keepdim=True).clamp_min(eps)).to(x.dtype)
+
+
+def sima_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """q: (B, h, n, d), k, v: (B, h, m, d) -> (B, h, n, d)."""
+    q, k = l1_normalize_tokens(q), l1_normalize_tokens(k)
+    if q.shape[-2] < q.shape[-1]:
+        return torch.matmul(torch.matmul(q, k.transpose(-2, -1)), v)
+    return torch.matmul(q, torch.matmul(k.transpose(-2, -1), v))
+
+
+@register_attention('sima')
+class SimAAttention(Attention):
+    """SimA with the groupings of the base class; no parameters beyond `qkv` (or `q`, `kv`) and `proj`.
+
+    It forms no score matrix, so a relative position bias and the shifted-window mask do not apply.
+    """
+    linear = True
+    supports_reduction = True
+
+    def mix(self, q: Tensor, k: Tensor, v: Tensor, grid: Grid, num_prefix_tokens: int, tokens: Optional[Tensor],
+            pos_bias: Optional[Tensor], mask: Optional[Tensor]) -> Tensor:
+        h = self.num_heads
+        return merge_heads(sima_attention(split_heads(q, h), split_heads(k, h), split_heads(v, h)))

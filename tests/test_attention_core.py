@@ -1,0 +1,327 @@
+"""Softmax, MultiMax, SimA and additive attention against plain float64 formulas written here."""
+import math
+
+import pytest
+import torch
+from torch.autograd import gradcheck
+from torch.utils.flop_counter import FlopCounterMode
+
+from models.attention import build_attention, list_attentions
+from models.attention.additive import additive_attention, additive_pool
+from models.attention.multimax import multimax_attention, multimax_modulation
+from models.attention.sima import l1_normalize_tokens, sima_attention
+
+CORE = ('softmax', 'multimax', 'sima', 'additive')
+SPEC_RANGES = (0.1, 0.2, -0.3, 0.4)
+SPEC_TS = (0.5, 0.3, 0.2, 0.1)
+
+
+def max_abs_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a - b).abs().max().item()
+
+
+def dense(x, layer):
+    return x @ layer.weight.T + layer.bias
+
+
+def naive_softmax(s):
+    e = torch.exp(s - s.amax(dim=-1, keepdim=True))
+    return e / e.sum(dim=-1, keepdim=True)
+
+
+def naive_sigma(x, ranges, ts):
+    b, t = ranges.detach().tolist(), ts.detach().tolist()
+    return (x + t[0] * (b[0] - x).clamp(min=0) + t[1] * (x - b[1]).clamp(min=0)
+            + t[2] * (b[2] - x).clamp(min=0) ** 2 + t[3] * (x - b[3]).clamp(min=0) ** 2)
+
+
+def naive_l1(x):
+    """Every channel divided by the sum of its absolute values over the tokens (dim -2), clamped at 1e-12."""
+    return x / x.abs().sum(dim=-2, keepdim=True).clamp(min=1e-12)
+
+
+def naive_module(attn, x, head_weights):
+    """qkv, per head `head_weights(q_h, k_h)` (n, m) times v_h, concatenated, proj."""
+    C = x.shape[-1]
+    d = C // attn.num_heads
+    qkv = dense(x, attn.qkv)
+    q, k, v = qkv[..., :C], qkv[..., C:2 * C], qkv[..., 2 * C:]
+    out = torch.zeros_like(q)
+    for j in range(attn.num_heads):
+        part = slice(j * d, (j + 1) * d)
+        out[..., part] = head_weights(q[..., part], k[..., part]) @ v[..., part]
+    return dense(out, attn.proj)
+
+
+def dot_weights(attn):
+    def weights(q, k):
+        s = torch.einsum('bnc,bmc->bnm', q, k) / math.sqrt(q.shape[-1])
+        if attn.attention_name == 'multimax':
+            s = naive_sigma(s, attn.ranges, attn.ts)
+        return naive_softmax(s)
+    return weights
+
+
+def sima_weights(q, k):
+    return naive_l1(q) @ naive_l1(k).transpose(-2, -1)
+
+
+def naive_additive(attn, x):
+    """Fastformer with explicit loops over batch, heads and tokens."""
+    B, n, C = x.shape
+    h = attn.num_heads
+    d = C // h
+    qkv = dense(x, attn.qkv)
+    q, k, v = qkv[..., :C], qkv[..., C:2 * C], qkv[..., 2 * C:]
+    wq, bq, wk, bk = attn.query_att.weight, attn.query_att.bias, attn.key_att.weight, attn.key_att.bias
+
+    def pool(vectors, w, bias):
+        pooled = torch.zeros(C, dtype=x.dtype)
+        for j in range(h):
+            scores = torch.stack([(w[j] @ vectors[i] + bias[j]) / math.sqrt(d) for i in range(n)])
+            weights = torch.exp(scores - scores.max())
+            weights = weights / weights.sum()
+            for i in range(n):
+                pooled[j * d:(j + 1) * d] += weights[i] * vectors[i][j * d:(j + 1) * d]
+        return pooled
+
+    out = torch.zeros_like(x)
+    for b in range(B):
+        global_query = pool(q[b], wq, bq)
+        p = [k[b, i] * global_query for i in range(n)]
+        global_key = pool(p, wk, bk)
+        for i in range(n):
+            o = attn.transform.weight @ (global_key * v[b, i]) + attn.transform.bias + q[b, i]
+            out[b, i] = attn.proj.weight @ o + attn.proj.bias
+    return out
+
+
+def build64(name, dim=16, num_heads=4, grid=(3, 4), **kwargs):
+    torch.manual_seed(0)
+    attn = build_attention(name, dim, num_heads, grid, **kwargs).double()
+    if name == 'multimax':
+        with torch.no_grad():
+            attn.ranges.copy_(torch.tensor(SPEC_RANGES))
+            attn.ts.copy_(torch.tensor(SPEC_TS))
+    return attn
+
+
+# ---------------------------------------------------------------- softmax and MultiMax
+
+@pytest.mark.parametrize('name', ['softmax', 'multimax'])
+def test_dot_attention_matches_naive_with_class_token(name):
+    attn = build64(name)
+    x = 2 * torch.randn(2, 1 + 12, 16, dtype=torch.float64)
+    err = max_abs_err(attn(x, (3, 4)), naive_module(attn, x, dot_weights(attn)))
+    assert err < 1e-10
+
+
+def test_multimax_modulation_matches_spec_vector():
+    x = torch.tensor([-2., -1., 0., 0.15, 1., 3.], dtype=torch.float64)
+    ranges = torch.tensor(SPEC_RANGES, dtype=torch.float64)
+    ts = torch.tensor(SPEC_TS, dtype=torch.float64)
+    sigma = multimax_modulation(x, ranges, ts)
+    expected_sigma = torch.tensor([-0.372, -0.352, 0.05, 0.15, 1.276, 4.516], dtype=torch.float64)
+    assert max_abs_err(sigma, expected_sigma) < 1e-12
+    expected = torch.tensor([0.006987, 0.007129, 0.010656, 0.011776, 0.036310, 0.927141], dtype=torch.float64)
+    assert max_abs_err(sigma.softmax(-1), expected) < 1e-6
+    plain = torch.tensor([0.005314, 0.014444, 0.039264, 0.045618, 0.106730, 0.788631], dtype=torch.float64)
+    assert max_abs_err(x.softmax(-1), plain) < 1e-6
+
+
+def test_multimax_with_zero_parameters_is_softmax():
+    scores = 30 * torch.randn(4, 50, dtype=torch.float64)
+    zeros = torch.zeros(4, dtype=torch.float64)
+    assert torch.equal(multimax_modulation(scores, zeros, zeros), scores)
+
+    multimax, softmax = build64('multimax'), build64('softmax')
+    with torch.no_grad():
+        multimax.ranges.zero_()
+        multimax.ts.zero_()
+    softmax.load_state_dict({k: v for k, v in multimax.state_dict().items() if k not in ('ranges', 'ts')})
+    x = 2 * torch.randn(2, 13, 16, dtype=torch.float64)
+    assert max_abs_err(multimax(x, (3, 4)), softmax(x, (3, 4))) < 1e-12
+
+
+def test_multimax_gradients_at_zero_init():
+    attn = build64('multimax')
+    with torch.no_grad():
+        attn.ranges.zero_()
+        attn.ts.zero_()
+    x = 2 * torch.randn(2, 13, 16, dtype=torch.float64)
+    (attn(x, (3, 4)) * torch.randn(2, 13, 16, dtype=torch.float64)).sum().backward()
+    assert torch.equal(attn.ranges.grad, torch.zeros(4, dtype=torch.float64))
+    assert (attn.ts.grad != 0).all()
+
+
+def test_multimax_parameters_shape_and_init():
+    torch.manual_seed(0)
+    values = []
+    for _ in range(300):
+        attn = build_attention('multimax', 4, 1)
+        assert attn.ranges.shape == (4,) and attn.ts.shape == (4,)
+        values += [attn.ranges.detach(), attn.ts.detach()]
+    values = torch.cat(values)
+    assert abs(values.std().item() - 0.02) < 0.002
+    assert abs(values.mean().item()) < 0.002
+
+
+# ---------------------------------------------------------------- SimA
+
+@pytest.mark.parametrize('grid', [(3, 4), (4, 5)], ids=['quadratic-order', 'linear-order'])
+def test_sima_matches_naive_with_class_token(grid):
+    attn = build64('sima', dim=32, num_heads=2, grid=grid)
+    x = torch.randn(2, 1 + grid[0] * grid[1], 32, dtype=torch.float64)
+    err = max_abs_err(attn(x, grid), naive_module(attn, x, sima_weights))
+    assert err < 1e-12
+
+
+@pytest.mark.parametrize('n, m, quadratic', [(13, 13, True), (15, 8, True), (16, 8, False), (40, 40, False)])
+def test_sima_order_follows_shapes_and_both_agree(n, m, quadratic):
+    torch.manual_seed(0)
+    d = 16
+    q = torch.randn(2, 3, n, d, dtype=torch.float64)
+    k, v = torch.randn(2, 2, 3, m, d, dtype=torch.float64)
+    with FlopCounterMode(display=False) as counter:
+        out = sima_attention(q, k, v)
+    per_head = 2 * (n * m * d + n * m * d) if quadratic else 2 * (m * d * d + n * d * d)
+    assert counter.get_total_flops() == 2 * 3 * per_head
+    assert max_abs_err(out, sima_weights(q, k) @ v) < 1e-12
+    assert max_abs_err(out, naive_l1(q) @ (naive_l1(k).transpose(-2, -1) @ v)) < 1e-12
+
+
+def test_sima_l1_normalization_of_zero_channel_is_zero_in_half_precision():
+    for dtype in (torch.float16, torch.bfloat16):
+        x = torch.randn(2, 5, 4).to(dtype)
+        x[:, :, 1] = 0
+        out = l1_normalize_tokens(x)
+        assert out.dtype == dtype and torch.isfinite(out).all()
+        assert (out[:, :, 1] == 0).all()
+        assert max_abs_err(out.double(), naive_l1(x.double())) < 1e-2
+
+
+# ---------------------------------------------------------------- additive
+
+def test_additive_matches_naive_loop_with_class_token():
+    attn = build64('additive', dim=8, num_heads=2, grid=(2, 3))
+    x = 2 * torch.randn(2, 1 + 6, 8, dtype=torch.float64)
+    assert max_abs_err(attn(x, (2, 3)), naive_additive(attn, x)) < 1e-12
+
+
+def test_additive_pool_weights_sum_to_one_over_tokens():
+    torch.manual_seed(0)
+    B, n, heads, d = 2, 5, 3, 6
+    logits = 50 * torch.randn(B, n, heads, dtype=torch.float64)
+    ones = torch.ones(B, n, heads * d, dtype=torch.float64)
+    assert max_abs_err(additive_pool(ones, logits), torch.ones(B, 1, heads * d, dtype=torch.float64)) < 1e-12
+    # token i carries a one in channel i of every head, so the pooled channel i of head j is α_{j,i}
+    picks = torch.zeros(B, n, heads, d, dtype=torch.float64)
+    for i in range(n):
+        picks[:, i, :, i] = 1
+    alpha = additive_pool(picks.view(B, n, heads * d), logits).view(B, heads, d)[..., :n]
+    expected = naive_softmax(logits.transpose(1, 2))
+    assert max_abs_err(alpha, expected) < 1e-12
+    assert max_abs_err(alpha.sum(-1), torch.ones(B, heads, dtype=torch.float64)) < 1e-12
+
+
+# ---------------------------------------------------------------- all four
+
+@pytest.mark.parametrize('name', CORE)
+def test_module_gradcheck(name):
+    attn = build64(name, dim=8, num_heads=2, grid=(2, 2))
+    x = torch.randn(1, 1 + 4, 8, dtype=torch.float64, requires_grad=True)
+    assert gradcheck(lambda t: attn(t, (2, 2)), (x,))
+
+
+def test_function_gradchecks():
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 5, 4, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    ranges = torch.tensor(SPEC_RANGES, dtype=torch.float64, requires_grad=True)
+    ts = torch.tensor(SPEC_TS, dtype=torch.float64, requires_grad=True)
+    assert gradcheck(lambda a, b, c, r, t: multimax_attention(3 * a, b, c, r, t), (q, k, v, ranges, ts))
+    assert gradcheck(sima_attention, (q, k, v))
+    q3, k3, v3 = (torch.randn(1, 2, 3, 4, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    assert gradcheck(sima_attention, (q3, k3, v3))
+    tokens = [torch.randn(1, 4, 4, dtype=torch.float64, requires_grad=True) for _ in range(3)]
+    weights = [torch.randn(*shape, dtype=torch.float64, requires_grad=True)
+               for shape in ((2, 4), (2,), (2, 4), (2,), (4, 4), (4,))]
+    assert gradcheck(additive_attention, (*tokens, *weights))
+
+
+@pytest.mark.parametrize('dtype', [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize('name', CORE)
+def test_autocast_outputs_and_grads_finite(name, dtype):
+    torch.manual_seed(0)
+    attn = build_attention(name, 32, 2, (4, 4))
+    x = 10 * torch.randn(2, 1 + 16, 32)
+    if name == 'multimax':
+        with torch.no_grad():
+            attn.ranges.zero_()
+            attn.ts.copy_(torch.tensor([0., 0., 100., 100.]))
+            q, k, _ = attn.qkv(x).chunk(3, dim=-1)
+            scores = torch.einsum('bnc,bmc->bnm', q[..., :16], k[..., :16]) / 4
+        assert torch.isinf(multimax_modulation(scores.half(), attn.ranges.half(), attn.ts.half())).any()
+    x.requires_grad_(True)
+    with torch.autocast('cpu', dtype=dtype):
+        out = attn(x, (4, 4))
+    assert torch.isfinite(out).all()
+    out.float().square().mean().backward()
+    assert torch.isfinite(x.grad).all()
+    for pname, p in attn.named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all(), pname
+
+
+@pytest.mark.parametrize('name', CORE)
+def test_global_attention_is_permutation_equivariant(name):
+    attn = build64(name)
+    x = 2 * torch.randn(2, 12, 16, dtype=torch.float64)
+    perm = torch.randperm(12)
+    assert max_abs_err(attn(x[:, perm], (3, 4)), attn(x, (3, 4))[:, perm]) < 1e-12
+
+
+def count_flops(name, side):
+    with torch.device('meta'):
+        attn = build_attention(name, 64, 4, (side, side))
+        x = torch.empty(1, side * side, 64)
+    with FlopCounterMode(display=False) as counter:
+        attn(x, (side, side))
+    return counter.get_total_flops()
+
+
+def test_linear_attentions_flops_grow_linearly():
+    for name in ('sima', 'additive'):
+        ratio = count_flops(name, 64) / count_flops(name, 32)
+        assert 4 / 1.1 <= ratio <= 4 * 1.1, (name, ratio)
+    assert count_flops('softmax', 64) / count_flops('softmax', 32) > 8
+
+
+# ---------------------------------------------------------------- registry
+
+ALL = ('softmax', 'multimax', 'inline', 'flatten', 'sima', 'additive')
+
+
+def test_registry_lists_all_attentions():
+    assert sorted(list_attentions()) == sorted(ALL)
+
+
+def test_unknown_attention_lists_valid_names():
+    with pytest.raises(ValueError, match='nope') as info:
+        build_attention('nope', 64, 4, (8, 8))
+    for name in ALL:
+        assert name in str(info.value)
+
+
+@pytest.mark.parametrize('name', ALL)
+def test_every_attention_builds_and_keeps_shape(name):
+    attn = build_attention(name, dim=64, num_heads=4, grid_size=(8, 8))
+    assert attn(torch.randn(2, 64, 64), (8, 8)).shape == (2, 64, 64)
+    keys = set(attn.state_dict())
+    assert {'qkv.weight', 'qkv.bias', 'proj.weight', 'proj.bias'} <= keys
+    expected_extra = {
+        'softmax': set(),
+        'multimax': {'ranges', 'ts'},
+        'sima': set(),
+        'additive': {f'{layer}.{p}' for layer in ('query_att', 'key_att', 'transform') for p in ('weight', 'bias')},
+    }
+    if name in expected_extra:
+        assert keys - {'qkv.weight', 'qkv.bias', 'proj.weight', 'proj.bias'} == expected_extra[name]

@@ -1,0 +1,270 @@
+"""Token groupings (Swin windows, PVT reduction, CSwin stripes) against plain float64 formulas written here."""
+import math
+
+import pytest
+import torch
+
+from models.attention import build_attention
+from models.attention.base import relative_position_index
+
+SPEC_RANGES = (0.1, 0.2, -0.3, 0.4)
+SPEC_TS = (0.5, 0.3, 0.2, 0.1)
+
+
+def max_abs_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a - b).abs().max().item()
+
+
+def dense(x, layer):
+    return x @ layer.weight.T + layer.bias
+
+
+def naive_softmax(s):
+    e = torch.exp(s - s.amax(dim=-1, keepdim=True))
+    return e / e.sum(dim=-1, keepdim=True)
+
+
+def naive_sigma(x, ranges, ts):
+    b, t = ranges.detach().tolist(), ts.detach().tolist()
+    return (x + t[0] * (b[0] - x).clamp(min=0) + t[1] * (x - b[1]).clamp(min=0)
+            + t[2] * (b[2] - x).clamp(min=0) ** 2 + t[3] * (x - b[3]).clamp(min=0) ** 2)
+
+
+def naive_l1(x):
+    return x / x.abs().sum(dim=-2, keepdim=True).clamp(min=1e-12)
+
+
+def head_weights(attn, q, k, bias=None, mask=None, sigma_after_mask=False):
+    """(B, n, d) queries and (B, m, d) keys of one head -> (B, n, m) attention weights."""
+    if attn.attention_name == 'sima':
+        return naive_l1(q) @ naive_l1(k).transpose(-2, -1)
+    s = torch.einsum('bnc,bmc->bnm', q, k) / math.sqrt(q.shape[-1])
+    if bias is not None:
+        s = s + bias
+    multimax = attn.attention_name == 'multimax'
+    if multimax and not sigma_after_mask:
+        s = naive_sigma(s, attn.ranges, attn.ts)
+    if mask is not None:
+        s = s + mask
+    if multimax and sigma_after_mask:
+        s = naive_sigma(s, attn.ranges, attn.ts)
+    return naive_softmax(s)
+
+
+def build64(name, dim, num_heads, grid, **kwargs):
+    torch.manual_seed(0)
+    attn = build_attention(name, dim, num_heads, grid, **kwargs).double()
+    with torch.no_grad():
+        for i, module in enumerate(m for m in attn.modules() if hasattr(m, 'ranges')):
+            module.ranges.copy_(torch.tensor(SPEC_RANGES) * (1 + i))
+            module.ts.copy_(torch.tensor(SPEC_TS) / (1 + i))
+        if hasattr(attn, 'relative_position_bias_table'):
+            attn.relative_position_bias_table.normal_()
+    return attn
+
+
+# ---------------------------------------------------------------- Swin windows
+
+def naive_swin(attn, x, grid, window, shift, sigma_after_mask=False):
+    """Roll, cut windows with loops, attend with the bias gathered by (dy, dx) and the region mask, roll back."""
+    (H, W), (wh, ww) = grid, window
+    B, N, C = x.shape
+    d = C // attn.num_heads
+    qkv = dense(x, attn.qkv).view(B, H, W, 3 * C)
+    table = attn.relative_position_bias_table
+
+    def source(y, x_):
+        # the rolled map holds at (y, x) the token from (y + shift, x + shift)
+        return (y + shift) % H, (x_ + shift) % W
+
+    def region(y, x_):
+        return (0 if y < H - wh else 1 if y < H - shift else 2), (0 if x_ < W - ww else 1 if x_ < W - shift else 2)
+
+    out = torch.zeros(B, H, W, C, dtype=x.dtype)
+    for wy in range(H // wh):
+        for wx in range(W // ww):
+            cells = [(wy * wh + a, wx * ww + b) for a in range(wh) for b in range(ww)]
+            n = len(cells)
+            tokens = torch.stack([qkv[:, sy, sx] for sy, sx in (source(*c) for c in cells)], dim=1)
+            mask = None
+            if shift:
+                mask = torch.tensor([[0. if region(*ci) == region(*cj) else -100. for cj in cells] for ci in cells],
+                                    dtype=x.dtype)
+            for j in range(attn.num_heads):
+                bias = torch.stack([table[(yi - yj + wh - 1) * (2 * ww - 1) + (xi - xj + ww - 1), j]
+                                    for yi, xi in cells for yj, xj in cells]).view(n, n)
+                q, k, v = (tokens[..., i * C + j * d:i * C + (j + 1) * d] for i in range(3))
+                res = head_weights(attn, q, k, bias, mask, sigma_after_mask) @ v
+                for t, cell in enumerate(cells):
+                    sy, sx = source(*cell)
+                    out[:, sy, sx, j * d:(j + 1) * d] = res[:, t]
+    return dense(out.view(B, N, C), attn.proj)
+
+
+@pytest.mark.parametrize('shift', [0, 1])
+@pytest.mark.parametrize('name', ['softmax', 'multimax'])
+def test_shifted_windows_match_naive(name, shift):
+    attn = build64(name, 16, 2, (6, 9), window_size=3, shift_size=shift, rel_pos_bias=True)
+    x = 2 * torch.randn(2, 54, 16, dtype=torch.float64)
+    assert max_abs_err(attn(x, (6, 9)), naive_swin(attn, x, (6, 9), (3, 3), shift)) < 1e-10
+
+
+def test_multimax_in_windows_modulates_before_the_mask():
+    attn = build64('multimax', 16, 2, (6, 9), window_size=3, shift_size=1, rel_pos_bias=True)
+    x = 2 * torch.randn(2, 54, 16, dtype=torch.float64)
+    out = attn(x, (6, 9))
+    assert max_abs_err(out, naive_swin(attn, x, (6, 9), (3, 3), 1)) < 1e-10
+    assert max_abs_err(out, naive_swin(attn, x, (6, 9), (3, 3), 1, sigma_after_mask=True)) > 1e-2
+
+
+@pytest.mark.parametrize('window', [(2, 2), (3, 2), (2, 3), (3, 3)])
+def test_relative_position_index_is_the_offset_formula(window):
+    wh, ww = window
+    cells = [(a, b) for a in range(wh) for b in range(ww)]
+    expected = torch.tensor([[(yi - yj + wh - 1) * (2 * ww - 1) + (xi - xj + ww - 1) for yj, xj in cells]
+                             for yi, xi in cells])
+    assert torch.equal(relative_position_index(window), expected)
+    if wh == ww:
+        attn = build_attention('softmax', 8, 2, (2 * wh, 2 * ww), window_size=wh, rel_pos_bias=True)
+        assert torch.equal(attn.relative_position_index, expected)
+        assert attn.relative_position_bias_table.shape == ((2 * wh - 1) * (2 * ww - 1), 2)
+
+
+@pytest.mark.parametrize('name', ['softmax', 'multimax'])
+def test_window_is_clamped_to_the_grid(name):
+    square = build64(name, 16, 2, (4, 4), window_size=7, shift_size=3, rel_pos_bias=True)
+    assert square.window is None and square.shift_size == 0
+    assert square.relative_position_bias_table.shape == (49, 2)
+    x = 2 * torch.randn(2, 16, 16, dtype=torch.float64)
+    assert max_abs_err(square(x, (4, 4)), naive_swin(square, x, (4, 4), (4, 4), 0)) < 1e-10
+
+    wide = build64(name, 16, 2, (4, 8), window_size=7, shift_size=3, rel_pos_bias=True)
+    assert wide.window == (4, 4) and wide.shift_size == 0
+    x = 2 * torch.randn(2, 32, 16, dtype=torch.float64)
+    assert max_abs_err(wide(x, (4, 8)), naive_swin(wide, x, (4, 8), (4, 4), 0)) < 1e-10
+
+
+@pytest.mark.parametrize('name', ['sima', 'additive'])
+def test_linear_attentions_mix_each_shifted_window_alone(name):
+    attn = build64(name, 16, 2, (4, 6), window_size=2, shift_size=1)
+    single = build64(name, 16, 2, (2, 2))
+    single.load_state_dict(attn.state_dict())
+    x = torch.randn(2, 24, 16, dtype=torch.float64)
+    rolled = x.view(2, 4, 6, 16)[:, [1, 2, 3, 0]][:, :, [1, 2, 3, 4, 5, 0]]
+    out = torch.zeros_like(rolled)
+    for wy in range(2):
+        for wx in range(3):
+            part = (slice(None), slice(2 * wy, 2 * wy + 2), slice(2 * wx, 2 * wx + 2))
+            out[part] = single(rolled[part].reshape(2, 4, 16), (2, 2)).view(2, 2, 2, 16)
+    expected = out[:, [3, 0, 1, 2]][:, :, [5, 0, 1, 2, 3, 4]].reshape(2, 24, 16)
+    assert max_abs_err(attn(x, (4, 6)), expected) < 1e-12
+
+
+# ---------------------------------------------------------------- PVT spatial reduction
+
+def naive_reduced(attn, x, grid):
+    """Stride-r convolution written as a sum over kernel taps, LayerNorm, then attention on the reduced keys."""
+    (H, W), r = grid, attn.sr_ratio
+    B, N, C = x.shape
+    d = C // attn.num_heads
+    q = dense(x, attn.q)
+    image = x.view(B, H, W, C)
+    reduced = attn.sr.bias.expand(B, H // r, W // r, C)
+    for a in range(r):
+        for b in range(r):
+            reduced = reduced + torch.einsum('bijc,oc->bijo', image[:, a::r, b::r], attn.sr.weight[:, :, a, b])
+    reduced = reduced.reshape(B, -1, C)
+    mean = reduced.mean(-1, keepdim=True)
+    var = ((reduced - mean) ** 2).mean(-1, keepdim=True)
+    reduced = (reduced - mean) / torch.sqrt(var + 1e-5) * attn.norm.weight + attn.norm.bias
+    kv = dense(reduced, attn.kv)
+    k, v = kv[..., :C], kv[..., C:]
+    out = torch.zeros_like(q)
+    for j in range(attn.num_heads):
+        part = slice(j * d, (j + 1) * d)
+        out[..., part] = head_weights(attn, q[..., part], k[..., part]) @ v[..., part]
+    return dense(out, attn.proj)
+
+
+@pytest.mark.parametrize('name', ['softmax', 'multimax', 'sima'])
+def test_spatial_reduction_matches_naive(name):
+    attn = build64(name, 16, 2, (4, 6), qkv_layout='split', sr_ratio=2)
+    with torch.no_grad():
+        attn.norm.weight.normal_()
+        attn.norm.bias.normal_()
+    x = 2 * torch.randn(2, 24, 16, dtype=torch.float64)
+    assert max_abs_err(attn(x, (4, 6)), naive_reduced(attn, x, (4, 6))) < 1e-10
+
+
+# ---------------------------------------------------------------- CSwin stripes
+
+def naive_cswin(attn, x, grid, split):
+    """Two branches over vertical and horizontal stripes (or one global branch), each with LePE: a 3x3
+    depthwise convolution of V inside the stripe, zero outside it."""
+    H, W = grid
+    B, N, C = x.shape
+    qkv = dense(x, attn.qkv).view(B, H, W, 3 * C)
+    if split >= max(H, W):
+        branches = [(0, C, attn.attns[0], [[(y, x_) for y in range(H) for x_ in range(W)]])]
+    else:
+        vertical = [[(y, s * split + b) for y in range(H) for b in range(split)] for s in range(W // split)]
+        horizontal = [[(s * split + a, x_) for a in range(split) for x_ in range(W)] for s in range(H // split)]
+        branches = [(0, C // 2, attn.attns[0], vertical), (C // 2, C, attn.attns[1], horizontal)]
+    out = torch.zeros(B, H, W, C, dtype=x.dtype)
+    for start, stop, branch, stripes in branches:
+        d = (stop - start) // branch.num_heads
+        kernel, kernel_bias = branch.get_v.weight, branch.get_v.bias
+        for cells in stripes:
+            tokens = torch.stack([qkv[:, y, x_] for y, x_ in cells], dim=1)
+            q, k, v = (tokens[..., i * C + start:i * C + stop] for i in range(3))
+            res = torch.zeros_like(q)
+            for j in range(branch.num_heads):
+                part = slice(j * d, (j + 1) * d)
+                res[..., part] = head_weights(branch, q[..., part], k[..., part]) @ v[..., part]
+            where = {cell: t for t, cell in enumerate(cells)}
+            for t, (y, x_) in enumerate(cells):
+                lepe = kernel_bias.expand(B, -1)
+                for dy in (-1, 0, 1):
+                    for dx in (-1, 0, 1):
+                        if (y + dy, x_ + dx) in where:
+                            lepe = lepe + kernel[:, 0, dy + 1, dx + 1] * v[:, where[(y + dy, x_ + dx)]]
+                out[:, y, x_, start:stop] = res[:, t] + lepe
+    return dense(out.view(B, N, C), attn.proj)
+
+
+@pytest.mark.parametrize('name', ['softmax', 'multimax'])
+def test_cross_shaped_stripes_match_naive(name):
+    attn = build64(name, 16, 4, (4, 6), split_size=2)
+    assert len(attn.attns) == 2
+    x = 2 * torch.randn(2, 24, 16, dtype=torch.float64)
+    assert max_abs_err(attn(x, (4, 6)), naive_cswin(attn, x, (4, 6), 2)) < 1e-10
+
+
+@pytest.mark.parametrize('name', ['softmax', 'multimax'])
+def test_cross_shaped_single_global_branch_when_stripes_cover_the_grid(name):
+    attn = build64(name, 16, 4, (4, 4), split_size=4)
+    assert len(attn.attns) == 1 and attn.attns[0].num_heads == 4
+    x = 2 * torch.randn(2, 16, 16, dtype=torch.float64)
+    assert max_abs_err(attn(x, (4, 4)), naive_cswin(attn, x, (4, 4), 4)) < 1e-10
+
+
+# ---------------------------------------------------------------- bad input
+
+@pytest.mark.parametrize('name', ['softmax', 'multimax'])
+def test_bad_input_errors_name_the_bad_value(name):
+    with pytest.raises(ValueError, match='dim 10 must be a multiple of num_heads 3'):
+        build_attention(name, 10, 3, (4, 4))
+    with pytest.raises(ValueError, match='grid 4x6 does not divide into windows of 3x3'):
+        build_attention(name, 16, 2, (4, 6), window_size=3)
+    with pytest.raises(ValueError, match="sr_ratio 2 needs qkv_layout='split'"):
+        build_attention(name, 16, 2, (4, 4), sr_ratio=2)
+    with pytest.raises(ValueError, match="qkv_layout 'bad'"):
+        build_attention(name, 16, 2, (4, 4), qkv_layout='bad')
+    windowed = build_attention(name, 16, 2, (4, 4), window_size=2)
+    with pytest.raises(ValueError, match='prefix tokens, got 1 before the 4x4 grid'):
+        windowed(torch.randn(1, 17, 16), (4, 4))
+
+
+def test_reduction_needs_an_attention_that_supports_it():
+    with pytest.raises(ValueError, match='sr_ratio 2 needs'):
+        build_attention('additive', 16, 2, (4, 4), qkv_layout='split', sr_ratio=2)
