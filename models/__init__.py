@@ -7,3 +7,5 @@ from .attention import (
     Attention, build_attention, get_attention_class, is_linear_attention, list_attentions, register_attention,
     stage_attentions,
 )
+from . import vit, pvt
+from . import swin, cswin

@@ -1,0 +1,412 @@
+"""Swin family: official golden, parameter counts and key names, a cross-check against timm's Swin, the window
+rules, checkpoint loading (official format, unsafe pickles, other models, other resolutions) and the timm API."""
+import functools
+import os
+import re
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import timm
+from yacs.config import CfgNode
+from timm.models.swin_transformer import SwinTransformer as TimmSwin
+
+from models._checkpoint import CheckpointError
+from models.swin import SwinTransformer, checkpoint_filter_fn
+
+GOLDEN = Path(__file__).resolve().parents[2] / 'shared' / 'golden'
+FLAVOURS = ('inline', 'flatten', 'softmax', 'multimax', 'sima', 'additive')
+SIZES = ('tiny', 'small', 'base', 'base_384')
+ALL_NAMES = [f'{f}_swin_{s}' for f in FLAVOURS for s in SIZES]
+
+# A small model: grids 8, 4, 2, 1; score-forming blocks get 4x4 windows in stage 0, shifted in its 2nd block.
+TINY = dict(img_size=32, embed_dim=16, depths=[2, 1, 2, 1], num_heads=[1, 2, 2, 4], num_classes=10)
+TINY_WINDOW = dict(window_size=4)
+
+
+def tiny_kwargs(name):
+    """Tiny overrides; inline/flatten keep their official window_size meaning (softmax window derived)."""
+    return dict(TINY) if name.startswith(('inline_', 'flatten_')) else dict(TINY, **TINY_WINDOW)
+
+
+@functools.lru_cache(maxsize=None)
+def _meta_model(name, **kwargs):
+    with torch.device('meta'):
+        return timm.create_model(name, **kwargs)
+
+
+def meta_model(name, **kwargs):
+    """A model built on the meta device (no memory, fast), cached: read it, never change it."""
+    return _meta_model(name, **{k: tuple(v) if isinstance(v, list) else v for k, v in kwargs.items()})
+
+
+def num_params(model):
+    return sum(p.numel() for p in model.parameters())
+
+
+def randomize(model, seed=0):
+    """Weights like the goldens': LayerNorm weights 1 + 0.1·N(0,1), everything else 0.1·N(0,1)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = 0.1 * torch.randn(p.shape, generator=g, dtype=p.dtype)
+            is_norm = name.endswith('weight') and p.ndim == 1 and 'norm' in name
+            p.copy_(1 + noise if is_norm else noise)
+    return model
+
+
+# ----------------------------------------------------------------------------------------------- golden
+
+
+@pytest.fixture(scope='module')
+def golden():
+    path = GOLDEN / 'flatten_swin_like_LLSS.pt'
+    if not path.is_file():
+        pytest.skip(f'golden folder {GOLDEN} is absent')
+    return torch.load(path, weights_only=True)
+
+
+def golden_model(golden):
+    spec = golden['spec']
+    assert spec['ln_eps'] == 1e-5
+    kwargs = {k: spec[k] for k in ('img_size', 'patch_size', 'embed_dim', 'depths', 'num_heads', 'window_size',
+                                   'attn_type', 'focusing_factor', 'kernel_size', 'mlp_ratio', 'qkv_bias',
+                                   'num_classes')}
+    model = timm.create_model('flatten_swin_tiny', **kwargs).eval()
+    model.load_state_dict(checkpoint_filter_fn(golden['state_dict'], model), strict=True)
+    return model
+
+
+def test_golden_flatten_swin_fp64_and_fp32(golden):
+    model = golden_model(golden)
+    with torch.no_grad():
+        out32 = model(golden['input'])
+        out64 = model.double()(golden['input'].double())
+    assert (out64 - golden['output_fp64']).abs().max() < 1e-10
+    assert (out32 - golden['output_fp32']).abs().max() < 1e-4
+
+
+def test_golden_window_rule_of_the_official_window_size(golden):
+    """window_size=56 (official meaning) at 224: L stages global, S stages 7x7 windows, shift 3 on odd blocks of
+    stage 2, and stage 3 (7x7 grid) global without shift but with a 7x7 bias table."""
+    model = meta_model('flatten_swin_tiny', **{k: v for k, v in golden['spec'].items()
+                                               if k in ('embed_dim', 'depths', 'num_heads', 'window_size')})
+    attns = [[b.attn for b in stage.blocks] for stage in model.layers]
+    assert all(a.attention_name == 'flatten' and a.window is None for s in attns[:2] for a in s)
+    assert [a.positional_encoding.shape[1] for a in attns[0] + attns[1]] == [3136, 3136, 784, 784]
+    assert [(a.window, a.shift_size) for a in attns[2]] == [((7, 7), 0), ((7, 7), 3)]
+    assert [(a.window, a.shift_size, a.bias_window) for a in attns[3]] == [(None, 0, (7, 7))] * 2
+    assert attns[2][1].attn_mask.shape == (4, 49, 49)
+
+
+@pytest.mark.parametrize('name, window_size, img_size, softmax_window, linear_window', [
+    ('flatten_swin_tiny', 56, 224, 7, None),      # linear 56 covers the 56x56 grid
+    ('flatten_swin_tiny', 96, 384, 12, None),
+    ('flatten_swin_tiny', 28, 224, 7, 28),
+    ('inline_swin_tiny', 56, 224, 7, None),
+    ('inline_swin_tiny', 112, 448, 14, None),     # InLine: max(7, ws // 8)
+    ('inline_swin_tiny', 28, 224, 7, 28),
+])
+def test_official_window_size_meaning(name, window_size, img_size, softmax_window, linear_window):
+    model = meta_model(name, img_size=img_size, window_size=window_size, embed_dim=8, depths=(2, 2, 2, 2),
+                       num_heads=(1, 1, 1, 1), attn_type='IISS' if name.startswith('inline') else 'LLSS')
+    first, second = model.layers[0].blocks
+    expected = None if linear_window is None else (linear_window, linear_window)
+    assert first.attn.window == expected and second.attn.window == expected
+    assert second.attn.shift_size == (0 if linear_window is None else linear_window // 2)
+    softmax = model.layers[2].blocks[1].attn
+    assert softmax.window == (softmax_window, softmax_window) and softmax.shift_size == softmax_window // 2
+
+
+def test_softmax_flavour_window_size_is_the_softmax_window():
+    model = meta_model('softmax_swin_tiny', window_size=4, **TINY)
+    assert [(b.attn.window, b.attn.shift_size) for b in model.layers[0].blocks] == [((4, 4), 0), ((4, 4), 2)]
+    assert [(b.attn.window, b.attn.shift_size, b.attn.bias_window) for b in model.layers[1].blocks] == [
+        (None, 0, (4, 4))]
+
+
+def test_linear_attentions_of_other_flavours_are_global():
+    model = meta_model('sima_swin_tiny', window_size=4, **TINY)
+    assert all(b.attn.window is None and b.attn.shift_size == 0 for s in model.layers for b in s.blocks)
+    assert not any(hasattr(b.attn, 'relative_position_bias_table') for s in model.layers for b in s.blocks)
+
+
+# ------------------------------------------------------------------------------------- counts and keys
+
+OFFICIAL_PARAMS = {
+    'inline_swin_tiny': 29_223_544, 'inline_swin_small': 49_793_296, 'inline_swin_base': 88_350_120,
+    'inline_swin_base_384': 88_465_320, 'flatten_swin_tiny': 29_192_384, 'flatten_swin_small': 50_510_288,
+    'flatten_swin_base': 88_972_488, 'flatten_swin_base_384': 91_433_928,
+}
+TIMM_ORIGINALS = {
+    'softmax_swin_tiny': 'swin_tiny_patch4_window7_224', 'softmax_swin_small': 'swin_small_patch4_window7_224',
+    'softmax_swin_base': 'swin_base_patch4_window7_224', 'softmax_swin_base_384': 'swin_base_patch4_window12_384',
+}
+
+
+@pytest.mark.parametrize('name', list(OFFICIAL_PARAMS))
+def test_official_parameter_count(name):
+    assert num_params(meta_model(name)) == OFFICIAL_PARAMS[name]
+
+
+@pytest.mark.parametrize('name', list(TIMM_ORIGINALS))
+def test_softmax_parameter_count_equals_timm_swin(name):
+    assert num_params(meta_model(name)) == num_params(meta_model(TIMM_ORIGINALS[name]))
+
+
+@pytest.mark.parametrize('name, official_keys, derived', [
+    ('softmax_swin_tiny', 190, 12 + 5),   # 12 relative_position_index, 5 attn_mask (odd blocks of stages 0-2)
+    ('flatten_swin_tiny', 196, 8 + 3),    # S blocks: stage 2 (6, 3 shifted) and stage 3 (2)
+    ('inline_swin_base', 373, 18 + 8),    # IIMS2: stage 2 blocks 2-17 (8 shifted) and stage 3 (2)
+])
+def test_state_dict_has_the_official_keys_less_derived_buffers(name, official_keys, derived):
+    assert len(meta_model(name).state_dict()) == official_keys - derived
+
+
+@pytest.mark.parametrize('name, shapes', [
+    ('flatten_swin_tiny', {
+        'patch_embed.proj.weight': (96, 3, 4, 4), 'layers.0.blocks.0.attn.scale': (1, 1, 96),
+        'layers.0.blocks.1.attn.positional_encoding': (1, 3136, 96),
+        'layers.1.blocks.0.attn.positional_encoding': (1, 784, 192),
+        'layers.0.blocks.0.attn.dwc.weight': (32, 1, 5, 5), 'layers.2.blocks.1.attn.relative_position_bias_table':
+            (169, 12), 'layers.2.downsample.reduction.weight': (768, 1536), 'norm.weight': (768,),
+        'head.weight': (1000, 768)}),
+    ('inline_swin_base', {
+        'patch_embed.proj.weight': (128, 3, 4, 4), 'layers.0.blocks.0.attn.residual.0.weight': (128, 32, 1),
+        'layers.0.blocks.0.attn.residual.2.weight': (1152, 32, 1),
+        'layers.2.blocks.1.attn.residual.2.bias': (4608,),
+        'layers.2.blocks.2.attn.relative_position_bias_table': (169, 16),
+        'layers.0.downsample.reduction.weight': (256, 512), 'layers.0.downsample.norm.weight': (512,)}),
+    ('flatten_swin_base_384', {
+        'layers.0.blocks.0.attn.positional_encoding': (1, 9216, 128),
+        'layers.1.blocks.0.attn.positional_encoding': (1, 2304, 256),
+        'layers.2.blocks.0.attn.relative_position_bias_table': (529, 16)}),
+])
+def test_official_key_shapes(name, shapes):
+    state = meta_model(name).state_dict()
+    assert {k: tuple(state[k].shape) for k in shapes} == shapes
+    assert not any(k.startswith('layers.3.downsample') or 'head.fc' in k for k in state)
+
+
+def test_no_linear_window_mask_or_table():
+    """Linear blocks get no bias table or mask, even when windowed and shifted (the official ignores them)."""
+    model = meta_model('inline_swin_tiny', window_size=28)
+    attn = model.layers[0].blocks[1].attn
+    assert attn.shift_size == 14 and attn.attn_mask is None and attn.bias_window is None
+
+
+# ------------------------------------------------------------------------------------ timm cross-check
+
+
+def test_softmax_swin_matches_timm_swin_with_remapped_weights():
+    """timm's Swin (its layout: downsample at the start of stage i+1, head.fc) with random weights, remapped into
+    softmax_swin_tiny: shifted windows, masks, bias tables and patch merging must agree in float64."""
+    kwargs = dict(img_size=128, embed_dim=16, depths=(2, 2, 4, 2), num_heads=(1, 2, 4, 8), window_size=4)
+    reference = randomize(TimmSwin(num_classes=10, **kwargs)).double().eval()
+    state = {}
+    for key, value in reference.state_dict().items():
+        match = re.match(r'layers\.(\d+)\.downsample\.(.*)', key)
+        if match:
+            key = f'layers.{int(match.group(1)) - 1}.downsample.{match.group(2)}'
+        state[key.replace('head.fc.', 'head.')] = value
+    model = timm.create_model('softmax_swin_tiny', num_classes=10, **kwargs).double().eval()
+    model.load_state_dict(state, strict=True)
+    x = torch.randn(2, 3, 128, 128, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = reference(x)
+        assert (model(x) - expected).abs().max() < 1e-10
+        model.float()
+        assert (model(x.float()) - expected).abs().max() < 1e-5
+
+
+# --------------------------------------------------------------------------------- every entrypoint
+
+
+def test_list_models():
+    for flavour in FLAVOURS:
+        assert timm.list_models(f'{flavour}_swin_*') == sorted(f'{flavour}_swin_{s}' for s in SIZES)
+    assert timm.list_models('*_swin_*', pretrained=True) == sorted(
+        ['inline_swin_tiny', 'inline_swin_small', 'inline_swin_base', 'flatten_swin_tiny', 'flatten_swin_small',
+         'flatten_swin_base', 'flatten_swin_base_384', 'softmax_swin_tiny', 'softmax_swin_small',
+         'softmax_swin_base', 'softmax_swin_base_384'])
+
+
+@pytest.mark.parametrize('name', ALL_NAMES)
+def test_entrypoint_forward_backward(name):
+    torch.manual_seed(0)
+    model = timm.create_model(name, **tiny_kwargs(name))
+    out = model(torch.randn(2, 3, 32, 32))
+    assert out.shape == (2, 10) and torch.isfinite(out).all()
+    out.square().mean().backward()
+    unused = [n for n, p in model.named_parameters() if p.grad is None]
+    assert not unused and all(torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+def test_pretrained_cfgs():
+    cfg = timm.get_pretrained_cfg('flatten_swin_base_384')
+    assert cfg.url == 'https://cloud.tsinghua.edu.cn/f/0d0330cf2e5249f1abb6/?dl=1'
+    assert cfg.input_size == (3, 384, 384) and cfg.crop_pct == 1.0 and cfg.interpolation == 'bicubic'
+    cfg = timm.get_pretrained_cfg('inline_swin_tiny')
+    assert cfg.url == 'https://cloud.tsinghua.edu.cn/f/32810869fcc34410966b/?dl=1'
+    assert (cfg.crop_pct, cfg.first_conv, cfg.classifier) == (0.875, 'patch_embed.proj', 'head')
+    assert cfg.mean == (0.485, 0.456, 0.406) and cfg.std == (0.229, 0.224, 0.225)
+    assert not timm.get_pretrained_cfg('inline_swin_base_384').has_weights
+    model = meta_model('softmax_swin_base_384')
+    assert model.img_size == (384, 384) and model.layers[2].blocks[1].attn.window == (12, 12)
+
+
+def test_layer_norm_eps_and_drop_path_rule():
+    model = timm.create_model('inline_swin_tiny', drop_path_rate=0.3, **TINY)
+    assert all(m.eps == 1e-5 for m in model.modules() if isinstance(m, nn.LayerNorm))
+    rates = [getattr(b.drop_path, 'drop_prob', 0.) for s in model.layers for b in s.blocks]
+    assert rates == pytest.approx(torch.linspace(0, 0.3, 6).tolist())
+
+
+# ----------------------------------------------------------------------------------------- checkpoints
+
+
+def official_checkpoint(model, path):
+    """Save `model` the way the official training scripts do: persistent index/mask buffers, a yacs config."""
+    state = dict(model.state_dict())
+    for name, buffer in model.named_buffers():
+        if name.endswith('.attn.attn_mask'):
+            state[name.replace('.attn.attn_mask', '.attn_mask')] = buffer
+        elif name.endswith('relative_position_index'):
+            state[name] = buffer
+    config = CfgNode({'MODEL': CfgNode({'TYPE': 'swin', 'NAME': 'tiny'}), 'DATA': CfgNode({'IMG_SIZE': 32})})
+    torch.save({'model': state, 'optimizer': {}, 'epoch': 3, 'max_accuracy': 1.0, 'config': config}, path)
+
+
+@pytest.mark.parametrize('name', ['softmax_swin_tiny', 'inline_swin_tiny'])
+def test_official_format_checkpoint_loads_through_timm(tmp_path, name):
+    kwargs = tiny_kwargs(name)
+    source = randomize(timm.create_model(name, **kwargs)).eval()
+    path = tmp_path / 'ckpt_epoch_3.pth'
+    official_checkpoint(source, path)
+    saved = torch.load(path, weights_only=True)['model']
+    assert any(k.endswith('relative_position_index') for k in saved)
+    assert any(k.endswith('attn_mask') for k in saved) == (name == 'softmax_swin_tiny')
+    model = timm.create_model(name, pretrained=True, **kwargs,
+                              pretrained_cfg_overlay=dict(file=str(path), num_classes=10)).eval()
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        assert torch.equal(model(x), source(x))
+
+
+def test_unsafe_checkpoint_is_refused_without_running_it(tmp_path):
+    marker = tmp_path / 'ran'
+
+    class Payload:
+        def __reduce__(self):
+            return os.system, (f'touch {marker}',)
+
+    path = tmp_path / 'evil.pth'
+    torch.save({'model': {'head.bias': torch.zeros(10)}, 'config': Payload()}, path)
+    with pytest.raises(RuntimeError, match='weights_only'):
+        timm.create_model('softmax_swin_tiny', pretrained=True, pretrained_cfg_overlay=dict(file=str(path)),
+                          **tiny_kwargs('softmax_swin_tiny'))
+    assert not marker.exists()
+
+
+def test_checkpoint_of_another_model_fails_with_one_line_key_report(tmp_path):
+    path = tmp_path / 'other.pth'
+    official_checkpoint(timm.create_model('softmax_swin_tiny', **tiny_kwargs('softmax_swin_tiny')), path)
+    with pytest.raises(CheckpointError) as info:
+        timm.create_model('flatten_swin_tiny', pretrained=True, pretrained_cfg_overlay=dict(file=str(path)),
+                          **tiny_kwargs('flatten_swin_tiny'))
+    message = str(info.value)
+    assert '\n' not in message
+    assert 'missing: layers.0.blocks.0.attn.scale' in message
+    assert 'unexpected: layers.0.blocks.0.attn.relative_position_bias_table' in message
+
+
+def test_checkpoint_loads_at_another_img_size_with_interpolated_tables(tmp_path):
+    """flatten_swin at 32 (grids 8, 4, 2, 1) -> 64 (16, 8, 4, 2): the global FLatten positional encodings and the
+    bias tables of the grid-sized softmax windows (2 -> 4, 1 -> 2) are resized bicubically."""
+    small = dict(TINY, depths=[1, 1, 1, 1])
+    source = randomize(timm.create_model('flatten_swin_tiny', **small))
+    path = tmp_path / 'ckpt.pth'
+    official_checkpoint(source, path)
+    model = timm.create_model('flatten_swin_tiny', pretrained=True, **dict(small, img_size=64),
+                              pretrained_cfg_overlay=dict(file=str(path), num_classes=10))
+    state, old = model.state_dict(), source.state_dict()
+
+    pe = old['layers.0.blocks.0.attn.positional_encoding']                    # (1, 64, 16)
+    expected = F.interpolate(pe.reshape(1, 8, 8, 16).permute(0, 3, 1, 2), size=(16, 16), mode='bicubic',
+                             align_corners=False).permute(0, 2, 3, 1).reshape(1, 256, 16)
+    assert torch.allclose(state['layers.0.blocks.0.attn.positional_encoding'], expected, atol=1e-6)
+
+    table = old['layers.2.blocks.0.attn.relative_position_bias_table']        # (9, 2): window 2
+    expected = F.interpolate(table.T.reshape(1, 2, 3, 3), size=(7, 7), mode='bicubic',
+                             align_corners=False).reshape(2, 49).T
+    assert torch.allclose(state['layers.2.blocks.0.attn.relative_position_bias_table'], expected, atol=1e-6)
+    assert state['layers.3.blocks.0.attn.relative_position_bias_table'].shape == (9, 4)
+    assert torch.equal(state['layers.0.blocks.0.attn.qkv.weight'], old['layers.0.blocks.0.attn.qkv.weight'])
+    assert model(torch.randn(1, 3, 64, 64)).shape == (1, 10)
+
+
+# --------------------------------------------------------------------------------------------- timm API
+
+
+def test_features_only_and_intermediates():
+    kwargs = tiny_kwargs('softmax_swin_tiny')
+    features = timm.create_model('softmax_swin_tiny', features_only=True, **kwargs)
+    assert features.feature_info.channels() == [16, 32, 64, 128]
+    assert features.feature_info.reduction() == [4, 8, 16, 32]
+    x = torch.randn(2, 3, 32, 32)
+    assert [tuple(f.shape) for f in features(x)] == [(2, 16, 8, 8), (2, 32, 4, 4), (2, 64, 2, 2), (2, 128, 1, 1)]
+    pruned = timm.create_model('softmax_swin_tiny', features_only=True, out_indices=(1,), **kwargs)
+    assert len(pruned.model.layers) == 2 and pruned.model.layers[1].downsample is None
+    assert [tuple(f.shape) for f in pruned(x)] == [(2, 32, 4, 4)]
+
+    model = randomize(timm.create_model('softmax_swin_tiny', **kwargs)).eval()
+    with torch.no_grad():
+        final, inter = model.forward_intermediates(x, norm=True)
+        assert torch.allclose(final, model.forward_features(x))
+        assert torch.allclose(inter[-1], final.transpose(1, 2).reshape(2, 128, 1, 1))
+        nlc = model.forward_intermediates(x, indices=[0], output_fmt='NLC', intermediates_only=True)
+        assert torch.equal(nlc[0].transpose(1, 2).reshape(2, 16, 8, 8), inter[0])
+        early, (second,) = model.forward_intermediates(x, indices=[1], stop_early=True)
+        assert early.shape == (2, 16, 32) and torch.equal(early.transpose(1, 2).reshape(2, 32, 4, 4), second)
+    with pytest.raises(ValueError, match="output_fmt 'NHWC'"):
+        model.forward_intermediates(x, output_fmt='NHWC')
+
+
+def test_bad_sizes_raise_value_errors():
+    model = timm.create_model('softmax_swin_tiny', **tiny_kwargs('softmax_swin_tiny'))
+    with pytest.raises(ValueError, match='input image size 48x48 does not match the model.s img_size 32x32'):
+        model(torch.randn(1, 3, 48, 48))
+    with pytest.raises(ValueError, match=r'img_size \(40, 40\) .* expected a multiple of 32'):
+        SwinTransformer(img_size=40, embed_dim=8, depths=(1, 1, 1, 1), num_heads=(1, 1, 1, 1))
+    with pytest.raises(ValueError, match='does not divide into windows of 3x3'):
+        SwinTransformer(img_size=32, window_size=3, embed_dim=8, depths=(1, 1, 1, 1), num_heads=(1, 1, 1, 1))
+
+
+def test_classifier_weight_decay_groups_and_grad_checkpointing():
+    kwargs = dict(tiny_kwargs('multimax_swin_tiny'), drop_path_rate=0.)
+    model = randomize(timm.create_model('multimax_swin_tiny', **kwargs))
+    tables = {n for n, _ in model.named_parameters() if 'relative_position_bias_table' in n}
+    assert len(tables) == 6 and model.no_weight_decay() == tables
+    groups = list(timm.models.group_parameters(model, model.group_matcher()).values())
+    # stem, 6 blocks (a patch merging or the final norm joins the block before it), head
+    assert len(groups) == 8 and groups[-1] == ['head.weight', 'head.bias']
+    assert 'layers.0.downsample.reduction.weight' in groups[2] and 'norm.weight' in groups[6]
+    x = torch.randn(2, 3, 32, 32)
+    model(x).sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    model.set_grad_checkpointing(True)
+    model(x).sum().backward()
+    assert all(torch.allclose(a, p.grad, atol=1e-6) for a, p in zip(grads, model.parameters()))
+
+    model.eval()
+    model.reset_classifier(3)
+    assert model.get_classifier().out_features == 3 and not model.head.training
+    assert model(x).shape == (2, 3)
+    model.reset_classifier(0, '')
+    assert model(x).shape == (2, 1, 128)
+    with pytest.raises(ValueError, match="global_pool 'max'"):
+        model.reset_classifier(0, 'max')
