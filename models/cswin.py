@@ -13,25 +13,29 @@ Variants: `inline_cswin_*` and `flatten_cswin_*` (official InLine / FLatten mode
 original CSwin), and `multimax_cswin_*`, `sima_cswin_*`, `additive_cswin_*` (the original's architecture with
 that attention).
 """
-from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
+from functools import partial
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
 
-from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
-from timm.layers import DropPath, Mlp, calculate_drop_path_rates, to_2tuple
+from timm.layers import DropPath, Mlp, calculate_drop_path_rates, global_pool_nlc, to_2tuple
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 from timm.models._features import feature_take_indices
 
 from ._checkpoint import check_state_dict, checkpoint_state_dict, drop_derived_buffers
-from .attention import build_attention, is_linear_attention, stage_attentions
+from ._common import (
+    FLATTEN_META, INLINE_META, check_global_pool, check_img_size, check_output_fmt, imagenet_cfg, init_weights,
+    new_classifier, run_blocks, tsinghua_url,
+)
+from .attention import build_attention, is_linear_attention, method_kwargs, stage_attentions
 from .attention.base import Grid, image_to_tokens, tokens_to_image
-from .swin import check_global_pool, init_weights, method_kwargs, resize_attention_tables
+from .swin import resize_attention_tables
 
 __all__ = ['CSWinTransformer', 'checkpoint_filter_fn']
 
 NUM_STAGES = 4
+GLOBAL_POOLS = ('avg', '')
 # Block-level names of the official checkpoints, in their order; qkv, proj and attns live in `attn` here.
 _BLOCK_KEYS = ('qkv', 'norm1', 'proj', 'attns', 'mlp', 'norm2')
 _ATTN_KEYS = ('qkv.', 'proj.', 'attns.')
@@ -186,7 +190,7 @@ class CSWinTransformer(nn.Module):
             grid = tuple((g - 1) // 2 + 1 for g in grid)
             self.grid_sizes.append(grid)
         self.num_classes = num_classes
-        self.global_pool = check_global_pool(global_pool)
+        self.global_pool = check_global_pool(global_pool, GLOBAL_POOLS)
         self.num_features = self.head_hidden_size = embed_dim * 2 ** (NUM_STAGES - 1)
         self.attn_names = stage_attentions(attn_type, depth, mixed_linear)
         attn_options = dict(focusing_factor=focusing_factor, kernel_size=kernel_size)
@@ -247,40 +251,26 @@ class CSWinTransformer(nn.Module):
         return self.head
 
     def reset_classifier(self, num_classes: int, global_pool: Optional[str] = None) -> None:
+        """A new `num_classes`-way head (Identity for 0), initialised as the official code does, on the model's
+        device and dtype; optionally a new pooling."""
         self.num_classes = num_classes
         if global_pool is not None:
-            self.global_pool = check_global_pool(global_pool)
-        ref = next(self.parameters())
-        if num_classes > 0:
-            self.head = nn.Linear(self.num_features, num_classes, device=ref.device, dtype=ref.dtype)
-            init_weights(self.head)
-        else:
-            self.head = nn.Identity()
-        self.head.train(self.training)
-
-    def _check_input(self, x: Tensor) -> None:
-        if tuple(x.shape[-2:]) != self.img_size:
-            raise ValueError(f"input image size {x.shape[-2]}x{x.shape[-1]} does not match the model's img_size "
-                             f"{self.img_size[0]}x{self.img_size[1]}")
+            self.global_pool = check_global_pool(global_pool, GLOBAL_POOLS)
+        self.head = new_classifier(self, self.num_features, num_classes)
+        self.head.apply(init_weights)
 
     def _run_blocks(self, blocks: nn.ModuleList, x: Tensor) -> Tensor:
-        for block in blocks:
-            if self.grad_checkpointing and not torch.jit.is_scripting():
-                x = checkpoint(block, x, use_reentrant=False)
-            else:
-                x = block(x)
-        return x
+        return run_blocks(blocks, x, grad_checkpointing=self.grad_checkpointing)
 
     def forward_features(self, x: Tensor) -> Tensor:
         """(B, in_chans, H, W) -> (B, tokens of stage 4, num_features) normalised tokens."""
-        self._check_input(x)
+        check_img_size(x, self.img_size)
         for entry, blocks in self._stages():
             x = self._run_blocks(blocks, entry(x))
         return self.norm(x)
 
     def forward_head(self, x: Tensor, pre_logits: bool = False) -> Tensor:
-        if self.global_pool == 'avg':
-            x = x.mean(dim=1)
+        x = global_pool_nlc(x, self.global_pool, num_prefix_tokens=0)
         return x if pre_logits else self.head(x)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -300,9 +290,8 @@ class CSWinTransformer(nn.Module):
         `indices`: the last n stages (int), the given stages (list) or all (None). `norm` applies the final norm
         to the last stage's output. Returns the intermediates, or (final features, intermediates).
         """
-        if output_fmt not in ('NCHW', 'NLC'):
-            raise ValueError(f"output_fmt {output_fmt!r} is not supported; expected 'NCHW' or 'NLC'")
-        self._check_input(x)
+        check_output_fmt(output_fmt)
+        check_img_size(x, self.img_size)
         take_indices, max_index = feature_take_indices(NUM_STAGES, indices)
         stages = self._stages()[:max_index + 1] if stop_early else self._stages()
         intermediates = []
@@ -353,13 +342,7 @@ def _create_cswin(variant: str, pretrained: bool = False, **kwargs: Any) -> CSWi
         **kwargs)
 
 
-def _cfg(url: str = '', **kwargs: Any) -> Dict[str, Any]:
-    return {
-        'url': url, 'num_classes': 1000, 'input_size': (3, 224, 224), 'pool_size': None, 'crop_pct': 0.875,
-        'interpolation': 'bicubic', 'fixed_input_size': True, 'mean': IMAGENET_DEFAULT_MEAN,
-        'std': IMAGENET_DEFAULT_STD, 'first_conv': 'stage1_conv_embed.0', 'classifier': 'head', **kwargs,
-    }
-
+_cfg = partial(imagenet_cfg, fixed_input_size=True, first_conv='stage1_conv_embed.0')
 
 _SIZES = ('tiny', 'small', 'base', 'base_384')
 _SPLIT_224, _SPLIT_384 = (1, 2, 7, 7), (1, 2, 12, 12)
@@ -385,44 +368,19 @@ _INLINE = {
 }
 _FLATTEN = dict(_INLINE, small=dict(_INLINE['small'], depth=(2, 4, 32, 2)))
 
-_TSINGHUA = 'https://cloud.tsinghua.edu.cn/f/{}/?dl=1'
-_CSWIN_RELEASE = 'https://github.com/microsoft/CSWin-Transformer/releases/download/v0.1.0/{}.pth'
-_META_INLINE = dict(paper_ids='arXiv:2412.06590', origin_url='https://github.com/LeapLabTHU/InLine')
-_META_FLATTEN = dict(paper_ids='arXiv:2308.00442', origin_url='https://github.com/LeapLabTHU/FLatten-Transformer')
-_META_CSWIN = dict(paper_ids='arXiv:2107.00652', origin_url='https://github.com/microsoft/CSWin-Transformer')
-
-
-class _Flavour(NamedTuple):
-    """What a flavour's entrypoints set: per-size arguments, cfg metadata and a docstring."""
-    args: Dict[str, Dict[str, Any]]
-    meta: Dict[str, Any]
-    doc: str
-
-
-_FLAVOURS: Dict[str, _Flavour] = {
-    'inline': _Flavour({s: dict(a, attn_type='IISS') for s, a in _INLINE.items()}, _META_INLINE,
-                       'InLine-CSwin-{size} (official configuration, pattern IISS).'),
-    'flatten': _Flavour({s: dict(a, attn_type='LLSS', mixed_linear='flatten') for s, a in _FLATTEN.items()},
-                        _META_FLATTEN, 'FLatten-CSwin-{size} (official configuration, pattern LLSS).'),
-    'softmax': _Flavour({s: dict(a, attn_type='softmax') for s, a in _ORIGINAL.items()}, _META_CSWIN,
-                        'CSwin-{size}, the original softmax model.'),
-}
-for _name in ('multimax', 'sima', 'additive'):
-    _FLAVOURS[_name] = _Flavour(
-        {s: dict(a, attn_type=_name) for s, a in _ORIGINAL.items()}, {},
-        f'CSwin-{{size}} architecture with {_name} attention in every block (stripes if it forms scores, one '
-        f'global branch if linear).')
-
+_CSWIN_META = dict(paper_ids='arXiv:2107.00652', origin_url='https://github.com/microsoft/CSWin-Transformer')
+_META = {'inline': INLINE_META, 'flatten': FLATTEN_META, 'softmax': _CSWIN_META}
+_CSWIN_URL = 'https://github.com/microsoft/CSWin-Transformer/releases/download/v0.1.0/{}.pth'
 # Official release files; variants absent here have none.
 _URLS = {
-    'inline_cswin_tiny': _TSINGHUA.format('49fa2ecc543647c4b970'),
-    'inline_cswin_small': _TSINGHUA.format('59f4e65f776f4052b93c'),
-    'inline_cswin_base': _TSINGHUA.format('91e17121df284ae38521'),
-    'flatten_cswin_tiny': _TSINGHUA.format('48ba765ba8b0451d9d5a'),
-    'softmax_cswin_tiny': _CSWIN_RELEASE.format('cswin_tiny_224'),
-    'softmax_cswin_small': _CSWIN_RELEASE.format('cswin_small_224'),
-    'softmax_cswin_base': _CSWIN_RELEASE.format('cswin_base_224'),
-    'softmax_cswin_base_384': _CSWIN_RELEASE.format('cswin_base_384'),
+    'inline_cswin_tiny': tsinghua_url('49fa2ecc543647c4b970'),
+    'inline_cswin_small': tsinghua_url('59f4e65f776f4052b93c'),
+    'inline_cswin_base': tsinghua_url('91e17121df284ae38521'),
+    'flatten_cswin_tiny': tsinghua_url('48ba765ba8b0451d9d5a'),
+    'softmax_cswin_tiny': _CSWIN_URL.format('cswin_tiny_224'),
+    'softmax_cswin_small': _CSWIN_URL.format('cswin_small_224'),
+    'softmax_cswin_base': _CSWIN_URL.format('cswin_base_224'),
+    'softmax_cswin_base_384': _CSWIN_URL.format('cswin_base_384'),
 }
 
 
@@ -436,25 +394,164 @@ def _eval_cfg(flavour: str, size: str) -> Dict[str, Any]:
 
 
 default_cfgs = generate_default_cfgs({
-    f'{flavour}_cswin_{size}': _cfg(_URLS.get(f'{flavour}_cswin_{size}', ''), **spec.meta,
+    f'{flavour}_cswin_{size}': _cfg(_URLS.get(f'{flavour}_cswin_{size}', ''), **_META.get(flavour, {}),
                                     **_eval_cfg(flavour, size))
-    for flavour, spec in _FLAVOURS.items() for size in _SIZES
+    for flavour in ('inline', 'flatten', 'softmax', 'multimax', 'sima', 'additive') for size in _SIZES
 })
 
 
-def _register(flavour: str, size: str) -> None:
-    name = f'{flavour}_cswin_{size}'
-    spec = _FLAVOURS[flavour]
-    model_args = spec.args[size]
+def _cswin(variant: str, pretrained: bool, **kwargs: Any) -> CSWinTransformer:
+    """`{flavour}_cswin_{size}`: the official InLine / FLatten model, or the original CSwin's architecture with
+    attention `flavour` in every block."""
+    flavour, size = variant.split('_cswin_')
+    if flavour == 'inline':
+        model_args = dict(_INLINE[size], attn_type='IISS')
+    elif flavour == 'flatten':
+        model_args = dict(_FLATTEN[size], attn_type='LLSS', mixed_linear='flatten')
+    else:
+        model_args = dict(_ORIGINAL[size], attn_type=flavour)
+    return _create_cswin(variant, pretrained=pretrained, **dict(model_args, **kwargs))
 
-    def entrypoint(pretrained: bool = False, **kwargs: Any) -> CSWinTransformer:
-        return _create_cswin(name, pretrained=pretrained, **dict(model_args, **kwargs))
 
-    entrypoint.__name__ = entrypoint.__qualname__ = name
-    entrypoint.__doc__ = spec.doc.format(size=size)
-    globals()[name] = register_model(entrypoint)
+@register_model
+def inline_cswin_tiny(pretrained: bool = False, **kwargs: Any) -> CSWinTransformer:
+    """InLine-CSwin-T (official configuration, pattern IISS)."""
+    return _cswin('inline_cswin_tiny', pretrained, **kwargs)
 
 
-for _flavour in _FLAVOURS:
-    for _size in _SIZES:
-        _register(_flavour, _size)
+@register_model
+def inline_cswin_small(pretrained: bool = False, **kwargs: Any) -> CSWinTransformer:
+    """InLine-CSwin-S (official configuration, pattern IISS)."""
+    return _cswin('inline_cswin_small', pretrained, **kwargs)
+
+
+@register_model
+def inline_cswin_base(pretrained: bool = False, **kwargs: Any) -> CSWinTransformer:
+    """InLine-CSwin-B (official configuration, pattern IISS)."""
+    return _cswin('inline_cswin_base', pretrained, **kwargs)
+
+
+@register_model
+def inline_cswin_base_384(pretrained: bool = False, **kwargs: Any) -> CSWinTransformer:
+    """InLine-CSwin-B 384 (official configuration, pattern IISS)."""
+    return _cswin('inline_cswin_base_384', pretrained, **kwargs)
+
+
+@register_model
+def flatten_cswin_tiny(pretrained: bool = False, **kwargs: Any) -> CSWinTransformer:
+    """FLatten-CSwin-T (official configuration, pattern LLSS)."""
+    return _cswin('flatten_cswin_tiny', pretrained, **kwargs)
+
+
+@register_model
+def flatten_cswin_small(pretrained: bool = False, **kwargs: Any) -> CSWinTransformer:
+    """FLatten-CSwin-S (official configuration, pattern LLSS)."""
+    return _cswin('flatten_cswin_small', pretrained, **kwargs)
+
+
+@register_model
+def flatten_cswin_base(pretrained: bool = False, **kwargs: Any) -> CSWinTransformer:
+    """FLatten-CSwin-B (official configuration, pattern LLSS)."""
+    return _cswin('flatten_cswin_base', pretrained, **kwargs)
+
+
+@register_model
+def flatten_cswin_base_384(pretrained: bool = False, **kwargs: Any) -> CSWinTransformer:
+    """FLatten-CSwin-B 384 (official configuration, pattern LLSS)."""
+    return _cswin('flatten_cswin_base_384', pretrained, **kwargs)
+
+
+@register_model
+def softmax_cswin_tiny(pretrained: bool = False, **kwargs: Any) -> CSWinTransformer:
+    """CSwin-T, the original softmax model."""
+    return _cswin('softmax_cswin_tiny', pretrained, **kwargs)
+
+
+@register_model
+def softmax_cswin_small(pretrained: bool = False, **kwargs: Any) -> CSWinTransformer:
+    """CSwin-S, the original softmax model."""
+    return _cswin('softmax_cswin_small', pretrained, **kwargs)
+
+
+@register_model
+def softmax_cswin_base(pretrained: bool = False, **kwargs: Any) -> CSWinTransformer:
+    """CSwin-B, the original softmax model."""
+    return _cswin('softmax_cswin_base', pretrained, **kwargs)
+
+
+@register_model
+def softmax_cswin_base_384(pretrained: bool = False, **kwargs: Any) -> CSWinTransformer:
+    """CSwin-B 384, the original softmax model."""
+    return _cswin('softmax_cswin_base_384', pretrained, **kwargs)
+
+
+@register_model
+def multimax_cswin_tiny(pretrained: bool = False, **kwargs: Any) -> CSWinTransformer:
+    """CSwin-T with MultiMax attention in every block (in the original stripes)."""
+    return _cswin('multimax_cswin_tiny', pretrained, **kwargs)
+
+
+@register_model
+def multimax_cswin_small(pretrained: bool = False, **kwargs: Any) -> CSWinTransformer:
+    """CSwin-S with MultiMax attention in every block (in the original stripes)."""
+    return _cswin('multimax_cswin_small', pretrained, **kwargs)
+
+
+@register_model
+def multimax_cswin_base(pretrained: bool = False, **kwargs: Any) -> CSWinTransformer:
+    """CSwin-B with MultiMax attention in every block (in the original stripes)."""
+    return _cswin('multimax_cswin_base', pretrained, **kwargs)
+
+
+@register_model
+def multimax_cswin_base_384(pretrained: bool = False, **kwargs: Any) -> CSWinTransformer:
+    """CSwin-B 384 with MultiMax attention in every block (in the original stripes)."""
+    return _cswin('multimax_cswin_base_384', pretrained, **kwargs)
+
+
+@register_model
+def sima_cswin_tiny(pretrained: bool = False, **kwargs: Any) -> CSWinTransformer:
+    """CSwin-T with SimA attention in every block (one global branch per stage: it is linear)."""
+    return _cswin('sima_cswin_tiny', pretrained, **kwargs)
+
+
+@register_model
+def sima_cswin_small(pretrained: bool = False, **kwargs: Any) -> CSWinTransformer:
+    """CSwin-S with SimA attention in every block (one global branch per stage: it is linear)."""
+    return _cswin('sima_cswin_small', pretrained, **kwargs)
+
+
+@register_model
+def sima_cswin_base(pretrained: bool = False, **kwargs: Any) -> CSWinTransformer:
+    """CSwin-B with SimA attention in every block (one global branch per stage: it is linear)."""
+    return _cswin('sima_cswin_base', pretrained, **kwargs)
+
+
+@register_model
+def sima_cswin_base_384(pretrained: bool = False, **kwargs: Any) -> CSWinTransformer:
+    """CSwin-B 384 with SimA attention in every block (one global branch per stage: it is linear)."""
+    return _cswin('sima_cswin_base_384', pretrained, **kwargs)
+
+
+@register_model
+def additive_cswin_tiny(pretrained: bool = False, **kwargs: Any) -> CSWinTransformer:
+    """CSwin-T with additive (Fastformer) attention in every block (one global branch per stage: it is linear)."""
+    return _cswin('additive_cswin_tiny', pretrained, **kwargs)
+
+
+@register_model
+def additive_cswin_small(pretrained: bool = False, **kwargs: Any) -> CSWinTransformer:
+    """CSwin-S with additive (Fastformer) attention in every block (one global branch per stage: it is linear)."""
+    return _cswin('additive_cswin_small', pretrained, **kwargs)
+
+
+@register_model
+def additive_cswin_base(pretrained: bool = False, **kwargs: Any) -> CSWinTransformer:
+    """CSwin-B with additive (Fastformer) attention in every block (one global branch per stage: it is linear)."""
+    return _cswin('additive_cswin_base', pretrained, **kwargs)
+
+
+@register_model
+def additive_cswin_base_384(pretrained: bool = False, **kwargs: Any) -> CSWinTransformer:
+    """CSwin-B 384 with additive (Fastformer) attention in every block (one global branch per stage: it is linear)."""
+    return _cswin('additive_cswin_base_384', pretrained, **kwargs)

@@ -20,7 +20,6 @@ the class token's row kept), which at the built size is the identity. The image 
 total stride (`patch_size` · 8), so every stage and every spatial reduction tiles its map exactly; attentions with
 parameters tied to the grid (FLatten's `positional_encoding`) refuse another grid with a ValueError.
 """
-import inspect
 import re
 from functools import partial
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Set, Tuple, Union
@@ -28,30 +27,25 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Set, Tuple, Un
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
 
-from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
-from timm.layers import PatchEmbed, calculate_drop_path_rates, to_2tuple, trunc_normal_
+from timm.layers import PatchEmbed, calculate_drop_path_rates, global_pool_nlc, to_2tuple, trunc_normal_
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 from timm.models._features import feature_take_indices
 
 from ._checkpoint import (
     CheckpointError, check_state_dict, checkpoint_state_dict, drop_derived_buffers, resize_grid_embedding,
 )
-from .attention import build_attention, get_attention_class, is_linear_attention, stage_attentions
-from .vit import Block, init_weights
+from ._common import (
+    FLATTEN_META, INLINE_META, Block, check_global_pool, check_output_fmt, imagenet_cfg, init_weights,
+    new_classifier, run_blocks, tsinghua_url,
+)
+from .attention import build_attention, is_linear_attention, method_kwargs, stage_attentions
+from .attention.base import Grid, tokens_to_image
 
 __all__ = ['PyramidVisionTransformer', 'checkpoint_filter_fn']
 
-Grid = Tuple[int, int]
-
 NUM_STAGES = 4
-
-
-def _method_kwargs(name: str, **kwargs: Any) -> Dict[str, Any]:
-    """The keyword arguments that attention `name`'s constructor names (e.g. FLatten's `focusing_factor`)."""
-    accepted = inspect.signature(get_attention_class(name).__init__).parameters
-    return {key: value for key, value in kwargs.items() if key in accepted}
+GLOBAL_POOLS = ('token', 'avg', '')
 
 
 def resize_position_embedding(embedding: Tensor, grid: Grid, new_grid: Grid, num_prefix_tokens: int = 0) -> Tensor:
@@ -132,8 +126,7 @@ class PyramidVisionTransformer(nn.Module):
         self.num_classes = num_classes
         self.num_features = self.head_hidden_size = embed_dims[-1]
         self.num_prefix_tokens = 1 if class_token else 0
-        self._check_pool(global_pool)
-        self.global_pool = global_pool
+        self.global_pool = self._check_pool(global_pool)
         self.grad_checkpointing = False
 
         grid = (self.img_size[0] // patch_size, self.img_size[1] // patch_size)
@@ -158,7 +151,7 @@ class PyramidVisionTransformer(nn.Module):
                         name, dim, num_heads[i], grid, qkv_bias, qkv_layout='split',
                         sr_ratio=la_sr_ratios[i] if is_linear_attention(name) else sr_ratios[i],
                         attn_drop=attn_drop_rate, proj_drop=drop_rate,
-                        **_method_kwargs(name, focusing_factor=focusing_factor, kernel_size=kernel_size)),
+                        **method_kwargs(name, focusing_factor=focusing_factor, kernel_size=kernel_size)),
                     mlp_ratio=mlp_ratios[i], drop=drop_rate, drop_path=next(rates),
                     norm_layer=partial(nn.LayerNorm, eps=1e-6))
                 for name in names[i]]))
@@ -182,11 +175,10 @@ class PyramidVisionTransformer(nn.Module):
             raise ValueError(f"{what} {size[0]}x{size[1]} must have sides that are positive multiples of "
                              f"{self.stride} (patch_size x 8), e.g. {self.img_size[0]}x{self.img_size[1]}")
 
-    def _check_pool(self, global_pool: str) -> None:
-        if global_pool not in ('token', 'avg', ''):
-            raise ValueError(f"global_pool {global_pool!r} must be 'token', 'avg' or ''")
-        if global_pool == 'token' and not self.num_prefix_tokens:
+    def _check_pool(self, global_pool: str) -> str:
+        if check_global_pool(global_pool, GLOBAL_POOLS) == 'token' and not self.num_prefix_tokens:
             raise ValueError("global_pool 'token' needs the class token (class_token=True); use 'avg'")
+        return global_pool
 
     @torch.jit.ignore
     def no_weight_decay(self) -> Set[str]:
@@ -213,13 +205,9 @@ class PyramidVisionTransformer(nn.Module):
     def reset_classifier(self, num_classes: int, global_pool: Optional[str] = None) -> None:
         """A new `num_classes`-way head (Identity for 0) on the model's device and dtype; optionally a new pooling."""
         if global_pool is not None:
-            self._check_pool(global_pool)
-            self.global_pool = global_pool
+            self.global_pool = self._check_pool(global_pool)
         self.num_classes = num_classes
-        ref = self.pos_embed1
-        self.head = (nn.Linear(self.num_features, num_classes, device=ref.device, dtype=ref.dtype)
-                     if num_classes > 0 else nn.Identity())
-        self.head.train(self.training)
+        self.head = new_classifier(self, self.num_features, num_classes)
 
     def _run_stages(self, x: Tensor, num_stages: int) -> Iterator[Tuple[Tensor, Grid]]:
         """Run the first `num_stages` stages on images (B, C, H, W); yield each stage's tokens and grid.
@@ -233,7 +221,7 @@ class PyramidVisionTransformer(nn.Module):
         grid = tuple(x.shape[-2:])
         for i in range(num_stages):
             if i:
-                x = x.transpose(1, 2).reshape(B, -1, *grid)
+                x = tokens_to_image(x, grid)
             patch_embed = getattr(self, f'patch_embed{i + 1}')
             grid = (x.shape[-2] // patch_embed.patch_size[0], x.shape[-1] // patch_embed.patch_size[1])
             x = patch_embed(x)
@@ -243,11 +231,7 @@ class PyramidVisionTransformer(nn.Module):
                 prefix = 1
             pos_embed = resize_position_embedding(getattr(self, f'pos_embed{i + 1}'), self.grid_sizes[i], grid, prefix)
             x = getattr(self, f'pos_drop{i + 1}')(x + pos_embed)
-            for block in getattr(self, f'block{i + 1}'):
-                if self.grad_checkpointing and not torch.jit.is_scripting():
-                    x = checkpoint(block, x, grid, use_reentrant=False)
-                else:
-                    x = block(x, grid)
+            x = run_blocks(getattr(self, f'block{i + 1}'), x, grid, grad_checkpointing=self.grad_checkpointing)
             yield x, grid
 
     def forward_features(self, x: Tensor) -> Tensor:
@@ -261,10 +245,7 @@ class PyramidVisionTransformer(nn.Module):
 
     def forward_head(self, x: Tensor, pre_logits: bool = False) -> Tensor:
         """Pool the tokens of `forward_features` (class token or mean of the grid tokens), then classify."""
-        if self.global_pool == 'token':
-            x = x[:, 0]
-        elif self.global_pool == 'avg':
-            x = x[:, self.num_prefix_tokens:].mean(dim=1)
+        x = global_pool_nlc(x, self.global_pool, self.num_prefix_tokens)
         return x if pre_logits else self.head(x)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -284,19 +265,15 @@ class PyramidVisionTransformer(nn.Module):
         Returns the intermediates ((B, C_i, h, w) for 'NCHW', (B, h*w, C_i) for 'NLC'; the last stage after the
         final norm when `norm`), and unless `intermediates_only` the final features of `forward_features` first.
         """
-        if output_fmt not in ('NCHW', 'NLC'):
-            raise ValueError(f"output_fmt {output_fmt!r} must be 'NCHW' or 'NLC'")
+        check_output_fmt(output_fmt)
         take_indices, max_index = feature_take_indices(self.num_stages, indices)
         num_stages = max_index + 1 if stop_early or intermediates_only else self.num_stages
-        B = x.shape[0]
         intermediates = []
         for i, (x, grid) in enumerate(self._run_stages(x, num_stages)):
             if i in take_indices:
                 y = self._final_norm(x) if norm and i == NUM_STAGES - 1 else x
                 y = y[:, self.num_prefix_tokens if i == NUM_STAGES - 1 else 0:]
-                if output_fmt == 'NCHW':
-                    y = y.transpose(1, 2).reshape(B, -1, *grid)
-                intermediates.append(y)
+                intermediates.append(tokens_to_image(y, grid) if output_fmt == 'NCHW' else y)
         if intermediates_only:
             return intermediates
         return self._final_norm(x), intermediates
@@ -356,7 +333,7 @@ def checkpoint_filter_fn(state_dict: Dict[str, Tensor], model: PyramidVisionTran
     return state_dict
 
 
-def _create_pvt(variant: str, pretrained: bool = False, **kwargs) -> PyramidVisionTransformer:
+def _create_pvt(variant: str, pretrained: bool = False, **kwargs: Any) -> PyramidVisionTransformer:
     out_indices = kwargs.pop('out_indices', (0, 1, 2, 3))
     return build_model_with_cfg(
         PyramidVisionTransformer, variant, pretrained,
@@ -365,38 +342,27 @@ def _create_pvt(variant: str, pretrained: bool = False, **kwargs) -> PyramidVisi
         **kwargs)
 
 
-def _cfg(url: str = '', **kwargs) -> Dict[str, Any]:
-    return {
-        'url': url, 'num_classes': 1000, 'input_size': (3, 224, 224), 'pool_size': None, 'crop_pct': 0.875,
-        'interpolation': 'bicubic', 'mean': IMAGENET_DEFAULT_MEAN, 'std': IMAGENET_DEFAULT_STD,
-        'first_conv': 'patch_embed1.proj', 'classifier': 'head', **kwargs,
-    }
-
-
-def _tsinghua(file_id: str) -> str:
-    return f'https://cloud.tsinghua.edu.cn/f/{file_id}/?dl=1'
-
+_cfg = partial(imagenet_cfg, first_conv='patch_embed1.proj')
 
 _SIZES = ('tiny', 'small', 'medium', 'large')
 _DEPTHS = {'tiny': (2, 2, 2, 2), 'small': (3, 4, 6, 3), 'medium': (3, 4, 18, 3), 'large': (3, 8, 27, 3)}
-_PVT = dict(paper_ids='arXiv:2102.12122', origin_url='https://github.com/whai362/PVT', license='apache-2.0')
-_INLINE = dict(paper_ids='arXiv:2412.06590', origin_url='https://github.com/LeapLabTHU/InLine')
-_FLATTEN = dict(paper_ids='arXiv:2308.00442', origin_url='https://github.com/LeapLabTHU/FLatten-Transformer')
+_PVT_META = dict(paper_ids='arXiv:2102.12122', origin_url='https://github.com/whai362/PVT', license='apache-2.0')
 _INLINE_FILES = {'tiny': '90ac52b1555b401eb5e6', 'small': '1ab953b2479d433080a3', 'medium': 'a72aec31e6084bc0a280',
                  'large': 'efd91318ba964f01b288'}
 
 default_cfgs = generate_default_cfgs({
-    **{f'softmax_pvt_{size}': _cfg(f'https://github.com/whai362/PVT/releases/download/v2/pvt_{size}.pth', **_PVT)
+    **{f'softmax_pvt_{size}': _cfg(f'https://github.com/whai362/PVT/releases/download/v2/pvt_{size}.pth',
+                                   **_PVT_META)
        for size in _SIZES},
-    **{f'inline_pvt_{size}': _cfg(_tsinghua(_INLINE_FILES[size]), **_INLINE) for size in _SIZES},
+    **{f'inline_pvt_{size}': _cfg(tsinghua_url(_INLINE_FILES[size]), **INLINE_META) for size in _SIZES},
     # FLatten's positional_encoding is sized to the 224 grids.
-    'flatten_pvt_tiny': _cfg(_tsinghua('3ab1d773f19d45648690'), fixed_input_size=True, **_FLATTEN),
-    **{f'flatten_pvt_{size}': _cfg(fixed_input_size=True, **_FLATTEN) for size in _SIZES[1:]},
+    'flatten_pvt_tiny': _cfg(tsinghua_url('3ab1d773f19d45648690'), fixed_input_size=True, **FLATTEN_META),
+    **{f'flatten_pvt_{size}': _cfg(fixed_input_size=True, **FLATTEN_META) for size in _SIZES[1:]},
     **{f'{attn}_pvt_{size}': _cfg() for attn in ('multimax', 'sima', 'additive') for size in _SIZES},
 })
 
-# Per family: attention, heads per stage, the original class-token head, FLatten's unused final norm.
-_FAMILIES = {
+# Per flavour: attention, heads per stage, the original class-token head, FLatten's unused final norm.
+_FLAVOURS = {
     'softmax': ('softmax', (1, 2, 5, 8), True, False),
     'multimax': ('multimax', (1, 2, 5, 8), True, False),
     'sima': ('sima', (1, 2, 5, 8), True, False),
@@ -406,9 +372,10 @@ _FAMILIES = {
 }
 
 
-def _pvt(variant: str, pretrained: bool, **kwargs) -> PyramidVisionTransformer:
-    family, size = variant.split('_pvt_')
-    attention, num_heads, class_token, keep_unused_norm = _FAMILIES[family]
+def _pvt(variant: str, pretrained: bool, **kwargs: Any) -> PyramidVisionTransformer:
+    """`{flavour}_pvt_{size}`: the size's depths with the flavour's attention, heads and head."""
+    flavour, size = variant.split('_pvt_')
+    attention, num_heads, class_token, keep_unused_norm = _FLAVOURS[flavour]
     model_args = dict(
         patch_size=4, embed_dims=(64, 128, 320, 512), num_heads=num_heads, mlp_ratios=(8, 8, 4, 4), qkv_bias=True,
         depths=_DEPTHS[size], sr_ratios=(8, 4, 2, 1), la_sr_ratios='1111', attn_type=attention,
@@ -417,144 +384,144 @@ def _pvt(variant: str, pretrained: bool, **kwargs) -> PyramidVisionTransformer:
 
 
 @register_model
-def softmax_pvt_tiny(pretrained: bool = False, **kwargs) -> PyramidVisionTransformer:
+def softmax_pvt_tiny(pretrained: bool = False, **kwargs: Any) -> PyramidVisionTransformer:
     """PVT-T (original): heads 1-2-5-8, spatial reduction 8-4-2-1, class token."""
     return _pvt('softmax_pvt_tiny', pretrained, **kwargs)
 
 
 @register_model
-def softmax_pvt_small(pretrained: bool = False, **kwargs) -> PyramidVisionTransformer:
+def softmax_pvt_small(pretrained: bool = False, **kwargs: Any) -> PyramidVisionTransformer:
     """PVT-S (original): heads 1-2-5-8, spatial reduction 8-4-2-1, class token."""
     return _pvt('softmax_pvt_small', pretrained, **kwargs)
 
 
 @register_model
-def softmax_pvt_medium(pretrained: bool = False, **kwargs) -> PyramidVisionTransformer:
+def softmax_pvt_medium(pretrained: bool = False, **kwargs: Any) -> PyramidVisionTransformer:
     """PVT-M (original): heads 1-2-5-8, spatial reduction 8-4-2-1, class token."""
     return _pvt('softmax_pvt_medium', pretrained, **kwargs)
 
 
 @register_model
-def softmax_pvt_large(pretrained: bool = False, **kwargs) -> PyramidVisionTransformer:
+def softmax_pvt_large(pretrained: bool = False, **kwargs: Any) -> PyramidVisionTransformer:
     """PVT-L (original): heads 1-2-5-8, spatial reduction 8-4-2-1, class token."""
     return _pvt('softmax_pvt_large', pretrained, **kwargs)
 
 
 @register_model
-def inline_pvt_tiny(pretrained: bool = False, **kwargs) -> PyramidVisionTransformer:
+def inline_pvt_tiny(pretrained: bool = False, **kwargs: Any) -> PyramidVisionTransformer:
     """InLine-PVT-T: heads 2-4-10-16, InLine attention in every block, mean pooling."""
     return _pvt('inline_pvt_tiny', pretrained, **kwargs)
 
 
 @register_model
-def inline_pvt_small(pretrained: bool = False, **kwargs) -> PyramidVisionTransformer:
+def inline_pvt_small(pretrained: bool = False, **kwargs: Any) -> PyramidVisionTransformer:
     """InLine-PVT-S: heads 2-4-10-16, InLine attention in every block, mean pooling."""
     return _pvt('inline_pvt_small', pretrained, **kwargs)
 
 
 @register_model
-def inline_pvt_medium(pretrained: bool = False, **kwargs) -> PyramidVisionTransformer:
+def inline_pvt_medium(pretrained: bool = False, **kwargs: Any) -> PyramidVisionTransformer:
     """InLine-PVT-M: heads 2-4-10-16, InLine attention in every block, mean pooling."""
     return _pvt('inline_pvt_medium', pretrained, **kwargs)
 
 
 @register_model
-def inline_pvt_large(pretrained: bool = False, **kwargs) -> PyramidVisionTransformer:
+def inline_pvt_large(pretrained: bool = False, **kwargs: Any) -> PyramidVisionTransformer:
     """InLine-PVT-L: heads 2-4-10-16, InLine attention in every block, mean pooling."""
     return _pvt('inline_pvt_large', pretrained, **kwargs)
 
 
 @register_model
-def flatten_pvt_tiny(pretrained: bool = False, **kwargs) -> PyramidVisionTransformer:
+def flatten_pvt_tiny(pretrained: bool = False, **kwargs: Any) -> PyramidVisionTransformer:
     """FLatten-PVT-T: heads 1-2-5-8, focused linear attention in every block, mean pooling."""
     return _pvt('flatten_pvt_tiny', pretrained, **kwargs)
 
 
 @register_model
-def flatten_pvt_small(pretrained: bool = False, **kwargs) -> PyramidVisionTransformer:
+def flatten_pvt_small(pretrained: bool = False, **kwargs: Any) -> PyramidVisionTransformer:
     """FLatten-PVT-S: heads 1-2-5-8, focused linear attention in every block, mean pooling."""
     return _pvt('flatten_pvt_small', pretrained, **kwargs)
 
 
 @register_model
-def flatten_pvt_medium(pretrained: bool = False, **kwargs) -> PyramidVisionTransformer:
+def flatten_pvt_medium(pretrained: bool = False, **kwargs: Any) -> PyramidVisionTransformer:
     """FLatten-PVT-M: heads 1-2-5-8, focused linear attention in every block, mean pooling."""
     return _pvt('flatten_pvt_medium', pretrained, **kwargs)
 
 
 @register_model
-def flatten_pvt_large(pretrained: bool = False, **kwargs) -> PyramidVisionTransformer:
+def flatten_pvt_large(pretrained: bool = False, **kwargs: Any) -> PyramidVisionTransformer:
     """FLatten-PVT-L: heads 1-2-5-8, focused linear attention in every block, mean pooling."""
     return _pvt('flatten_pvt_large', pretrained, **kwargs)
 
 
 @register_model
-def multimax_pvt_tiny(pretrained: bool = False, **kwargs) -> PyramidVisionTransformer:
+def multimax_pvt_tiny(pretrained: bool = False, **kwargs: Any) -> PyramidVisionTransformer:
     """PVT-T with MultiMax attention in every block (spatial reduction 8-4-2-1, class token)."""
     return _pvt('multimax_pvt_tiny', pretrained, **kwargs)
 
 
 @register_model
-def multimax_pvt_small(pretrained: bool = False, **kwargs) -> PyramidVisionTransformer:
+def multimax_pvt_small(pretrained: bool = False, **kwargs: Any) -> PyramidVisionTransformer:
     """PVT-S with MultiMax attention in every block (spatial reduction 8-4-2-1, class token)."""
     return _pvt('multimax_pvt_small', pretrained, **kwargs)
 
 
 @register_model
-def multimax_pvt_medium(pretrained: bool = False, **kwargs) -> PyramidVisionTransformer:
+def multimax_pvt_medium(pretrained: bool = False, **kwargs: Any) -> PyramidVisionTransformer:
     """PVT-M with MultiMax attention in every block (spatial reduction 8-4-2-1, class token)."""
     return _pvt('multimax_pvt_medium', pretrained, **kwargs)
 
 
 @register_model
-def multimax_pvt_large(pretrained: bool = False, **kwargs) -> PyramidVisionTransformer:
+def multimax_pvt_large(pretrained: bool = False, **kwargs: Any) -> PyramidVisionTransformer:
     """PVT-L with MultiMax attention in every block (spatial reduction 8-4-2-1, class token)."""
     return _pvt('multimax_pvt_large', pretrained, **kwargs)
 
 
 @register_model
-def sima_pvt_tiny(pretrained: bool = False, **kwargs) -> PyramidVisionTransformer:
+def sima_pvt_tiny(pretrained: bool = False, **kwargs: Any) -> PyramidVisionTransformer:
     """PVT-T with SimA attention in every block (no spatial reduction, class token)."""
     return _pvt('sima_pvt_tiny', pretrained, **kwargs)
 
 
 @register_model
-def sima_pvt_small(pretrained: bool = False, **kwargs) -> PyramidVisionTransformer:
+def sima_pvt_small(pretrained: bool = False, **kwargs: Any) -> PyramidVisionTransformer:
     """PVT-S with SimA attention in every block (no spatial reduction, class token)."""
     return _pvt('sima_pvt_small', pretrained, **kwargs)
 
 
 @register_model
-def sima_pvt_medium(pretrained: bool = False, **kwargs) -> PyramidVisionTransformer:
+def sima_pvt_medium(pretrained: bool = False, **kwargs: Any) -> PyramidVisionTransformer:
     """PVT-M with SimA attention in every block (no spatial reduction, class token)."""
     return _pvt('sima_pvt_medium', pretrained, **kwargs)
 
 
 @register_model
-def sima_pvt_large(pretrained: bool = False, **kwargs) -> PyramidVisionTransformer:
+def sima_pvt_large(pretrained: bool = False, **kwargs: Any) -> PyramidVisionTransformer:
     """PVT-L with SimA attention in every block (no spatial reduction, class token)."""
     return _pvt('sima_pvt_large', pretrained, **kwargs)
 
 
 @register_model
-def additive_pvt_tiny(pretrained: bool = False, **kwargs) -> PyramidVisionTransformer:
+def additive_pvt_tiny(pretrained: bool = False, **kwargs: Any) -> PyramidVisionTransformer:
     """PVT-T with additive (Fastformer) attention in every block (no spatial reduction, class token)."""
     return _pvt('additive_pvt_tiny', pretrained, **kwargs)
 
 
 @register_model
-def additive_pvt_small(pretrained: bool = False, **kwargs) -> PyramidVisionTransformer:
+def additive_pvt_small(pretrained: bool = False, **kwargs: Any) -> PyramidVisionTransformer:
     """PVT-S with additive (Fastformer) attention in every block (no spatial reduction, class token)."""
     return _pvt('additive_pvt_small', pretrained, **kwargs)
 
 
 @register_model
-def additive_pvt_medium(pretrained: bool = False, **kwargs) -> PyramidVisionTransformer:
+def additive_pvt_medium(pretrained: bool = False, **kwargs: Any) -> PyramidVisionTransformer:
     """PVT-M with additive (Fastformer) attention in every block (no spatial reduction, class token)."""
     return _pvt('additive_pvt_medium', pretrained, **kwargs)
 
 
 @register_model
-def additive_pvt_large(pretrained: bool = False, **kwargs) -> PyramidVisionTransformer:
+def additive_pvt_large(pretrained: bool = False, **kwargs: Any) -> PyramidVisionTransformer:
     """PVT-L with additive (Fastformer) attention in every block (no spatial reduction, class token)."""
     return _pvt('additive_pvt_large', pretrained, **kwargs)

@@ -11,15 +11,13 @@ means global attention without shift, as in Swin.
 Variants: `inline_swin_*` and `flatten_swin_*` (official InLine / FLatten models), `softmax_swin_*` (the original
 Swin), and `multimax_swin_*`, `sima_swin_*`, `additive_swin_*` (the original's architecture with that attention).
 """
-import inspect
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
+from functools import partial
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
 
-from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
-from timm.layers import DropPath, Mlp, PatchEmbed, calculate_drop_path_rates, to_2tuple, trunc_normal_
+from timm.layers import PatchEmbed, calculate_drop_path_rates, global_pool_nlc, to_2tuple
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 from timm.models._features import feature_take_indices
 
@@ -27,35 +25,16 @@ from ._checkpoint import (
     check_state_dict, checkpoint_state_dict, drop_derived_buffers, resize_grid_embedding,
     resize_rel_pos_bias_table,
 )
-from .attention import build_attention, get_attention_class, is_linear_attention, stage_attentions
+from ._common import (
+    FLATTEN_META, INLINE_META, Block, check_global_pool, check_img_size, check_output_fmt, imagenet_cfg,
+    init_weights, new_classifier, run_blocks, tsinghua_url,
+)
+from .attention import build_attention, is_linear_attention, method_kwargs, stage_attentions
 from .attention.base import Grid, tokens_to_image
 
-__all__ = ['SwinTransformer', 'checkpoint_filter_fn', 'method_kwargs', 'resize_attention_tables']
+__all__ = ['SwinTransformer', 'checkpoint_filter_fn', 'resize_attention_tables']
 
 GLOBAL_POOLS = ('avg', '')
-
-
-def method_kwargs(attn_name: str, **options: Any) -> Dict[str, Any]:
-    """The `options` that attention `attn_name`'s constructor takes by name (FLatten's `focusing_factor`, ...)."""
-    params = inspect.signature(get_attention_class(attn_name).__init__).parameters
-    return {k: v for k, v in options.items() if k in params}
-
-
-def check_global_pool(global_pool: str) -> str:
-    if global_pool not in GLOBAL_POOLS:
-        raise ValueError(f"global_pool {global_pool!r} is not supported; expected 'avg' or ''")
-    return global_pool
-
-
-def init_weights(module: nn.Module) -> None:
-    """Official init: Linear trunc-normal(.02) with zero bias, LayerNorm weight 1 and bias 0."""
-    if isinstance(module, nn.Linear):
-        trunc_normal_(module.weight, std=.02)
-        if module.bias is not None:
-            nn.init.zeros_(module.bias)
-    elif isinstance(module, nn.LayerNorm):
-        nn.init.ones_(module.weight)
-        nn.init.zeros_(module.bias)
 
 
 def resize_attention_tables(
@@ -99,39 +78,6 @@ class PatchMerging(nn.Module):
         return self.reduction(self.norm(x.view(B, -1, 4 * C)))
 
 
-class SwinBlock(nn.Module):
-    """Pre-norm block: x + attn(norm1 x), then x + mlp(norm2 x), on a (B, H*W, C) token map."""
-
-    def __init__(
-            self,
-            dim: int,
-            num_heads: int,
-            grid_size: Grid,
-            attn_name: str,
-            window_size: Optional[int],
-            shift_size: int,
-            mlp_ratio: float,
-            qkv_bias: bool,
-            drop: float,
-            attn_drop: float,
-            drop_path: float,
-            attn_options: Dict[str, Any],
-    ):
-        super().__init__()
-        self.grid_size = grid_size
-        self.norm1 = nn.LayerNorm(dim)
-        self.attn = build_attention(
-            attn_name, dim, num_heads, grid_size, qkv_bias, window_size=window_size, shift_size=shift_size,
-            rel_pos_bias=True, attn_drop=attn_drop, proj_drop=drop, **method_kwargs(attn_name, **attn_options))
-        self.drop_path = DropPath(drop_path) if drop_path > 0. else nn.Identity()
-        self.norm2 = nn.LayerNorm(dim)
-        self.mlp = Mlp(dim, int(dim * mlp_ratio), drop=drop)
-
-    def forward(self, x: Tensor) -> Tensor:
-        x = x + self.drop_path(self.attn(self.norm1(x), self.grid_size))
-        return x + self.drop_path(self.mlp(self.norm2(x)))
-
-
 class SwinStage(nn.Module):
     """The blocks of one resolution, then (stages 0 to n-2) the patch merging to the next."""
 
@@ -158,19 +104,15 @@ class SwinStage(nn.Module):
         for j, name in enumerate(attn_names):
             window = la_window_size if is_linear_attention(name) else window_size
             shift = window // 2 if window is not None and j % 2 else 0
-            blocks.append(SwinBlock(
-                dim, num_heads, grid_size, name, window, shift, mlp_ratio, qkv_bias, drop, attn_drop, drop_path[j],
-                attn_options))
+            attn = build_attention(
+                name, dim, num_heads, grid_size, qkv_bias, window_size=window, shift_size=shift, rel_pos_bias=True,
+                attn_drop=attn_drop, proj_drop=drop, **method_kwargs(name, **attn_options))
+            blocks.append(Block(dim, attn, mlp_ratio=mlp_ratio, drop=drop, drop_path=drop_path[j]))
         self.blocks = nn.ModuleList(blocks)
         self.downsample = PatchMerging(dim, grid_size) if downsample else None
 
     def forward_blocks(self, x: Tensor) -> Tensor:
-        for block in self.blocks:
-            if self.grad_checkpointing and not torch.jit.is_scripting():
-                x = checkpoint(block, x, use_reentrant=False)
-            else:
-                x = block(x)
-        return x
+        return run_blocks(self.blocks, x, self.grid_size, grad_checkpointing=self.grad_checkpointing)
 
     def forward(self, x: Tensor) -> Tensor:
         x = self.forward_blocks(x)
@@ -232,7 +174,7 @@ class SwinTransformer(nn.Module):
                              f"patch mergings cannot halve evenly; expected a multiple of "
                              f"{patch_size * 2 ** (num_stages - 1)}")
         self.num_classes = num_classes
-        self.global_pool = check_global_pool(global_pool)
+        self.global_pool = check_global_pool(global_pool, GLOBAL_POOLS)
         self.num_features = self.head_hidden_size = int(embed_dim * 2 ** (num_stages - 1))
         self.attn_names = stage_attentions(attn_type, depths, mixed_linear)
         attn_options = dict(focusing_factor=focusing_factor, kernel_size=kernel_size)
@@ -279,33 +221,24 @@ class SwinTransformer(nn.Module):
         return self.head
 
     def reset_classifier(self, num_classes: int, global_pool: Optional[str] = None) -> None:
+        """A new `num_classes`-way head (Identity for 0), initialised as the official code does, on the model's
+        device and dtype; optionally a new pooling."""
         self.num_classes = num_classes
         if global_pool is not None:
-            self.global_pool = check_global_pool(global_pool)
-        ref = next(self.parameters())
-        if num_classes > 0:
-            self.head = nn.Linear(self.num_features, num_classes, device=ref.device, dtype=ref.dtype)
-            init_weights(self.head)
-        else:
-            self.head = nn.Identity()
-        self.head.train(self.training)
-
-    def _check_input(self, x: Tensor) -> None:
-        if tuple(x.shape[-2:]) != self.img_size:
-            raise ValueError(f"input image size {x.shape[-2]}x{x.shape[-1]} does not match the model's img_size "
-                             f"{self.img_size[0]}x{self.img_size[1]}")
+            self.global_pool = check_global_pool(global_pool, GLOBAL_POOLS)
+        self.head = new_classifier(self, self.num_features, num_classes)
+        self.head.apply(init_weights)
 
     def forward_features(self, x: Tensor) -> Tensor:
         """(B, in_chans, H, W) -> (B, H*W / patch^2 / 4^(stages-1), num_features) normalised tokens."""
-        self._check_input(x)
+        check_img_size(x, self.img_size)
         x = self.pos_drop(self.patch_embed(x))
         for stage in self.layers:
             x = stage(x)
         return self.norm(x)
 
     def forward_head(self, x: Tensor, pre_logits: bool = False) -> Tensor:
-        if self.global_pool == 'avg':
-            x = x.mean(dim=1)
+        x = global_pool_nlc(x, self.global_pool, num_prefix_tokens=0)
         return x if pre_logits else self.head(x)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -325,9 +258,8 @@ class SwinTransformer(nn.Module):
         `indices`: the last n stages (int), the given stages (list) or all (None). `norm` applies the final norm
         to the last stage's output. Returns the intermediates, or (final features, intermediates).
         """
-        if output_fmt not in ('NCHW', 'NLC'):
-            raise ValueError(f"output_fmt {output_fmt!r} is not supported; expected 'NCHW' or 'NLC'")
-        self._check_input(x)
+        check_output_fmt(output_fmt)
+        check_img_size(x, self.img_size)
         take_indices, max_index = feature_take_indices(len(self.layers), indices)
         stages = self.layers[:max_index + 1] if stop_early else self.layers
         last = len(self.layers) - 1
@@ -383,13 +315,7 @@ def _create_swin(variant: str, pretrained: bool = False, **kwargs: Any) -> SwinT
         **kwargs)
 
 
-def _cfg(url: str = '', **kwargs: Any) -> Dict[str, Any]:
-    return {
-        'url': url, 'num_classes': 1000, 'input_size': (3, 224, 224), 'pool_size': None, 'crop_pct': 0.875,
-        'interpolation': 'bicubic', 'fixed_input_size': True, 'mean': IMAGENET_DEFAULT_MEAN,
-        'std': IMAGENET_DEFAULT_STD, 'first_conv': 'patch_embed.proj', 'classifier': 'head', **kwargs,
-    }
-
+_cfg = partial(imagenet_cfg, fixed_input_size=True, first_conv='patch_embed.proj')
 
 _SIZES: Dict[str, Dict[str, Any]] = {
     'tiny': dict(embed_dim=96, depths=(2, 2, 6, 2), num_heads=(3, 6, 12, 24)),
@@ -397,94 +323,235 @@ _SIZES: Dict[str, Dict[str, Any]] = {
     'base': dict(embed_dim=128, depths=(2, 2, 18, 2), num_heads=(4, 8, 16, 32)),
     'base_384': dict(img_size=384, embed_dim=128, depths=(2, 2, 18, 2), num_heads=(4, 8, 16, 32)),
 }
-_INPUT_384 = dict(input_size=(3, 384, 384), crop_pct=1.0)
+# The official InLine / FLatten models: their attention pattern per size. Their constructors take `window_size` as
+# the window of the linear blocks (by default the stage-0 grid: global) and derive the softmax window from it.
+_OFFICIAL_ARGS: Dict[str, Dict[str, Dict[str, Any]]] = {
+    'inline': {'tiny': dict(attn_type='IIIS'), 'small': dict(attn_type='IISS'), 'base': dict(attn_type='IIMS2'),
+               'base_384': dict(attn_type='IIMS2')},
+    'flatten': {size: dict(attn_type='LLSS', mixed_linear='flatten') for size in _SIZES},
+}
+_SOFTMAX_WINDOW: Dict[str, Callable[[int], int]] = {
+    'inline': lambda window_size: max(7, window_size // 8),
+    'flatten': lambda window_size: 7 if window_size <= 56 else 12,
+}
 
-_TSINGHUA = 'https://cloud.tsinghua.edu.cn/f/{}/?dl=1'
-_SWIN_STORAGE = 'https://github.com/SwinTransformer/storage/releases/download/v1.0.0/{}.pth'
-_INLINE = dict(paper_ids='arXiv:2412.06590', origin_url='https://github.com/LeapLabTHU/InLine')
-_FLATTEN = dict(paper_ids='arXiv:2308.00442', origin_url='https://github.com/LeapLabTHU/FLatten-Transformer')
-_SWIN = dict(paper_ids='arXiv:2103.14030', origin_url='https://github.com/microsoft/Swin-Transformer')
-
-# Official release files; sizes absent here have none.
+_SWIN_META = dict(paper_ids='arXiv:2103.14030', origin_url='https://github.com/microsoft/Swin-Transformer')
+_META = {'inline': INLINE_META, 'flatten': FLATTEN_META, 'softmax': _SWIN_META}
+_SWIN_URL = 'https://github.com/SwinTransformer/storage/releases/download/v1.0.0/{}.pth'
+# Official release files; variants absent here have none.
 _URLS = {
-    'inline_swin_tiny': _TSINGHUA.format('32810869fcc34410966b'),
-    'inline_swin_small': _TSINGHUA.format('e9657fd247c04c7cb1a1'),
-    'inline_swin_base': _TSINGHUA.format('bf23564bb64c420aafe1'),
-    'flatten_swin_tiny': _TSINGHUA.format('e1518e76703e4e57a7f2'),
-    'flatten_swin_small': _TSINGHUA.format('94188e52af354bf4a88b'),
-    'flatten_swin_base': _TSINGHUA.format('7a9e5186bad04e7fb3a9'),
-    'flatten_swin_base_384': _TSINGHUA.format('0d0330cf2e5249f1abb6'),
-    'softmax_swin_tiny': _SWIN_STORAGE.format('swin_tiny_patch4_window7_224'),
-    'softmax_swin_small': _SWIN_STORAGE.format('swin_small_patch4_window7_224'),
-    'softmax_swin_base': _SWIN_STORAGE.format('swin_base_patch4_window7_224'),
-    'softmax_swin_base_384': _SWIN_STORAGE.format('swin_base_patch4_window12_384'),
+    'inline_swin_tiny': tsinghua_url('32810869fcc34410966b'),
+    'inline_swin_small': tsinghua_url('e9657fd247c04c7cb1a1'),
+    'inline_swin_base': tsinghua_url('bf23564bb64c420aafe1'),
+    'flatten_swin_tiny': tsinghua_url('e1518e76703e4e57a7f2'),
+    'flatten_swin_small': tsinghua_url('94188e52af354bf4a88b'),
+    'flatten_swin_base': tsinghua_url('7a9e5186bad04e7fb3a9'),
+    'flatten_swin_base_384': tsinghua_url('0d0330cf2e5249f1abb6'),
+    'softmax_swin_tiny': _SWIN_URL.format('swin_tiny_patch4_window7_224'),
+    'softmax_swin_small': _SWIN_URL.format('swin_small_patch4_window7_224'),
+    'softmax_swin_base': _SWIN_URL.format('swin_base_patch4_window7_224'),
+    'softmax_swin_base_384': _SWIN_URL.format('swin_base_patch4_window12_384'),
 }
-
-
-class _Flavour(NamedTuple):
-    """What a flavour's entrypoints set: per-size arguments, cfg metadata, a docstring and, for the official
-    InLine / FLatten models, the rule that derives the softmax window from the official `window_size`."""
-    args: Dict[str, Dict[str, Any]]
-    meta: Dict[str, str]
-    doc: str
-    softmax_window: Optional[Tuple[str, Callable[[int], int]]] = None
-
-
-_ORIGINAL_ARGS = {size: dict(window_size=12 if size == 'base_384' else 7) for size in _SIZES}
-_FLAVOURS: Dict[str, _Flavour] = {
-    'inline': _Flavour(
-        {'tiny': dict(attn_type='IIIS'), 'small': dict(attn_type='IISS'), 'base': dict(attn_type='IIMS2'),
-         'base_384': dict(attn_type='IIMS2')},
-        _INLINE, 'InLine-Swin-{size} (official configuration, pattern {attn_type}).',
-        ('max(7, window_size // 8)', lambda ws: max(7, ws // 8))),
-    'flatten': _Flavour(
-        {size: dict(attn_type='LLSS', mixed_linear='flatten') for size in _SIZES},
-        _FLATTEN, 'FLatten-Swin-{size} (official configuration, pattern {attn_type}).',
-        ('7 if window_size <= 56 else 12', lambda ws: 7 if ws <= 56 else 12)),
-    'softmax': _Flavour(
-        {size: dict(args, attn_type='softmax') for size, args in _ORIGINAL_ARGS.items()},
-        _SWIN, 'Swin-{size}, the original softmax model (window {window_size}).'),
-}
-for _name in ('multimax', 'sima', 'additive'):
-    _FLAVOURS[_name] = _Flavour(
-        {size: dict(args, attn_type=_name) for size, args in _ORIGINAL_ARGS.items()}, {},
-        f'Swin-{{size}} architecture with {_name} attention in every block (window {{window_size}} if it forms '
-        f'scores, global if linear).')
-
-_OFFICIAL_WINDOW_DOC = """
-
-    `window_size` has the official constructor's meaning: the window of the linear blocks (default {window},
-    which covers every stage grid at this resolution: global). The softmax window derives from it:
-    {rule}. `la_window_size` overrides the linear window alone.
-"""
 
 default_cfgs = generate_default_cfgs({
-    f'{flavour}_swin_{size}': _cfg(_URLS.get(f'{flavour}_swin_{size}', ''), **spec.meta,
-                                   **(_INPUT_384 if size == 'base_384' else {}))
-    for flavour, spec in _FLAVOURS.items() for size in _SIZES
+    f'{flavour}_swin_{size}': _cfg(_URLS.get(f'{flavour}_swin_{size}', ''), **_META.get(flavour, {}),
+                                   **(dict(input_size=(3, 384, 384), crop_pct=1.0) if size == 'base_384' else {}))
+    for flavour in ('inline', 'flatten', 'softmax', 'multimax', 'sima', 'additive') for size in _SIZES
 })
 
 
-def _register(flavour: str, size: str) -> None:
-    name = f'{flavour}_swin_{size}'
-    spec = _FLAVOURS[flavour]
-    model_args = dict(_SIZES[size], **spec.args[size])
-    official_window = 96 if size == 'base_384' else 56
-
-    def entrypoint(pretrained: bool = False, **kwargs: Any) -> SwinTransformer:
-        if spec.softmax_window is not None:
-            linear_window = kwargs.pop('window_size', official_window)
-            kwargs.setdefault('la_window_size', linear_window)
-            kwargs['window_size'] = spec.softmax_window[1](linear_window)
-        return _create_swin(name, pretrained=pretrained, **dict(model_args, **kwargs))
-
-    entrypoint.__name__ = entrypoint.__qualname__ = name
-    entrypoint.__doc__ = spec.doc.format(size=size, **model_args)
-    if spec.softmax_window is not None:
-        entrypoint.__doc__ += _OFFICIAL_WINDOW_DOC.format(window=official_window, rule=spec.softmax_window[0])
-    globals()[name] = register_model(entrypoint)
+def _swin(variant: str, pretrained: bool, **kwargs: Any) -> SwinTransformer:
+    """`{flavour}_swin_{size}`: the size's architecture with the official InLine / FLatten attention pattern, or
+    with attention `flavour` in every block and the original Swin's window (7; 12 at 384)."""
+    flavour, size = variant.split('_swin_')
+    if flavour in _OFFICIAL_ARGS:
+        linear_window = kwargs.pop('window_size', 96 if size == 'base_384' else 56)
+        kwargs.setdefault('la_window_size', linear_window)
+        model_args = dict(_OFFICIAL_ARGS[flavour][size], window_size=_SOFTMAX_WINDOW[flavour](linear_window))
+    else:
+        model_args = dict(attn_type=flavour, window_size=12 if size == 'base_384' else 7)
+    return _create_swin(variant, pretrained=pretrained, **{**_SIZES[size], **model_args, **kwargs})
 
 
-for _flavour in _FLAVOURS:
-    for _size in _SIZES:
-        _register(_flavour, _size)
+@register_model
+def inline_swin_tiny(pretrained: bool = False, **kwargs: Any) -> SwinTransformer:
+    """InLine-Swin-T (official configuration, pattern IIIS).
+
+    `window_size` has the official constructor's meaning: the window of the linear blocks (default 56, which
+    covers every stage grid at this resolution: global). The softmax window derives from it:
+    max(7, window_size // 8). `la_window_size` overrides the linear window alone.
+    """
+    return _swin('inline_swin_tiny', pretrained, **kwargs)
+
+
+@register_model
+def inline_swin_small(pretrained: bool = False, **kwargs: Any) -> SwinTransformer:
+    """InLine-Swin-S (official configuration, pattern IISS).
+
+    `window_size` has the official constructor's meaning: the window of the linear blocks (default 56, which
+    covers every stage grid at this resolution: global). The softmax window derives from it:
+    max(7, window_size // 8). `la_window_size` overrides the linear window alone.
+    """
+    return _swin('inline_swin_small', pretrained, **kwargs)
+
+
+@register_model
+def inline_swin_base(pretrained: bool = False, **kwargs: Any) -> SwinTransformer:
+    """InLine-Swin-B (official configuration, pattern IIMS2).
+
+    `window_size` has the official constructor's meaning: the window of the linear blocks (default 56, which
+    covers every stage grid at this resolution: global). The softmax window derives from it:
+    max(7, window_size // 8). `la_window_size` overrides the linear window alone.
+    """
+    return _swin('inline_swin_base', pretrained, **kwargs)
+
+
+@register_model
+def inline_swin_base_384(pretrained: bool = False, **kwargs: Any) -> SwinTransformer:
+    """InLine-Swin-B 384 (official configuration, pattern IIMS2).
+
+    `window_size` has the official constructor's meaning: the window of the linear blocks (default 96, which
+    covers every stage grid at this resolution: global). The softmax window derives from it:
+    max(7, window_size // 8). `la_window_size` overrides the linear window alone.
+    """
+    return _swin('inline_swin_base_384', pretrained, **kwargs)
+
+
+@register_model
+def flatten_swin_tiny(pretrained: bool = False, **kwargs: Any) -> SwinTransformer:
+    """FLatten-Swin-T (official configuration, pattern LLSS).
+
+    `window_size` has the official constructor's meaning: the window of the linear blocks (default 56, which
+    covers every stage grid at this resolution: global). The softmax window derives from it:
+    7 if window_size <= 56 else 12. `la_window_size` overrides the linear window alone.
+    """
+    return _swin('flatten_swin_tiny', pretrained, **kwargs)
+
+
+@register_model
+def flatten_swin_small(pretrained: bool = False, **kwargs: Any) -> SwinTransformer:
+    """FLatten-Swin-S (official configuration, pattern LLSS).
+
+    `window_size` has the official constructor's meaning: the window of the linear blocks (default 56, which
+    covers every stage grid at this resolution: global). The softmax window derives from it:
+    7 if window_size <= 56 else 12. `la_window_size` overrides the linear window alone.
+    """
+    return _swin('flatten_swin_small', pretrained, **kwargs)
+
+
+@register_model
+def flatten_swin_base(pretrained: bool = False, **kwargs: Any) -> SwinTransformer:
+    """FLatten-Swin-B (official configuration, pattern LLSS).
+
+    `window_size` has the official constructor's meaning: the window of the linear blocks (default 56, which
+    covers every stage grid at this resolution: global). The softmax window derives from it:
+    7 if window_size <= 56 else 12. `la_window_size` overrides the linear window alone.
+    """
+    return _swin('flatten_swin_base', pretrained, **kwargs)
+
+
+@register_model
+def flatten_swin_base_384(pretrained: bool = False, **kwargs: Any) -> SwinTransformer:
+    """FLatten-Swin-B 384 (official configuration, pattern LLSS).
+
+    `window_size` has the official constructor's meaning: the window of the linear blocks (default 96, which
+    covers every stage grid at this resolution: global). The softmax window derives from it:
+    7 if window_size <= 56 else 12. `la_window_size` overrides the linear window alone.
+    """
+    return _swin('flatten_swin_base_384', pretrained, **kwargs)
+
+
+@register_model
+def softmax_swin_tiny(pretrained: bool = False, **kwargs: Any) -> SwinTransformer:
+    """Swin-T, the original softmax model (window 7)."""
+    return _swin('softmax_swin_tiny', pretrained, **kwargs)
+
+
+@register_model
+def softmax_swin_small(pretrained: bool = False, **kwargs: Any) -> SwinTransformer:
+    """Swin-S, the original softmax model (window 7)."""
+    return _swin('softmax_swin_small', pretrained, **kwargs)
+
+
+@register_model
+def softmax_swin_base(pretrained: bool = False, **kwargs: Any) -> SwinTransformer:
+    """Swin-B, the original softmax model (window 7)."""
+    return _swin('softmax_swin_base', pretrained, **kwargs)
+
+
+@register_model
+def softmax_swin_base_384(pretrained: bool = False, **kwargs: Any) -> SwinTransformer:
+    """Swin-B 384, the original softmax model (window 12)."""
+    return _swin('softmax_swin_base_384', pretrained, **kwargs)
+
+
+@register_model
+def multimax_swin_tiny(pretrained: bool = False, **kwargs: Any) -> SwinTransformer:
+    """Swin-T with MultiMax attention in every block (in windows of 7 as the original)."""
+    return _swin('multimax_swin_tiny', pretrained, **kwargs)
+
+
+@register_model
+def multimax_swin_small(pretrained: bool = False, **kwargs: Any) -> SwinTransformer:
+    """Swin-S with MultiMax attention in every block (in windows of 7 as the original)."""
+    return _swin('multimax_swin_small', pretrained, **kwargs)
+
+
+@register_model
+def multimax_swin_base(pretrained: bool = False, **kwargs: Any) -> SwinTransformer:
+    """Swin-B with MultiMax attention in every block (in windows of 7 as the original)."""
+    return _swin('multimax_swin_base', pretrained, **kwargs)
+
+
+@register_model
+def multimax_swin_base_384(pretrained: bool = False, **kwargs: Any) -> SwinTransformer:
+    """Swin-B 384 with MultiMax attention in every block (in windows of 12 as the original)."""
+    return _swin('multimax_swin_base_384', pretrained, **kwargs)
+
+
+@register_model
+def sima_swin_tiny(pretrained: bool = False, **kwargs: Any) -> SwinTransformer:
+    """Swin-T with SimA attention in every block (global: it is linear)."""
+    return _swin('sima_swin_tiny', pretrained, **kwargs)
+
+
+@register_model
+def sima_swin_small(pretrained: bool = False, **kwargs: Any) -> SwinTransformer:
+    """Swin-S with SimA attention in every block (global: it is linear)."""
+    return _swin('sima_swin_small', pretrained, **kwargs)
+
+
+@register_model
+def sima_swin_base(pretrained: bool = False, **kwargs: Any) -> SwinTransformer:
+    """Swin-B with SimA attention in every block (global: it is linear)."""
+    return _swin('sima_swin_base', pretrained, **kwargs)
+
+
+@register_model
+def sima_swin_base_384(pretrained: bool = False, **kwargs: Any) -> SwinTransformer:
+    """Swin-B 384 with SimA attention in every block (global: it is linear)."""
+    return _swin('sima_swin_base_384', pretrained, **kwargs)
+
+
+@register_model
+def additive_swin_tiny(pretrained: bool = False, **kwargs: Any) -> SwinTransformer:
+    """Swin-T with additive (Fastformer) attention in every block (global: it is linear)."""
+    return _swin('additive_swin_tiny', pretrained, **kwargs)
+
+
+@register_model
+def additive_swin_small(pretrained: bool = False, **kwargs: Any) -> SwinTransformer:
+    """Swin-S with additive (Fastformer) attention in every block (global: it is linear)."""
+    return _swin('additive_swin_small', pretrained, **kwargs)
+
+
+@register_model
+def additive_swin_base(pretrained: bool = False, **kwargs: Any) -> SwinTransformer:
+    """Swin-B with additive (Fastformer) attention in every block (global: it is linear)."""
+    return _swin('additive_swin_base', pretrained, **kwargs)
+
+
+@register_model
+def additive_swin_base_384(pretrained: bool = False, **kwargs: Any) -> SwinTransformer:
+    """Swin-B 384 with additive (Fastformer) attention in every block (global: it is linear)."""
+    return _swin('additive_swin_base_384', pretrained, **kwargs)

@@ -9,70 +9,28 @@ The model runs only at the input size it was built for (the patch grid is part o
 another size is adapted on loading by resizing `pos_embed` bicubically, the class token's row kept.
 """
 from functools import partial
-from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple, Union
 
 import torch
 from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
 
-from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
-from timm.layers import DropPath, Mlp, PatchEmbed, calculate_drop_path_rates, to_2tuple, trunc_normal_
+from timm.layers import PatchEmbed, calculate_drop_path_rates, global_pool_nlc, to_2tuple, trunc_normal_
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 from timm.models._features import feature_take_indices
 
 from ._checkpoint import (
     CheckpointError, check_state_dict, checkpoint_state_dict, drop_derived_buffers, resize_grid_embedding,
 )
+from ._common import (
+    INLINE_META, Block, check_global_pool, check_img_size, check_output_fmt, imagenet_cfg, init_weights,
+    new_classifier, run_blocks, tsinghua_url,
+)
 from .attention import build_attention, stage_attentions
+from .attention.base import Grid, tokens_to_image
 
-__all__ = ['DeiT', 'Block', 'checkpoint_filter_fn']
+__all__ = ['DeiT', 'checkpoint_filter_fn']
 
-Grid = Tuple[int, int]
-
-
-class Block(nn.Module):
-    """Pre-norm transformer block around a given attention: x + attn(norm1(x)), then x + mlp(norm2(x)).
-
-    Args:
-        dim: channels C.
-        attn: an attention module called as `attn(x, size)` on (B, N, C) tokens.
-        mlp_ratio: hidden width of the MLP relative to `dim`.
-        drop: dropout after the MLP layers.
-        drop_path: stochastic depth rate of both residual branches.
-        norm_layer: normalisation of the attention and MLP inputs.
-    """
-
-    def __init__(
-            self,
-            dim: int,
-            attn: nn.Module,
-            mlp_ratio: float = 4.,
-            drop: float = 0.,
-            drop_path: float = 0.,
-            norm_layer: Callable[[int], nn.Module] = nn.LayerNorm,
-    ):
-        super().__init__()
-        self.norm1 = norm_layer(dim)
-        self.attn = attn
-        self.drop_path = DropPath(drop_path) if drop_path > 0. else nn.Identity()
-        self.norm2 = norm_layer(dim)
-        self.mlp = Mlp(dim, int(dim * mlp_ratio), drop=drop)
-
-    def forward(self, x: Tensor, size: Grid) -> Tensor:
-        """x: (B, N, C), the last H*W tokens forming the grid `size` = (H, W) -> (B, N, C)."""
-        x = x + self.drop_path(self.attn(self.norm1(x), size))
-        return x + self.drop_path(self.mlp(self.norm2(x)))
-
-
-def init_weights(module: nn.Module) -> None:
-    """The official initialisation: Linear trunc-normal(.02) with zero bias, LayerNorm 1 and 0."""
-    if isinstance(module, nn.Linear):
-        trunc_normal_(module.weight, std=.02)
-        if module.bias is not None:
-            nn.init.zeros_(module.bias)
-    elif isinstance(module, nn.LayerNorm):
-        nn.init.ones_(module.weight)
-        nn.init.zeros_(module.bias)
+GLOBAL_POOLS = ('token', 'avg', '')
 
 
 class DeiT(nn.Module):
@@ -110,9 +68,8 @@ class DeiT(nn.Module):
             drop_path_rate: float = 0.,
     ):
         super().__init__()
-        _check_pool(global_pool)
         self.num_classes = num_classes
-        self.global_pool = global_pool
+        self.global_pool = check_global_pool(global_pool, GLOBAL_POOLS)
         self.num_features = self.head_hidden_size = self.embed_dim = embed_dim
         self.num_prefix_tokens = 1
         self.grad_checkpointing = False
@@ -165,40 +122,26 @@ class DeiT(nn.Module):
     def reset_classifier(self, num_classes: int, global_pool: Optional[str] = None) -> None:
         """A new `num_classes`-way head (Identity for 0) on the model's device and dtype; optionally a new pooling."""
         if global_pool is not None:
-            _check_pool(global_pool)
-            self.global_pool = global_pool
+            self.global_pool = check_global_pool(global_pool, GLOBAL_POOLS)
         self.num_classes = num_classes
-        ref = self.pos_embed
-        self.head = (nn.Linear(self.embed_dim, num_classes, device=ref.device, dtype=ref.dtype)
-                     if num_classes > 0 else nn.Identity())
-        self.head.train(self.training)
+        self.head = new_classifier(self, self.embed_dim, num_classes)
 
     def _embed(self, x: Tensor) -> Tensor:
-        if tuple(x.shape[-2:]) != self.img_size:
-            raise ValueError(f"input image size {tuple(x.shape[-2:])} does not match the model's img_size "
-                             f"{self.img_size}; build the model with img_size={tuple(x.shape[-2:])}")
+        check_img_size(x, self.img_size)
         x = self.patch_embed(x)
         x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)
         return self.pos_drop(x + self.pos_embed)
 
-    def _run_block(self, block: Block, x: Tensor) -> Tensor:
-        if self.grad_checkpointing and not torch.jit.is_scripting():
-            return checkpoint(block, x, self.grid_size, use_reentrant=False)
-        return block(x, self.grid_size)
+    def _run_blocks(self, blocks: Sequence[Block], x: Tensor) -> Tensor:
+        return run_blocks(blocks, x, self.grid_size, grad_checkpointing=self.grad_checkpointing)
 
     def forward_features(self, x: Tensor) -> Tensor:
         """(B, in_chans, H, W) images -> (B, 1 + H*W/patch², C) normalised tokens, class token first."""
-        x = self._embed(x)
-        for block in self.blocks:
-            x = self._run_block(block, x)
-        return self.norm(x)
+        return self.norm(self._run_blocks(self.blocks, self._embed(x)))
 
     def forward_head(self, x: Tensor, pre_logits: bool = False) -> Tensor:
         """Pool the tokens of `forward_features` (class token or mean of the patch tokens), then classify."""
-        if self.global_pool == 'token':
-            x = x[:, 0]
-        elif self.global_pool == 'avg':
-            x = x[:, self.num_prefix_tokens:].mean(dim=1)
+        x = global_pool_nlc(x, self.global_pool, self.num_prefix_tokens)
         return x if pre_logits else self.head(x)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -218,20 +161,16 @@ class DeiT(nn.Module):
         Returns the intermediates ((B, C, H, W) for 'NCHW', (B, H*W, C) for 'NLC'), after the final norm when
         `norm`, and unless `intermediates_only` the final features of `forward_features` first.
         """
-        if output_fmt not in ('NCHW', 'NLC'):
-            raise ValueError(f"output_fmt {output_fmt!r} must be 'NCHW' or 'NLC'")
+        check_output_fmt(output_fmt)
         take_indices, max_index = feature_take_indices(len(self.blocks), indices)
         blocks = self.blocks[:max_index + 1] if stop_early else self.blocks
-        B = x.shape[0]
         x = self._embed(x)
         intermediates = []
         for i, block in enumerate(blocks):
-            x = self._run_block(block, x)
+            x = self._run_blocks([block], x)
             if i in take_indices:
                 y = (self.norm(x) if norm else x)[:, self.num_prefix_tokens:]
-                if output_fmt == 'NCHW':
-                    y = y.reshape(B, *self.grid_size, -1).permute(0, 3, 1, 2).contiguous()
-                intermediates.append(y)
+                intermediates.append(tokens_to_image(y, self.grid_size) if output_fmt == 'NCHW' else y)
         if intermediates_only:
             return intermediates
         return self.norm(x), intermediates
@@ -252,11 +191,6 @@ class DeiT(nn.Module):
         return take_indices
 
 
-def _check_pool(global_pool: str) -> None:
-    if global_pool not in ('token', 'avg', ''):
-        raise ValueError(f"global_pool {global_pool!r} must be 'token', 'avg' or ''")
-
-
 def checkpoint_filter_fn(state_dict: Dict[str, Tensor], model: DeiT) -> Dict[str, Tensor]:
     """Adapt a DeiT / InLine-DeiT checkpoint to `model`: unwrap, resize `pos_embed` to its grid, check the keys."""
     state_dict = drop_derived_buffers(checkpoint_state_dict(state_dict))
@@ -269,7 +203,7 @@ def checkpoint_filter_fn(state_dict: Dict[str, Tensor], model: DeiT) -> Dict[str
     return state_dict
 
 
-def _create_deit(variant: str, pretrained: bool = False, **kwargs) -> DeiT:
+def _create_deit(variant: str, pretrained: bool = False, **kwargs: Any) -> DeiT:
     out_indices = kwargs.pop('out_indices', 3)
     return build_model_with_cfg(
         DeiT, variant, pretrained,
@@ -278,129 +212,122 @@ def _create_deit(variant: str, pretrained: bool = False, **kwargs) -> DeiT:
         **kwargs)
 
 
-def _cfg(url: str = '', **kwargs) -> Dict[str, Any]:
-    return {
-        'url': url, 'num_classes': 1000, 'input_size': (3, 224, 224), 'pool_size': None, 'crop_pct': 0.875,
-        'interpolation': 'bicubic', 'fixed_input_size': True, 'mean': IMAGENET_DEFAULT_MEAN,
-        'std': IMAGENET_DEFAULT_STD, 'first_conv': 'patch_embed.proj', 'classifier': 'head', **kwargs,
-    }
+_cfg = partial(imagenet_cfg, fixed_input_size=True, first_conv='patch_embed.proj')
 
 
-_DEIT_PAPER = dict(paper_ids='arXiv:2012.12877', origin_url='https://github.com/facebookresearch/deit',
-                   license='apache-2.0')
-_INLINE_PAPER = dict(paper_ids='arXiv:2412.06590', origin_url='https://github.com/LeapLabTHU/InLine')
+_DEIT_META = dict(paper_ids='arXiv:2012.12877', origin_url='https://github.com/facebookresearch/deit',
+                  license='apache-2.0')
+_DEIT_URL = 'https://dl.fbaipublicfiles.com/deit/deit_{}_patch16_224-{}.pth'
 
 # (embed_dim, num_heads, img_size) of each size; InLine-DeiT has its own widths and input sizes.
 _DEIT_SIZES = {'tiny': (192, 3, 224), 'small': (384, 6, 224), 'base': (768, 12, 224)}
 _INLINE_SIZES = {'tiny': (192, 6, 224), 'small': (320, 10, 288), 'base': (384, 12, 448)}
 
 default_cfgs = generate_default_cfgs({
-    'softmax_deit_tiny': _cfg('https://dl.fbaipublicfiles.com/deit/deit_tiny_patch16_224-a1311bcf.pth', **_DEIT_PAPER),
-    'softmax_deit_small': _cfg('https://dl.fbaipublicfiles.com/deit/deit_small_patch16_224-cd65a155.pth',
-                               **_DEIT_PAPER),
-    'softmax_deit_base': _cfg('https://dl.fbaipublicfiles.com/deit/deit_base_patch16_224-b5f2ef4d.pth', **_DEIT_PAPER),
-    'inline_deit_tiny': _cfg('https://cloud.tsinghua.edu.cn/f/1d6b8191ad6d4114b291/?dl=1', **_INLINE_PAPER),
-    'inline_deit_small': _cfg('https://cloud.tsinghua.edu.cn/f/2f3898b07e9247f3beb3/?dl=1',
-                              input_size=(3, 288, 288), **_INLINE_PAPER),
-    'inline_deit_base': _cfg('https://cloud.tsinghua.edu.cn/f/10bdd726d4b0435eb34e/?dl=1',
-                             input_size=(3, 448, 448), **_INLINE_PAPER),
+    'softmax_deit_tiny': _cfg(_DEIT_URL.format('tiny', 'a1311bcf'), **_DEIT_META),
+    'softmax_deit_small': _cfg(_DEIT_URL.format('small', 'cd65a155'), **_DEIT_META),
+    'softmax_deit_base': _cfg(_DEIT_URL.format('base', 'b5f2ef4d'), **_DEIT_META),
+    'inline_deit_tiny': _cfg(tsinghua_url('1d6b8191ad6d4114b291'), **INLINE_META),
+    'inline_deit_small': _cfg(tsinghua_url('2f3898b07e9247f3beb3'), input_size=(3, 288, 288), **INLINE_META),
+    'inline_deit_base': _cfg(tsinghua_url('10bdd726d4b0435eb34e'), input_size=(3, 448, 448), **INLINE_META),
     **{f'{attn}_deit_{size}': _cfg() for attn in ('multimax', 'sima', 'additive') for size in _DEIT_SIZES},
 })
 
 
-def _deit(variant: str, attention: str, sizes: Dict[str, Tuple[int, int, int]], pretrained: bool,
-          **kwargs) -> DeiT:
-    embed_dim, num_heads, img_size = sizes[variant.rsplit('_', 1)[1]]
+def _deit(variant: str, pretrained: bool, **kwargs: Any) -> DeiT:
+    """`{flavour}_deit_{size}`: the size's widths (InLine-DeiT's own for 'inline') with attention `flavour`."""
+    flavour, size = variant.split('_deit_')
+    embed_dim, num_heads, img_size = (_INLINE_SIZES if flavour == 'inline' else _DEIT_SIZES)[size]
     model_args = dict(img_size=img_size, patch_size=16, embed_dim=embed_dim, depth=12, num_heads=num_heads,
-                      mlp_ratio=4., qkv_bias=True, attn_type=attention)
+                      mlp_ratio=4., qkv_bias=True, attn_type=flavour)
     return _create_deit(variant, pretrained=pretrained, **dict(model_args, **kwargs))
 
 
 @register_model
-def softmax_deit_tiny(pretrained: bool = False, **kwargs) -> DeiT:
+def softmax_deit_tiny(pretrained: bool = False, **kwargs: Any) -> DeiT:
     """DeiT-Ti: 192 wide, 3 heads, softmax attention, 224."""
-    return _deit('softmax_deit_tiny', 'softmax', _DEIT_SIZES, pretrained, **kwargs)
+    return _deit('softmax_deit_tiny', pretrained, **kwargs)
 
 
 @register_model
-def softmax_deit_small(pretrained: bool = False, **kwargs) -> DeiT:
+def softmax_deit_small(pretrained: bool = False, **kwargs: Any) -> DeiT:
     """DeiT-S: 384 wide, 6 heads, softmax attention, 224."""
-    return _deit('softmax_deit_small', 'softmax', _DEIT_SIZES, pretrained, **kwargs)
+    return _deit('softmax_deit_small', pretrained, **kwargs)
 
 
 @register_model
-def softmax_deit_base(pretrained: bool = False, **kwargs) -> DeiT:
+def softmax_deit_base(pretrained: bool = False, **kwargs: Any) -> DeiT:
     """DeiT-B: 768 wide, 12 heads, softmax attention, 224."""
-    return _deit('softmax_deit_base', 'softmax', _DEIT_SIZES, pretrained, **kwargs)
+    return _deit('softmax_deit_base', pretrained, **kwargs)
 
 
 @register_model
-def inline_deit_tiny(pretrained: bool = False, **kwargs) -> DeiT:
+def inline_deit_tiny(pretrained: bool = False, **kwargs: Any) -> DeiT:
     """InLine-DeiT-T: 192 wide, 6 heads, InLine attention in every block, 224."""
-    return _deit('inline_deit_tiny', 'inline', _INLINE_SIZES, pretrained, **kwargs)
+    return _deit('inline_deit_tiny', pretrained, **kwargs)
 
 
 @register_model
-def inline_deit_small(pretrained: bool = False, **kwargs) -> DeiT:
+def inline_deit_small(pretrained: bool = False, **kwargs: Any) -> DeiT:
     """InLine-DeiT-S: 320 wide, 10 heads, InLine attention in every block, 288."""
-    return _deit('inline_deit_small', 'inline', _INLINE_SIZES, pretrained, **kwargs)
+    return _deit('inline_deit_small', pretrained, **kwargs)
 
 
 @register_model
-def inline_deit_base(pretrained: bool = False, **kwargs) -> DeiT:
+def inline_deit_base(pretrained: bool = False, **kwargs: Any) -> DeiT:
     """InLine-DeiT-B: 384 wide, 12 heads, InLine attention in every block, 448."""
-    return _deit('inline_deit_base', 'inline', _INLINE_SIZES, pretrained, **kwargs)
+    return _deit('inline_deit_base', pretrained, **kwargs)
 
 
 @register_model
-def multimax_deit_tiny(pretrained: bool = False, **kwargs) -> DeiT:
+def multimax_deit_tiny(pretrained: bool = False, **kwargs: Any) -> DeiT:
     """DeiT-Ti with MultiMax attention in every block."""
-    return _deit('multimax_deit_tiny', 'multimax', _DEIT_SIZES, pretrained, **kwargs)
+    return _deit('multimax_deit_tiny', pretrained, **kwargs)
 
 
 @register_model
-def multimax_deit_small(pretrained: bool = False, **kwargs) -> DeiT:
+def multimax_deit_small(pretrained: bool = False, **kwargs: Any) -> DeiT:
     """DeiT-S with MultiMax attention in every block."""
-    return _deit('multimax_deit_small', 'multimax', _DEIT_SIZES, pretrained, **kwargs)
+    return _deit('multimax_deit_small', pretrained, **kwargs)
 
 
 @register_model
-def multimax_deit_base(pretrained: bool = False, **kwargs) -> DeiT:
+def multimax_deit_base(pretrained: bool = False, **kwargs: Any) -> DeiT:
     """DeiT-B with MultiMax attention in every block."""
-    return _deit('multimax_deit_base', 'multimax', _DEIT_SIZES, pretrained, **kwargs)
+    return _deit('multimax_deit_base', pretrained, **kwargs)
 
 
 @register_model
-def sima_deit_tiny(pretrained: bool = False, **kwargs) -> DeiT:
+def sima_deit_tiny(pretrained: bool = False, **kwargs: Any) -> DeiT:
     """DeiT-Ti with SimA attention in every block."""
-    return _deit('sima_deit_tiny', 'sima', _DEIT_SIZES, pretrained, **kwargs)
+    return _deit('sima_deit_tiny', pretrained, **kwargs)
 
 
 @register_model
-def sima_deit_small(pretrained: bool = False, **kwargs) -> DeiT:
+def sima_deit_small(pretrained: bool = False, **kwargs: Any) -> DeiT:
     """DeiT-S with SimA attention in every block."""
-    return _deit('sima_deit_small', 'sima', _DEIT_SIZES, pretrained, **kwargs)
+    return _deit('sima_deit_small', pretrained, **kwargs)
 
 
 @register_model
-def sima_deit_base(pretrained: bool = False, **kwargs) -> DeiT:
+def sima_deit_base(pretrained: bool = False, **kwargs: Any) -> DeiT:
     """DeiT-B with SimA attention in every block."""
-    return _deit('sima_deit_base', 'sima', _DEIT_SIZES, pretrained, **kwargs)
+    return _deit('sima_deit_base', pretrained, **kwargs)
 
 
 @register_model
-def additive_deit_tiny(pretrained: bool = False, **kwargs) -> DeiT:
+def additive_deit_tiny(pretrained: bool = False, **kwargs: Any) -> DeiT:
     """DeiT-Ti with additive (Fastformer) attention in every block."""
-    return _deit('additive_deit_tiny', 'additive', _DEIT_SIZES, pretrained, **kwargs)
+    return _deit('additive_deit_tiny', pretrained, **kwargs)
 
 
 @register_model
-def additive_deit_small(pretrained: bool = False, **kwargs) -> DeiT:
+def additive_deit_small(pretrained: bool = False, **kwargs: Any) -> DeiT:
     """DeiT-S with additive (Fastformer) attention in every block."""
-    return _deit('additive_deit_small', 'additive', _DEIT_SIZES, pretrained, **kwargs)
+    return _deit('additive_deit_small', pretrained, **kwargs)
 
 
 @register_model
-def additive_deit_base(pretrained: bool = False, **kwargs) -> DeiT:
+def additive_deit_base(pretrained: bool = False, **kwargs: Any) -> DeiT:
     """DeiT-B with additive (Fastformer) attention in every block."""
-    return _deit('additive_deit_base', 'additive', _DEIT_SIZES, pretrained, **kwargs)
+    return _deit('additive_deit_base', pretrained, **kwargs)

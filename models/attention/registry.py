@@ -1,9 +1,13 @@
 """The attention registry: one name per attention, one builder for every backbone."""
-from typing import Callable, Dict, List, Optional, Tuple, Type, TypeVar
+import inspect
+from typing import Any, Callable, Dict, List, Optional, Tuple, Type, TypeVar
 
 from .base import Attention, CrossShapedAttention
 
-__all__ = ['register_attention', 'build_attention', 'list_attentions', 'get_attention_class', 'is_linear_attention']
+__all__ = [
+    'register_attention', 'build_attention', 'list_attentions', 'get_attention_class', 'is_linear_attention',
+    'method_kwargs',
+]
 
 _ATTENTIONS: Dict[str, Type[Attention]] = {}
 
@@ -37,6 +41,15 @@ def get_attention_class(name: str) -> Type[Attention]:
 def is_linear_attention(name: str) -> bool:
     """True when the attention's cost is linear in the number of tokens (it forms no score matrix)."""
     return get_attention_class(name).linear
+
+
+def method_kwargs(name: str, **options: Any) -> Dict[str, Any]:
+    """The `options` that attention `name`'s constructor takes by name (FLatten's `focusing_factor`, ...).
+
+    A backbone offers every block the same method options; each attention gets only those it knows.
+    """
+    params = inspect.signature(get_attention_class(name).__init__).parameters
+    return {key: value for key, value in options.items() if key in params}
 
 
 def build_attention(
