@@ -1,0 +1,132 @@
+"""Model, weights, optimizer, scheduler and loss from a config, through timm's factories."""
+import difflib
+from typing import Any, Dict, Mapping, Optional, Tuple
+
+import timm
+import torch
+from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
+from timm.optim import create_optimizer_v2, get_optimizer_info, list_optimizers
+from timm.scheduler import create_scheduler_v2
+from torch import Tensor, nn
+from yacs.config import CfgNode as CN
+
+import models  # noqa: F401  (registers the zoo's families with timm)
+from models._checkpoint import CheckpointError, checkpoint_state_dict, load_checkpoint_file
+
+from .config import ConfigError, mixup_active, model_kwargs
+from .errors import UsageError
+
+__all__ = ['check_model_name', 'classifier_rows', 'read_weights', 'create_model', 'create_optimizer',
+           'create_scheduler', 'create_criterion']
+
+MODEL_KEYS = ('model', 'state_dict')
+EMA_KEYS = ('model_ema', 'state_dict_ema')
+
+
+def check_model_name(name: str) -> None:
+    """Raise `UsageError` unless timm knows `name` (after `import models`)."""
+    if timm.is_model(name):
+        return
+    close = difflib.get_close_matches(name, timm.list_models(), n=3, cutoff=0.6)
+    hint = f"; did you mean {', '.join(close)}?" if close else "; see timm.list_models('*_deit_*') and friends"
+    raise UsageError(f"unknown model {name!r}: expected a model registered with timm{hint}")
+
+
+def _classifier_names(name: str) -> Tuple[str, ...]:
+    cfg = timm.models.get_pretrained_cfg(name)
+    classifier = getattr(cfg, 'classifier', None) if cfg is not None else None
+    if not classifier:
+        return ()
+    return (classifier,) if isinstance(classifier, str) else tuple(classifier)
+
+
+def classifier_rows(name: str, state_dict: Mapping[str, Tensor]) -> Optional[int]:
+    """The class count of the classifier weights in `state_dict` for model `name`, None when it has none."""
+    for classifier in _classifier_names(name):
+        weight = state_dict.get(f'{classifier}.weight')
+        if weight is not None:
+            return int(weight.shape[0])
+    return None
+
+
+def read_weights(path: str, ema: bool = False) -> Dict[str, Tensor]:
+    """Model weights from a checkpoint file: ours (`model` / `model_ema`), an official release (`model`,
+    `state_dict`, `state_dict_ema`) or a flat state dict. `ema` picks the EMA weights and fails without them."""
+    checkpoint = load_checkpoint_file(path)
+    if ema:
+        if not isinstance(checkpoint, Mapping) or not any(isinstance(checkpoint.get(k), Mapping) for k in EMA_KEYS):
+            raise CheckpointError(f"checkpoint {path!r} has no EMA weights; expected one of the keys "
+                                  f"{', '.join(EMA_KEYS)} (drop --ema to use the model weights)")
+        return checkpoint_state_dict(checkpoint, EMA_KEYS)
+    return checkpoint_state_dict(checkpoint, MODEL_KEYS)
+
+
+def create_model(cfg: CN, weights: Optional[Dict[str, Tensor]] = None, source: str = 'checkpoint') -> nn.Module:
+    """`timm.create_model(MODEL.NAME, num_classes, img_size, drop_path_rate, **MODEL.KWARGS)`.
+
+    `weights` go through the family's checkpoint filter (official layouts, derived buffers, resizing), so our
+    checkpoints and official releases load alike. A classifier for another class count is re-initialised (for
+    fine-tuning); callers that evaluate check the class count first.
+    """
+    name = cfg.MODEL.NAME
+    check_model_name(name)
+    kwargs: Dict[str, Any] = model_kwargs(cfg)
+    if weights is not None:
+        classes = classifier_rows(name, weights) or cfg.MODEL.NUM_CLASSES
+        kwargs.update(pretrained=True, pretrained_cfg_overlay=dict(state_dict=weights, num_classes=classes))
+    try:
+        model = timm.create_model(name, **kwargs)
+    except CheckpointError as e:
+        raise CheckpointError(f"{source}: {e}") from None
+    except TypeError as e:
+        message = str(e)
+        if 'unexpected keyword argument' in message:
+            keyword = message.split('unexpected keyword argument')[-1].strip(" '\"")
+            raise ConfigError(f"model {name!r} does not accept the keyword {keyword!r} (MODEL.KWARGS.{keyword}); "
+                              f"expected the constructor's own argument names") from e
+        raise
+    except ValueError as e:
+        raise ConfigError(f"cannot build model {name!r} from MODEL.KWARGS {dict(cfg.MODEL.KWARGS)}: {e}") from e
+    if weights is not None:
+        model.pretrained_cfg.pop('state_dict', None)  # do not keep a second copy of the weights alive
+    return model
+
+
+def create_optimizer(cfg: CN, model: nn.Module, lr: float) -> torch.optim.Optimizer:
+    """timm's optimizer factory; no weight decay on 1-D parameters, biases and `model.no_weight_decay()` names."""
+    opt = cfg.TRAIN.OPTIMIZER
+    if opt.NAME not in list_optimizers():
+        close = difflib.get_close_matches(opt.NAME, list_optimizers(), n=3)
+        raise ConfigError(f"config key TRAIN.OPTIMIZER.NAME is {opt.NAME!r}; expected a timm optimizer name"
+                          + (f" such as {', '.join(close)}" if close else ''))
+    info = get_optimizer_info(opt.NAME)
+    extra: Dict[str, Any] = {}
+    if info.has_eps:
+        extra['eps'] = opt.EPS
+    if info.has_betas:
+        extra['betas'] = tuple(opt.BETAS)
+    return create_optimizer_v2(model, opt=opt.NAME, lr=lr, weight_decay=cfg.TRAIN.WEIGHT_DECAY,
+                               momentum=opt.MOMENTUM, **extra)
+
+
+def create_scheduler(cfg: CN, optimizer: torch.optim.Optimizer, lrs: Mapping[str, float],
+                     updates_per_epoch: int) -> Tuple[Any, int]:
+    """timm's scheduler stepped per optimizer update; returns it and the number of epochs to run
+    (EPOCHS + COOLDOWN_EPOCHS, at MIN_LR after EPOCHS)."""
+    sched = cfg.TRAIN.LR_SCHEDULER
+    return create_scheduler_v2(
+        optimizer, sched=sched.NAME, num_epochs=cfg.TRAIN.EPOCHS, decay_epochs=sched.DECAY_EPOCHS,
+        decay_milestones=list(sched.MILESTONES), cooldown_epochs=cfg.TRAIN.COOLDOWN_EPOCHS,
+        decay_rate=sched.DECAY_RATE, min_lr=lrs['min_lr'], warmup_lr=lrs['warmup_lr'],
+        warmup_epochs=cfg.TRAIN.WARMUP_EPOCHS, warmup_prefix=sched.WARMUP_PREFIX, step_on_epochs=False,
+        updates_per_epoch=updates_per_epoch)
+
+
+def create_criterion(cfg: CN) -> nn.Module:
+    """Soft-target cross entropy under mixup/cutmix (smoothing is in the targets), else label smoothing."""
+    if mixup_active(cfg):
+        return SoftTargetCrossEntropy()
+    if cfg.MODEL.LABEL_SMOOTHING > 0:
+        return LabelSmoothingCrossEntropy(smoothing=cfg.MODEL.LABEL_SMOOTHING)
+    return nn.CrossEntropyLoss()
+

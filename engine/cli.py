@@ -1,0 +1,100 @@
+"""Command lines of `train.py` and `eval.py` (plain `python` on one device, or under `torchrun`)."""
+import argparse
+import json
+from typing import Any, Dict, Sequence
+
+from .config import load_config
+from .distributed import cleanup_distributed, init_distributed
+from .evaluation import eval_config, evaluate_weights, throughput
+from .trainer import train
+
+__all__ = ['train_main', 'eval_main']
+
+
+def _common_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument('--data-path', help='dataset folder with train/ and val/ (DATA.DATA_PATH)')
+    parser.add_argument('--batch-size', type=int, help='images per process (DATA.BATCH_SIZE)')
+    parser.add_argument('--debug', action='store_true', help='show tracebacks instead of one-line errors')
+    parser.add_argument('--opts', nargs=argparse.REMAINDER, default=[], metavar='KEY VALUE',
+                        help='config overrides, e.g. --opts TRAIN.EPOCHS 100 MODEL.KWARGS.depth 6')
+
+
+def _overrides(args: argparse.Namespace, mapping: Dict[str, str]) -> Dict[str, Any]:
+    """A nested config dict from the command-line flags that were given."""
+    result: Dict[str, Any] = {}
+    for attr, key in mapping.items():
+        value = getattr(args, attr)
+        if value is None:
+            continue
+        node = result
+        *parents, leaf = key.split('.')
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return result
+
+
+def train_main(argv: Sequence[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog='train.py', description='Train a registered model: python train.py --cfg FILE --data-path DIR, or '
+                                     'torchrun --nproc_per_node=N train.py ... on several devices.')
+    parser.add_argument('--cfg', help='YAML config (inherits with BASE); the defaults are the DeiT recipe')
+    parser.add_argument('--output', help='output folder for checkpoints and logs (OUTPUT)')
+    parser.add_argument('--resume', help='training checkpoint to resume (MODEL.RESUME); by default OUTPUT/last.pth')
+    parser.add_argument('--pretrained', help='weights to start from (MODEL.PRETRAINED), e.g. for fine-tuning')
+    _common_arguments(parser)
+    args = parser.parse_args(argv)
+    cfg = load_config(args.cfg, args.opts, _overrides(args, dict(
+        data_path='DATA.DATA_PATH', batch_size='DATA.BATCH_SIZE', output='OUTPUT', resume='MODEL.RESUME',
+        pretrained='MODEL.PRETRAINED')))
+    info = init_distributed(cfg.DEVICE, cfg.DIST.BACKEND, cfg.DIST.TIMEOUT_MIN)
+    try:
+        train(cfg, info)
+    finally:
+        cleanup_distributed()
+    return 0
+
+
+def eval_main(argv: Sequence[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog='eval.py', description='Top-1/top-5 of a checkpoint on an image-folder validation set, or throughput.')
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument('--cfg', help='YAML config of the model (default: the config stored in our checkpoint)')
+    source.add_argument('--model', help='registered model name; preprocessing from its pretrained config')
+    parser.add_argument('--checkpoint', help='our checkpoint (last.pth / best.pth) or an official release file')
+    parser.add_argument('--ema', action='store_true', help='evaluate the EMA weights of the checkpoint')
+    parser.add_argument('--amp', action='store_true', help='evaluate under autocast (AMP.DTYPE); float32 otherwise')
+    parser.add_argument('--img-size', type=int, help='input size S (DATA.IMG_SIZE)')
+    parser.add_argument('--crop-pct', type=float, help='resize to S / crop_pct, crop S (TEST.CROP_PCT)')
+    parser.add_argument('--crop-mode', help="'center' (shorter side) or 'squash' (square resize) (TEST.CROP_MODE)")
+    parser.add_argument('--throughput', action='store_true',
+                        help='print images/s at --batch-size (50 warm-up forwards, 30 timed) instead of accuracy')
+    _common_arguments(parser)
+    args = parser.parse_args(argv)
+    if not args.checkpoint and not args.throughput:
+        parser.error('--checkpoint is required (except with --throughput)')
+    overrides = _overrides(args, dict(
+        data_path='DATA.DATA_PATH', img_size='DATA.IMG_SIZE', crop_pct='TEST.CROP_PCT', crop_mode='TEST.CROP_MODE'))
+    if args.batch_size is not None:
+        overrides.setdefault('TEST', {})['BATCH_SIZE'] = args.batch_size
+    cfg = eval_config(args.cfg, args.model, args.checkpoint, args.opts, overrides)
+    info = init_distributed(cfg.DEVICE, cfg.DIST.BACKEND, cfg.DIST.TIMEOUT_MIN)
+    try:
+        if args.throughput:
+            batch_size = args.batch_size or cfg.DATA.BATCH_SIZE
+            result = throughput(cfg, info, batch_size, args.checkpoint, ema=args.ema, amp=args.amp,
+                                adopt_classes=bool(args.model))
+            if info.is_main:
+                print(f"batch_size {batch_size} throughput {result['throughput']:.1f} images/s")
+        else:
+            result = evaluate_weights(cfg, info, args.checkpoint, ema=args.ema, amp=args.amp,
+                                      adopt_classes=bool(args.model))
+            if info.is_main:
+                print(f"{result['model']} ({result['weights']} weights, {result['precision']}): top-1 "
+                      f"{result['top1']:.3f} top-5 {result['top5']:.3f} on {result['count']} images")
+        if info.is_main:
+            print(json.dumps(result), flush=True)
+    finally:
+        cleanup_distributed()
+    return 0
+

@@ -1,0 +1,364 @@
+"""The yacs configuration tree, YAML files that inherit with `BASE`, and `--opts KEY VALUE ...` overrides.
+
+The defaults hold the DeiT recipe (facebookresearch/deit `main.py`), with the learning rate stepped per iteration.
+A YAML file may name base files in a top-level `BASE: [path, ...]` list, resolved relative to the including file
+and merged first, in order. Unknown keys and values of the wrong type fail with a `ConfigError` naming the key.
+"""
+import difflib
+import math
+import os
+from typing import Any, Dict, List, Optional, Sequence
+
+import yaml
+from yacs.config import CfgNode as CN
+
+from .errors import UsageError
+
+__all__ = [
+    'ConfigError', 'get_default_config', 'load_config', 'config_from_yaml_string', 'merge_dict', 'merge_opts',
+    'validate_config', 'mixup_active', 'total_batch_size', 'scaled_lrs', 'ema_decay', 'model_kwargs',
+]
+
+
+class ConfigError(UsageError):
+    """A configuration file or override that names an unknown key or holds an invalid value."""
+
+
+_C = CN()
+_C.SEED = 0
+_C.DEVICE = 'auto'  # 'auto' (cuda when available), 'cuda' or 'cpu'
+_C.OUTPUT = ''  # '' -> output/<config file stem or model name>
+_C.PRINT_FREQ = 10  # progress-bar refresh, in iterations
+_C.SAVE_FREQ = 1  # write last.pth every this many epochs (and always after the last one)
+
+_C.DATA = CN()
+_C.DATA.DATASET = 'imagefolder'  # 'imagefolder' (DATA_PATH/train, DATA_PATH/val) or 'digits' (embedded demo set)
+_C.DATA.DATA_PATH = ''  # for 'digits': where the image-folder cache is written ('' -> the user cache folder)
+_C.DATA.BATCH_SIZE = 64  # per process
+_C.DATA.IMG_SIZE = 224
+_C.DATA.INTERPOLATION = 'bicubic'
+_C.DATA.MEAN = [0.485, 0.456, 0.406]
+_C.DATA.STD = [0.229, 0.224, 0.225]
+_C.DATA.NUM_WORKERS = 8
+_C.DATA.PIN_MEMORY = True
+
+_C.MODEL = CN()
+_C.MODEL.NAME = 'softmax_deit_tiny'
+_C.MODEL.NUM_CLASSES = 1000
+_C.MODEL.DROP_PATH_RATE = 0.1
+_C.MODEL.LABEL_SMOOTHING = 0.1
+_C.MODEL.PRETRAINED = ''  # weights to start from (fine-tuning); the family's filter resizes them to the model
+_C.MODEL.RESUME = ''  # a training checkpoint to resume; '' -> OUTPUT/last.pth when TRAIN.AUTO_RESUME
+# Constructor keywords passed verbatim to timm.create_model (the official lower-case names: embed_dim, depths, ...).
+_C.MODEL.KWARGS = CN(new_allowed=True)
+
+_C.TRAIN = CN()
+_C.TRAIN.EPOCHS = 300
+_C.TRAIN.WARMUP_EPOCHS = 5
+_C.TRAIN.COOLDOWN_EPOCHS = 0  # extra epochs at MIN_LR after EPOCHS
+_C.TRAIN.EPOCHS_PER_RUN = 0  # stop (resumable) after this many epochs in one invocation; 0 = run to the end
+_C.TRAIN.BASE_LR = 5e-4
+_C.TRAIN.WARMUP_LR = 1e-6
+_C.TRAIN.MIN_LR = 1e-5
+_C.TRAIN.LR_SCALING = 'base'  # scale by total batch / 512: 'base' (DeiT: BASE_LR only), 'all' (Swin), 'none'
+_C.TRAIN.WEIGHT_DECAY = 0.05
+_C.TRAIN.CLIP_GRAD = None  # max gradient norm; None = no clipping
+_C.TRAIN.ACCUMULATION_STEPS = 1
+_C.TRAIN.USE_CHECKPOINT = False  # gradient checkpointing
+_C.TRAIN.AUTO_RESUME = True
+_C.TRAIN.LR_SCHEDULER = CN()
+_C.TRAIN.LR_SCHEDULER.NAME = 'cosine'  # a timm scheduler stepped per update: cosine, tanh, step, multistep, poly
+_C.TRAIN.LR_SCHEDULER.WARMUP_PREFIX = False
+_C.TRAIN.LR_SCHEDULER.DECAY_EPOCHS = 30
+_C.TRAIN.LR_SCHEDULER.DECAY_RATE = 0.1
+_C.TRAIN.LR_SCHEDULER.MILESTONES = [90, 180, 270]
+_C.TRAIN.OPTIMIZER = CN()
+_C.TRAIN.OPTIMIZER.NAME = 'adamw'  # any timm optimizer name
+_C.TRAIN.OPTIMIZER.EPS = 1e-8
+_C.TRAIN.OPTIMIZER.BETAS = [0.9, 0.999]
+_C.TRAIN.OPTIMIZER.MOMENTUM = 0.9
+
+_C.AUG = CN()
+_C.AUG.SCALE = [0.08, 1.0]
+_C.AUG.RATIO = [3. / 4., 4. / 3.]
+_C.AUG.HFLIP = 0.5
+_C.AUG.COLOR_JITTER = 0.3  # no effect while AUTO_AUGMENT is set (timm drops colour jitter then)
+_C.AUG.AUTO_AUGMENT = 'rand-m9-mstd0.5-inc1'  # '' = none
+_C.AUG.REPROB = 0.25
+_C.AUG.REMODE = 'pixel'
+_C.AUG.RECOUNT = 1
+_C.AUG.MIXUP = 0.8
+_C.AUG.CUTMIX = 1.0
+_C.AUG.CUTMIX_MINMAX = None
+_C.AUG.MIXUP_PROB = 1.0
+_C.AUG.MIXUP_SWITCH_PROB = 0.5
+_C.AUG.MIXUP_MODE = 'batch'
+_C.AUG.REPEATED_AUG = 3  # repeats per image with more than one process (DeiT); 1 = off
+
+_C.TEST = CN()
+_C.TEST.BATCH_SIZE = 0  # per process; 0 -> 1.5 x DATA.BATCH_SIZE (DeiT)
+_C.TEST.CROP_PCT = 0.875  # resize to floor(IMG_SIZE / CROP_PCT) = int(IMG_SIZE * 256 / 224), then crop IMG_SIZE
+_C.TEST.CROP_MODE = 'center'  # 'center' (shorter side, DeiT/Swin) or 'squash' (square resize, InLine/FLatten)
+
+_C.AMP = CN()
+_C.AMP.ENABLED = True
+_C.AMP.DTYPE = 'float16'  # 'float16' (with a gradient scaler) or 'bfloat16'
+_C.AMP.EVAL = False  # evaluate under autocast too (the official evaluation runs in float32)
+
+_C.EMA = CN()
+_C.EMA.ENABLED = True
+_C.EMA.DECAY = 0.99996
+_C.EMA.REFERENCE_BATCH = 0  # > 0: decay ** (total batch / REFERENCE_BATCH) (InLine CSwin: 4096)
+_C.EMA.FORCE_CPU = False
+_C.EMA.EVAL = True  # validate the EMA weights each epoch too (not with FORCE_CPU)
+
+_C.DIST = CN()
+_C.DIST.BACKEND = ''  # '' -> nccl on CUDA, gloo on CPU
+_C.DIST.TIMEOUT_MIN = 30
+_C.DIST.FIND_UNUSED_PARAMETERS = False
+
+# Keys whose default is None take values of this type (or None).
+_NULLABLE_TYPES = {'TRAIN.CLIP_GRAD': float, 'AUG.CUTMIX_MINMAX': list}
+
+_CHOICES = {
+    'DEVICE': ('auto', 'cuda', 'cpu'),
+    'DATA.DATASET': ('imagefolder', 'digits'),
+    'DATA.INTERPOLATION': ('bicubic', 'bilinear', 'nearest', 'random'),
+    'TRAIN.LR_SCALING': ('base', 'all', 'none'),
+    'TRAIN.LR_SCHEDULER.NAME': ('cosine', 'tanh', 'step', 'multistep', 'poly', 'constant'),
+    'TEST.CROP_MODE': ('center', 'squash', 'border'),
+    'AMP.DTYPE': ('float16', 'bfloat16'),
+    'AUG.MIXUP_MODE': ('batch', 'pair', 'elem'),
+    'AUG.REMODE': ('pixel', 'rand', 'const'),
+    'DIST.BACKEND': ('', 'nccl', 'gloo'),
+}
+
+_POSITIVE = ('DATA.BATCH_SIZE', 'DATA.IMG_SIZE', 'MODEL.NUM_CLASSES', 'TRAIN.EPOCHS', 'TRAIN.ACCUMULATION_STEPS',
+             'TRAIN.BASE_LR', 'PRINT_FREQ', 'SAVE_FREQ', 'DIST.TIMEOUT_MIN', 'AUG.REPEATED_AUG')
+_NON_NEGATIVE = ('DATA.NUM_WORKERS', 'TRAIN.WARMUP_EPOCHS', 'TRAIN.COOLDOWN_EPOCHS', 'TRAIN.EPOCHS_PER_RUN',
+                 'TRAIN.WARMUP_LR', 'TRAIN.MIN_LR', 'TRAIN.WEIGHT_DECAY', 'TEST.BATCH_SIZE', 'EMA.REFERENCE_BATCH',
+                 'MODEL.DROP_PATH_RATE', 'MODEL.LABEL_SMOOTHING', 'AUG.MIXUP', 'AUG.CUTMIX', 'AUG.REPROB')
+_UNIT_INTERVAL = ('MODEL.DROP_PATH_RATE', 'MODEL.LABEL_SMOOTHING', 'AUG.HFLIP', 'AUG.REPROB', 'AUG.MIXUP_PROB',
+                  'AUG.MIXUP_SWITCH_PROB', 'EMA.DECAY')
+
+
+def get_default_config() -> CN:
+    """A mutable copy of the default tree (the DeiT recipe)."""
+    return _C.clone()
+
+
+def _all_keys(node: CN, prefix: str = '') -> List[str]:
+    keys = []
+    for key, value in node.items():
+        keys.append(prefix + key)
+        if isinstance(value, CN):
+            keys.extend(_all_keys(value, prefix + key + '.'))
+    return keys
+
+
+def _unknown_key(full_key: str, source: str) -> ConfigError:
+    close = difflib.get_close_matches(full_key, _all_keys(_C), n=1, cutoff=0.75)
+    hint = f"; did you mean {close[0]}?" if close else ''
+    return ConfigError(f"unknown config key {full_key} in {source}{hint}")
+
+
+def _type_name(kind: type) -> str:
+    return {float: 'a number', int: 'an integer', bool: 'true or false', str: 'a string', list: 'a list',
+            tuple: 'a list'}.get(kind, kind.__name__)
+
+
+def _coerce(value: Any, default: Any, full_key: str, source: str) -> Any:
+    """`value` converted to the type of `default`, or a `ConfigError` naming the key and the expected type."""
+    value = CN._decode_cfg_value(value)
+    kind = _NULLABLE_TYPES.get(full_key, type(default))
+    if value is None and (default is None or full_key in _NULLABLE_TYPES):
+        return None
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if kind in (list, tuple) and isinstance(value, (list, tuple)):
+        return list(value)
+    if kind is type(None) or type(value) is kind:
+        return value
+    raise ConfigError(f"config key {full_key} expects {_type_name(kind)}, got {value!r} in {source}")
+
+
+def merge_dict(cfg: CN, updates: Dict[str, Any], source: str, prefix: str = '') -> None:
+    """Merge a nested dict into `cfg`, checking each key exists (unless its node allows new keys) and each type."""
+    if not isinstance(updates, dict):
+        raise ConfigError(f"{source} must hold a mapping of config keys, got {type(updates).__name__}")
+    for key, value in updates.items():
+        full_key = prefix + str(key)
+        if key not in cfg:
+            if not cfg.is_new_allowed():
+                raise _unknown_key(full_key, source)
+            cfg[key] = CN._decode_cfg_value(value)
+        elif isinstance(cfg[key], CN):
+            if not isinstance(value, dict):
+                raise ConfigError(f"config key {full_key} is a group of keys, got {value!r} in {source}")
+            merge_dict(cfg[key], value, source, full_key + '.')
+        else:
+            cfg[key] = _coerce(value, cfg[key], full_key, source)
+
+
+def merge_opts(cfg: CN, opts: Sequence[str]) -> None:
+    """Merge `--opts KEY VALUE [KEY VALUE ...]` overrides; values are read as Python literals when they parse."""
+    if len(opts) % 2:
+        raise ConfigError(f"--opts needs KEY VALUE pairs, got an odd number of items: {' '.join(opts)}")
+    for key, value in zip(opts[0::2], opts[1::2]):
+        nested: Dict[str, Any] = value
+        for part in reversed(key.split('.')):
+            nested = {part: nested}
+        merge_dict(cfg, nested, '--opts')
+
+
+def _read_yaml(path: str) -> Dict[str, Any]:
+    if not os.path.isfile(path):
+        raise ConfigError(f"config file {path!r} does not exist")
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {path!r} is not valid YAML ({str(e).splitlines()[0]})") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path!r} must hold a mapping of config keys, got {type(data).__name__}")
+    return data
+
+
+def _merge_file(cfg: CN, path: str, chain: Sequence[str] = ()) -> None:
+    path = os.path.abspath(path)
+    if path in chain:
+        raise ConfigError(f"config file {path!r} includes itself through BASE")
+    data = _read_yaml(path)
+    bases = data.pop('BASE', [])
+    if isinstance(bases, str):
+        bases = [bases]
+    if not isinstance(bases, list) or not all(isinstance(b, str) for b in bases):
+        raise ConfigError(f"BASE in {path!r} must be a list of file paths, got {bases!r}")
+    for base in bases:
+        if base:
+            _merge_file(cfg, os.path.join(os.path.dirname(path), base), (*chain, path))
+    merge_dict(cfg, data, path)
+
+
+def _check(cond: bool, key: str, value: Any, expected: str) -> None:
+    if not cond:
+        raise ConfigError(f"config key {key} is {value!r}; expected {expected}")
+
+
+def _get(cfg: CN, full_key: str) -> Any:
+    node = cfg
+    for part in full_key.split('.'):
+        node = node[part]
+    return node
+
+
+def validate_config(cfg: CN) -> None:
+    """Check the values beyond their types: choices, ranges and combinations."""
+    for key, choices in _CHOICES.items():
+        value = _get(cfg, key)
+        _check(value in choices, key, value, 'one of ' + ', '.join(repr(c) for c in choices))
+    for key in _POSITIVE:
+        value = _get(cfg, key)
+        _check(value > 0, key, value, 'a value > 0')
+    for key in _NON_NEGATIVE:
+        value = _get(cfg, key)
+        _check(value >= 0, key, value, 'a value >= 0')
+    for key in _UNIT_INTERVAL:
+        value = _get(cfg, key)
+        _check(0 <= value <= 1, key, value, 'a value in [0, 1]')
+    _check(cfg.TRAIN.CLIP_GRAD is None or cfg.TRAIN.CLIP_GRAD > 0, 'TRAIN.CLIP_GRAD', cfg.TRAIN.CLIP_GRAD,
+           'None or a value > 0')
+    _check(0 < cfg.TEST.CROP_PCT <= 1, 'TEST.CROP_PCT', cfg.TEST.CROP_PCT, 'a value in (0, 1]')
+    for key in ('DATA.MEAN', 'DATA.STD'):
+        value = _get(cfg, key)
+        _check(len(value) == 3 and all(isinstance(v, (int, float)) for v in value), key, value, 'three numbers')
+    for key in ('AUG.SCALE', 'AUG.RATIO', 'TRAIN.OPTIMIZER.BETAS'):
+        value = _get(cfg, key)
+        _check(len(value) == 2 and all(isinstance(v, (int, float)) for v in value), key, value, 'two numbers')
+    if mixup_active(cfg):
+        _check(cfg.DATA.BATCH_SIZE % 2 == 0, 'DATA.BATCH_SIZE', cfg.DATA.BATCH_SIZE,
+               'an even batch size while mixup/cutmix is on')
+    _check(all(isinstance(k, str) and k.islower() for k in cfg.MODEL.KWARGS), 'MODEL.KWARGS',
+           list(cfg.MODEL.KWARGS), 'lower-case constructor keyword names')
+    _check(bool(cfg.MODEL.NAME), 'MODEL.NAME', cfg.MODEL.NAME, 'a registered model name')
+
+
+def mixup_active(cfg: CN) -> bool:
+    return cfg.AUG.MIXUP > 0 or cfg.AUG.CUTMIX > 0 or cfg.AUG.CUTMIX_MINMAX is not None
+
+
+def load_config(
+        cfg_file: Optional[str] = None,
+        opts: Sequence[str] = (),
+        overrides: Optional[Dict[str, Any]] = None,
+) -> CN:
+    """Defaults, then `cfg_file` (with its BASE chain), then `overrides` (nested dict from CLI flags), then `opts`.
+
+    `OUTPUT` '' resolves to `output/<config file stem>` (or `output/<MODEL.NAME>` without a file). Frozen.
+    """
+    cfg = get_default_config()
+    if cfg_file:
+        _merge_file(cfg, cfg_file)
+    if overrides:
+        merge_dict(cfg, overrides, 'the command line')
+    merge_opts(cfg, list(opts))
+    if not cfg.OUTPUT:
+        stem = os.path.splitext(os.path.basename(cfg_file))[0] if cfg_file else cfg.MODEL.NAME
+        cfg.OUTPUT = os.path.join('output', stem)
+    validate_config(cfg)
+    cfg.freeze()
+    return cfg
+
+
+def config_from_yaml_string(text: str, source: str = 'the checkpoint') -> CN:
+    """Rebuild a config from the YAML text `cfg.dump()` wrote (as stored in checkpoints)."""
+    cfg = get_default_config()
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"the config stored in {source} is not valid YAML ({str(e).splitlines()[0]})") from None
+    merge_dict(cfg, data or {}, source)
+    validate_config(cfg)
+    cfg.freeze()
+    return cfg
+
+
+def total_batch_size(cfg: CN, world_size: int) -> int:
+    """Images per optimizer update over all processes."""
+    return cfg.DATA.BATCH_SIZE * world_size * cfg.TRAIN.ACCUMULATION_STEPS
+
+
+def scaled_lrs(cfg: CN, world_size: int) -> Dict[str, float]:
+    """BASE_LR, WARMUP_LR and MIN_LR scaled by total batch / 512 as `TRAIN.LR_SCALING` says."""
+    factor = total_batch_size(cfg, world_size) / 512.0
+    base, warmup, minimum = cfg.TRAIN.BASE_LR, cfg.TRAIN.WARMUP_LR, cfg.TRAIN.MIN_LR
+    if cfg.TRAIN.LR_SCALING in ('base', 'all'):
+        base *= factor
+    if cfg.TRAIN.LR_SCALING == 'all':
+        warmup *= factor
+        minimum *= factor
+    return dict(lr=base, warmup_lr=warmup, min_lr=minimum)
+
+
+def ema_decay(cfg: CN, world_size: int) -> float:
+    """The EMA decay per update, rescaled to the total batch when `EMA.REFERENCE_BATCH` is set (InLine CSwin)."""
+    if cfg.EMA.REFERENCE_BATCH > 0:
+        return math.pow(cfg.EMA.DECAY, total_batch_size(cfg, world_size) / cfg.EMA.REFERENCE_BATCH)
+    return cfg.EMA.DECAY
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, CN):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
+
+
+def model_kwargs(cfg: CN) -> Dict[str, Any]:
+    """Keyword arguments for `timm.create_model(cfg.MODEL.NAME, **kwargs)`."""
+    kwargs: Dict[str, Any] = dict(
+        num_classes=cfg.MODEL.NUM_CLASSES, img_size=cfg.DATA.IMG_SIZE, drop_path_rate=cfg.MODEL.DROP_PATH_RATE)
+    kwargs.update(_plain(cfg.MODEL.KWARGS))
+    return kwargs
+

@@ -1,0 +1,96 @@
+"""Process-group set-up from torchrun's environment and the few collectives the loops need."""
+import datetime
+import os
+from dataclasses import dataclass
+from typing import Any, List
+
+import torch
+import torch.distributed as dist
+
+from .errors import UsageError
+
+__all__ = ['DistInfo', 'init_distributed', 'cleanup_distributed', 'all_reduce_sum', 'all_gather_objects', 'barrier',
+           'any_rank']
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    if value is None:
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise UsageError(f"environment variable {name}={value!r} is not an integer") from None
+
+
+def init_distributed(device: str = 'auto', backend: str = '', timeout_min: int = 30) -> DistInfo:
+    """Join the process group torchrun describes (RANK, WORLD_SIZE, LOCAL_RANK), or run alone without them.
+
+    `device` 'auto' picks cuda:LOCAL_RANK when CUDA is available, else the CPU; the backend defaults to NCCL on
+    CUDA and gloo on the CPU. Multi-node runs need nothing more: torchrun's rendezvous sets the same variables.
+    """
+    rank, world_size = _env_int('RANK', 0), _env_int('WORLD_SIZE', 1)
+    local_rank = _env_int('LOCAL_RANK', 0)
+    use_cuda = torch.cuda.is_available() if device == 'auto' else device == 'cuda'
+    if use_cuda:
+        if not torch.cuda.is_available():
+            raise UsageError("DEVICE is 'cuda' but no CUDA device is available; expected DEVICE 'cpu' or 'auto'")
+        torch.cuda.set_device(local_rank)
+        torch_device = torch.device('cuda', local_rank)
+    else:
+        torch_device = torch.device('cpu')
+    if world_size > 1 and not dist.is_initialized():
+        dist.init_process_group(
+            backend=backend or ('nccl' if use_cuda else 'gloo'),
+            timeout=datetime.timedelta(minutes=timeout_min),
+            device_id=torch_device if use_cuda else None,
+        )
+    return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=torch_device)
+
+
+def cleanup_distributed() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def all_reduce_sum(values: List[float], device: torch.device) -> List[float]:
+    """Element-wise sums over all processes, in float64 (exact for counts)."""
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    if dist.is_initialized():
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor.tolist()
+
+
+def any_rank(flag: bool, device: torch.device) -> bool:
+    """True on every process when `flag` is true on any of them."""
+    return all_reduce_sum([float(flag)], device)[0] > 0
+
+
+def all_gather_objects(obj: Any) -> List[Any]:
+    """`obj` from every process, indexed by rank."""
+    if not dist.is_initialized():
+        return [obj]
+    gathered: List[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, obj)
+    return gathered

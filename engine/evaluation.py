@@ -1,0 +1,117 @@
+"""Evaluating our checkpoints and official releases with the official preprocessing, and measuring throughput."""
+from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
+
+import timm
+import torch
+from torch import Tensor
+from yacs.config import CfgNode as CN
+
+from models._checkpoint import CheckpointError, load_checkpoint_file
+
+from .build import check_model_name, classifier_rows, create_model, read_weights
+from .config import config_from_yaml_string, get_default_config, load_config, merge_dict, merge_opts, validate_config
+from .data import build_eval_loader, eval_batch_size, eval_transform, load_split, resolve_data_root
+from .distributed import DistInfo
+from .errors import UsageError
+from .loops import evaluate, measure_throughput
+
+__all__ = ['eval_config', 'evaluate_weights', 'throughput']
+
+
+def _model_data_settings(name: str) -> Dict[str, Any]:
+    """The evaluation preprocessing a registered model declares (input size, crop, interpolation, mean, std)."""
+    data = timm.data.resolve_data_config({}, pretrained_cfg=timm.models.get_pretrained_cfg(name).to_dict())
+    settings: Dict[str, Any] = dict(
+        DATA=dict(IMG_SIZE=int(data['input_size'][-1]), INTERPOLATION=data['interpolation'],
+                  MEAN=list(data['mean']), STD=list(data['std'])),
+        TEST=dict(CROP_PCT=float(data['crop_pct']), CROP_MODE=data.get('crop_mode') or 'center'))
+    return settings
+
+
+def eval_config(
+        cfg_file: Optional[str],
+        model_name: Optional[str],
+        checkpoint: Optional[str],
+        opts: Sequence[str] = (),
+        overrides: Optional[Dict[str, Any]] = None,
+) -> CN:
+    """The evaluation config: `--cfg` file, or a registered `--model` with its own preprocessing, or (neither)
+    the config stored in one of our checkpoints; then command-line overrides and `--opts`."""
+    if cfg_file:
+        cfg = load_config(cfg_file, opts, overrides)
+        cfg.defrost()
+    elif model_name:
+        check_model_name(model_name)
+        cfg = get_default_config()
+        cfg.MODEL.NAME = model_name
+        merge_dict(cfg, _model_data_settings(model_name), f"the pretrained config of {model_name}")
+        merge_dict(cfg, overrides or {}, 'the command line')
+        merge_opts(cfg, list(opts))
+    elif checkpoint:
+        stored = load_checkpoint_file(checkpoint)
+        text = stored.get('config') if isinstance(stored, Mapping) else None
+        if not isinstance(text, str):
+            raise UsageError(f"checkpoint {checkpoint!r} stores no config of this engine; expected --cfg FILE or "
+                             f"--model NAME")
+        cfg = config_from_yaml_string(text, f"checkpoint {checkpoint!r}")
+        cfg.defrost()
+        merge_dict(cfg, overrides or {}, 'the command line')
+        merge_opts(cfg, list(opts))
+    else:
+        raise UsageError("nothing to evaluate; expected --cfg FILE or --model NAME (with --checkpoint PATH)")
+    validate_config(cfg)
+    cfg.freeze()
+    return cfg
+
+
+def _load_weights(cfg: CN, checkpoint: str, ema: bool, adopt_classes: bool) -> Tuple[CN, Dict[str, Tensor]]:
+    """The checkpoint's weights and `cfg`, with MODEL.NUM_CLASSES taken from the checkpoint when `adopt_classes`
+    (a `--model` evaluation), else checked against it."""
+    weights = read_weights(checkpoint, ema=ema)
+    rows = classifier_rows(cfg.MODEL.NAME, weights)
+    if rows is None or rows == cfg.MODEL.NUM_CLASSES:
+        return cfg, weights
+    if not adopt_classes:
+        raise CheckpointError(f"checkpoint {checkpoint!r} has a {rows}-class classifier but MODEL.NUM_CLASSES is "
+                              f"{cfg.MODEL.NUM_CLASSES}; expected a checkpoint for {cfg.MODEL.NUM_CLASSES} classes")
+    cfg = cfg.clone()
+    cfg.defrost()
+    cfg.MODEL.NUM_CLASSES = rows
+    cfg.freeze()
+    return cfg, weights
+
+
+def evaluate_weights(cfg: CN, info: DistInfo, checkpoint: str, *, ema: bool = False, amp: bool = False,
+                     adopt_classes: bool = False) -> Dict[str, Any]:
+    """Top-1 / top-5 of the weights in `checkpoint` on the validation folder, exact over processes."""
+    cfg, weights = _load_weights(cfg, checkpoint, ema, adopt_classes)
+    source = f"checkpoint {checkpoint!r}"
+    root = resolve_data_root(cfg, info)
+    val_set = load_split(root, 'val', eval_transform(cfg))
+    if len(val_set.classes) != cfg.MODEL.NUM_CLASSES:
+        raise UsageError(f"{source} is for {cfg.MODEL.NUM_CLASSES} classes but {root}/val has "
+                         f"{len(val_set.classes)} class folders; expected the dataset the checkpoint was trained on")
+    model = create_model(cfg, weights, source=source).to(info.device)
+    del weights
+    loader = build_eval_loader(cfg, val_set, info, eval_batch_size(cfg))
+    metrics = evaluate(model, loader, info, amp=amp, amp_dtype=cfg.AMP.DTYPE, desc='eval')
+    return dict(model=cfg.MODEL.NAME, checkpoint=checkpoint, weights='ema' if ema else 'model', data=root,
+                img_size=cfg.DATA.IMG_SIZE, crop_pct=cfg.TEST.CROP_PCT, crop_mode=cfg.TEST.CROP_MODE,
+                precision=cfg.AMP.DTYPE if amp else 'float32', world_size=info.world_size, **metrics)
+
+
+def throughput(cfg: CN, info: DistInfo, batch_size: int, checkpoint: Optional[str] = None, *, ema: bool = False,
+               amp: bool = False, adopt_classes: bool = False) -> Dict[str, Any]:
+    """Images/s of one process on a batch of `batch_size` images at DATA.IMG_SIZE (50 warm-up forwards, 30 timed).
+
+    The input is random: the time of a forward does not depend on the pixels.
+    """
+    weights = None
+    if checkpoint:
+        cfg, weights = _load_weights(cfg, checkpoint, ema, adopt_classes)
+    model = create_model(cfg, weights, source=f"checkpoint {checkpoint!r}").to(info.device)
+    generator = torch.Generator().manual_seed(cfg.SEED)
+    images = torch.randn(batch_size, 3, cfg.DATA.IMG_SIZE, cfg.DATA.IMG_SIZE, generator=generator)
+    rate = measure_throughput(model, images, info, amp=amp, amp_dtype=cfg.AMP.DTYPE)
+    return dict(model=cfg.MODEL.NAME, batch_size=batch_size, img_size=cfg.DATA.IMG_SIZE,
+                precision=cfg.AMP.DTYPE if amp else 'float32', device=str(info.device), throughput=rate)

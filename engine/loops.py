@@ -1,0 +1,180 @@
+"""The training epoch, the evaluation pass with exact counts over processes, and the throughput measurement."""
+import contextlib
+import math
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable, Dict, Optional
+
+import torch
+from timm.utils import AverageMeter, accuracy
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader
+from tqdm import tqdm
+
+from .distributed import DistInfo, all_reduce_sum, any_rank
+
+__all__ = ['TrainState', 'EpochResult', 'autocast', 'train_one_epoch', 'evaluate', 'measure_throughput']
+
+AMP_DTYPES = {'float16': torch.float16, 'bfloat16': torch.bfloat16}
+
+
+@dataclass
+class TrainState:
+    """Where training stands: `epoch` in progress, `epoch_batches` of it trained, `step` optimizer updates."""
+    epoch: int = 0
+    epoch_batches: int = 0
+    step: int = 0
+    max_accuracy: float = 0.0
+    max_ema_accuracy: float = 0.0
+
+
+@dataclass
+class EpochResult:
+    loss: float
+    lr: float
+    images: int
+    seconds: float
+    stopped: bool
+
+
+def _bar_interval() -> float:
+    """Seconds between progress-bar refreshes: live on a terminal, once a minute in a log file."""
+    return 0.5 if sys.stderr.isatty() else 60.0
+
+
+def autocast(device: torch.device, enabled: bool, dtype: str):
+    return torch.autocast(device_type=device.type, dtype=AMP_DTYPES[dtype], enabled=enabled)
+
+
+def train_one_epoch(
+        model: nn.Module,
+        loader: DataLoader,
+        criterion: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler,
+        scaler: torch.amp.GradScaler,
+        state: TrainState,
+        info: DistInfo,
+        *,
+        updates: int,
+        accumulation: int = 1,
+        clip_grad: Optional[float] = None,
+        amp: bool = False,
+        amp_dtype: str = 'float16',
+        mixup: Optional[Callable] = None,
+        ema=None,
+        stop_requested: Callable[[], bool] = lambda: False,
+        print_freq: int = 10,
+        desc: str = '',
+) -> EpochResult:
+    """Train the batches of `state.epoch` from `state.epoch_batches` on, `updates * accumulation` in all.
+
+    After each optimizer update the scheduler gets the new update count and the EMA follows the model. When
+    `stop_requested()` is true on any process at an update boundary, the epoch ends early with `stopped` set.
+    """
+    model.train()
+    total = updates * accumulation
+    loss_meter = AverageMeter()
+    parameters = [p for p in model.parameters() if p.requires_grad]
+    lr = optimizer.param_groups[0]['lr']
+    stopped = False
+    start, images = time.perf_counter(), 0
+    bar = tqdm(total=total, initial=state.epoch_batches, desc=desc, disable=not info.is_main, dynamic_ncols=True,
+               leave=False, mininterval=_bar_interval())
+    for images_batch, targets in loader:
+        if state.epoch_batches >= total:
+            break
+        images_batch = images_batch.to(info.device, non_blocking=True)
+        targets = targets.to(info.device, non_blocking=True)
+        if mixup is not None:
+            images_batch, targets = mixup(images_batch, targets)
+        update = (state.epoch_batches + 1) % accumulation == 0
+        sync = contextlib.nullcontext()
+        if isinstance(model, DistributedDataParallel) and not update:
+            sync = model.no_sync()
+        with sync:
+            with autocast(info.device, amp, amp_dtype):
+                loss = criterion(model(images_batch), targets)
+            scaler.scale(loss / accumulation).backward()
+        loss_value = loss.item()
+        if not math.isfinite(loss_value):
+            raise FloatingPointError(f"training loss is {loss_value} at epoch {state.epoch} batch "
+                                     f"{state.epoch_batches}; lower the learning rate or enable gradient clipping")
+        loss_meter.update(loss_value, images_batch.shape[0])
+        state.epoch_batches += 1
+        images += images_batch.shape[0] * info.world_size
+        if update:
+            lr = optimizer.param_groups[0]['lr']
+            if clip_grad is not None:
+                scaler.unscale_(optimizer)
+                torch.nn.utils.clip_grad_norm_(parameters, clip_grad)
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad(set_to_none=True)
+            state.step += 1
+            scheduler.step_update(num_updates=state.step)
+            if ema is not None:
+                ema.update(model.module if isinstance(model, DistributedDataParallel) else model)
+            if any_rank(stop_requested(), info.device):
+                stopped = True
+        bar.update(1)
+        if state.epoch_batches % print_freq == 0:
+            rate = images / max(time.perf_counter() - start, 1e-9)
+            bar.set_postfix(loss=f'{loss_meter.avg:.4f}', lr=f'{lr:.3e}', img_s=f'{rate:.0f}')
+        if stopped:
+            break
+    bar.close()
+    loss_sum, count = all_reduce_sum([loss_meter.sum, loss_meter.count], info.device)
+    return EpochResult(loss=loss_sum / max(count, 1), lr=lr, images=images,
+                       seconds=time.perf_counter() - start, stopped=stopped)
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, loader: DataLoader, info: DistInfo, *, amp: bool = False,
+             amp_dtype: str = 'float16', desc: str = '') -> Dict[str, float]:
+    """Top-1 / top-5 (%) and mean cross-entropy over the whole set: each process counts its own shard (no
+    padding) and the counts are summed, so the result is exact for any world size."""
+    model.eval()
+    criterion = nn.CrossEntropyLoss(reduction='sum')
+    correct1 = correct5 = loss_sum = count = 0.0
+    for images, targets in tqdm(loader, desc=desc, disable=not info.is_main, dynamic_ncols=True, leave=False,
+                                mininterval=_bar_interval()):
+        images = images.to(info.device, non_blocking=True)
+        targets = targets.to(info.device, non_blocking=True)
+        with autocast(info.device, amp, amp_dtype):
+            output = model(images)
+        output = output.float()
+        n = targets.shape[0]
+        top1, top5 = accuracy(output, targets, topk=(1, 5))
+        correct1 += round(top1.item() * n / 100)  # timm reports percentages of this batch
+        correct5 += round(top5.item() * n / 100)
+        loss_sum += criterion(output, targets).item()
+        count += n
+    correct1, correct5, loss_sum, count = all_reduce_sum([correct1, correct5, loss_sum, count], info.device)
+    count = max(count, 1)
+    return dict(top1=100.0 * correct1 / count, top5=100.0 * correct5 / count, loss=loss_sum / count,
+                count=int(count))
+
+
+@torch.no_grad()
+def measure_throughput(model: nn.Module, images: torch.Tensor, info: DistInfo, *, amp: bool = False,
+                       amp_dtype: str = 'float16', warmup: int = 50, timed: int = 30) -> float:
+    """Images per second of `model` on one batch: `warmup` forwards, then `timed` forwards timed (official)."""
+    model.eval()
+    images = images.to(info.device)
+
+    def sync():
+        if info.device.type == 'cuda':
+            torch.cuda.synchronize(info.device)
+
+    with autocast(info.device, amp, amp_dtype):
+        for _ in range(warmup):
+            model(images)
+        sync()
+        start = time.perf_counter()
+        for _ in range(timed):
+            model(images)
+        sync()
+    return timed * images.shape[0] / (time.perf_counter() - start)

@@ -1,0 +1,266 @@
+"""The training run: data, model, EMA, optimizer and schedule from a config; epochs with validation, logging,
+atomic `last.pth` / `best.pth` checkpoints, exact resumption, and a clean stop on SIGTERM / SIGINT."""
+import json
+import logging
+import os
+import random
+import signal
+import sys
+from contextlib import contextmanager
+from typing import Any, Dict, Iterator, Optional
+
+import numpy as np
+import torch
+from timm.utils import ModelEmaV3
+from torch.nn.parallel import DistributedDataParallel
+from yacs.config import CfgNode as CN
+
+from models._checkpoint import load_state_dict_checked
+
+from .build import check_model_name, create_criterion, create_model, create_optimizer, create_scheduler, read_weights
+from .checkpoint import atomic_save, load_training_checkpoint, rng_state, set_rng_state
+from .config import ema_decay, scaled_lrs, total_batch_size
+from .data import (build_eval_loader, build_mixup, build_train_loader, check_splits, eval_batch_size,
+                   eval_transform, load_split, resolve_data_root, train_transform)
+from .distributed import DistInfo, all_gather_objects, any_rank, barrier
+from .errors import UsageError
+from .loops import TrainState, evaluate, train_one_epoch
+
+__all__ = ['LAST', 'BEST', 'LOG', 'CONFIG', 'train', 'seed_everything', 'setup_logging', 'StopSignal']
+
+LAST, BEST, LOG, CONFIG = 'last.pth', 'best.pth', 'log.jsonl', 'config.yaml'
+logger = logging.getLogger('engine')
+
+
+def setup_logging(info: DistInfo, output: Optional[str] = None) -> None:
+    """Rank 0 logs to stdout (and `output/train.log`); the other ranks only log warnings."""
+    for old in list(logger.handlers):
+        logger.removeHandler(old)
+        old.close()
+    logger.propagate = False
+    logger.setLevel(logging.INFO if info.is_main else logging.WARNING)
+    fmt = logging.Formatter('[%(asctime)s] %(message)s', datefmt='%H:%M:%S')
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(fmt)
+    logger.addHandler(handler)
+    if output and info.is_main:
+        file_handler = logging.FileHandler(os.path.join(output, 'train.log'))
+        file_handler.setFormatter(fmt)
+        logger.addHandler(file_handler)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2 ** 32)
+    torch.manual_seed(seed)
+
+
+class StopSignal:
+    """Remembers a SIGTERM / SIGINT so training can save and stop after the current step; a second one
+    stops at once."""
+
+    def __init__(self):
+        self.received: Optional[int] = None
+
+    def __call__(self) -> bool:
+        return self.received is not None
+
+    def _handle(self, signum, frame) -> None:
+        if self.received is not None:
+            raise KeyboardInterrupt
+        self.received = signum
+        logger.warning(f"received {signal.Signals(signum).name}: saving a checkpoint after this step, then stopping "
+                       f"(send it again to stop at once)")
+
+    @contextmanager
+    def installed(self) -> Iterator['StopSignal']:
+        previous = {s: signal.signal(s, self._handle) for s in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            yield self
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+
+
+def _resume_path(cfg: CN) -> Optional[str]:
+    if cfg.MODEL.RESUME:
+        return cfg.MODEL.RESUME
+    last = os.path.join(cfg.OUTPUT, LAST)
+    if cfg.TRAIN.AUTO_RESUME and os.path.isfile(last):
+        return last
+    return None
+
+
+def _append_log(path: str, record: Dict[str, Any]) -> None:
+    with open(path, 'a') as f:
+        f.write(json.dumps(record) + '\n')
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _drop_log_records(path: str, first_epoch: int) -> None:
+    """Remove the records of epochs from `first_epoch` on, which a resumed run trains again."""
+    if not os.path.isfile(path):
+        return
+    with open(path) as f:
+        lines = [line for line in f if line.strip() and json.loads(line)['epoch'] < first_epoch]
+    with open(path, 'w') as f:
+        f.writelines(lines)
+
+
+def train(cfg: CN, info: DistInfo) -> Dict[str, Any]:
+    """Train `cfg` on this process's share of the data; return the last epoch's log record (or {})."""
+    check_model_name(cfg.MODEL.NAME)
+    root = resolve_data_root(cfg, info)
+    check_splits(root, ('train', 'val'))
+    train_set = load_split(root, 'train', train_transform(cfg), cfg.MODEL.NUM_CLASSES)
+    val_set = load_split(root, 'val', eval_transform(cfg), cfg.MODEL.NUM_CLASSES)
+    if train_set.classes != val_set.classes:
+        raise UsageError(f"the class folders of {root}/train and {root}/val differ; expected the same classes")
+    output = cfg.OUTPUT
+    if info.is_main:
+        os.makedirs(output, exist_ok=True)
+    barrier()
+    setup_logging(info, output)
+    seed_everything(cfg.SEED + info.rank)
+    train_loader = build_train_loader(cfg, train_set, info)
+    val_loader = build_eval_loader(cfg, val_set, info, eval_batch_size(cfg))
+    updates_per_epoch = len(train_loader.sampler.sampler) // cfg.DATA.BATCH_SIZE // cfg.TRAIN.ACCUMULATION_STEPS
+    if updates_per_epoch == 0:
+        raise UsageError(f"TRAIN.ACCUMULATION_STEPS {cfg.TRAIN.ACCUMULATION_STEPS} exceeds the "
+                         f"{len(train_loader)} batches per epoch; expected fewer accumulation steps")
+
+    resume = _resume_path(cfg)
+    checkpoint = load_training_checkpoint(resume) if resume else None
+    pretrained = None
+    if cfg.MODEL.PRETRAINED and checkpoint is None:
+        pretrained = read_weights(cfg.MODEL.PRETRAINED)
+    model = create_model(cfg, pretrained, source=cfg.MODEL.PRETRAINED)
+    if cfg.TRAIN.USE_CHECKPOINT:
+        model.set_grad_checkpointing(True)
+    model.to(info.device)
+    ema = None
+    if cfg.EMA.ENABLED:
+        ema = ModelEmaV3(model, decay=ema_decay(cfg, info.world_size),
+                         device=torch.device('cpu') if cfg.EMA.FORCE_CPU else None)
+    lrs = scaled_lrs(cfg, info.world_size)
+    optimizer = create_optimizer(cfg, model, lrs['lr'])
+    scheduler, num_epochs = create_scheduler(cfg, optimizer, lrs, updates_per_epoch)
+    use_scaler = cfg.AMP.ENABLED and cfg.AMP.DTYPE == 'float16'
+    scaler = torch.amp.GradScaler(info.device.type, enabled=use_scaler)
+
+    state = TrainState()
+    if checkpoint is not None:
+        load_state_dict_checked(model, checkpoint['model'], f"checkpoint {resume!r}")
+        if ema is not None:
+            if checkpoint.get('model_ema') is None:
+                ema.set(model)
+                logger.warning(f"{resume} has no EMA weights; the EMA starts from the model")
+            else:
+                load_state_dict_checked(ema.module, checkpoint['model_ema'], f"EMA of checkpoint {resume!r}")
+        optimizer.load_state_dict(checkpoint['optimizer'])
+        if use_scaler and checkpoint['scaler']:
+            scaler.load_state_dict(checkpoint['scaler'])
+        state = TrainState(epoch=checkpoint['epoch'], epoch_batches=checkpoint['epoch_batches'],
+                           step=checkpoint['step'], max_accuracy=checkpoint['max_accuracy'],
+                           max_ema_accuracy=checkpoint.get('max_ema_accuracy', 0.0))
+        if state.epoch_batches >= updates_per_epoch * cfg.TRAIN.ACCUMULATION_STEPS:
+            state.epoch, state.epoch_batches = state.epoch + 1, 0
+        scheduler.step_update(num_updates=state.step)  # the schedule follows this run's config at this step
+        if info.is_main:
+            _drop_log_records(os.path.join(output, LOG), state.epoch)
+        if checkpoint['world_size'] == info.world_size:
+            set_rng_state(checkpoint['rng'][info.rank])
+        else:
+            logger.warning(f"{resume} was written by {checkpoint['world_size']} processes, not "
+                           f"{info.world_size}: random streams restart from the seed")
+        logger.info(f"resumed from {resume} at epoch {state.epoch} batch {state.epoch_batches} "
+                    f"(step {state.step})")
+
+    train_model = model
+    if info.distributed:
+        train_model = DistributedDataParallel(
+            model, device_ids=[info.local_rank] if info.device.type == 'cuda' else None,
+            find_unused_parameters=cfg.DIST.FIND_UNUSED_PARAMETERS)
+    criterion = create_criterion(cfg)
+    mixup = build_mixup(cfg)
+
+    if info.is_main:
+        with open(os.path.join(output, CONFIG), 'w') as f:
+            f.write(cfg.dump())
+        n_params = sum(p.numel() for p in model.parameters())
+        logger.info(f"model {cfg.MODEL.NAME}: {n_params / 1e6:.2f}M parameters; {len(train_set)} training and "
+                    f"{len(val_set)} validation images in {len(train_set.classes)} classes")
+        logger.info(f"{info.world_size} process(es) on {info.device.type}, total batch "
+                    f"{total_batch_size(cfg, info.world_size)}, lr {lrs['lr']:.3e}, {updates_per_epoch} updates "
+                    f"per epoch, {num_epochs} epochs; output {output}")
+
+    def save(record: Optional[Dict[str, Any]], best: bool) -> None:
+        rngs = all_gather_objects(rng_state())
+        if not info.is_main:
+            return
+        payload = dict(
+            model=model.state_dict(), model_ema=ema.module.state_dict() if ema is not None else None,
+            optimizer=optimizer.state_dict(), scheduler=scheduler.state_dict(), scaler=scaler.state_dict(),
+            epoch=state.epoch, epoch_batches=state.epoch_batches, step=state.step,
+            max_accuracy=state.max_accuracy, max_ema_accuracy=state.max_ema_accuracy, rng=rngs,
+            world_size=info.world_size, config=cfg.dump(), metrics=record)
+        atomic_save(payload, os.path.join(output, LAST))
+        if best:
+            atomic_save(payload, os.path.join(output, BEST))
+
+    record: Dict[str, Any] = {}
+    epochs_run = 0
+    if state.epoch >= num_epochs:
+        logger.info(f"{resume} already finished all {num_epochs} epochs; nothing to train")
+    stop = StopSignal()
+    with stop.installed():
+        while state.epoch < num_epochs:
+            epoch = state.epoch
+            train_loader.sampler.set_epoch(epoch, skip=state.epoch_batches * cfg.DATA.BATCH_SIZE)
+            # worker seeds depend only on (seed, epoch, rank), so a resumed epoch draws the same augmentations
+            train_loader.generator.manual_seed(cfg.SEED * 1_000_003 + epoch * 1009 + info.rank)
+            result = train_one_epoch(
+                train_model, train_loader, criterion, optimizer, scheduler, scaler, state, info,
+                updates=updates_per_epoch, accumulation=cfg.TRAIN.ACCUMULATION_STEPS, clip_grad=cfg.TRAIN.CLIP_GRAD,
+                amp=cfg.AMP.ENABLED, amp_dtype=cfg.AMP.DTYPE, mixup=mixup, ema=ema, stop_requested=stop,
+                print_freq=cfg.PRINT_FREQ, desc=f'epoch {epoch}/{num_epochs}')
+            if result.stopped:
+                save(None, best=False)
+                logger.info(f"stopped at epoch {epoch} batch {state.epoch_batches} (step {state.step}); "
+                            f"{os.path.join(output, LAST)} resumes it")
+                break
+            val = evaluate(model, val_loader, info, amp=cfg.AMP.ENABLED and cfg.AMP.EVAL, amp_dtype=cfg.AMP.DTYPE,
+                           desc='val')
+            record = dict(epoch=epoch, step=state.step, train_loss=result.loss, lr=result.lr,
+                          val_loss=val['loss'], val_top1=val['top1'], val_top5=val['top5'])
+            is_best = val['top1'] > state.max_accuracy or epoch == 0
+            state.max_accuracy = max(state.max_accuracy, val['top1'])
+            if ema is not None and cfg.EMA.EVAL and not cfg.EMA.FORCE_CPU:
+                ema_val = evaluate(ema.module, val_loader, info, amp=cfg.AMP.ENABLED and cfg.AMP.EVAL,
+                                   amp_dtype=cfg.AMP.DTYPE, desc='val ema')
+                state.max_ema_accuracy = max(state.max_ema_accuracy, ema_val['top1'])
+                record.update(ema_val_top1=ema_val['top1'], ema_val_top5=ema_val['top5'])
+            record.update(max_val_top1=state.max_accuracy, epoch_seconds=result.seconds,
+                          images_per_second=result.images / max(result.seconds, 1e-9))
+            epochs_run += 1
+            last_epoch = epoch + 1 == num_epochs
+            pause = cfg.TRAIN.EPOCHS_PER_RUN > 0 and epochs_run >= cfg.TRAIN.EPOCHS_PER_RUN
+            if is_best or last_epoch or pause or (epoch + 1) % cfg.SAVE_FREQ == 0:
+                save(record, best=is_best)
+            if info.is_main:
+                _append_log(os.path.join(output, LOG), record)
+                ema_text = f", ema top-1 {record['ema_val_top1']:.2f}" if 'ema_val_top1' in record else ''
+                logger.info(f"epoch {epoch}: train loss {result.loss:.4f}, lr {result.lr:.3e}, val top-1 "
+                            f"{val['top1']:.2f} top-5 {val['top5']:.2f}{ema_text} (max {state.max_accuracy:.2f}), "
+                            f"{record['images_per_second']:.0f} img/s")
+            state.epoch, state.epoch_batches = epoch + 1, 0
+            if pause and not last_epoch:
+                logger.info(f"paused after {epochs_run} epoch(s) (TRAIN.EPOCHS_PER_RUN); run again to continue")
+                break
+            if any_rank(stop(), info.device):
+                save(record, best=False)
+                break
+    barrier()
+    return record
+

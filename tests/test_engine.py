@@ -1,0 +1,350 @@
+"""Engine parts: the digits cache, data checks, evaluation preprocessing and exact counts, schedule, optimizer
+groups, atomic checkpoints, RNG state, and one-line errors with exit status 2 from the command lines."""
+import json
+import math
+import os
+import random
+import stat
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+from yacs.config import CfgNode
+
+import engine.data
+from engine.build import create_criterion, create_model, create_optimizer, create_scheduler, read_weights
+from engine.checkpoint import atomic_save, load_training_checkpoint, rng_state, set_rng_state
+from engine.cli import eval_main, train_main
+from engine.config import ConfigError, load_config
+from engine.data import (DIGITS_STAMP, ShardSampler, eval_transform, load_split, prepare_digits)
+from engine.distributed import DistInfo
+from engine.errors import USAGE_EXIT_CODE, UsageError, run_cli
+from engine.loops import evaluate
+from models._checkpoint import CheckpointError
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = str(REPO / 'configs' / 'demo' / 'digits_tiny.yaml')
+CPU = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device('cpu'))
+
+
+@pytest.fixture(scope='session')
+def digits(tmp_path_factory) -> Path:
+    return Path(prepare_digits(str(tmp_path_factory.getbasetemp() / 'digits')))
+
+
+@pytest.fixture
+def tiny_cfg(digits):
+    return load_config(TINY, ['DATA.DATA_PATH', str(digits)])
+
+
+def test_digits_cache_is_a_stratified_split_of_the_real_digits(digits):
+    from sklearn.datasets import load_digits
+    data = load_digits()
+    files = {split: sorted((digits / split).glob('*/*.png')) for split in ('train', 'val')}
+    assert (len(files['train']), len(files['val'])) == (1437, 360)
+    assert sorted(p.name for p in digits.iterdir()) == [DIGITS_STAMP, 'train', 'val']
+    indices = {split: {int(p.stem) for p in paths} for split, paths in files.items()}
+    assert not indices['train'] & indices['val'] and len(indices['train'] | indices['val']) == 1797
+    val_counts = Counter(int(p.parent.name) for p in files['val'])
+    all_counts = Counter(data.target.tolist())
+    assert all(abs(val_counts[c] - 0.2 * all_counts[c]) <= 1 for c in range(10))  # stratified 80/20
+    for path in files['val'][::45]:
+        i = int(path.stem)
+        assert int(path.parent.name) == data.target[i]
+        pixels = np.asarray(Image.open(path))
+        assert pixels.shape == (8, 8)
+        np.testing.assert_array_equal(pixels, np.round(data.images[i] * 255 / 16).astype(np.uint8))
+    stamp = (digits / DIGITS_STAMP).stat().st_mtime_ns
+    prepare_digits(str(digits))  # already there: nothing is rewritten
+    assert (digits / DIGITS_STAMP).stat().st_mtime_ns == stamp
+
+
+def test_a_killed_digits_writer_leaves_no_cache(tmp_path, monkeypatch):
+    def crash(root):
+        (Path(root) / 'train' / '0').mkdir(parents=True)
+        (Path(root) / 'train' / '0' / '0000.png').write_bytes(b'partial')
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(engine.data, '_write_digits', crash)
+    with pytest.raises(KeyboardInterrupt):
+        prepare_digits(str(tmp_path / 'cache'))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_digits_refuses_a_folder_of_other_files(tmp_path):
+    (tmp_path / 'mine.txt').write_text('keep me')
+    with pytest.raises(UsageError, match='holds files but no digits cache'):
+        prepare_digits(str(tmp_path))
+
+
+def test_dataset_folder_errors_name_the_folder(tmp_path, digits):
+    with pytest.raises(UsageError, match='does not exist'):
+        load_split(str(tmp_path / 'nope'), 'train', None)
+    (tmp_path / 'train').mkdir()
+    with pytest.raises(UsageError, match=r"has no val/ folder; expected val/<class>/<images>"):
+        load_split(str(tmp_path), 'val', None)
+    with pytest.raises(UsageError, match='is empty; expected one folder of images per class'):
+        load_split(str(tmp_path), 'train', None)
+    (tmp_path / 'train' / 'cat').mkdir()
+    with pytest.raises(UsageError, match='class folder without images'):
+        load_split(str(tmp_path), 'train', None)
+    with pytest.raises(UsageError, match=r'has 10 class folders but the model has 1000 classes \(MODEL.NUM_CLASSES\)'):
+        load_split(str(digits), 'val', None, num_classes=1000)
+
+
+@pytest.mark.parametrize('size, crop_mode, resize', [(224, 'center', 256), (288, 'squash', 329), (384, 'squash', 438)])
+def test_eval_preprocessing_is_the_official_resize_then_centre_crop(size, crop_mode, resize):
+    cfg = load_config(None, ['DATA.IMG_SIZE', str(size), 'TEST.CROP_MODE', crop_mode])
+    assert resize == int(size * 256 / 224)
+    rng = np.random.default_rng(0)
+    image = Image.fromarray(rng.integers(0, 256, (300, 500, 3), dtype=np.uint8))
+    if crop_mode == 'squash':
+        scaled = image.resize((resize, resize), Image.BICUBIC)
+    else:  # shorter side to `resize`, keeping the aspect ratio
+        scaled = image.resize((int(resize * 500 / 300), resize), Image.BICUBIC)
+    left, top = (scaled.width - size) // 2, (scaled.height - size) // 2
+    crop = np.asarray(scaled.crop((left, top, left + size, top + size)), dtype=np.float32) / 255
+    expected = (torch.from_numpy(crop).permute(2, 0, 1) - torch.tensor(cfg.DATA.MEAN)[:, None, None]) \
+        / torch.tensor(cfg.DATA.STD)[:, None, None]
+    torch.testing.assert_close(eval_transform(cfg)(image), expected, atol=2e-2, rtol=0)  # PIL vs tensor rounding
+
+
+def test_shard_sampler_gives_each_sample_to_exactly_one_rank():
+    shards = [list(ShardSampler(10, rank, 3)) for rank in range(3)]
+    assert sorted(sum(shards, [])) == list(range(10))
+    assert [len(s) for s in shards] == [4, 3, 3]
+
+
+def test_evaluation_counts_are_exact_when_the_set_does_not_divide_by_the_world_size():
+    torch.manual_seed(0)
+    logits = torch.randn(11, 7)
+    targets = torch.randint(0, 7, (11,))
+    dataset = TensorDataset(logits, targets)
+    model = nn.Identity()
+    order = logits.argsort(dim=1, descending=True)
+    top1 = (order[:, 0] == targets).sum().item()
+    top5 = (order[:, :5] == targets[:, None]).any(dim=1).sum().item()
+    loss = nn.functional.cross_entropy(logits, targets, reduction='sum').item()
+    correct1 = correct5 = total = loss_sum = 0.0
+    for rank in range(3):  # what the all-reduce sums over three processes
+        info = DistInfo(rank=rank, world_size=3, local_rank=rank, device=torch.device('cpu'))
+        loader = DataLoader(dataset, batch_size=2, sampler=ShardSampler(len(dataset), rank, 3))
+        result = evaluate(model, loader, info)
+        correct1 += result['top1'] * result['count'] / 100
+        correct5 += result['top5'] * result['count'] / 100
+        loss_sum += result['loss'] * result['count']
+        total += result['count']
+    assert total == 11
+    assert round(correct1) == top1 and round(correct5) == top5
+    assert loss_sum == pytest.approx(loss)
+    whole = evaluate(model, DataLoader(dataset, batch_size=4), CPU)
+    assert whole['top1'] == pytest.approx(100 * top1 / 11) and whole['top5'] == pytest.approx(100 * top5 / 11)
+
+
+def test_schedule_warms_up_then_follows_the_cosine_per_update_and_cools_down():
+    cfg = load_config(None, ['TRAIN.EPOCHS', '4', 'TRAIN.WARMUP_EPOCHS', '1', 'TRAIN.COOLDOWN_EPOCHS', '2'])
+    lr, warmup_lr, min_lr, per_epoch = 1e-3, 1e-6, 1e-5, 5
+    optimizer = torch.optim.AdamW([nn.Parameter(torch.zeros(1))], lr=lr)
+    scheduler, epochs = create_scheduler(cfg, optimizer, dict(lr=lr, warmup_lr=warmup_lr, min_lr=min_lr), per_epoch)
+    assert epochs == 6
+    for step in range(epochs * per_epoch):
+        scheduler.step_update(num_updates=step)
+        if step < per_epoch:
+            expected = warmup_lr + step * (lr - warmup_lr) / per_epoch
+        elif step < 4 * per_epoch:  # the cosine counts from update 0 (no warm-up prefix)
+            expected = min_lr + 0.5 * (lr - min_lr) * (1 + math.cos(math.pi * step / (4 * per_epoch)))
+        else:
+            expected = min_lr
+        assert optimizer.param_groups[0]['lr'] == pytest.approx(expected, rel=1e-12), step
+
+
+def test_no_weight_decay_on_norms_biases_and_position_embeddings(tiny_cfg):
+    model = create_model(tiny_cfg)
+    optimizer = create_optimizer(tiny_cfg, model, lr=2e-3)
+    assert isinstance(optimizer, torch.optim.AdamW)
+    names = {id(p): n for n, p in model.named_parameters()}
+    groups = {g['weight_decay']: {names[id(p)] for p in g['params']} for g in optimizer.param_groups}
+    assert set(groups) == {0.0, 0.05}
+    no_decay, decay = groups[0.0], groups[0.05]
+    assert {'pos_embed', 'cls_token', 'norm.weight', 'norm.bias', 'head.bias', 'blocks.0.attn.qkv.bias'} <= no_decay
+    assert {'blocks.0.attn.qkv.weight', 'blocks.0.mlp.fc1.weight', 'head.weight'} <= decay
+    assert all(not n.endswith('.bias') and 'norm' not in n for n in decay)
+    assert no_decay | decay == set(names.values())
+    assert all(g['lr'] == 2e-3 and g['eps'] == 1e-8 for g in optimizer.param_groups)
+
+
+def test_loss_follows_mixup_and_smoothing():
+    assert isinstance(create_criterion(load_config(None)), SoftTargetCrossEntropy)
+    smoothing = create_criterion(load_config(None, ['AUG.MIXUP', '0.0', 'AUG.CUTMIX', '0.0']))
+    assert isinstance(smoothing, LabelSmoothingCrossEntropy) and smoothing.smoothing == 0.1
+    plain = load_config(None, ['AUG.MIXUP', '0.0', 'AUG.CUTMIX', '0.0', 'MODEL.LABEL_SMOOTHING', '0.0'])
+    assert type(create_criterion(plain)) is nn.CrossEntropyLoss
+
+
+def test_model_errors_name_the_model_and_the_keyword(tiny_cfg):
+    cfg = tiny_cfg.clone()
+    cfg.defrost()
+    cfg.MODEL.NAME = 'inline_deit_tinny'
+    with pytest.raises(UsageError, match=r"unknown model 'inline_deit_tinny'.*did you mean inline_deit_tiny"):
+        create_model(cfg)
+    cfg.MODEL.NAME = 'inline_deit_tiny'
+    cfg.MODEL.KWARGS.depthz = 3
+    with pytest.raises(ConfigError, match=r"does not accept the keyword 'depthz' \(MODEL.KWARGS.depthz\)"):
+        create_model(cfg)
+
+
+def test_atomic_save_keeps_the_old_file_when_writing_fails(tmp_path, monkeypatch):
+    path = tmp_path / 'last.pth'
+    atomic_save({'step': 1}, str(path))
+    assert stat.S_IMODE(path.stat().st_mode) == 0o666 & ~_umask()
+    real_save = torch.save
+
+    def crash(obj, f):
+        real_save({'step': 2}, f)
+        f.truncate(10)  # a half-written file, then the process dies
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(torch, 'save', crash)
+    with pytest.raises(KeyboardInterrupt):
+        atomic_save({'step': 2}, str(path))
+    monkeypatch.undo()
+    assert torch.load(path, weights_only=True) == {'step': 1}
+    assert [p.name for p in tmp_path.iterdir()] == ['last.pth']
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def test_rng_state_survives_a_weights_only_round_trip(tmp_path):
+    random.seed(1), np.random.seed(2), torch.manual_seed(3)
+    np.random.normal()  # leaves a cached Gaussian in NumPy's state
+    atomic_save({'rng': [rng_state()]}, str(tmp_path / 'rng.pth'))
+    draws = (random.random(), random.gauss(0, 1), np.random.rand(3), np.random.normal(), torch.rand(3))
+    set_rng_state(torch.load(tmp_path / 'rng.pth', weights_only=True)['rng'][0])
+    again = (random.random(), random.gauss(0, 1), np.random.rand(3), np.random.normal(), torch.rand(3))
+    assert draws[0] == again[0] and draws[1] == again[1] and draws[3] == again[3]
+    np.testing.assert_array_equal(draws[2], again[2])
+    assert torch.equal(draws[4], again[4])
+
+
+def test_corrupt_and_foreign_checkpoints_fail_with_one_line(tmp_path):
+    good = tmp_path / 'good.pth'
+    torch.save({'model': {'w': torch.ones(3)}}, good)
+    broken = tmp_path / 'broken.pth'
+    broken.write_bytes(good.read_bytes()[:100])
+    with pytest.raises(CheckpointError, match='truncated or corrupt'):
+        read_weights(str(broken))
+    with pytest.raises(CheckpointError, match='not a training checkpoint of this engine: it lacks optimizer'):
+        load_training_checkpoint(str(good))
+    with pytest.raises(CheckpointError, match='has no EMA weights'):
+        read_weights(str(good), ema=True)
+    both = tmp_path / 'both.pth'
+    torch.save({'state_dict': {'w': torch.ones(1)}, 'state_dict_ema': {'module.w': torch.zeros(1)}}, both)
+    assert torch.equal(read_weights(str(both))['w'], torch.ones(1))
+    assert torch.equal(read_weights(str(both), ema=True)['w'], torch.zeros(1))
+
+
+def _tiny_checkpoint(tmp_path, cfg, num_classes=10, official=False) -> str:
+    cfg = cfg.clone()
+    cfg.defrost()
+    cfg.MODEL.NUM_CLASSES = num_classes
+    state = create_model(cfg).state_dict()
+    path = tmp_path / f'tiny{num_classes}{"_official" if official else ""}.pth'
+    if official:  # an InLine/FLatten training file: weights under 'model', the yacs config pickled
+        torch.save({'model': state, 'config': CfgNode({'MODEL': {'TYPE': 'x'}}), 'epoch': 300}, path)
+    else:
+        torch.save({'model': state}, path)
+    return str(path)
+
+
+def _run(main, argv, capsys):
+    code = run_cli(main, argv)
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+# `--model inline_deit_tiny` shrunk to the architecture and preprocessing of the tiny demo config
+TINY_MODEL_OPTS = [item for key, value in load_config(TINY).MODEL.KWARGS.items()
+                   for item in (f'MODEL.KWARGS.{key}', str(value))] + ['DATA.IMG_SIZE', '16', 'TEST.CROP_PCT', '1.0']
+
+
+def test_command_line_errors_are_one_line_with_exit_status_2(tmp_path, digits, tiny_cfg, capsys):
+    only_train = tmp_path / 'only_train'
+    (only_train / 'train' / 'a').mkdir(parents=True)
+    empty = tmp_path / 'empty'
+    empty.mkdir()
+    base = ['--cfg', TINY, '--output', str(tmp_path / 'out')]
+    deit = ['--cfg', str(REPO / 'configs' / 'base' / 'deit.yaml'), '--output', str(tmp_path / 'out')]
+    cases = [
+        (train_main, base + ['--opts', 'MODEL.NAME', 'inline_deit_tny', 'DATA.DATA_PATH', str(digits)],
+         "unknown model 'inline_deit_tny'"),
+        (train_main, base + ['--opts', 'TRAIN.EPOCHZ', '3'], 'unknown config key TRAIN.EPOCHZ'),
+        (train_main, base + ['--opts', 'TRAIN.EPOCHS', 'two'], "TRAIN.EPOCHS expects an integer"),
+        (train_main, deit + ['--data-path', str(tmp_path / 'nope')], 'does not exist'),
+        (train_main, deit, 'no dataset given'),
+        (train_main, deit + ['--data-path', str(only_train)], "has no val/ folder"),
+        (train_main, deit + ['--data-path', str(empty)], "has no train/ folder"),
+        (train_main, base + ['--opts', 'MODEL.NUM_CLASSES', '5', 'DATA.DATA_PATH', str(digits)],
+         'has 10 class folders but the model has 5 classes'),
+        (eval_main, ['--cfg', TINY, '--checkpoint', str(tmp_path / 'missing.pth')], 'does not exist'),
+        (eval_main, ['--cfg', TINY, '--checkpoint', _tiny_checkpoint(tmp_path, tiny_cfg, 7), '--data-path',
+                     str(digits)], 'has a 7-class classifier but MODEL.NUM_CLASSES is 10'),
+        (eval_main, ['--model', 'inline_deit_tiny', '--checkpoint', _tiny_checkpoint(tmp_path, tiny_cfg, 7),
+                     '--data-path', str(digits), '--opts'] + TINY_MODEL_OPTS,
+         'is for 7 classes but'),
+        (eval_main, ['--checkpoint', _tiny_checkpoint(tmp_path, tiny_cfg)], 'stores no config of this engine'),
+    ]
+    for main, argv, expected in cases:
+        code, out, err = _run(main, argv, capsys)
+        assert code == USAGE_EXIT_CODE, (argv, err)
+        assert err.startswith('error: ') and err.count('\n') == 1 and expected in err, (argv, err)
+        assert 'Traceback' not in err + out
+    with pytest.raises(UsageError):
+        run_cli(train_main, base + ['--debug', '--opts', 'MODEL.NAME', 'nope', 'DATA.DATA_PATH', str(digits)])
+
+
+def test_corrupt_checkpoint_through_eval(tmp_path, digits, capsys):
+    broken = tmp_path / 'broken.pth'
+    broken.write_bytes(b'PK\x03\x04 not really a zip file')
+    code, _, err = _run(eval_main, ['--cfg', TINY, '--checkpoint', str(broken), '--data-path', str(digits)], capsys)
+    assert code == USAGE_EXIT_CODE and 'truncated or corrupt' in err and err.count('\n') == 1
+
+
+def test_official_release_file_evaluates_like_the_same_weights_through_a_config(tmp_path, digits, tiny_cfg, capsys):
+    official = _tiny_checkpoint(tmp_path, tiny_cfg, official=True)
+    code, out, _ = _run(eval_main, ['--model', 'inline_deit_tiny', '--checkpoint', official, '--data-path',
+                                    str(digits), '--opts'] + TINY_MODEL_OPTS, capsys)
+    assert code == 0
+    by_model = json.loads(out.strip().splitlines()[-1])
+    code, out, _ = _run(eval_main, ['--cfg', TINY, '--checkpoint', official, '--data-path', str(digits)], capsys)
+    assert code == 0
+    by_cfg = json.loads(out.strip().splitlines()[-1])
+    assert by_model['count'] == by_cfg['count'] == 360
+    assert by_model['top1'] == by_cfg['top1'] and by_model['top5'] == by_cfg['top5']
+    assert by_model['precision'] == 'float32'
+
+
+def test_throughput_prints_images_per_second(capsys):
+    code, out, _ = _run(eval_main, ['--model', 'inline_deit_tiny', '--throughput', '--batch-size', '4', '--opts']
+                        + TINY_MODEL_OPTS, capsys)
+    assert code == 0
+    assert out.startswith('batch_size 4 throughput ') and 'images/s' in out
+
+
+def test_the_script_itself_exits_2_without_a_traceback(tmp_path):
+    result = subprocess.run([sys.executable, str(REPO / 'train.py'), '--cfg', TINY, '--opts', 'TRAIN.BASE_LR', 'x'],
+                            capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert result.returncode == USAGE_EXIT_CODE
+    assert result.stderr.strip().splitlines() == [
+        "error: config key TRAIN.BASE_LR expects a number, got 'x' in --opts"]

@@ -1,0 +1,201 @@
+"""The config tree: defaults (DeiT recipe), BASE inheritance, --opts, error messages, and the shipped YAML files."""
+import math
+from pathlib import Path
+
+import pytest
+import timm
+
+import models  # noqa: F401  (registers the families)
+from engine.config import (ConfigError, config_from_yaml_string, ema_decay, get_default_config, load_config,
+                           merge_opts, model_kwargs, scaled_lrs)
+
+CONFIGS = Path(__file__).resolve().parents[1] / 'configs'
+ALL_YAML = sorted(CONFIGS.rglob('*.yaml'))
+
+
+def write(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+def test_defaults_hold_the_deit_recipe():
+    cfg = get_default_config()
+    assert (cfg.TRAIN.BASE_LR, cfg.TRAIN.WARMUP_LR, cfg.TRAIN.MIN_LR) == (5e-4, 1e-6, 1e-5)
+    assert (cfg.TRAIN.EPOCHS, cfg.TRAIN.WARMUP_EPOCHS, cfg.TRAIN.WEIGHT_DECAY) == (300, 5, 0.05)
+    assert cfg.TRAIN.OPTIMIZER.NAME == 'adamw' and cfg.TRAIN.CLIP_GRAD is None
+    assert cfg.TRAIN.LR_SCHEDULER.NAME == 'cosine' and cfg.TRAIN.LR_SCALING == 'base'
+    assert cfg.AUG.AUTO_AUGMENT == 'rand-m9-mstd0.5-inc1' and cfg.AUG.REPROB == 0.25
+    assert (cfg.AUG.MIXUP, cfg.AUG.CUTMIX, cfg.MODEL.LABEL_SMOOTHING) == (0.8, 1.0, 0.1)
+    assert cfg.AUG.REPEATED_AUG == 3 and cfg.MODEL.DROP_PATH_RATE == 0.1
+    assert cfg.EMA.ENABLED and cfg.EMA.DECAY == 0.99996
+    assert cfg.DATA.INTERPOLATION == 'bicubic' and cfg.TEST.CROP_PCT == 0.875
+
+
+def test_base_files_merge_first_relative_to_the_including_file(tmp_path):
+    write(tmp_path / 'bases' / 'a.yaml', 'TRAIN:\n  EPOCHS: 10\n  BASE_LR: 1.0e-3\nDATA:\n  BATCH_SIZE: 8\n')
+    write(tmp_path / 'bases' / 'b.yaml', 'BASE: [a.yaml]\nTRAIN:\n  EPOCHS: 20\n')
+    write(tmp_path / 'other' / 'c.yaml', 'DATA:\n  BATCH_SIZE: 16\n  IMG_SIZE: 64\n')
+    child = write(tmp_path / 'run' / 'child.yaml',
+                  'BASE: [../bases/b.yaml, ../other/c.yaml]\nDATA:\n  IMG_SIZE: 32\n')
+    cfg = load_config(str(child))
+    assert cfg.TRAIN.EPOCHS == 20  # b over a
+    assert cfg.TRAIN.BASE_LR == 1e-3  # from a, through b
+    assert cfg.DATA.BATCH_SIZE == 16  # the later base wins
+    assert cfg.DATA.IMG_SIZE == 32  # the child wins
+    assert cfg.OUTPUT == 'output/child'
+    assert cfg.is_frozen()
+
+
+def test_opts_override_files_with_typed_values(tmp_path):
+    child = write(tmp_path / 'x.yaml', 'TRAIN:\n  EPOCHS: 10\n')
+    cfg = load_config(str(child), ['TRAIN.EPOCHS', '3', 'TRAIN.CLIP_GRAD', '1.5', 'AUG.SCALE', '[0.5, 1.0]',
+                                   'TRAIN.WEIGHT_DECAY', '0', 'MODEL.KWARGS.depths', '[1, 1]',
+                                   'MODEL.KWARGS.attn_type', 'IIIS', 'DATA.DATA_PATH', '/data/imagenet'])
+    assert cfg.TRAIN.EPOCHS == 3 and cfg.TRAIN.CLIP_GRAD == 1.5 and cfg.AUG.SCALE == [0.5, 1.0]
+    assert cfg.TRAIN.WEIGHT_DECAY == 0.0 and isinstance(cfg.TRAIN.WEIGHT_DECAY, float)
+    assert cfg.DATA.DATA_PATH == '/data/imagenet'
+    kwargs = model_kwargs(cfg)
+    assert kwargs['depths'] == [1, 1] and kwargs['attn_type'] == 'IIIS'
+    assert kwargs['img_size'] == 224 and kwargs['num_classes'] == 1000 and kwargs['drop_path_rate'] == 0.1
+
+
+def test_none_turns_clipping_off():
+    cfg = load_config(None, ['TRAIN.CLIP_GRAD', '5.0'])
+    assert cfg.TRAIN.CLIP_GRAD == 5.0
+    cfg = config_from_yaml_string('TRAIN:\n  CLIP_GRAD: None\n')
+    assert cfg.TRAIN.CLIP_GRAD is None
+
+
+@pytest.mark.parametrize('text, words', [
+    ('TRAIN:\n  BASE_LRR: 1.0\n', ['unknown config key TRAIN.BASE_LRR', 'did you mean TRAIN.BASE_LR']),
+    ('TRAIN:\n  EPOCHS: many\n', ['TRAIN.EPOCHS', 'expects an integer', "'many'"]),
+    ('TRAIN:\n  EPOCHS: 2.5\n', ['TRAIN.EPOCHS', 'expects an integer']),
+    ('DATA:\n  IMG_SIZE: [224]\n', ['DATA.IMG_SIZE', 'expects an integer']),
+    ('TRAIN: 3\n', ['TRAIN is a group of keys']),
+    ('AMP:\n  DTYPE: float8\n', ['AMP.DTYPE', "'float8'", "'bfloat16'"]),
+    ('DATA:\n  BATCH_SIZE: 0\n', ['DATA.BATCH_SIZE', '> 0']),
+    ('DATA:\n  BATCH_SIZE: 7\n', ['DATA.BATCH_SIZE', 'even batch size while mixup']),
+    ('TRAIN:\n  CLIP_GRAD: -1.0\n', ['TRAIN.CLIP_GRAD', 'None or a value > 0']),
+    ('MODEL:\n  KWARGS:\n    Depth: 3\n', ['MODEL.KWARGS', 'lower-case']),
+    ('- a\n- b\n', ['must hold a mapping']),
+    ('TRAIN: [unclosed\n', ['not valid YAML']),
+])
+def test_bad_files_name_the_key_and_the_expectation(tmp_path, text, words):
+    path = write(tmp_path / 'bad.yaml', text)
+    with pytest.raises(ConfigError) as info:
+        load_config(str(path))
+    message = str(info.value)
+    assert '\n' not in message
+    for word in words:
+        assert word in message
+
+
+def test_bad_opts_name_the_key():
+    with pytest.raises(ConfigError, match=r'unknown config key DATA\.IMGSIZE in --opts; did you mean DATA\.IMG_SIZE'):
+        load_config(None, ['DATA.IMGSIZE', '32'])
+    with pytest.raises(ConfigError, match=r"TRAIN\.BASE_LR expects a number, got 'fast' in --opts"):
+        load_config(None, ['TRAIN.BASE_LR', 'fast'])
+    with pytest.raises(ConfigError, match='odd number'):
+        merge_opts(get_default_config(), ['TRAIN.EPOCHS'])
+
+
+def test_missing_and_self_including_files(tmp_path):
+    with pytest.raises(ConfigError, match='does not exist'):
+        load_config(str(tmp_path / 'nope.yaml'))
+    loop = write(tmp_path / 'loop.yaml', 'BASE: [loop.yaml]\n')
+    with pytest.raises(ConfigError, match='includes itself'):
+        load_config(str(loop))
+
+
+def test_dump_round_trip():
+    cfg = load_config(str(CONFIGS / 'inline' / 'cswin_base_384.yaml'), ['MODEL.KWARGS.attn_type', 'IISS'])
+    again = config_from_yaml_string(cfg.dump())
+    assert again == cfg
+
+
+def test_learning_rates_scale_with_the_total_batch():
+    deit = load_config(None, ['DATA.BATCH_SIZE', '256'])
+    assert scaled_lrs(deit, 4) == pytest.approx(dict(lr=1e-3, warmup_lr=1e-6, min_lr=1e-5))  # DeiT: lr only
+    swin = load_config(None, ['TRAIN.LR_SCALING', 'all', 'DATA.BATCH_SIZE', '64', 'TRAIN.ACCUMULATION_STEPS', '2'])
+    assert scaled_lrs(swin, 8) == pytest.approx(dict(lr=1e-3, warmup_lr=2e-6, min_lr=2e-5))
+    fixed = load_config(None, ['TRAIN.LR_SCALING', 'none'])
+    assert scaled_lrs(fixed, 64) == pytest.approx(dict(lr=5e-4, warmup_lr=1e-6, min_lr=1e-5))
+
+
+def test_inline_ema_decay_is_rescaled_by_the_total_batch():
+    cfg = load_config(str(CONFIGS / 'inline' / 'cswin_tiny.yaml'))
+    assert ema_decay(cfg, 8) == pytest.approx(0.9996 ** (1024 / 4096))
+    assert round(ema_decay(cfg, 8), 6) == 0.9999  # spec: total batch 1024 -> 0.999900
+    cfg = load_config(str(CONFIGS / 'flatten' / 'cswin_base.yaml'))
+    assert ema_decay(cfg, 8) == 0.99982  # FLatten uses the decay as given
+
+
+@pytest.mark.parametrize('path', ALL_YAML, ids=[str(p.relative_to(CONFIGS)) for p in ALL_YAML])
+def test_every_shipped_config_loads_and_names_a_registered_model(path):
+    cfg = load_config(str(path))
+    assert timm.is_model(cfg.MODEL.NAME), f"{path}: MODEL.NAME {cfg.MODEL.NAME!r} is not registered"
+
+
+OFFICIAL = ['inline_deit_' + s for s in ('tiny', 'small', 'base')] + [
+    f'{a}_pvt_{s}' for a in ('inline', 'flatten') for s in ('tiny', 'small', 'medium', 'large')] + [
+    f'{a}_{f}_{s}' for a in ('inline', 'flatten') for f in ('swin', 'cswin') for s in ('tiny', 'small', 'base',
+                                                                                        'base_384')]
+
+
+@pytest.mark.parametrize('name', OFFICIAL)
+def test_one_config_per_official_variant(name):
+    attention, rest = name.split('_', 1)
+    cfg = load_config(str(CONFIGS / attention / f'{rest}.yaml'))
+    assert cfg.MODEL.NAME == name
+
+
+# Official per-variant recipes (spec inline_flatten.md 5.2, FLatten cfgs/*.yaml): per-GPU batch, image size,
+# epochs / warm-up / cool-down, effective lr / warm-up lr / min lr on 8 GPUs, weight decay, clipping, drop path,
+# EMA decay per update on 8 GPUs (None: off), evaluation crop.
+RECIPES = {
+    'inline/deit_tiny': (512, 224, 300, 20, 0, 4e-3, 4e-6, 4e-5, 0.05, 5.0, 0.1, None, 0.875),
+    'inline/deit_small': (128, 288, 300, 20, 0, 1e-3, 1e-6, 1e-5, 0.05, 5.0, 0.1, None, 0.875),
+    'inline/deit_base': (64, 448, 300, 20, 0, 5e-4, 5e-7, 5e-6, 0.05, 5.0, 0.1, None, 0.875),
+    'inline/pvt_tiny': (128, 224, 300, 5, 10, 1e-3, 2e-6, 2e-5, 0.05, None, 0.1, None, 0.875),
+    'inline/pvt_small': (128, 224, 300, 5, 10, 1e-3, 2e-6, 2e-5, 0.05, None, 0.1, None, 0.875),
+    'inline/pvt_medium': (128, 224, 300, 5, 10, 1e-3, 2e-6, 2e-5, 0.05, 1.0, 0.3, None, 0.875),
+    'inline/pvt_large': (64, 224, 300, 5, 10, 5e-4, 1e-6, 1e-5, 0.05, 1.0, 0.3, None, 0.875),
+    'inline/swin_tiny': (128, 224, 300, 20, 0, 1e-3, 1e-6, 1e-5, 0.05, 5.0, 0.2, None, 0.875),
+    'inline/swin_small': (128, 224, 300, 20, 0, 1e-3, 1e-6, 1e-5, 0.05, 5.0, 0.3, None, 0.875),
+    'inline/swin_base': (64, 224, 300, 20, 0, 5e-4, 5e-7, 5e-6, 0.05, 5.0, 0.5, None, 0.875),
+    'inline/swin_base_384': (32, 384, 30, 5, 0, 1e-5, 1e-8, 1e-7, 1e-8, 5.0, 0.5, None, 1.0),
+    'inline/cswin_tiny': (128, 224, 300, 20, 10, 1e-3, 2e-6, 2e-5, 0.05, None, 0.2, 0.9996 ** 0.25, 0.875),
+    'inline/cswin_small': (128, 224, 300, 20, 10, 1e-3, 2e-6, 2e-5, 0.05, None, 0.4, 0.9996 ** 0.25, 0.875),
+    'inline/cswin_base': (64, 224, 300, 20, 10, 5e-4, 1e-6, 1e-5, 0.1, None, 0.5, 0.9996 ** 0.125, 0.875),
+    'inline/cswin_base_384': (32, 384, 20, 0, 10, 2.5e-6, 2.5e-6, 2.5e-7, 1e-8, None, 0.7, 0.9996 ** 0.0625,
+                              0.875),
+    'flatten/pvt_tiny': (128, 224, 300, 5, 10, 1e-3, 2e-6, 2e-5, 0.05, None, 0.1, None, 0.875),
+    'flatten/pvt_small': (64, 224, 300, 5, 10, 5e-4, 1e-6, 1e-5, 0.05, None, 0.1, None, 0.875),
+    'flatten/pvt_medium': (64, 224, 300, 5, 10, 5e-4, 1e-6, 1e-5, 0.05, 1.0, 0.3, None, 0.875),
+    'flatten/pvt_large': (32, 224, 300, 5, 10, 2.5e-4, 5e-7, 5e-6, 0.05, 1.0, 0.3, None, 0.875),
+    'flatten/swin_tiny': (128, 224, 300, 20, 0, 1e-3, 1e-6, 1e-5, 0.05, 5.0, 0.2, None, 0.875),
+    'flatten/swin_small': (128, 224, 300, 20, 0, 1e-3, 1e-6, 1e-5, 0.05, 5.0, 0.3, None, 0.875),
+    'flatten/swin_base': (64, 224, 300, 20, 0, 5e-4, 5e-7, 5e-6, 0.05, 5.0, 0.5, None, 0.875),
+    'flatten/swin_base_384': (32, 384, 30, 5, 0, 1e-5, 1e-8, 1e-7, 1e-8, 5.0, 0.5, None, 1.0),
+    'flatten/cswin_tiny': (256, 224, 300, 20, 10, 2e-3, 4e-6, 4e-5, 0.05, None, 0.2, 0.99984, 0.875),
+    'flatten/cswin_small': (128, 224, 300, 20, 10, 1e-3, 2e-6, 2e-5, 0.05, None, 0.4, 0.99984, 0.875),
+    'flatten/cswin_base': (64, 224, 300, 20, 10, 5e-4, 1e-6, 1e-5, 0.1, None, 0.5, 0.99982, 0.875),
+    'flatten/cswin_base_384': (32, 384, 20, 0, 10, 2.5e-6, 2.5e-6, 2.5e-7, 1e-8, None, 0.7, 0.99982, 0.875),
+}
+
+
+@pytest.mark.parametrize('key', sorted(RECIPES))
+def test_official_hyper_parameters(key):
+    (batch, img, epochs, warmup, cooldown, lr, warmup_lr, min_lr, wd, clip, dpr, ema, crop_pct) = RECIPES[key]
+    cfg = load_config(str(CONFIGS / f'{key}.yaml'))
+    assert (cfg.DATA.BATCH_SIZE, cfg.DATA.IMG_SIZE) == (batch, img)
+    assert (cfg.TRAIN.EPOCHS, cfg.TRAIN.WARMUP_EPOCHS, cfg.TRAIN.COOLDOWN_EPOCHS) == (epochs, warmup, cooldown)
+    assert scaled_lrs(cfg, 8) == pytest.approx(dict(lr=lr, warmup_lr=warmup_lr, min_lr=min_lr), rel=1e-12)
+    assert cfg.TRAIN.WEIGHT_DECAY == wd and cfg.TRAIN.CLIP_GRAD == clip and cfg.MODEL.DROP_PATH_RATE == dpr
+    assert cfg.EMA.ENABLED == (ema is not None)
+    if ema is not None:
+        assert math.isclose(ema_decay(cfg, 8), ema, rel_tol=1e-12)
+    assert cfg.TEST.CROP_PCT == crop_pct and cfg.TEST.CROP_MODE == 'squash'  # the official square resize
+    assert cfg.TRAIN.LR_SCALING == 'all' and cfg.AUG.REPEATED_AUG == 1 and not cfg.TRAIN.LR_SCHEDULER.WARMUP_PREFIX
+    assert cfg.AMP.ENABLED == key.startswith('inline/') and not cfg.AMP.EVAL  # InLine trains with --amp
