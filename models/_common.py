@@ -16,9 +16,11 @@ __all__ = [
     'check_output_fmt', 'imagenet_cfg', 'tsinghua_url', 'INLINE_META', 'FLATTEN_META',
 ]
 
-# Pretrained-cfg metadata of the InLine and FLatten releases, which several families ship.
-INLINE_META = dict(paper_ids='arXiv:2412.06590', origin_url='https://github.com/LeapLabTHU/InLine')
-FLATTEN_META = dict(paper_ids='arXiv:2308.00442', origin_url='https://github.com/LeapLabTHU/FLatten-Transformer')
+# Pretrained-cfg entries of the InLine and FLatten releases, which several families ship. Their evaluation resizes
+# the image to a square of int(S / crop_pct) before the centre crop, which is timm's 'squash' crop mode.
+INLINE_META = dict(paper_ids='arXiv:2412.06590', origin_url='https://github.com/LeapLabTHU/InLine', crop_mode='squash')
+FLATTEN_META = dict(paper_ids='arXiv:2308.00442', origin_url='https://github.com/LeapLabTHU/FLatten-Transformer',
+                    crop_mode='squash')
 
 
 class Block(nn.Module):
