@@ -1,5 +1,6 @@
 """The training epoch, the evaluation pass with exact counts over processes, and the throughput measurement."""
 import contextlib
+import logging
 import math
 import sys
 import time
@@ -14,20 +15,24 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from .distributed import DistInfo, all_reduce_sum, any_rank
+from .errors import NonFiniteLossError
 
 __all__ = ['TrainState', 'EpochResult', 'autocast', 'train_one_epoch', 'evaluate', 'measure_throughput']
 
 AMP_DTYPES = {'float16': torch.float16, 'bfloat16': torch.bfloat16}
+logger = logging.getLogger('engine')
 
 
 @dataclass
 class TrainState:
-    """Where training stands: `epoch` in progress, `epoch_batches` of it trained, `step` optimizer updates."""
+    """Where training stands: `epoch` in progress, `epoch_batches` of it trained, `step` optimizer updates;
+    `skipped_steps` updates dropped for a non-finite loss in this run (not checkpointed)."""
     epoch: int = 0
     epoch_batches: int = 0
     step: int = 0
     max_accuracy: float = 0.0
     max_ema_accuracy: float = 0.0
+    skipped_steps: int = 0
 
 
 @dataclass
@@ -65,6 +70,7 @@ def train_one_epoch(
         amp_dtype: str = 'float16',
         mixup: Optional[Callable] = None,
         ema=None,
+        max_nonfinite_steps: int = 0,
         stop_requested: Callable[[], bool] = lambda: False,
         print_freq: int = 10,
         desc: str = '',
@@ -73,59 +79,80 @@ def train_one_epoch(
 
     After each optimizer update the scheduler gets the new update count and the EMA follows the model. When
     `stop_requested()` is true on any process at an update boundary, the epoch ends early with `stopped` set.
+    An update whose loss is non-finite on any process is skipped on all of them (no backward, and weights,
+    optimizer, scaler, EMA and schedule stay as they were); once more than `max_nonfinite_steps` updates were
+    skipped in this run, `NonFiniteLossError` is raised on every process.
     """
     model.train()
     total = updates * accumulation
     loss_meter = AverageMeter()
     parameters = [p for p in model.parameters() if p.requires_grad]
     lr = optimizer.param_groups[0]['lr']
-    stopped = False
+    stopped = update_skipped = False
     start, images = time.perf_counter(), 0
-    bar = tqdm(total=total, initial=state.epoch_batches, desc=desc, disable=not info.is_main, dynamic_ncols=True,
-               leave=False, mininterval=_bar_interval())
-    for images_batch, targets in loader:
-        if state.epoch_batches >= total:
-            break
-        images_batch = images_batch.to(info.device, non_blocking=True)
-        targets = targets.to(info.device, non_blocking=True)
-        if mixup is not None:
-            images_batch, targets = mixup(images_batch, targets)
-        update = (state.epoch_batches + 1) % accumulation == 0
-        sync = contextlib.nullcontext()
-        if isinstance(model, DistributedDataParallel) and not update:
-            sync = model.no_sync()
-        with sync:
-            with autocast(info.device, amp, amp_dtype):
-                loss = criterion(model(images_batch), targets)
-            scaler.scale(loss / accumulation).backward()
-        loss_value = loss.item()
-        if not math.isfinite(loss_value):
-            raise FloatingPointError(f"training loss is {loss_value} at epoch {state.epoch} batch "
-                                     f"{state.epoch_batches}; lower the learning rate or enable gradient clipping")
-        loss_meter.update(loss_value, images_batch.shape[0])
-        state.epoch_batches += 1
-        images += images_batch.shape[0] * info.world_size
-        if update:
-            lr = optimizer.param_groups[0]['lr']
-            if clip_grad is not None:
-                scaler.unscale_(optimizer)
-                torch.nn.utils.clip_grad_norm_(parameters, clip_grad)
-            scaler.step(optimizer)
-            scaler.update()
-            optimizer.zero_grad(set_to_none=True)
-            state.step += 1
-            scheduler.step_update(num_updates=state.step)
-            if ema is not None:
-                ema.update(model.module if isinstance(model, DistributedDataParallel) else model)
-            if any_rank(stop_requested(), info.device):
-                stopped = True
-        bar.update(1)
-        if state.epoch_batches % print_freq == 0:
-            rate = images / max(time.perf_counter() - start, 1e-9)
-            bar.set_postfix(loss=f'{loss_meter.avg:.4f}', lr=f'{lr:.3e}', img_s=f'{rate:.0f}')
-        if stopped:
-            break
-    bar.close()
+    with tqdm(total=total, initial=state.epoch_batches, desc=desc, disable=not info.is_main, dynamic_ncols=True,
+              leave=False, mininterval=_bar_interval()) as bar:
+        for images_batch, targets in loader:
+            if state.epoch_batches >= total:
+                break
+            images_batch = images_batch.to(info.device, non_blocking=True)
+            targets = targets.to(info.device, non_blocking=True)
+            if mixup is not None:
+                images_batch, targets = mixup(images_batch, targets)
+            update = (state.epoch_batches + 1) % accumulation == 0
+            if state.epoch_batches % accumulation == 0:
+                update_skipped = False
+            sync = contextlib.nullcontext()
+            if isinstance(model, DistributedDataParallel) and not update:
+                sync = model.no_sync()
+            with sync:
+                with autocast(info.device, amp, amp_dtype):
+                    loss = criterion(model(images_batch), targets)
+                loss_value = loss.item()
+                # every process must take the same branch (a backward on some processes only would hang DDP), and
+                # the sum over processes is non-finite exactly when a process's loss is
+                finite = math.isfinite(all_reduce_sum([loss_value], info.device)[0])
+                if finite and not update_skipped:
+                    scaler.scale(loss / accumulation).backward()
+            if not finite and not update_skipped:
+                update_skipped = True
+                state.skipped_steps += 1
+                where = f"step {state.step} (epoch {state.epoch}, batch {state.epoch_batches})"
+                if state.skipped_steps > max_nonfinite_steps:
+                    raise NonFiniteLossError(
+                        f"the training loss is not finite at {where} after "
+                        f"{state.skipped_steps - 1} skipped step(s) (TRAIN.MAX_NONFINITE_STEPS {max_nonfinite_steps}); "
+                        f"expected a finite loss: lower the learning rate or set TRAIN.CLIP_GRAD")
+                if info.is_main:
+                    logger.warning(f"skipping {where}: the training loss is not finite "
+                                   f"({state.skipped_steps}/{max_nonfinite_steps} skipped)")
+            if not update_skipped:
+                loss_meter.update(loss_value, images_batch.shape[0])
+            state.epoch_batches += 1
+            images += images_batch.shape[0] * info.world_size
+            if update:
+                lr = optimizer.param_groups[0]['lr']
+                if update_skipped:
+                    optimizer.zero_grad(set_to_none=True)
+                else:
+                    if clip_grad is not None:
+                        scaler.unscale_(optimizer)
+                        torch.nn.utils.clip_grad_norm_(parameters, clip_grad)
+                    scaler.step(optimizer)
+                    scaler.update()
+                    optimizer.zero_grad(set_to_none=True)
+                    state.step += 1
+                    scheduler.step_update(num_updates=state.step)
+                    if ema is not None:
+                        ema.update(model.module if isinstance(model, DistributedDataParallel) else model)
+                if any_rank(stop_requested(), info.device):
+                    stopped = True
+            bar.update(1)
+            if state.epoch_batches % print_freq == 0:
+                rate = images / max(time.perf_counter() - start, 1e-9)
+                bar.set_postfix(loss=f'{loss_meter.avg:.4f}', lr=f'{lr:.3e}', img_s=f'{rate:.0f}')
+            if stopped:
+                break
     loss_sum, count = all_reduce_sum([loss_meter.sum, loss_meter.count], info.device)
     return EpochResult(loss=loss_sum / max(count, 1), lr=lr, images=images,
                        seconds=time.perf_counter() - start, stopped=stopped)

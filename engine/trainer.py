@@ -167,8 +167,6 @@ def train(cfg: CN, info: DistInfo) -> Dict[str, Any]:
         if state.epoch_batches >= updates_per_epoch * cfg.TRAIN.ACCUMULATION_STEPS:
             state.epoch, state.epoch_batches = state.epoch + 1, 0
         scheduler.step_update(num_updates=state.step)  # the schedule follows this run's config at this step
-        if info.is_main:
-            _drop_log_records(os.path.join(output, LOG), state.epoch)
         if checkpoint['world_size'] == info.world_size:
             set_rng_state(checkpoint['rng'][info.rank])
         else:
@@ -186,6 +184,9 @@ def train(cfg: CN, info: DistInfo) -> Dict[str, Any]:
     mixup = build_mixup(cfg)
 
     if info.is_main:
+        # records of epochs this run trains (again) go: a run killed after logging an epoch but before saving it
+        # resumes from the checkpoint before, and a fresh run starts a fresh log
+        _drop_log_records(os.path.join(output, LOG), state.epoch)
         with open(os.path.join(output, CONFIG), 'w') as f:
             f.write(cfg.dump())
         n_params = sum(p.numel() for p in model.parameters())
@@ -223,8 +224,9 @@ def train(cfg: CN, info: DistInfo) -> Dict[str, Any]:
             result = train_one_epoch(
                 train_model, train_loader, criterion, optimizer, scheduler, scaler, state, info,
                 updates=updates_per_epoch, accumulation=cfg.TRAIN.ACCUMULATION_STEPS, clip_grad=cfg.TRAIN.CLIP_GRAD,
-                amp=cfg.AMP.ENABLED, amp_dtype=cfg.AMP.DTYPE, mixup=mixup, ema=ema, stop_requested=stop,
-                print_freq=cfg.PRINT_FREQ, desc=f'epoch {epoch}/{num_epochs}')
+                amp=cfg.AMP.ENABLED, amp_dtype=cfg.AMP.DTYPE, mixup=mixup, ema=ema,
+                max_nonfinite_steps=cfg.TRAIN.MAX_NONFINITE_STEPS, stop_requested=stop, print_freq=cfg.PRINT_FREQ,
+                desc=f'epoch {epoch}/{num_epochs}')
             if result.stopped:
                 save(None, best=False)
                 logger.info(f"stopped at epoch {epoch} batch {state.epoch_batches} (step {state.step}); "
@@ -246,14 +248,14 @@ def train(cfg: CN, info: DistInfo) -> Dict[str, Any]:
             epochs_run += 1
             last_epoch = epoch + 1 == num_epochs
             pause = cfg.TRAIN.EPOCHS_PER_RUN > 0 and epochs_run >= cfg.TRAIN.EPOCHS_PER_RUN
-            if is_best or last_epoch or pause or (epoch + 1) % cfg.SAVE_FREQ == 0:
-                save(record, best=is_best)
             if info.is_main:
                 _append_log(os.path.join(output, LOG), record)
                 ema_text = f", ema top-1 {record['ema_val_top1']:.2f}" if 'ema_val_top1' in record else ''
                 logger.info(f"epoch {epoch}: train loss {result.loss:.4f}, lr {result.lr:.3e}, val top-1 "
                             f"{val['top1']:.2f} top-5 {val['top5']:.2f}{ema_text} (max {state.max_accuracy:.2f}), "
                             f"{record['images_per_second']:.0f} img/s")
+            if is_best or last_epoch or pause or (epoch + 1) % cfg.SAVE_FREQ == 0:
+                save(record, best=is_best)
             state.epoch, state.epoch_batches = epoch + 1, 0
             if pause and not last_epoch:
                 logger.info(f"paused after {epochs_run} epoch(s) (TRAIN.EPOCHS_PER_RUN); run again to continue")

@@ -1,0 +1,321 @@
+"""Reliability of training: a non-finite loss skips the update or stops the run with a one-line error and the last
+checkpoint intact; every attention trains under float16 autocast with the gradient scaler; a run killed with
+SIGKILL resumes to exactly the weights and metrics of an uninterrupted run; a rank that dies ends the others."""
+import json
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from timm.utils import ModelEmaV3
+from torch import nn
+
+import engine.trainer
+from engine.build import create_criterion, create_model, create_optimizer, create_scheduler
+from engine.cli import train_main
+from engine.config import load_config, scaled_lrs
+from engine.data import build_train_loader, load_split, prepare_digits, train_transform
+from engine.distributed import DistInfo
+from engine.errors import USAGE_EXIT_CODE, NonFiniteLossError, run_cli
+from engine.loops import TrainState, train_one_epoch
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = str(REPO / 'configs' / 'demo' / 'digits_tiny.yaml')
+CPU = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device('cpu'))
+ATTENTIONS = ('softmax', 'multimax', 'inline', 'flatten', 'sima', 'additive')
+# 22 updates per epoch instead of 89: the runs below only need a few.
+SHORT = ['DATA.BATCH_SIZE', '64']
+TIMING = ('epoch_seconds', 'images_per_second')
+
+
+@pytest.fixture(scope='module')
+def digits(tmp_path_factory) -> Path:
+    return Path(prepare_digits(str(tmp_path_factory.getbasetemp() / 'digits')))
+
+
+def records(output: Path):
+    with open(output / 'log.jsonl') as f:
+        return [{k: v for k, v in json.loads(line).items() if k not in TIMING} for line in f]
+
+
+class RecordingScheduler:
+    def __init__(self):
+        self.updates = []
+
+    def step_update(self, num_updates: int) -> None:
+        self.updates.append(num_updates)
+
+
+def nan_at(criterion: nn.Module, calls: set):
+    """`criterion` whose result is NaN on the given (0-based) calls."""
+    count = [0]
+
+    def loss(output, target):
+        value = criterion(output, target)
+        count[0] += 1
+        return value * float('nan') if count[0] - 1 in calls else value
+
+    return loss
+
+
+def linear_run(batches, bad_calls: set, max_nonfinite_steps: int, accumulation: int = 1):
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    ema = ModelEmaV3(model, decay=0.5)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    scheduler = RecordingScheduler()
+    state = TrainState()
+    train_one_epoch(model, batches, nan_at(nn.CrossEntropyLoss(), bad_calls), optimizer, scheduler,
+                    torch.amp.GradScaler('cpu', enabled=False), state, CPU, updates=len(batches) // accumulation,
+                    accumulation=accumulation, ema=ema, max_nonfinite_steps=max_nonfinite_steps)
+    return model, ema, optimizer, scheduler, state
+
+
+def linear_batches(n: int):
+    generator = torch.Generator().manual_seed(1)
+    return [(torch.randn(8, 4, generator=generator), torch.randint(0, 3, (8,), generator=generator))
+            for _ in range(n)]
+
+
+def assert_same_training(a, b) -> None:
+    model_a, ema_a, optimizer_a, scheduler_a, state_a = a
+    model_b, ema_b, optimizer_b, scheduler_b, state_b = b
+    for x, y in zip([*model_a.parameters(), *ema_a.module.parameters()],
+                    [*model_b.parameters(), *ema_b.module.parameters()]):
+        assert torch.equal(x, y)
+    assert scheduler_a.updates == scheduler_b.updates and state_a.step == state_b.step
+    for index, values in optimizer_a.state_dict()['state'].items():
+        for name, value in values.items():
+            assert torch.equal(value, optimizer_b.state_dict()['state'][index][name]), (index, name)
+
+
+def test_a_skipped_update_changes_nothing():
+    batches = linear_batches(5)
+    skipped = linear_run(batches, {1, 3}, max_nonfinite_steps=2)
+    clean = linear_run([batches[0], batches[2], batches[4]], set(), max_nonfinite_steps=0)
+    assert skipped[4].skipped_steps == 2 and skipped[4].epoch_batches == 5
+    assert skipped[3].updates == [1, 2, 3]  # the schedule follows the updates made, not the batches
+    assert_same_training(skipped, clean)
+
+
+def test_a_non_finite_micro_batch_drops_its_whole_accumulated_update():
+    batches = linear_batches(6)
+    skipped = linear_run(batches, {2}, max_nonfinite_steps=1, accumulation=2)  # batches 2 and 3 are one update
+    clean = linear_run(batches[:2] + batches[4:], set(), max_nonfinite_steps=0, accumulation=2)
+    assert skipped[4].skipped_steps == 1 and skipped[4].step == 2
+    assert_same_training(skipped, clean)
+
+
+def test_more_non_finite_steps_than_allowed_raise_naming_the_step():
+    with pytest.raises(NonFiniteLossError, match=r"^the training loss is not finite at step 2 \(epoch 0, batch 3\) "
+                                                 r"after 1 skipped step\(s\) \(TRAIN.MAX_NONFINITE_STEPS 1\)"):
+        linear_run(linear_batches(5), {1, 3}, max_nonfinite_steps=1)
+
+
+@pytest.fixture(scope='module')
+def one_epoch(tmp_path_factory, digits) -> Path:
+    """The output folder of a run paused after epoch 0 (22 updates)."""
+    output = tmp_path_factory.mktemp('one_epoch')
+    assert run_cli(train_main, [*train_argv(output, digits), 'TRAIN.EPOCHS_PER_RUN', '1']) == 0
+    return output
+
+
+def train_argv(output: Path, digits: Path):
+    return ['--cfg', TINY, '--output', str(output), '--data-path', str(digits), '--opts', *SHORT]
+
+
+def test_a_non_finite_loss_stops_training_with_exit_status_2_and_keeps_last_checkpoint(
+        tmp_path, digits, one_epoch, monkeypatch, capsys):
+    output = tmp_path / 'run'
+    shutil.copytree(one_epoch, output)
+    last = output / 'last.pth'
+    saved = last.read_bytes()
+    assert torch.load(last, weights_only=True)['step'] == 22
+
+    real_create_criterion = engine.trainer.create_criterion
+    monkeypatch.setattr(engine.trainer, 'create_criterion', lambda cfg: nan_at(real_create_criterion(cfg), {5}))
+    capsys.readouterr()
+    assert run_cli(train_main, train_argv(output, digits)) == USAGE_EXIT_CODE
+    err = capsys.readouterr().err
+    assert 'Traceback' not in err  # the progress bar clears its line; the message is the last one
+    assert err.splitlines()[-1] == ("error: the training loss is not finite at step 27 (epoch 1, batch 5) after 0 "
+                                    "skipped step(s) (TRAIN.MAX_NONFINITE_STEPS 0); expected a finite loss: lower "
+                                    "the learning rate or set TRAIN.CLIP_GRAD")
+    assert last.read_bytes() == saved
+    assert [r['epoch'] for r in records(output)] == [0]
+    assert sorted(p.name for p in output.iterdir()) == ['best.pth', 'config.yaml', 'last.pth', 'log.jsonl',
+                                                        'train.log']
+
+
+def test_resuming_into_another_model_fails_with_one_line_and_keeps_last_checkpoint(
+        tmp_path, digits, one_epoch, capsys):
+    output = tmp_path / 'run'
+    shutil.copytree(one_epoch, output)
+    saved = (output / 'last.pth').read_bytes()
+    capsys.readouterr()
+    assert run_cli(train_main, [*train_argv(output, digits), 'MODEL.KWARGS.depth', '1']) == USAGE_EXIT_CODE
+    err = capsys.readouterr().err
+    assert err.count('\n') == 1 and err.startswith(f"error: checkpoint {str(output / 'last.pth')!r} does not match "
+                                                   f"DeiT: unexpected: blocks.1."), err
+    assert (output / 'last.pth').read_bytes() == saved
+
+
+@pytest.mark.parametrize('attn', ATTENTIONS)
+def test_every_attention_trains_50_steps_under_float16_autocast(attn, digits):
+    cfg = load_config(TINY, ['MODEL.KWARGS.attn_type', attn, 'AMP.ENABLED', 'True', 'AMP.DTYPE', 'float16',
+                             'DATA.DATA_PATH', str(digits)])
+    torch.manual_seed(0)
+    model = create_model(cfg)
+    lrs = scaled_lrs(cfg, 1)
+    optimizer = create_optimizer(cfg, model, lrs['lr'])
+    scheduler, _ = create_scheduler(cfg, optimizer, lrs, 50)
+    scaler = torch.amp.GradScaler('cpu')
+    loader = build_train_loader(cfg, load_split(str(digits), 'train', train_transform(cfg), 10), CPU)
+    loader.sampler.set_epoch(0)
+    losses = []
+    state = TrainState()
+    criterion = create_criterion(cfg)
+
+    def recorded(output, target):
+        loss = criterion(output, target)
+        losses.append(loss.item())
+        return loss
+
+    train_one_epoch(model, loader, recorded, optimizer, scheduler, scaler, state, CPU, updates=50, amp=True,
+                    amp_dtype='float16')
+    assert state.step == 50 and state.skipped_steps == 0 and len(losses) == 50
+    assert all(math.isfinite(loss) for loss in losses)
+    # the scaler starts at 2**16 and halves on each update it skips for inf/NaN gradients (no growth in 50)
+    assert math.log2(2 ** 16 / scaler.get_scale()) <= 3
+    assert sum(losses[-10:]) < sum(losses[:10])
+
+
+def start_training(output: Path, digits: Path) -> subprocess.Popen:
+    command = [sys.executable, str(REPO / 'train.py'), *train_argv(output, digits)]
+    # one thread each: the two runs share the machine, and the same thread count keeps their sums identical
+    env = dict(os.environ, OMP_NUM_THREADS='1')
+    return subprocess.Popen(command, cwd=output.parent, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True)
+
+
+def finish(process: subprocess.Popen) -> None:
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == 0, err[-3000:]
+
+
+def test_a_run_killed_with_sigkill_resumes_to_the_uninterrupted_result(tmp_path, digits):
+    uninterrupted = start_training(tmp_path / 'uninterrupted', digits)
+    killed_output = tmp_path / 'killed'
+    killed = start_training(killed_output, digits)
+    log = killed_output / 'log.jsonl'
+    deadline = time.monotonic() + 120
+    # epoch 0 logged and saved: the run is in epoch 1
+    while not (log.exists() and log.read_text().count('\n') == 1 and (killed_output / 'last.pth').exists()):
+        assert killed.poll() is None and time.monotonic() < deadline, killed.stderr.read()[-3000:]
+        time.sleep(0.02)
+    time.sleep(0.2)  # some way into epoch 1 (of about 4 s)
+    os.kill(killed.pid, signal.SIGKILL)
+    killed.communicate(timeout=60)
+    assert killed.returncode == -signal.SIGKILL
+    assert torch.load(killed_output / 'last.pth', weights_only=True)['epoch'] == 0  # killed before epoch 1's save
+
+    finish(start_training(killed_output, digits))  # resumes from last.pth on its own
+    finish(uninterrupted)
+    assert records(killed_output) == records(tmp_path / 'uninterrupted')
+    assert [r['epoch'] for r in records(killed_output)] == [0, 1]
+    resumed = torch.load(killed_output / 'last.pth', weights_only=True)
+    reference = torch.load(tmp_path / 'uninterrupted' / 'last.pth', weights_only=True)
+    assert resumed['step'] == reference['step'] == 44
+    for key in ('model', 'model_ema'):
+        assert resumed[key].keys() == reference[key].keys()
+        for name in reference[key]:
+            assert torch.equal(resumed[key][name], reference[key][name]), (key, name)
+
+
+# Rank 1 leaves abruptly at its 10th update, as a process killed by the OS or a failed device would.
+DYING_RANK = '''
+import os
+import sys
+
+import engine.loops
+from engine.cli import train_main
+from engine.errors import run_cli
+
+if os.environ['RANK'] == '1':
+    any_rank, calls = engine.loops.any_rank, []
+
+    def any_rank_then_exit(flag, device):
+        calls.append(flag)
+        if len(calls) == 10:
+            os._exit(3)
+        return any_rank(flag, device)
+
+    engine.loops.any_rank = any_rank_then_exit
+sys.exit(run_cli(train_main))
+'''
+
+
+def torchrun_script(tmp_path: Path, digits: Path, text: str, *opts: str):
+    """Run `text` as the training script of a 2-process torchrun; return the result and the seconds it took."""
+    script = tmp_path / 'script.py'
+    script.write_text(text)
+    command = [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2', str(script),
+               *train_argv(tmp_path / 'out', digits), *opts]
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS='1')
+    start = time.monotonic()
+    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    return result, time.monotonic() - start
+
+
+def test_a_rank_that_dies_ends_the_other_rank_with_a_non_zero_exit(tmp_path, digits):
+    result, seconds = torchrun_script(tmp_path, digits, DYING_RANK)
+    assert result.returncode != 0 and seconds < 90  # not DIST.TIMEOUT_MIN (30 minutes)
+    # torchrun names rank 1 as the first failure and lists rank 0, which it ended, as failed too
+    root_cause = result.stderr.split('Root Cause')[-1]
+    assert 'rank      : 1' in root_cause and 'exitcode  : 3' in root_cause, result.stderr[-3000:]
+    assert 'rank      : 0' in result.stderr.split('Root Cause')[0], result.stderr[-3000:]
+    assert not (tmp_path / 'out' / 'log.jsonl').exists()  # rank 0 never finished an epoch
+
+
+# Only rank 1 sees a NaN loss, at its 6th and 9th batches.
+NAN_ON_RANK_1 = '''
+import os
+import sys
+
+import engine.trainer
+from engine.cli import train_main
+from engine.errors import run_cli
+
+if os.environ['RANK'] == '1':
+    create_criterion, calls = engine.trainer.create_criterion, []
+
+    def nan_at_sixth_and_ninth_calls(cfg):
+        criterion = create_criterion(cfg)
+
+        def loss(output, target):
+            calls.append(None)
+            return criterion(output, target) * (float('nan') if len(calls) in (6, 9) else 1.0)
+
+        return loss
+
+    engine.trainer.create_criterion = nan_at_sixth_and_ninth_calls
+sys.exit(run_cli(train_main))
+'''
+
+
+def test_a_non_finite_loss_on_one_rank_skips_then_stops_every_rank(tmp_path, digits):
+    result, seconds = torchrun_script(tmp_path, digits, NAN_ON_RANK_1, 'TRAIN.MAX_NONFINITE_STEPS', '1')
+    assert result.returncode != 0 and seconds < 90
+    # both ranks skipped batch 5 and went on together; rank 0, whose own loss was finite, prints the message
+    # (only rank 0 prints) and exits with status 2
+    assert "skipping step 5 (epoch 0, batch 5): the training loss is not finite (1/1 skipped)" in result.stdout
+    assert ("error: the training loss is not finite at step 7 (epoch 0, batch 8) after 1 skipped step(s)"
+            in result.stderr), result.stdout[-3000:] + result.stderr[-3000:]
+    assert 'exitcode  : 2' in result.stderr.split('Root Cause')[-1], result.stderr[-3000:]
+    assert not (tmp_path / 'out' / 'last.pth').exists()
