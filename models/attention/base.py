@@ -248,40 +248,59 @@ class Attention(nn.Module):
         `block_input`, when given, is the un-normalised block input; attentions that summarise their input
         (InLine's local residual) summarise it instead of `x`, as CSwin's InLine does.
         """
-        q, k, v = self.project(x, size)
         tokens = (x if block_input is None else block_input) if self.uses_tokens else None
-        x = self.attend(q, k, v, size, tokens)
-        return self.proj_drop(self.proj(x))
+        if self.window is None or self.sr_ratio > 1:
+            q, k, v = self.project(x, size)
+            return self.proj_drop(self.proj(self.attend(q, k, v, size, tokens)))
+        # The projections act token by token, so they commute with the grouping into windows: grouping the
+        # input once moves a third of the data that grouping q, k and v would.
+        self._check_size(size, x.shape[1])
+        q, k, v = self.project(self._group(x, size), self.window)
+        out = self._mix_windows(q, k, v, None if tokens is None else self._group(tokens, size))
+        return self._ungroup(self.proj_drop(self.proj(out)), size)
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, size: Grid, tokens: Optional[Tensor] = None) -> Tensor:
         """Group the tokens, mix each group, add LePE, ungroup: (B, N, C) each -> (B, N, C)."""
-        H, W = size
-        num_prefix = q.shape[1] - H * W
-        if num_prefix < 0:
-            raise ValueError(f"{q.shape[1]} tokens cannot hold a {H}x{W} grid")
-        if self.grid_size is not None and (self.window is not None or self.shift_size) and size != self.grid_size:
-            raise ValueError(f"input grid {H}x{W} does not match the {self.grid_size[0]}x{self.grid_size[1]} grid "
-                             f"this windowed attention was built for")
+        num_prefix = self._check_size(size, q.shape[1])
         if self.window is None:
             out = self.mix(q, k, v, size, num_prefix, tokens, self.relative_position_bias(), None)
             if self.get_v is not None:
                 out = out + self._lepe(v, size, num_prefix)
             return out
-        if num_prefix:
+        groups = [self._group(t, size) for t in (q, k, v)]
+        return self._ungroup(self._mix_windows(*groups, None if tokens is None else self._group(tokens, size)), size)
+
+    def _check_size(self, size: Grid, num_tokens: int) -> int:
+        """The number of prefix tokens before the `size` grid; raises ValueError for a grid the module cannot take."""
+        H, W = size
+        num_prefix = num_tokens - H * W
+        if num_prefix < 0:
+            raise ValueError(f"{num_tokens} tokens cannot hold a {H}x{W} grid")
+        if self.grid_size is not None and (self.window is not None or self.shift_size) and size != self.grid_size:
+            raise ValueError(f"input grid {H}x{W} does not match the {self.grid_size[0]}x{self.grid_size[1]} grid "
+                             f"this windowed attention was built for")
+        if self.window is not None and num_prefix:
             raise ValueError(f"windowed attention does not support prefix tokens, got {num_prefix} before the "
                              f"{H}x{W} grid")
-        window, shift = self.window, self.shift_size
-        groups = [q, k, v] if tokens is None else [q, k, v, tokens]
-        if shift:
-            groups = [_roll(t, size, -shift) for t in groups]
-        groups = [window_partition(t, size, window) for t in groups]
-        qw, kw, vw = groups[:3]
-        out = self.mix(qw, kw, vw, window, 0, groups[3] if tokens is not None else None,
-                       self.relative_position_bias(), self.attn_mask)
+        return num_prefix
+
+    def _group(self, x: Tensor, size: Grid) -> Tensor:
+        """(B, H*W, C) -> (B * nW, n, C): roll by the shift, then cut into windows."""
+        if self.shift_size:
+            x = _roll(x, size, -self.shift_size)
+        return window_partition(x, size, self.window)
+
+    def _ungroup(self, x: Tensor, size: Grid) -> Tensor:
+        """Inverse of `_group`: (B * nW, n, C) -> (B, H*W, C)."""
+        x = window_reverse(x, size, self.window)
+        return _roll(x, size, self.shift_size) if self.shift_size else x
+
+    def _mix_windows(self, q: Tensor, k: Tensor, v: Tensor, tokens: Optional[Tensor]) -> Tensor:
+        """`mix` plus LePE for (B * nW, n, C) windows."""
+        out = self.mix(q, k, v, self.window, 0, tokens, self.relative_position_bias(), self.attn_mask)
         if self.get_v is not None:
-            out = out + self._lepe(vw, window, 0)
-        out = window_reverse(out, size, window)
-        return _roll(out, size, shift) if shift else out
+            out = out + self._lepe(v, self.window, 0)
+        return out
 
     def _lepe(self, v: Tensor, grid: Grid, num_prefix: int) -> Tensor:
         lepe = image_to_tokens(self.get_v(tokens_to_image(v[:, num_prefix:], grid)))

@@ -1,31 +1,53 @@
-"""Softmax attention, the backbones' native one: softmax(q·kᵀ/√d + bias) v."""
+"""Softmax attention, the backbones' native one: softmax(q·kᵀ/√d + bias) v.
+
+Every grouping goes through `scaled_dot_product_attention`. Its fused kernels take a bias only in 4-D form, so
+the bias is always given as (1, heads, n, m); shifted windows fold their window index into the heads
+(`fold_windows`) so that one (1, nW·heads, n, m) bias, built once per forward, serves the whole batch instead of
+a per-window copy of the mask for every image. On CPU the fused kernels take no bias that needs a gradient (a
+learned position bias in training); there the plain formula is cheaper than the kernel's own fallback.
+"""
 from typing import Optional
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from .base import Attention, Grid, merge_heads, split_heads
 from .registry import register_attention
 
-__all__ = ['softmax_attention', 'score_bias', 'SoftmaxAttention']
+__all__ = ['softmax_attention', 'window_bias', 'fold_windows', 'unfold_windows', 'SoftmaxAttention']
 
 
 def softmax_attention(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor] = None, dropout_p: float = 0.) -> Tensor:
     """q: (B, h, n, d), k, v: (B, h, m, d), bias broadcastable to (B, h, n, m) -> (B, h, n, d)."""
-    if bias is not None:
-        bias = bias.to(q.dtype)
+    if bias is None:
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p)
+    bias = bias.to(q.dtype)
+    if bias.requires_grad and torch.is_grad_enabled() and q.device.type == 'cpu':
+        weights = (torch.matmul(q * q.shape[-1] ** -0.5, k.transpose(-2, -1)) + bias).softmax(dim=-1)
+        return torch.matmul(F.dropout(weights, dropout_p) if dropout_p else weights, v)
+    if bias.dim() < 4:  # the fused kernels reject a bias of fewer dimensions
+        bias = bias[(None,) * (4 - bias.dim())]
     return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout_p)
 
 
-def score_bias(batch: int, pos_bias: Optional[Tensor], mask: Optional[Tensor]) -> Optional[Tensor]:
-    """Position bias (h, n, m) plus window mask (nW, n, m) as one additive bias broadcastable to (batch, h, n, m).
+def window_bias(pos_bias: Optional[Tensor], mask: Tensor, num_heads: int) -> Tensor:
+    """Window mask (nW, n, m) plus position bias (h, n, m) or None -> (1, nW·h, n, m), for `fold_windows`."""
+    bias = mask.unsqueeze(1)
+    bias = bias.expand(-1, num_heads, -1, -1) if pos_bias is None else bias + pos_bias
+    return bias.flatten(0, 1).unsqueeze(0)
 
-    Group g of the batch uses mask[g % nW], the order `window_partition` gives.
-    """
-    if mask is None:
-        return pos_bias
-    mask = mask.repeat(batch // mask.shape[0], 1, 1).unsqueeze(1)
-    return mask if pos_bias is None else mask + pos_bias
+
+def fold_windows(x: Tensor, num_windows: int) -> Tensor:
+    """(B·nW, h, n, d), windows of an image consecutive -> (B, nW·h, n, d), head j of window w at w·h + j."""
+    Bw, h, n, d = x.shape
+    return x.reshape(Bw // num_windows, num_windows * h, n, d)
+
+
+def unfold_windows(x: Tensor, num_heads: int) -> Tensor:
+    """Inverse of `fold_windows`: (B, nW·h, n, d) -> (B·nW, h, n, d)."""
+    B, wh, n, d = x.shape
+    return x.reshape(B * (wh // num_heads), num_heads, n, d)
 
 
 @register_attention('softmax')
@@ -36,7 +58,11 @@ class SoftmaxAttention(Attention):
     def mix(self, q: Tensor, k: Tensor, v: Tensor, grid: Grid, num_prefix_tokens: int, tokens: Optional[Tensor],
             pos_bias: Optional[Tensor], mask: Optional[Tensor]) -> Tensor:
         h = self.num_heads
-        bias = score_bias(q.shape[0], pos_bias, mask)
-        out = softmax_attention(split_heads(q, h), split_heads(k, h), split_heads(v, h), bias,
-                                self.attn_drop if self.training else 0.)
-        return merge_heads(out)
+        q, k, v = split_heads(q, h), split_heads(k, h), split_heads(v, h)
+        dropout_p = self.attn_drop if self.training else 0.
+        if mask is None:
+            return merge_heads(softmax_attention(q, k, v, pos_bias, dropout_p))
+        nW = mask.shape[0]
+        out = softmax_attention(fold_windows(q, nW), fold_windows(k, nW), fold_windows(v, nW),
+                                window_bias(pos_bias, mask, h), dropout_p)
+        return merge_heads(unfold_windows(out, h))

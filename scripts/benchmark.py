@@ -1,0 +1,401 @@
+"""Inference throughput, training-step time and peak memory of every attention on every family.
+
+For each family, size and resolution one child process builds timm's own model of the same architecture (the
+reference, where timm has one) and ours with every attention, then times them in interleaved rounds (each round
+runs every model once, in alternating order), so that a machine whose load drifts slows all of them alike; the
+table gives the best (or median) round. Ratios are taken between models of the same process: `×timm` against
+timm's model, `×softmax` against our softmax model.
+
+Peak memory is what a forward pass (inference) or a training step (forward, backward, AdamW) allocates above
+what the model already holds: on CUDA the allocator's peak, on CPU the peak of live tensor bytes recorded by the
+profiler. A training step's peak includes the gradients (constant in the resolution).
+
+    python scripts/benchmark.py --device cpu --threads 1 --families deit swin --sizes tiny \
+        --resolutions 224 512 1024 swin=224,448 --train-max-resolution 512 --out docs/benchmarks
+    python scripts/benchmark.py --device cuda --compile --out docs/benchmarks
+
+Writes OUT.md (machine, command, date, table, target ratios) and OUT.csv. Text below a line `<!-- notes -->` in
+an existing OUT.md (a hand-written reading of the results) is kept.
+"""
+import argparse
+import csv
+import datetime
+import json
+import math
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+import timm
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import models  # noqa: E402,F401  (registers the families)
+
+ATTENTIONS = ('softmax', 'multimax', 'inline', 'flatten', 'sima', 'additive')
+LINEAR_ATTENTIONS = ('inline', 'flatten', 'sima', 'additive')
+FAMILIES = ('deit', 'pvt', 'swin', 'cswin')
+# timm's own model of the same architecture as our softmax one, where timm has it.
+TIMM_REFERENCE = {
+    ('deit', 'tiny'): 'deit_tiny_patch16_224',
+    ('deit', 'small'): 'deit_small_patch16_224',
+    ('swin', 'tiny'): 'swin_tiny_patch4_window7_224',
+}
+REFERENCE = 'timm'
+NOTES_MARKER = '<!-- notes -->'
+
+
+def model_spec(attention: str, family: str, size: str, resolution: int) -> Tuple[str, Dict]:
+    """Our model name and its keyword arguments: the registered `{attention}_{family}_{size}` where there is one
+    (the official InLine / FLatten models keep their own configuration), else the softmax model with the
+    attention swapped in."""
+    name = f'{attention}_{family}_{size}'
+    kwargs: Dict = dict(img_size=resolution)
+    if not timm.is_model(name):
+        name = f'softmax_{family}_{size}'
+        kwargs['attn_type'] = attention
+    elif family == 'swin' and attention in ('inline', 'flatten'):
+        # the official linear Swin window covers the whole first-stage grid at every resolution
+        kwargs['window_size'] = resolution // 4
+    return name, kwargs
+
+
+def peak_memory_mib(fn: Callable[[], None], device: torch.device) -> float:
+    """Peak of the memory `fn` allocates above what is allocated when it starts (MiB)."""
+    if device.type == 'cuda':
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        start = torch.cuda.memory_allocated()
+        fn()
+        torch.cuda.synchronize()
+        return (torch.cuda.max_memory_allocated() - start) / 2 ** 20
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                    if e.name() == '[memory]')
+    live = peak = 0
+    for _, nbytes in events:
+        live += nbytes
+        peak = max(peak, live)
+    return peak / 2 ** 20
+
+
+def measure(args: argparse.Namespace) -> List[Dict]:
+    """Child process: build every model of one configuration, measure memory, then time in interleaved rounds."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    amp = dict(device_type=device.type, dtype=torch.bfloat16, enabled=device.type == 'cuda')
+
+    def sync():
+        if device.type == 'cuda':
+            torch.cuda.synchronize()
+
+    results: List[Dict] = []
+    runners = []
+    for spec in json.loads(args.specs):
+        try:
+            torch.manual_seed(0)
+            model = timm.create_model(spec['model'], **spec['kwargs']).to(device)
+            if args.channels_last:
+                model = model.to(memory_format=torch.channels_last)
+            run = torch.compile(model) if args.compile else model
+            x = torch.randn(args.batch_size, 3, args.resolution, args.resolution, device=device)
+            y = torch.randint(0, model.num_classes, (args.batch_size,), device=device)
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+            def infer(run=run, x=x):
+                with torch.no_grad(), torch.autocast(**amp):
+                    run(x)
+
+            def train_step(run=run, x=x, y=y, optimizer=optimizer):
+                with torch.autocast(**amp):
+                    loss = torch.nn.functional.cross_entropy(run(x), y)
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+
+            result = dict(params_m=sum(p.numel() for p in model.parameters()) / 1e6)
+            model.eval()
+            infer()
+            result['infer_mem_mib'] = peak_memory_mib(infer, device)
+            if args.train:
+                model.train()
+                train_step()  # creates the optimizer state, so the measured step allocates only what every step does
+                result['train_mem_mib'] = peak_memory_mib(train_step, device)
+            runners.append((model, infer, train_step, result))
+        except Exception as e:  # a configuration a model cannot take (or memory) is reported, not fatal
+            result = dict(error=f'{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ""}'[:200])
+            if device.type == 'cuda':
+                torch.cuda.empty_cache()
+        results.append(result)
+
+    def time_rounds(step: Callable[[Tuple], Callable[[], None]], mode: str, iters: int) -> List[List[float]]:
+        for model, *_ in runners:
+            model.train(mode == 'train')
+        for runner in runners:
+            for _ in range(args.warmup):
+                step(runner)()
+        sync()
+        times: List[List[float]] = [[] for _ in runners]
+        order = list(range(len(runners)))
+        for _ in range(iters):
+            order.reverse()  # every model runs as often right after each neighbour
+            for i in order:
+                fn = step(runners[i])
+                start = time.perf_counter()
+                fn()
+                sync()
+                times[i].append(time.perf_counter() - start)
+        return times
+
+    pick = min if args.stat == 'min' else statistics.median
+    for times, (*_, result) in zip(time_rounds(lambda r: r[1], 'eval', args.iters), runners):
+        result['infer_img_s'] = args.batch_size / pick(times)
+    if args.train:
+        for times, (*_, result) in zip(time_rounds(lambda r: r[2], 'train', args.train_iters), runners):
+            result['train_step_ms'] = 1000 * pick(times)
+    return results
+
+
+def run_group(args: argparse.Namespace, specs: List[Dict], resolution: int, train: bool) -> List[Dict]:
+    cmd = [sys.executable, os.path.abspath(__file__), '--child', '--specs', json.dumps(specs),
+           '--resolution', str(resolution), '--device', args.device, '--batch-size', str(args.batch_size),
+           '--iters', str(args.iters), '--train-iters', str(args.train_iters), '--warmup', str(args.warmup),
+           '--threads', str(args.threads), '--stat', args.stat]
+    cmd += ['--compile'] * args.compile + ['--channels-last'] * args.channels_last
+    cmd += ['--train' if train else '--no-train']
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        return [dict(error=f'timeout after {args.timeout} s')] * len(specs)
+    if proc.returncode != 0:
+        reason = (proc.stderr.strip().splitlines() or [f'exit status {proc.returncode}'])[-1]
+        return [dict(error=reason[:200])] * len(specs)
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument('--device', default='cuda' if torch.cuda.is_available() else 'cpu')
+    parser.add_argument('--families', nargs='+', default=list(FAMILIES), choices=FAMILIES)
+    parser.add_argument('--sizes', nargs='+', default=['tiny', 'small'])
+    parser.add_argument('--attentions', nargs='+', default=list(ATTENTIONS), choices=ATTENTIONS)
+    parser.add_argument('--resolutions', nargs='+', default=['224', '384', '512', '768', '1024'],
+                        help='input sizes, as numbers for every family or FAMILY=R1,R2 for one (swin=224,448); a '
+                             'size a model cannot take (Swin windows of 7: multiples of 224) is reported and skipped')
+    parser.add_argument('--no-reference', dest='reference', action='store_false',
+                        help="do not time timm's own models")
+    parser.add_argument('--batch-size', type=int, default=1)
+    parser.add_argument('--iters', type=int, default=10, help='timed inference rounds')
+    parser.add_argument('--train-iters', type=int, default=5, help='timed training-step rounds')
+    parser.add_argument('--warmup', type=int, default=2, help='untimed calls of each model before the rounds')
+    parser.add_argument('--stat', choices=('min', 'median'), default='min',
+                        help='time of a model over the rounds: best (robust on a shared machine) or median')
+    parser.add_argument('--train', action=argparse.BooleanOptionalAction, default=True,
+                        help='also time a training step (forward, backward, AdamW)')
+    parser.add_argument('--train-max-resolution', type=int, default=None,
+                        help='time training steps only up to this resolution (inference above it)')
+    parser.add_argument('--threads', type=int, default=0, help='CPU threads per process (0: torch default)')
+    parser.add_argument('--compile', action='store_true', help='torch.compile the models')
+    parser.add_argument('--channels-last', action='store_true')
+    parser.add_argument('--timeout', type=int, default=3600, help='seconds per family, size and resolution')
+    parser.add_argument('--out', default='benchmark', help='output prefix: writes OUT.md and OUT.csv')
+    parser.add_argument('--child', action='store_true', help=argparse.SUPPRESS)
+    parser.add_argument('--specs', help=argparse.SUPPRESS)
+    parser.add_argument('--resolution', type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        print(json.dumps(measure(args)))
+        return
+
+    resolutions = parse_resolutions(args.resolutions, args.families)
+    args.load_at_start = os.getloadavg()[0]
+    started = time.time()
+    rows: List[Dict] = []
+    skipped: List[str] = []
+    for family in args.families:
+        for size in args.sizes:
+            for resolution in resolutions[family]:
+                specs = []
+                reference = TIMM_REFERENCE.get((family, size)) if args.reference else None
+                if reference:
+                    specs.append(dict(label=REFERENCE, model=reference, kwargs=dict(img_size=resolution)))
+                for attention in args.attentions:
+                    name, kwargs = model_spec(attention, family, size, resolution)
+                    specs.append(dict(label=attention, model=name, kwargs=kwargs))
+                train = args.train and (args.train_max_resolution is None or resolution <= args.train_max_resolution)
+                print(f'{family}-{size} @ {resolution} ({time.time() - started:.0f} s)', file=sys.stderr, flush=True)
+                results = dict(zip((s['label'] for s in specs), run_group(args, specs, resolution, train)))
+                for spec in specs:
+                    res = results[spec['label']]
+                    if 'error' in res:
+                        skipped.append(f"{spec['model']} {_kwargs_text(spec['kwargs'])}: {res['error']}")
+                        print(f'  skipped {skipped[-1]}', file=sys.stderr)
+                        continue
+                    rows.append(dict(
+                        family=family, size=size, attention=spec['label'], resolution=resolution,
+                        model=spec['model'], attn_type=spec['kwargs'].get('attn_type', ''),
+                        params_m=res['params_m'], infer_img_s=res['infer_img_s'],
+                        train_step_ms=res.get('train_step_ms'), infer_mem_mib=res['infer_mem_mib'],
+                        train_mem_mib=res.get('train_mem_mib'),
+                        infer_vs_timm=_ratio(res, results.get(REFERENCE), 'infer_img_s'),
+                        train_vs_timm=_ratio(res, results.get(REFERENCE), 'train_step_ms', inverse=True),
+                        infer_vs_softmax=_ratio(res, results.get('softmax'), 'infer_img_s'),
+                        train_vs_softmax=_ratio(res, results.get('softmax'), 'train_step_ms', inverse=True),
+                    ))
+    write_outputs(args, rows, skipped, time.time() - started)
+
+
+def parse_resolutions(items: Sequence[str], families: Sequence[str]) -> Dict[str, List[int]]:
+    """['224', '512', 'swin=224,448'] -> {family: resolutions}; numbers apply to families without their own."""
+    common: List[int] = []
+    own: Dict[str, List[int]] = {}
+    try:
+        for item in items:
+            if '=' in item:
+                family, values = item.split('=', 1)
+                if family not in FAMILIES:
+                    raise ValueError(f'unknown family {family!r}')
+                own[family] = [int(v) for v in values.split(',')]
+            else:
+                common.append(int(item))
+    except ValueError as e:
+        raise SystemExit(f'--resolutions: {e}; expected numbers or FAMILY=R1,R2 with FAMILY one of '
+                         f'{", ".join(FAMILIES)}')
+    return {family: own.get(family, common) for family in families}
+
+
+def _kwargs_text(kwargs: Dict) -> str:
+    return ', '.join(f'{k}={v}' for k, v in kwargs.items())
+
+
+def _ratio(res: Dict, base: Optional[Dict], key: str, inverse: bool = False) -> Optional[float]:
+    """res / base for a throughput, base / res for a time: above 1 means `res` is faster."""
+    if not base or 'error' in base or res.get(key) is None or base.get(key) is None:
+        return None
+    return base[key] / res[key] if inverse else res[key] / base[key]
+
+
+def fmt(value: Optional[float], digits: int = 2) -> str:
+    return '–' if value is None else f'{value:.{digits}f}'
+
+
+def target_lines(rows: List[Dict], device: str) -> List[str]:
+    """The issue's targets as ratios from this run's rows; a target whose models were not run is left out."""
+    def find(family, size, attention, resolution=None):
+        found = [r for r in rows if (r['family'], r['size'], r['attention']) == (family, size, attention)
+                 and (resolution is None or r['resolution'] == resolution)]
+        return sorted(found, key=lambda r: r['resolution'])
+
+    lines = ['| target | measured | goal | met |', '|---|---|---|---|']
+
+    def add(what: str, value: Optional[float], goal: str, met: Optional[bool]) -> None:
+        if value is not None:
+            lines.append(f"| {what} | {value:.2f}× | {goal} | {'–' if met is None else 'yes' if met else 'no'} |")
+
+    for family, size in TIMM_REFERENCE:
+        for r in find(family, size, 'softmax'):
+            for key, kind in (('infer_vs_timm', 'inference'), ('train_vs_timm', 'training step')):
+                add(f"our softmax {family}-{size} / timm `{TIMM_REFERENCE[family, size]}`, {kind} @ {r['resolution']}",
+                    r[key], '≥ 0.95×', None if r[key] is None else r[key] >= 0.95)
+    inline = find('deit', 'tiny', 'inline')
+    if inline:
+        r = inline[-1]
+        goal = 4.8 if device == 'cuda' else 3.0
+        add(f"InLine-DeiT-T / softmax DeiT-T, inference @ {r['resolution']}", r['infer_vs_softmax'],
+            f'≥ {goal}× ({device})', None if r['infer_vs_softmax'] is None else r['infer_vs_softmax'] >= goal)
+    for r in (r for r in rows if r['attention'] == 'multimax' and r['train_vs_softmax']):
+        slowdown = 1 / r['train_vs_softmax']
+        add(f"MultiMax / softmax training-step time, {r['family']}-{r['size']} @ {r['resolution']}", slowdown,
+            '≤ 1.05× (GPU)', slowdown <= 1.05 if device == 'cuda' else None)
+    for family, size, attention in sorted({(r['family'], r['size'], r['attention']) for r in rows}):
+        if attention == REFERENCE:
+            continue
+        series = find(family, size, attention)
+        exponents = []
+        for key, kind in (('infer_mem_mib', 'inference'), ('train_mem_mib', 'training')):
+            points = [(r['resolution'], r[key]) for r in series if r[key]]
+            if len(points) >= 2:
+                (r0, m0), (r1, m1) = points[-2:]
+                exponents.append((kind, r0, r1, math.log(m1 / m0) / math.log((r1 / r0) ** 2)))
+        if not exponents:
+            continue
+        linear = attention in LINEAR_ATTENTIONS
+        measured = ', '.join(f'{kind} k = {k:.2f} ({r0}→{r1})' for kind, r0, r1, k in exponents)
+        met = ('yes' if all(k <= 1.1 for *_, k in exponents) else 'no') if linear else '–'
+        lines.append(f"| {attention} {family}-{size}: peak memory ∝ tokens^k between the two largest resolutions "
+                     f"| {measured} | {'k ≤ 1.1 (linear)' if linear else '–'} | {met} |")
+    return lines if len(lines) > 2 else []
+
+
+def write_outputs(args: argparse.Namespace, rows: List[Dict], skipped: List[str], seconds: float) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out + '.csv', 'w', newline='') as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else ['model'])
+        writer.writeheader()
+        writer.writerows(rows)
+    if args.device == 'cuda':
+        machine = f'cuda ({torch.cuda.get_device_name()})'
+    else:
+        threads = args.threads or torch.get_num_threads()
+        machine = f'cpu ({_cpu_name()}), {os.cpu_count()} cores, {threads} thread(s) per process'
+    lines = [
+        '# Benchmarks', '',
+        f'- date: {datetime.date.today().isoformat()}',
+        f'- machine: {machine}, torch {torch.__version__}',
+        f'- command: `python {" ".join(shlex.quote(a) for a in sys.argv)}` ({seconds / 60:.0f} min)',
+        f'- batch {args.batch_size}, {args.stat} of {args.iters} inference and {args.train_iters} training rounds '
+        f'after {args.warmup} warm-up calls, models of a row group interleaved'
+        + (', bfloat16 autocast' if args.device == 'cuda' else ', float32')
+        + (', torch.compile' if args.compile else ''),
+        f'- load average (1 min) of the machine at the start and end: {args.load_at_start:.1f}, '
+        f'{os.getloadavg()[0]:.1f}', '',
+        'Ratios are taken between models timed in the same process, above 1 meaning faster: `×timm` against '
+        "timm's own model of the same architecture, `×softmax` against our softmax model (throughput for "
+        'inference, step time for training). Memory is the peak allocated above the built model.', '',
+        '| model | res | params (M) | infer img/s | train step ms | infer MiB | train MiB | infer ×timm '
+        '| train ×timm | infer ×softmax | train ×softmax |',
+        '|---|---|---|---|---|---|---|---|---|---|---|',
+    ]
+    for r in rows:
+        name = r['model'] + (f" + {r['attn_type']}" if r['attn_type'] else '')
+        lines.append(f"| {name} | {r['resolution']} | {r['params_m']:.1f} | {fmt(r['infer_img_s'])} "
+                     f"| {fmt(r['train_step_ms'], 0)} | {fmt(r['infer_mem_mib'], 0)} | {fmt(r['train_mem_mib'], 0)} "
+                     f"| {fmt(r['infer_vs_timm'])} | {fmt(r['train_vs_timm'])} "
+                     f"| {fmt(r['infer_vs_softmax'])} | {fmt(r['train_vs_softmax'])} |")
+    targets = target_lines(rows, args.device)
+    if targets:
+        lines += ['', '## Targets', ''] + targets
+    if skipped:
+        lines += ['', '## Skipped', ''] + [f'- {line}' for line in skipped]
+    notes = ''
+    if os.path.exists(args.out + '.md'):
+        with open(args.out + '.md') as f:
+            previous = f.read()
+        if NOTES_MARKER in previous:
+            notes = NOTES_MARKER + previous.split(NOTES_MARKER, 1)[1]
+    with open(args.out + '.md', 'w') as f:
+        f.write('\n'.join(lines) + '\n' + ('\n' + notes if notes else ''))
+    print('\n'.join(lines))
+
+
+def _cpu_name() -> str:
+    try:
+        with open('/proc/cpuinfo') as f:
+            for line in f:
+                if line.startswith('model name'):
+                    return line.split(':', 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+if __name__ == '__main__':
+    main()

@@ -1,0 +1,198 @@
+"""The fast paths of softmax and MultiMax against the plain formulas written here, in float64.
+
+Windowed softmax folds the windows into the heads so that one (1, nW·h, n, n) bias serves the whole batch;
+MultiMax has a plain path with a hand-written σ backward and a FlexAttention path (`score_mod`), whose CPU
+reference implementation runs the same math forward-only here.
+"""
+import math
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from models.attention import build_attention
+from models.attention.multimax import _Modulation, multimax_attention, multimax_modulation
+from models.attention.softmax import fold_windows, unfold_windows
+
+SPEC_RANGES = (0.1, 0.2, -0.3, 0.4)
+SPEC_TS = (0.5, 0.3, 0.2, 0.1)
+
+
+def max_abs_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a - b).abs().max().item()
+
+
+def plain_scores(q, k, bias=None):
+    s = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    return s if bias is None else s + bias
+
+
+def plain_window_mask(mask, batch):
+    """(nW, n, m) -> (batch, 1, n, m), group g taking mask[g % nW], materialised as the plain formula does."""
+    return torch.stack([mask[g % mask.shape[0]] for g in range(batch)]).unsqueeze(1)
+
+
+def plain_sigma(x, ranges, ts):
+    b, t = ranges, ts
+    return (x + t[0] * (b[0] - x).clamp(min=0) + t[1] * (x - b[1]).clamp(min=0)
+            + t[2] * (b[2] - x).clamp(min=0) ** 2 + t[3] * (x - b[3]).clamp(min=0) ** 2)
+
+
+def windows(batch=2, num_windows=3, heads=2, n=5, d=6, dtype=torch.float64, requires_grad=False):
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(batch * num_windows, heads, n, d, dtype=dtype, requires_grad=requires_grad)
+               for _ in range(3))
+    pos_bias = torch.randn(n, n, heads, dtype=dtype, requires_grad=requires_grad).permute(2, 0, 1)
+    mask = torch.where(torch.rand(num_windows, n, n) < 0.3, -100., 0.).to(dtype)
+    return q, k, v, pos_bias, mask
+
+
+def spec_parameters(dtype=torch.float64, requires_grad=False):
+    return (torch.tensor(SPEC_RANGES, dtype=dtype, requires_grad=requires_grad),
+            torch.tensor(SPEC_TS, dtype=dtype, requires_grad=requires_grad))
+
+
+# ---------------------------------------------------------------- softmax in windows
+
+def test_fold_windows_puts_each_window_in_its_own_heads():
+    x = torch.randn(2 * 3, 4, 5, 6)
+    folded = fold_windows(x, 3)
+    assert folded.shape == (2, 3 * 4, 5, 6)
+    assert torch.equal(folded[1, 2 * 4 + 3], x[1 * 3 + 2, 3])
+    assert torch.equal(unfold_windows(folded, 4), x)
+
+
+@pytest.mark.parametrize('with_pos_bias', [True, False])
+@pytest.mark.parametrize('grad', [False, True])
+def test_windowed_softmax_mix_matches_plain_formula(with_pos_bias, grad):
+    """`mix` of (B·nW, n, C) windows, in inference (the fused kernel) and in training (a bias with a gradient,
+    which the fused CPU kernel does not take: the plain formula)."""
+    q, k, v, pos_bias, mask = windows(requires_grad=grad)
+    pos_bias = pos_bias if with_pos_bias else None
+    Bw, heads, n, d = q.shape
+    attn = build_attention('softmax', heads * d, heads).double().train(grad)
+
+    def tokens(t):
+        return t.transpose(1, 2).reshape(Bw, n, heads * d)
+
+    with torch.set_grad_enabled(grad):
+        out = attn.mix(tokens(q), tokens(k), tokens(v), (1, n), 0, None, pos_bias, mask)
+        scores = plain_scores(q, k, pos_bias) + plain_window_mask(mask, Bw)
+        expected = tokens(scores.softmax(dim=-1) @ v)
+    assert max_abs_err(out, expected) < 1e-12
+    if grad:
+        inputs = (q, k, v) if pos_bias is None else (q, k, v, pos_bias)
+        grads = torch.autograd.grad(out.square().sum(), inputs)
+        expected_grads = torch.autograd.grad(expected.square().sum(), inputs)
+        for g, e in zip(grads, expected_grads):
+            assert max_abs_err(g, e) < 1e-10
+
+
+class LargestScoreTensor(TorchDispatchMode):
+    """Records the operations run and the largest tensor with n×n trailing dimensions that any of them returns."""
+
+    def __init__(self, n: int):
+        super().__init__()
+        self.n = n
+        self.largest = 0
+        self.ops = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.add(str(func.overloadpacket))
+        out = func(*args, **(kwargs or {}))
+        for t in (out if isinstance(out, (tuple, list)) else (out,)):
+            if isinstance(t, torch.Tensor) and t.dim() >= 2 and tuple(t.shape[-2:]) == (self.n, self.n):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+@pytest.mark.parametrize('shift', [2, 0])
+def test_windowed_softmax_inference_is_fused_and_its_bias_does_not_grow_with_the_batch(shift):
+    heads, grid, window = 2, (8, 8), 4
+    n, num_windows = window * window, (8 // window) ** 2
+    attn = build_attention('softmax', 24, heads, grid, window_size=window, shift_size=shift, rel_pos_bias=True).eval()
+    largest = {}
+    for batch in (1, 8):
+        x = torch.randn(batch, 64, 24)
+        with torch.no_grad(), LargestScoreTensor(n) as record:
+            attn(x, grid)
+        largest[batch] = record.largest
+        assert 'aten._scaled_dot_product_flash_attention_for_cpu' in record.ops
+    # one (1, nW·h, n, n) bias per forward (nW = 1 without a mask), however many images: no (B·nW, ·, n, n) copy
+    assert largest[1] == largest[8] == (num_windows if shift else 1) * heads * n * n
+
+
+# ---------------------------------------------------------------- MultiMax
+
+def plain_multimax(q, k, v, ranges, ts, bias=None, mask=None):
+    s = plain_sigma(plain_scores(q, k, bias), ranges, ts)
+    if mask is not None:
+        s = s + plain_window_mask(mask, q.shape[0])
+    return s.softmax(dim=-1) @ v
+
+
+def test_modulation_backward_matches_autograd_of_the_formula_at_and_between_the_breakpoints():
+    ranges, ts = spec_parameters(requires_grad=True)
+    x = torch.cat([torch.linspace(-2, 2, 101, dtype=torch.float64), ranges.detach()]).requires_grad_()
+    grad = torch.randn_like(x)
+    out = _Modulation.apply(x, ranges, ts)
+    expected = multimax_modulation(x, ranges, ts)
+    assert max_abs_err(out, expected) < 1e-15
+    got = torch.autograd.grad(out, (x, ranges, ts), grad)
+    want = torch.autograd.grad(expected, (x, ranges, ts), grad)
+    for g, w in zip(got, want):
+        assert max_abs_err(g, w) < 1e-12
+
+
+def test_modulation_gradcheck_and_second_derivatives():
+    ranges, ts = spec_parameters(requires_grad=True)
+    x = (torch.randn(3, 7, dtype=torch.float64) * 2).requires_grad_()
+    assert torch.autograd.gradcheck(_Modulation.apply, (x, ranges, ts))
+    assert torch.autograd.gradgradcheck(_Modulation.apply, (x, ranges, ts))
+
+
+def test_multimax_plain_path_matches_formula_with_bias_and_mask():
+    q, k, v, pos_bias, mask = windows(requires_grad=True)
+    ranges, ts = spec_parameters(requires_grad=True)
+    out = multimax_attention(3 * q, k, v, ranges, ts, pos_bias, mask, use_flex=False)
+    expected = plain_multimax(3 * q, k, v, ranges, ts, pos_bias, mask)
+    assert max_abs_err(out, expected) < 1e-12
+    inputs = (q, k, v, pos_bias, ranges, ts)
+    for g, e in zip(torch.autograd.grad(out.square().sum(), inputs),
+                    torch.autograd.grad(expected.square().sum(), inputs)):
+        assert max_abs_err(g, e) < 1e-10
+
+
+@pytest.mark.filterwarnings('ignore:flex_attention called without torch.compile')
+@pytest.mark.parametrize('dtype, tol', [(torch.float64, 1e-12), (torch.float32, 1e-5)])
+@pytest.mark.parametrize('masked', [False, True])
+def test_multimax_flex_path_matches_plain_path(dtype, tol, masked):
+    q, k, v, pos_bias, mask = windows(dtype=dtype)
+    ranges, ts = spec_parameters(dtype)
+    mask = mask if masked else None
+    with torch.no_grad():  # FlexAttention has no backward on CPU
+        flex = multimax_attention(3 * q, k, v, ranges, ts, pos_bias, mask, use_flex=True)
+        plain = multimax_attention(3 * q, k, v, ranges, ts, pos_bias, mask, use_flex=False)
+        expected = plain_multimax(*(t.double() for t in (3 * q, k, v, ranges, ts, pos_bias)),
+                                  None if mask is None else mask.double())
+    assert flex.dtype == dtype
+    assert max_abs_err(flex, plain) < tol
+    assert max_abs_err(flex.double(), expected) < tol
+
+
+def test_multimax_flex_path_refuses_dropout():
+    q, k, v, _, _ = windows()
+    ranges, ts = spec_parameters()
+    with pytest.raises(ValueError, match='dropout_p=0.1'):
+        multimax_attention(q, k, v, ranges, ts, dropout_p=0.1, use_flex=True)
+
+
+def test_multimax_takes_flex_only_on_cuda(monkeypatch):
+    calls = []
+    monkeypatch.setattr('models.attention.multimax._multimax_flex', lambda *a: calls.append(a) or a[2])
+    q, k, v, _, _ = windows()
+    ranges, ts = spec_parameters()
+    multimax_attention(q, k, v, ranges, ts)
+    assert calls == []
+    multimax_attention(q, k, v, ranges, ts, use_flex=True)
+    assert len(calls) == 1
