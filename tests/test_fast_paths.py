@@ -13,13 +13,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from models.attention import build_attention
 from models.attention.multimax import _Modulation, multimax_attention, multimax_modulation
 from models.attention.softmax import fold_windows, unfold_windows
+from reference import max_abs_err
 
 SPEC_RANGES = (0.1, 0.2, -0.3, 0.4)
 SPEC_TS = (0.5, 0.3, 0.2, 0.1)
-
-
-def max_abs_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return (a - b).abs().max().item()
 
 
 def plain_scores(q, k, bias=None):
