@@ -160,6 +160,24 @@ def test_multimax_plain_path_matches_formula_with_bias_and_mask():
         assert max_abs_err(g, e) < 1e-10
 
 
+@pytest.mark.parametrize('masked', [False, True])
+def test_multimax_inference_runs_in_row_blocks_that_match_the_formula(monkeypatch, masked):
+    """Without autograd the plain path takes 2 query rows at a time here (5 rows: blocks of 2, 2, 1); no
+    operation returns an n×n score tensor, and the result is the formula's."""
+    q, k, v, pos_bias, mask = windows()
+    ranges, ts = spec_parameters()
+    mask = mask if masked else None
+    batch, heads, n, _ = q.shape
+    monkeypatch.setattr('models.attention.multimax._ROW_BLOCK_BYTES', 2 * batch * heads * n * 4)
+    with torch.no_grad(), LargestScoreTensor(n) as record:
+        out = multimax_attention(3 * q, k, v, ranges, ts, pos_bias, mask, use_flex=False)
+    assert record.largest == 0
+    assert max_abs_err(out, plain_multimax(3 * q, k, v, ranges, ts, pos_bias, mask)) < 1e-12
+    with LargestScoreTensor(n) as record:  # with autograd: one pass over the whole matrix
+        multimax_attention(3 * q, k, v, ranges, ts.requires_grad_(), pos_bias, mask, use_flex=False)
+    assert record.largest == batch * heads * n * n
+
+
 @pytest.mark.filterwarnings('ignore:flex_attention called without torch.compile')
 @pytest.mark.parametrize('dtype, tol', [(torch.float64, 1e-12), (torch.float32, 1e-5)])
 @pytest.mark.parametrize('masked', [False, True])

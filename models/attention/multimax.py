@@ -8,7 +8,8 @@ overflow float16.
 Two paths compute the same function. On CUDA, σ is FlexAttention's `score_mod` (it is element-wise on the
 scores), so the fused kernel never stores the score matrix. Elsewhere, and with attention dropout, the plain
 path forms the scores; its σ keeps only its input for the backward pass instead of four score-sized
-intermediates.
+intermediates, and without autograd it runs a block of query rows at a time, so inference never holds more
+than a few MiB of scores.
 """
 from typing import Callable, Optional
 
@@ -113,6 +114,17 @@ def multimax_attention(
         if dropout_p:
             raise ValueError(f"the FlexAttention path of MultiMax has no attention dropout, got dropout_p={dropout_p}")
         return _multimax_flex(q, k, v, ranges, ts, bias, mask)
+    if dropout_p or _tracks_grad(q, k, v, ranges, ts, bias):
+        return _multimax_plain(q, k, v, ranges, ts, bias, mask, dropout_p)
+    return _multimax_rows(q, k, v, ranges, ts, bias, mask)
+
+
+def _tracks_grad(*tensors: Optional[Tensor]) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def _multimax_plain(q: Tensor, k: Tensor, v: Tensor, ranges: Tensor, ts: Tensor, bias: Optional[Tensor],
+                    mask: Optional[Tensor], dropout_p: float) -> Tensor:
     work = torch.promote_types(q.dtype, torch.float32)
     scores = torch.matmul(q * q.shape[-1] ** -0.5, k.transpose(-2, -1)).to(work)
     if bias is not None:
@@ -126,6 +138,31 @@ def multimax_attention(
     if dropout_p:
         weights = F.dropout(weights, dropout_p)
     return torch.matmul(weights.to(v.dtype), v)
+
+
+# Scores of this many bytes per block of query rows stay in cache between the passes over them.
+_ROW_BLOCK_BYTES = 4 << 20
+
+
+def _multimax_rows(q: Tensor, k: Tensor, v: Tensor, ranges: Tensor, ts: Tensor, bias: Optional[Tensor],
+                   mask: Optional[Tensor]) -> Tensor:
+    """The plain path without autograd, a block of query rows at a time (σ and the softmax are row-wise, so this
+    is exact): peak memory is one block of scores, not the (n, m) matrix per head."""
+    B, h, n, _ = q.shape
+    m = k.shape[-2]
+    rows = max(1, _ROW_BLOCK_BYTES // (B * h * m * 4))
+    if rows >= n:
+        return _multimax_plain(q, k, v, ranges, ts, bias, mask, 0.)
+    blocks = [slice(start, start + rows) for start in range(0, n, rows)]
+    return torch.cat([
+        _multimax_plain(q[..., block, :], k, v, ranges, ts, _row_block(bias, block), _row_block(mask, block), 0.)
+        for block in blocks], dim=-2)
+
+
+def _row_block(scores_like: Optional[Tensor], block: slice) -> Optional[Tensor]:
+    if scores_like is None or scores_like.shape[-2] == 1:
+        return scores_like
+    return scores_like[..., block, :]
 
 
 def _multimax_flex(q: Tensor, k: Tensor, v: Tensor, ranges: Tensor, ts: Tensor, bias: Optional[Tensor],
