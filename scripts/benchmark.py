@@ -48,6 +48,10 @@ TIMM_REFERENCE = {
     ('swin', 'tiny'): 'swin_tiny_patch4_window7_224',
 }
 REFERENCE = 'timm'
+# glibc returns large freed blocks to the system and adapts that threshold as the process runs, so a model that
+# allocates big fresh tensors page-faults on some calls and not on others: timings of one op vary tenfold
+# between runs. These settings keep freed memory in the process, making every call pay the same.
+STEADY_MALLOC = {'MALLOC_MMAP_THRESHOLD_': str(2 ** 32), 'MALLOC_TRIM_THRESHOLD_': str(2 ** 32)}
 NOTES_MARKER = '<!-- notes -->'
 
 
@@ -171,8 +175,9 @@ def run_group(args: argparse.Namespace, specs: List[Dict], resolution: int, trai
            '--threads', str(args.threads), '--stat', args.stat]
     cmd += ['--compile'] * args.compile + ['--channels-last'] * args.channels_last
     cmd += ['--train' if train else '--no-train']
+    env = dict(os.environ, **STEADY_MALLOC) if args.steady_malloc else None
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
     except subprocess.TimeoutExpired:
         return [dict(error=f'timeout after {args.timeout} s')] * len(specs)
     if proc.returncode != 0:
@@ -205,6 +210,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument('--threads', type=int, default=0, help='CPU threads per process (0: torch default)')
     parser.add_argument('--compile', action='store_true', help='torch.compile the models')
     parser.add_argument('--channels-last', action='store_true')
+    parser.add_argument('--steady-malloc', action=argparse.BooleanOptionalAction, default=True,
+                        help="keep freed memory in the measuring processes (glibc's MALLOC_MMAP_THRESHOLD_ and "
+                             "MALLOC_TRIM_THRESHOLD_), so that timings do not depend on when the system allocator "
+                             "returns memory")
     parser.add_argument('--timeout', type=int, default=3600, help='seconds per family, size and resolution')
     parser.add_argument('--out', default='benchmark', help='output prefix: writes OUT.md and OUT.csv')
     parser.add_argument('--child', action='store_true', help=argparse.SUPPRESS)
@@ -354,7 +363,8 @@ def write_outputs(args: argparse.Namespace, rows: List[Dict], skipped: List[str]
         f'- batch {args.batch_size}, {args.stat} of {args.iters} inference and {args.train_iters} training rounds '
         f'after {args.warmup} warm-up calls, models of a row group interleaved'
         + (', bfloat16 autocast' if args.device == 'cuda' else ', float32')
-        + (', torch.compile' if args.compile else ''),
+        + (', torch.compile' if args.compile else '')
+        + (', steady allocator (freed memory kept in the process)' if args.steady_malloc else ''),
         f'- load average (1 min) of the machine at the start and end: {args.load_at_start:.1f}, '
         f'{os.getloadavg()[0]:.1f}', '',
         'Ratios are taken between models timed in the same process, above 1 meaning faster: `×timm` against '
