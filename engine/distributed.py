@@ -47,10 +47,16 @@ def init_distributed(device: str = 'auto', backend: str = '', timeout_min: int =
     """
     rank, world_size = _env_int('RANK', 0), _env_int('WORLD_SIZE', 1)
     local_rank = _env_int('LOCAL_RANK', 0)
+    if world_size < 1 or not 0 <= rank < world_size or local_rank < 0:
+        raise UsageError(f"environment RANK={rank}, WORLD_SIZE={world_size}, LOCAL_RANK={local_rank}: expected "
+                         f"WORLD_SIZE >= 1, 0 <= RANK < WORLD_SIZE and LOCAL_RANK >= 0 (torchrun sets them)")
     use_cuda = torch.cuda.is_available() if device == 'auto' else device == 'cuda'
     if use_cuda:
         if not torch.cuda.is_available():
             raise UsageError("DEVICE is 'cuda' but no CUDA device is available; expected DEVICE 'cpu' or 'auto'")
+        if local_rank >= torch.cuda.device_count():
+            raise UsageError(f"LOCAL_RANK={local_rank} but this node has {torch.cuda.device_count()} CUDA device(s); "
+                             f"expected at most one process per device (--nproc_per_node)")
         torch.cuda.set_device(local_rank)
         torch_device = torch.device('cuda', local_rank)
     else:

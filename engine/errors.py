@@ -1,12 +1,13 @@
-"""Bad input and a diverged training run are reported on one line with exit status 2; `--debug` shows the
-traceback instead."""
+"""Bad input and a diverged training run are reported on one line with exit status 2, an interruption on one
+line with status 128 + the signal's number; `--debug` shows the traceback instead."""
 import os
+import signal
 import sys
 from typing import Callable, Optional, Sequence
 
 from models._checkpoint import CheckpointError
 
-__all__ = ['UsageError', 'NonFiniteLossError', 'USAGE_EXIT_CODE', 'run_cli']
+__all__ = ['UsageError', 'NonFiniteLossError', 'StoppedAtOnce', 'USAGE_EXIT_CODE', 'run_cli']
 
 USAGE_EXIT_CODE = 2
 
@@ -19,12 +20,22 @@ class NonFiniteLossError(FloatingPointError):
     """The training loss stayed non-finite for more updates than `TRAIN.MAX_NONFINITE_STEPS` allows."""
 
 
+class StoppedAtOnce(KeyboardInterrupt):
+    """A second SIGTERM / SIGINT during training: stop without saving, leaving the saved checkpoints as they are."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"stopped at once by a second {signal.Signals(signum).name}, without saving; the "
+                         f"checkpoints saved before are unchanged")
+        self.signum = signum
+
+
 def run_cli(main: Callable[[Sequence[str]], int], argv: Optional[Sequence[str]] = None) -> int:
     """Run `main(argv)`; a `UsageError`, `CheckpointError` or `NonFiniteLossError` becomes `error: <message>` on
     stderr and exit status 2.
 
     With `--debug` in `argv` the exception propagates with its traceback. Only rank 0 prints, since every rank
-    meets the same bad input and all ranks agree on a non-finite loss.
+    meets the same bad input and all ranks agree on a non-finite loss. An interruption (Ctrl-C outside the
+    training loop, or a second signal inside it) exits with 128 + the signal's number, as a shell reports it.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
@@ -32,6 +43,22 @@ def run_cli(main: Callable[[Sequence[str]], int], argv: Optional[Sequence[str]] 
     except (UsageError, CheckpointError, NonFiniteLossError) as e:
         if '--debug' in argv:
             raise
-        if os.environ.get('RANK', '0') == '0':
+        if _reports():
             print(f"error: {e}", file=sys.stderr)
         return USAGE_EXIT_CODE
+    except KeyboardInterrupt as e:
+        if '--debug' in argv:
+            raise
+        signum = getattr(e, 'signum', signal.SIGINT)
+        if _reports():
+            print(f"error: {e or f'interrupted by {signal.Signals(signum).name}'}", file=sys.stderr)
+        return 128 + signum
+
+
+def _reports() -> bool:
+    """Rank 0 reports; so does any process whose RANK / WORLD_SIZE make no valid rank, which no rank 0 would report."""
+    try:
+        rank, world_size = int(os.environ.get('RANK', '0')), int(os.environ.get('WORLD_SIZE', '1'))
+    except ValueError:
+        return True
+    return rank == 0 or not 0 <= rank < world_size

@@ -23,7 +23,7 @@ from .config import ema_decay, scaled_lrs, total_batch_size
 from .data import (build_eval_loader, build_mixup, build_train_loader, check_splits, eval_batch_size,
                    eval_transform, load_split, resolve_data_root, train_transform)
 from .distributed import DistInfo, all_gather_objects, any_rank, barrier
-from .errors import UsageError
+from .errors import StoppedAtOnce, UsageError
 from .loops import TrainState, evaluate, train_one_epoch
 
 __all__ = ['LAST', 'BEST', 'LOG', 'CONFIG', 'train', 'seed_everything', 'setup_logging', 'StopSignal']
@@ -67,7 +67,7 @@ class StopSignal:
 
     def _handle(self, signum, frame) -> None:
         if self.received is not None:
-            raise KeyboardInterrupt
+            raise StoppedAtOnce(signum)
         self.received = signum
         logger.warning(f"received {signal.Signals(signum).name}: saving a checkpoint after this step, then stopping "
                        f"(send it again to stop at once)")

@@ -1,6 +1,8 @@
 """Reliability of training: a non-finite loss skips the update or stops the run with a one-line error and the last
-checkpoint intact; every attention trains under float16 autocast with the gradient scaler; a run killed with
-SIGKILL resumes to exactly the weights and metrics of an uninterrupted run; a rank that dies ends the others."""
+checkpoint intact; SIGINT saves and stops, a second signal stops at once and saves nothing; a bad torchrun
+environment is one line; every attention trains under float16 autocast with the gradient scaler; a run killed
+with SIGKILL resumes to exactly the weights and metrics of an uninterrupted run; a rank that dies ends the
+others."""
 import json
 import math
 import os
@@ -16,6 +18,7 @@ import torch
 from timm.utils import ModelEmaV3
 from torch import nn
 
+import engine.loops
 import engine.trainer
 from engine.build import create_criterion, create_model, create_optimizer, create_scheduler
 from engine.cli import train_main
@@ -164,6 +167,76 @@ def test_resuming_into_another_model_fails_with_one_line_and_keeps_last_checkpoi
     assert err.count('\n') == 1 and err.startswith(f"error: checkpoint {str(output / 'last.pth')!r} does not match "
                                                    f"DeiT: unexpected: blocks.1."), err
     assert (output / 'last.pth').read_bytes() == saved
+
+
+def signals_at(monkeypatch, *sends):
+    """Make the loop's per-update stop check send (call number, signal) pairs to this process; a signal sent
+    during update u is seen at the end of update u + 1."""
+    real_any_rank = engine.loops.any_rank
+    calls = []
+
+    def any_rank(flag, device):
+        calls.append(flag)
+        for call, signum in sends:
+            if len(calls) == call:
+                os.kill(os.getpid(), signum)
+        return real_any_rank(flag, device)
+
+    monkeypatch.setattr(engine.loops, 'any_rank', any_rank)
+
+
+def checkpoints(output: Path):
+    """The bytes of every checkpoint and of the metrics log in `output` (a resumed run rewrites its config and
+    appends to train.log)."""
+    return {p.name: p.read_bytes() for p in output.iterdir() if p.suffix == '.pth' or p.name == 'log.jsonl'}
+
+
+def test_sigint_saves_after_the_current_step_and_exits_cleanly(tmp_path, digits, one_epoch, monkeypatch):
+    output = tmp_path / 'run'
+    shutil.copytree(one_epoch, output)
+    signals_at(monkeypatch, (3, signal.SIGINT))
+    handler = signal.getsignal(signal.SIGINT)
+    assert run_cli(train_main, train_argv(output, digits)) == 0
+    assert signal.getsignal(signal.SIGINT) is handler
+    stopped = torch.load(output / 'last.pth', weights_only=True)
+    assert (stopped['epoch'], stopped['epoch_batches'], stopped['step']) == (1, 4, 26)
+    assert 'received SIGINT: saving a checkpoint after this step' in (output / 'train.log').read_text()
+
+
+@pytest.mark.parametrize('signum', [signal.SIGTERM, signal.SIGINT])
+def test_a_second_signal_stops_at_once_without_saving(tmp_path, digits, one_epoch, monkeypatch, capsys, signum):
+    output = tmp_path / 'run'
+    shutil.copytree(one_epoch, output)
+    saved = checkpoints(output)
+    signals_at(monkeypatch, (3, signum), (4, signum))
+    handler = signal.getsignal(signum)
+    capsys.readouterr()
+    assert run_cli(train_main, train_argv(output, digits)) == 128 + signum
+    assert signal.getsignal(signum) is handler
+    err = capsys.readouterr().err
+    assert 'Traceback' not in err
+    assert err.splitlines()[-1] == (f"error: stopped at once by a second {signal.Signals(signum).name}, without "
+                                    f"saving; the checkpoints saved before are unchanged")
+    assert checkpoints(output) == saved
+
+
+@pytest.mark.parametrize('env, message', [
+    (dict(RANK='one'), "environment variable RANK='one' is not an integer"),
+    (dict(RANK='2', WORLD_SIZE='2'), "environment RANK=2, WORLD_SIZE=2, LOCAL_RANK=0: expected WORLD_SIZE >= 1, "
+                                     "0 <= RANK < WORLD_SIZE and LOCAL_RANK >= 0 (torchrun sets them)"),
+    (dict(WORLD_SIZE='0'), "environment RANK=0, WORLD_SIZE=0, LOCAL_RANK=0: expected WORLD_SIZE >= 1"),
+    (dict(LOCAL_RANK='-1'), "environment RANK=0, WORLD_SIZE=1, LOCAL_RANK=-1: expected"),
+])
+def test_a_bad_process_environment_is_one_line(tmp_path, digits, monkeypatch, capsys, env, message):
+    for name in ('RANK', 'WORLD_SIZE', 'LOCAL_RANK'):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    capsys.readouterr()
+    assert run_cli(train_main, train_argv(tmp_path / 'run', digits)) == USAGE_EXIT_CODE
+    err = capsys.readouterr().err
+    assert err.count('\n') == 1 and err.startswith(f'error: {message}'), err
+    assert not (tmp_path / 'run').exists()
 
 
 @pytest.mark.parametrize('attn', ATTENTIONS)
