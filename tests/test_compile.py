@@ -34,9 +34,7 @@ def gradients(model: torch.nn.Module):
     return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize('attention', list_attentions())
-@pytest.mark.parametrize('family', list(TINY))
-def test_fullgraph_compile_matches_eager(family, attention):
+def assert_compiled_matches_eager(family: str, attention: str) -> None:
     torch.manual_seed(0)
     model = timm.create_model(f'softmax_{family}_tiny', attn_type=attention, num_classes=5, drop_path_rate=0.,
                               **TINY[family])
@@ -58,3 +56,17 @@ def test_fullgraph_compile_matches_eager(family, attention):
     assert compiled_grads.keys() == expected_grads.keys() and len(expected_grads) > 0
     for name, grad in expected_grads.items():
         assert (compiled_grads[name] - grad).abs().max().item() < 1e-5, name
+
+
+@pytest.mark.parametrize('attention', list_attentions())
+@pytest.mark.parametrize('family', list(TINY))
+def test_fullgraph_compile_matches_eager(family, attention):
+    assert_compiled_matches_eager(family, attention)
+
+
+@pytest.mark.parametrize('family', ['deit', 'swin'])
+def test_fullgraph_compile_of_multimax_in_row_blocks_matches_eager(family, monkeypatch):
+    """MultiMax's path in blocks of query rows (an autograd.Function with a recomputing backward) traces too."""
+    monkeypatch.setattr('models.attention.multimax._ROW_BLOCK_BYTES', 1)
+    monkeypatch.setattr('models.attention.multimax._PLAIN_TRAINING_BYTES', 0)
+    assert_compiled_matches_eager(family, 'multimax')

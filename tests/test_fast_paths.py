@@ -1,8 +1,9 @@
 """The fast paths of softmax and MultiMax against the plain formulas written here, in float64.
 
 Windowed softmax folds the windows into the heads so that one (1, nW·h, n, n) bias serves the whole batch;
-MultiMax has a plain path with a hand-written σ backward and a FlexAttention path (`score_mod`), whose CPU
-reference implementation runs the same math forward-only here.
+MultiMax has a plain path with a hand-written σ backward, a path in blocks of query rows with a recomputing
+backward, and a FlexAttention path (`score_mod`), whose CPU reference implementation runs the same math
+forward-only here.
 """
 import math
 
@@ -173,9 +174,89 @@ def test_multimax_inference_runs_in_row_blocks_that_match_the_formula(monkeypatc
         out = multimax_attention(3 * q, k, v, ranges, ts, pos_bias, mask, use_flex=False)
     assert record.largest == 0
     assert max_abs_err(out, plain_multimax(3 * q, k, v, ranges, ts, pos_bias, mask)) < 1e-12
-    with LargestScoreTensor(n) as record:  # with autograd: one pass over the whole matrix
+    with LargestScoreTensor(n) as record:  # with autograd, below the training budget: the whole matrix at once
         multimax_attention(3 * q, k, v, ranges, ts.requires_grad_(), pos_bias, mask, use_flex=False)
     assert record.largest == batch * heads * n * n
+
+
+def row_blocks(monkeypatch, q, rows=2):
+    """Make the plain path take `rows` query rows per block, in training too."""
+    batch, heads, n, _ = q.shape
+    monkeypatch.setattr('models.attention.multimax._ROW_BLOCK_BYTES', rows * batch * heads * n * 4)
+    monkeypatch.setattr('models.attention.multimax._PLAIN_TRAINING_BYTES', 0)
+
+
+@pytest.mark.parametrize('bias_kind', ['none', 'per_row', 'row_broadcast'])
+@pytest.mark.parametrize('masked', [False, True])
+def test_multimax_training_in_row_blocks_matches_the_formula_and_keeps_no_score_matrix(monkeypatch, bias_kind,
+                                                                                       masked):
+    """Forward and backward a block of 2 query rows at a time: output and every gradient (q, k, v, bias, ranges,
+    ts) are the formula's, and no operation returns a score-sized tensor, in the forward pass or the backward
+    pass: the largest n×n one is the (heads, n, n) bias's gradient."""
+    q, k, v, pos_bias, mask = windows(requires_grad=True)
+    ranges, ts = spec_parameters(requires_grad=True)
+    bias = {'none': None, 'per_row': pos_bias, 'row_broadcast': pos_bias[:, :1].detach().requires_grad_()}[bias_kind]
+    mask = mask if masked else None
+    row_blocks(monkeypatch, q)
+    inputs = [t for t in (q, k, v, bias, ranges, ts) if t is not None]
+    with LargestScoreTensor(q.shape[-2]) as record:
+        out = multimax_attention(3 * q, k, v, ranges, ts, bias, mask, use_flex=False)
+        grads = torch.autograd.grad(out.square().sum(), inputs)
+    assert record.largest == (pos_bias.numel() if bias_kind == 'per_row' else 0)
+    expected = plain_multimax(3 * q, k, v, ranges, ts, bias, mask)
+    assert max_abs_err(out, expected) < 1e-12
+    for g, e in zip(grads, torch.autograd.grad(expected.square().sum(), inputs)):
+        assert g.shape == e.shape
+        assert max_abs_err(g, e) < 1e-10
+
+
+def test_multimax_row_blocks_gradcheck_and_second_derivatives(monkeypatch):
+    q, k, v, pos_bias, mask = windows(batch=1, num_windows=2, n=4, d=3, requires_grad=True)
+    ranges, ts = spec_parameters(requires_grad=True)
+    row_blocks(monkeypatch, q, rows=3)
+
+    def attention(q, k, v, bias, ranges, ts):
+        return multimax_attention(3 * q, k, v, ranges, ts, bias, mask, use_flex=False)
+
+    assert torch.autograd.gradcheck(attention, (q, k, v, pos_bias, ranges, ts))
+    assert torch.autograd.gradgradcheck(attention, (q, k, v, pos_bias, ranges, ts))
+
+
+@pytest.mark.parametrize('dtype', [torch.bfloat16, torch.float16])
+def test_multimax_row_blocks_under_autocast_work_in_float32_and_return_the_input_dtypes(monkeypatch, dtype):
+    q, k, v, pos_bias, mask = windows(dtype=torch.float32)
+    ranges, ts = spec_parameters(torch.float32, requires_grad=True)
+    q, k, v = (t.to(dtype).requires_grad_() for t in (q, k, v))
+    pos_bias = pos_bias.detach().requires_grad_()
+    row_blocks(monkeypatch, q)
+    with torch.autocast('cpu', dtype=dtype):
+        out = multimax_attention(3 * q, k, v, ranges, ts, pos_bias, mask, use_flex=False)
+    inputs = (q, k, v, pos_bias, ranges, ts)
+    grads = torch.autograd.grad(out.float().square().sum(), inputs)
+    assert out.dtype == dtype
+    assert [g.dtype for g in grads] == [t.dtype for t in inputs]
+    exact_inputs = [t.detach().double().requires_grad_() for t in inputs]
+    q64, k64, v64, bias64, ranges64, ts64 = exact_inputs
+    expected = plain_multimax(3 * q64, k64, v64, ranges64, ts64, bias64, mask.double())
+    expected_grads = torch.autograd.grad(expected.square().sum(), exact_inputs)
+    tol = 3e-2 if dtype == torch.bfloat16 else 2e-3  # rounding of the output and gradients; the work is in float32
+    assert max_abs_err(out.double(), expected) < tol
+    for g, e in zip(grads, expected_grads):
+        assert max_abs_err(g.double(), e) < tol * max(1., e.abs().max().item())
+
+
+def test_multimax_training_takes_row_blocks_only_past_the_plain_budget(monkeypatch):
+    q, k, v, pos_bias, mask = windows(requires_grad=True)
+    ranges, ts = spec_parameters(requires_grad=True)
+    batch, heads, n, _ = q.shape
+    monkeypatch.setattr('models.attention.multimax._ROW_BLOCK_BYTES', 2 * batch * heads * n * 4)
+    paths = {}
+    for budget in (batch * heads * n * n * 4, batch * heads * n * n * 4 - 1):
+        monkeypatch.setattr('models.attention.multimax._PLAIN_TRAINING_BYTES', budget)
+        paths[budget] = type(multimax_attention(q, k, v, ranges, ts, pos_bias, mask, use_flex=False).grad_fn).__name__
+    assert list(paths.values()) == ['UnsafeViewBackward0', '_MultiMaxInRowBlocksBackward']
+    out = multimax_attention(q, k, v, ranges, ts, pos_bias, mask, dropout_p=0.5, use_flex=False)
+    assert type(out.grad_fn).__name__ != '_MultiMaxInRowBlocksBackward'  # dropout: the plain path
 
 
 @pytest.mark.filterwarnings('ignore:flex_attention called without torch.compile')

@@ -7,7 +7,8 @@ with a relative position bias (Swin), or in stripes with a locally-enhanced posi
 `CrossShapedAttention`). The score normaliser is the subclass's business, so every grouping works with every
 attention.
 """
-from typing import ClassVar, List, Optional, Tuple, Type, Union
+import contextlib
+from typing import ClassVar, ContextManager, List, Optional, Tuple, Type, Union
 
 import torch
 import torch.nn.functional as F
@@ -17,10 +18,18 @@ from timm.layers import trunc_normal_
 
 __all__ = [
     'Attention', 'CrossShapedAttention', 'Grid', 'window_partition', 'window_reverse', 'relative_position_index',
-    'shifted_window_mask', 'split_heads', 'merge_heads', 'tokens_to_image', 'image_to_tokens',
+    'shifted_window_mask', 'split_heads', 'merge_heads', 'tokens_to_image', 'image_to_tokens', 'autocast_off',
 ]
 
 Grid = Tuple[int, int]
+
+# Device types with an autocast mode; others (the meta device used to count parameters and FLOPs) have none to turn off.
+_AUTOCAST_DEVICES = frozenset(d for d in ('cpu', 'cuda', 'xpu', 'mps', 'hpu') if torch.amp.is_autocast_available(d))
+
+
+def autocast_off(device: torch.device) -> ContextManager:
+    """Autocast disabled on `device`'s type, for math that chooses its own precision."""
+    return torch.autocast(device.type, enabled=False) if device.type in _AUTOCAST_DEVICES else contextlib.nullcontext()
 
 
 def split_heads(x: Tensor, num_heads: int) -> Tensor:

@@ -12,30 +12,21 @@ The cube, the norms and the normaliser overflow float16 at ordinary activation s
 is this attention's known failure), so the feature map and the attention run in float32 at least, with autocast off,
 whatever the input dtype; float64 stays float64.
 """
-import contextlib
-from typing import ContextManager, Optional
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .base import Attention, Grid, image_to_tokens, merge_heads, split_heads, tokens_to_image
+from .base import Attention, Grid, autocast_off, image_to_tokens, merge_heads, split_heads, tokens_to_image
 from .registry import register_attention
 
 __all__ = ['focused_feature_map', 'focused_linear_attention', 'FocusedLinearAttention']
 
-# Device types with an autocast mode; others (the meta device used to count parameters and FLOPs) have none to turn off.
-_AUTOCAST_DEVICES = frozenset(d for d in ('cpu', 'cuda', 'xpu', 'mps', 'hpu') if torch.amp.is_autocast_available(d))
-
-
-def _autocast_off(device: torch.device) -> ContextManager:
-    return torch.autocast(device.type, enabled=False) if device.type in _AUTOCAST_DEVICES else contextlib.nullcontext()
-
-
 def focused_feature_map(x: Tensor, scale: Tensor, focusing_factor: float = 3.) -> Tensor:
     """x: (..., C), scale broadcastable to x -> (..., C) non-negative features φ(x), in float32 at least."""
     dtype = torch.promote_types(x.dtype, torch.float32)
-    with _autocast_off(x.device):
+    with autocast_off(x.device):
         x = (F.relu(x.to(dtype)) + 1e-6) / F.softplus(scale.to(dtype))
         powered = x ** focusing_factor
         return powered * (x.norm(dim=-1, keepdim=True) / powered.norm(dim=-1, keepdim=True))
@@ -49,7 +40,7 @@ def focused_linear_attention(phi_q: Tensor, phi_k: Tensor, v: Tensor, eps: float
     """
     dtype = torch.promote_types(torch.promote_types(phi_q.dtype, v.dtype), torch.float32)
     n = phi_k.shape[-2]
-    with _autocast_off(v.device):
+    with autocast_off(v.device):
         phi_q, phi_k, values = phi_q.to(dtype), phi_k.to(dtype), v.to(dtype)
         z = 1 / (phi_q @ phi_k.mean(dim=-2, keepdim=True).transpose(-2, -1) + eps)
         kv = (phi_k.transpose(-2, -1) * n ** -0.5) @ (values * n ** -0.5)

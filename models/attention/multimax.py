@@ -5,13 +5,14 @@ and t = `ts`, four learned scalars each shared by all heads of the module. σ ru
 (σ(−inf) would be NaN) and, like the softmax, in float32 whatever the autocast dtype, since its squares
 overflow float16.
 
-Two paths compute the same function. On CUDA, σ is FlexAttention's `score_mod` (it is element-wise on the
-scores), so the fused kernel never stores the score matrix. Elsewhere, and with attention dropout, the plain
-path forms the scores; its σ keeps only its input for the backward pass instead of four score-sized
-intermediates, and without autograd it runs a block of query rows at a time, so inference never holds more
-than a few MiB of scores.
+Three paths compute the same function. On CUDA, σ is FlexAttention's `score_mod` (it is element-wise on the
+scores), so the fused kernel never stores the score matrix. Elsewhere, small score matrices, and any with
+attention dropout, take the plain path, whose σ keeps only its input for the backward pass instead of four
+score-sized intermediates. Larger ones run a block of query rows at a time: in inference beyond a few MiB of
+scores, in training beyond 64 MiB, where the forward pass keeps one log-sum-exp per row and the backward pass
+recomputes each block's scores, so memory grows with the score matrix only through one block.
 """
-from typing import Callable, Optional
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -19,7 +20,7 @@ from torch import Tensor, nn
 
 from timm.layers import trunc_normal_
 
-from .base import Grid, merge_heads, split_heads
+from .base import Grid, autocast_off, merge_heads, split_heads
 from .registry import register_attention
 from .softmax import SoftmaxAttention
 
@@ -37,46 +38,128 @@ def multimax_modulation(x: Tensor, ranges: Tensor, ts: Tensor) -> Tensor:
             + ts[2] * torch.relu(ranges[2] - x).square() + ts[3] * torch.relu(x - ranges[3]).square())
 
 
-class _Modulation(torch.autograd.Function):
-    """`multimax_modulation` computed in place, with a backward pass that needs only x (autograd of the formula
-    keeps four score-sized intermediates)."""
+def _modulated(x: Tensor, ranges: Tensor, ts: Tensor) -> Tensor:
+    """`multimax_modulation` into a fresh tensor, one score-sized temporary at a time instead of four."""
+    out = (ranges[0] - x).clamp_(min=0).mul_(ts[0]).add_(x)
+    out.add_((x - ranges[1]).clamp_(min=0).mul_(ts[1]))
+    out.add_((ranges[2] - x).clamp_(min=0).square_().mul_(ts[2]))
+    return out.add_((x - ranges[3]).clamp_(min=0).square_().mul_(ts[3]))
 
-    @staticmethod
-    def forward(ctx, x: Tensor, ranges: Tensor, ts: Tensor) -> Tensor:
-        ctx.save_for_backward(x, ranges, ts)
-        out = (ranges[0] - x).clamp_(min=0).mul_(ts[0]).add_(x)
-        out.add_((x - ranges[1]).clamp_(min=0).mul_(ts[1]))
-        out.add_((ranges[2] - x).clamp_(min=0).square_().mul_(ts[2]))
-        return out.add_((x - ranges[3]).clamp_(min=0).square_().mul_(ts[3]))
 
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        x, ranges, ts = ctx.saved_tensors
-        if torch.is_grad_enabled():  # create_graph=True: the formula's own backward is differentiable
-            wanted = [t for t, need in zip((x, ranges, ts), ctx.needs_input_grad) if need]
-            grads = iter(torch.autograd.grad(multimax_modulation(x, ranges, ts), wanted, grad, create_graph=True))
-            return tuple(next(grads) if need else None for need in ctx.needs_input_grad)
-        below0 = (ranges[0] - x).clamp_(min=0)
-        above1 = (x - ranges[1]).clamp_(min=0)
-        below2 = (ranges[2] - x).clamp_(min=0)
-        above3 = (x - ranges[3]).clamp_(min=0)
-        # relu's derivative is 0 at 0, as autograd takes it
-        inside0, inside1 = below0.sign(), above1.sign()
+def _modulation_backward(x: Tensor, grad: Tensor, ranges: Tensor, ts: Tensor, needs_params: bool
+                         ) -> Tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
+    """Gradients of Σ grad·σ(x) with respect to x, and to `ranges` and `ts` where `needs_params`."""
+    below0 = (ranges[0] - x).clamp_(min=0)
+    above1 = (x - ranges[1]).clamp_(min=0)
+    below2 = (ranges[2] - x).clamp_(min=0)
+    above3 = (x - ranges[3]).clamp_(min=0)
+    # relu's derivative is 0 at 0, as autograd takes it
+    inside0, inside1 = below0.sign(), above1.sign()
+    grad_ranges = grad_ts = None
+    if needs_params:
         flat = grad.reshape(-1)
 
         def total(part: Tensor) -> Tensor:
             return torch.dot(flat, part.reshape(-1))
 
-        grad_ranges = grad_ts = None
-        if ctx.needs_input_grad[1]:
-            grad_ranges = torch.stack([ts[0] * total(inside0), -ts[1] * total(inside1),
-                                       2 * ts[2] * total(below2), -2 * ts[3] * total(above3)])
-        if ctx.needs_input_grad[2]:
-            grad_ts = torch.stack([total(below0), total(above1), total(below2.square()), total(above3.square())])
-        # dσ/dx = 1 − t₀·[x < b₀] + t₁·[x > b₁] − 2t₂·max(b₂ − x, 0) + 2t₃·max(x − b₃, 0)
-        slope = above3.mul_(2 * ts[3]).addcmul_(below2, -2 * ts[2]).addcmul_(inside0, -ts[0])
-        grad_x = slope.addcmul_(inside1, ts[1]).add_(1).mul_(grad)
+        grad_ranges = torch.stack([ts[0] * total(inside0), -ts[1] * total(inside1),
+                                   2 * ts[2] * total(below2), -2 * ts[3] * total(above3)])
+        grad_ts = torch.stack([total(below0), total(above1), total(below2.square()), total(above3.square())])
+    # dσ/dx = 1 − t₀·[x < b₀] + t₁·[x > b₁] − 2t₂·max(b₂ − x, 0) + 2t₃·max(x − b₃, 0)
+    slope = above3.mul_(2 * ts[3]).addcmul_(below2, -2 * ts[2]).addcmul_(inside0, -ts[0])
+    return slope.addcmul_(inside1, ts[1]).add_(1).mul_(grad), grad_ranges, grad_ts
+
+
+class _Modulation(torch.autograd.Function):
+    """`multimax_modulation` with a backward pass that needs only x (autograd of the formula keeps four
+    score-sized intermediates)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, ranges: Tensor, ts: Tensor) -> Tensor:
+        ctx.save_for_backward(x, ranges, ts)
+        return _modulated(x, ranges, ts)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        x, ranges, ts = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph=True: the formula's own backward is differentiable
+            return _differentiable_grads(ctx, multimax_modulation(x, ranges, ts), (x, ranges, ts), grad)
+        grad_x, grad_ranges, grad_ts = _modulation_backward(x, grad, ranges, ts, any(ctx.needs_input_grad[1:]))
         return grad_x, grad_ranges, grad_ts
+
+
+def _differentiable_grads(ctx, out: Tensor, inputs: Sequence[Optional[Tensor]], grad: Tensor) -> Tuple:
+    """The gradients a backward pass returns, through autograd of `out` = the function of `inputs` recomputed
+    with autograd, so that they can be differentiated again."""
+    needs = ctx.needs_input_grad[:len(inputs)]
+    wanted = [t for t, need in zip(inputs, needs) if need]
+    grads = iter(torch.autograd.grad(out, wanted, grad, create_graph=True))
+    return tuple(next(grads) if need else None for need in needs)
+
+
+class _MultiMaxInRowBlocks(torch.autograd.Function):
+    """The plain path a block of query rows at a time, forward and backward, for score matrices too large to
+    keep (σ and the softmax are row-wise, so this is exact).
+
+    Forward keeps the output and each row's log-sum-exp; backward recomputes a block's scores and probabilities
+    from them, the way fused softmax kernels do, so training holds one block of scores instead of several n×m
+    tensors per head.
+    """
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, ranges: Tensor, ts: Tensor, bias: Optional[Tensor],
+                mask: Optional[Tensor], rows: int) -> Tensor:
+        out, lse = _row_blocks_forward(q, k, v, ranges, ts, bias, mask, rows, keep_lse=True)
+        ctx.save_for_backward(q, k, v, ranges, ts, bias, mask, out, lse)
+        ctx.rows = rows
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        q, k, v, ranges, ts, bias, mask, out, lse = ctx.saved_tensors
+        if torch.is_grad_enabled():
+            plain = _multimax_plain(q, k, v, ranges, ts, bias, mask, 0.)
+            return _differentiable_grads(ctx, plain, (q, k, v, ranges, ts, bias), grad_out) + (None, None)
+        need_q, need_k, need_v, need_ranges, need_ts, need_bias = ctx.needs_input_grad[:6]
+        work = torch.promote_types(q.dtype, torch.float32)
+        scale = q.shape[-1] ** -0.5
+        with autocast_off(q.device):
+            q_scaled, keys, values = q.to(work) * scale, k.to(work), v.to(work)
+            b, t = ranges.to(work), ts.to(work)
+            grad_out = grad_out.to(work)
+            # dL/dlogits = p ∘ (dL/dp − Σ_j p_j·dL/dp_j), and Σ_j p_j·dL/dp_j is row i of grad_out · out
+            row_dots = (grad_out * out.to(work)).sum(dim=-1, keepdim=True)
+            grad_q = torch.empty_like(q_scaled) if need_q else None
+            grad_k = torch.zeros_like(keys) if need_k else None
+            grad_v = torch.zeros_like(values) if need_v else None
+            grad_bias = torch.zeros(bias.shape, dtype=work, device=bias.device) if need_bias else None
+            grad_b = grad_t = None
+            for block in _row_slices(q.shape[-2], ctx.rows):
+                scores = _scores(q_scaled[..., block, :], keys, _row_block(bias, block))
+                logits = _masked(_modulated(scores, b, t), _row_block(mask, block))
+                probs = logits.sub_(lse[..., block, :]).exp_()
+                grad_block = grad_out[..., block, :]
+                if need_v:
+                    grad_v.add_(probs.transpose(-2, -1) @ grad_block)
+                grad_logits = probs.mul_((grad_block @ values.transpose(-2, -1)).sub_(row_dots[..., block, :]))
+                grad_scores, block_b, block_t = _modulation_backward(scores, grad_logits, b, t,
+                                                                     need_ranges or need_ts)
+                if block_b is not None:
+                    grad_b = block_b if grad_b is None else grad_b.add_(block_b)
+                    grad_t = block_t if grad_t is None else grad_t.add_(block_t)
+                if need_bias:
+                    rows = grad_bias[..., _bias_rows(bias, block), :]
+                    rows.add_(grad_scores.sum_to_size(rows.shape))
+                if need_k:
+                    grad_k.add_(grad_scores.transpose(-2, -1) @ q_scaled[..., block, :])
+                if need_q:
+                    grad_q[..., block, :] = (grad_scores @ keys).mul_(scale)
+        return (_cast(grad_q, q), _cast(grad_k, k), _cast(grad_v, v), _cast(grad_b if need_ranges else None, ranges),
+                _cast(grad_t if need_ts else None, ts), _cast(grad_bias, bias), None, None)
+
+
+def _cast(grad: Optional[Tensor], like: Optional[Tensor]) -> Optional[Tensor]:
+    return None if grad is None else grad.to(like.dtype)
 
 
 _compiled_flex: Optional[Callable[..., Tensor]] = None
@@ -114,13 +197,15 @@ def multimax_attention(
         if dropout_p:
             raise ValueError(f"the FlexAttention path of MultiMax has no attention dropout, got dropout_p={dropout_p}")
         return _multimax_flex(q, k, v, ranges, ts, bias, mask)
-    if dropout_p or _tracks_grad(q, k, v, ranges, ts, bias):
+    B, h, n, _ = q.shape
+    row_bytes = B * h * k.shape[-2] * 4
+    rows = max(1, _ROW_BLOCK_BYTES // row_bytes)
+    training = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, ranges, ts, bias))
+    if dropout_p or rows >= n or (training and n * row_bytes <= _PLAIN_TRAINING_BYTES):
         return _multimax_plain(q, k, v, ranges, ts, bias, mask, dropout_p)
-    return _multimax_rows(q, k, v, ranges, ts, bias, mask)
-
-
-def _tracks_grad(*tensors: Optional[Tensor]) -> bool:
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+    if training:
+        return _MultiMaxInRowBlocks.apply(q, k, v, ranges, ts, bias, mask, rows)
+    return _row_blocks_forward(q, k, v, ranges, ts, bias, mask, rows, keep_lse=False)[0]
 
 
 def _multimax_plain(q: Tensor, k: Tensor, v: Tensor, ranges: Tensor, ts: Tensor, bias: Optional[Tensor],
@@ -142,27 +227,59 @@ def _multimax_plain(q: Tensor, k: Tensor, v: Tensor, ranges: Tensor, ts: Tensor,
 
 # Scores of this many bytes per block of query rows stay in cache between the passes over them.
 _ROW_BLOCK_BYTES = 4 << 20
+# Training takes the plain path up to this many bytes of scores: its backward pass keeps about three score
+# matrices, but it does not recompute them, and blocks of few rows (large batches of short sequences) multiply
+# small matrices slowly. Beyond it, `_MultiMaxInRowBlocks` keeps memory linear in the rows.
+_PLAIN_TRAINING_BYTES = 64 << 20
 
 
-def _multimax_rows(q: Tensor, k: Tensor, v: Tensor, ranges: Tensor, ts: Tensor, bias: Optional[Tensor],
-                   mask: Optional[Tensor]) -> Tensor:
-    """The plain path without autograd, a block of query rows at a time (σ and the softmax are row-wise, so this
-    is exact): peak memory is one block of scores, not the (n, m) matrix per head."""
-    B, h, n, _ = q.shape
-    m = k.shape[-2]
-    rows = max(1, _ROW_BLOCK_BYTES // (B * h * m * 4))
-    if rows >= n:
-        return _multimax_plain(q, k, v, ranges, ts, bias, mask, 0.)
-    blocks = [slice(start, start + rows) for start in range(0, n, rows)]
-    return torch.cat([
-        _multimax_plain(q[..., block, :], k, v, ranges, ts, _row_block(bias, block), _row_block(mask, block), 0.)
-        for block in blocks], dim=-2)
+def _row_blocks_forward(q: Tensor, k: Tensor, v: Tensor, ranges: Tensor, ts: Tensor, bias: Optional[Tensor],
+                        mask: Optional[Tensor], rows: int, keep_lse: bool) -> Tuple[Tensor, Optional[Tensor]]:
+    """The output in v's dtype and, with `keep_lse`, the (B, h, n, 1) log-sum-exp of each row's logits, a block
+    of `rows` query rows at a time, in float32 at least."""
+    work = torch.promote_types(q.dtype, torch.float32)
+    with autocast_off(q.device):
+        q_scaled = q.to(work) * q.shape[-1] ** -0.5
+        keys, values = k.to(work), v.to(work)
+        ranges, ts = ranges.to(work), ts.to(work)
+        out = values.new_empty(q.shape[:-1] + v.shape[-1:])
+        lse = values.new_empty(q.shape[:-1] + (1,)) if keep_lse else None
+        for block in _row_slices(q.shape[-2], rows):
+            scores = _scores(q_scaled[..., block, :], keys, _row_block(bias, block))
+            logits = _masked(_modulated(scores, ranges, ts), _row_block(mask, block))
+            if keep_lse:
+                lse[..., block, :] = block_lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+                probs = logits.sub_(block_lse).exp_()
+            else:
+                probs = logits.softmax(dim=-1)
+            out[..., block, :] = probs @ values
+    return out.to(v.dtype), lse
+
+
+def _row_slices(n: int, rows: int) -> List[slice]:
+    return [slice(start, start + rows) for start in range(0, n, rows)]
+
+
+def _bias_rows(bias: Tensor, block: slice) -> slice:
+    return slice(None) if bias.shape[-2] == 1 else block
 
 
 def _row_block(scores_like: Optional[Tensor], block: slice) -> Optional[Tensor]:
-    if scores_like is None or scores_like.shape[-2] == 1:
-        return scores_like
-    return scores_like[..., block, :]
+    """The rows `block` of a tensor that broadcasts to the scores, unless it broadcasts along the rows."""
+    return None if scores_like is None else scores_like[..., _bias_rows(scores_like, block), :]
+
+
+def _scores(q_scaled: Tensor, k: Tensor, bias: Optional[Tensor]) -> Tensor:
+    scores = q_scaled @ k.transpose(-2, -1)
+    return scores if bias is None else scores.add_(bias.to(scores.dtype))
+
+
+def _masked(logits: Tensor, mask: Optional[Tensor]) -> Tensor:
+    """Add the (nW, n, m) window mask in place, batch entry b taking mask[b % nW]."""
+    if mask is not None:
+        B, h, n, m = logits.shape
+        logits.view(B // mask.shape[0], mask.shape[0], h, n, m).add_(mask.to(logits.dtype).unsqueeze(1))
+    return logits
 
 
 def _multimax_flex(q: Tensor, k: Tensor, v: Tensor, ranges: Tensor, ts: Tensor, bias: Optional[Tensor],
