@@ -10,7 +10,7 @@ import torch
 import timm
 
 import models  # noqa: F401  (registers the families)
-from models.attention import list_attentions
+from models.attention import list_attentions, multimax_attention
 
 # Tiny versions of each family that still reach every grouping: class token (DeiT), spatial reduction (PVT),
 # shifted windows and a window covering the grid (Swin), stripes and a single global branch (CSwin).
@@ -70,3 +70,26 @@ def test_fullgraph_compile_of_multimax_in_row_blocks_matches_eager(family, monke
     monkeypatch.setattr('models.attention.multimax._ROW_BLOCK_BYTES', 1)
     monkeypatch.setattr('models.attention.multimax._PLAIN_TRAINING_BYTES', 0)
     assert_compiled_matches_eager(family, 'multimax')
+
+
+@pytest.mark.filterwarnings('ignore:flex_attention called without torch.compile')
+def test_fullgraph_compile_of_multimax_flex_training_matches_eager():
+    """The CUDA training path of MultiMax (FlexAttention forward, backward in row blocks) traces into one graph
+    with its backward; on CPU FlexAttention runs its unfused reference."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(4, 2, 9, 8, requires_grad=True) for _ in range(3))
+    bias = torch.randn(2, 9, 9, requires_grad=True)
+    mask = torch.where(torch.rand(2, 9, 9) < 0.3, -100., 0.)
+    ranges, ts = (torch.randn(4).mul_(0.3).requires_grad_() for _ in range(2))
+    inputs = (q, k, v, ranges, ts, bias)
+
+    def attention(q, k, v, ranges, ts, bias):
+        return multimax_attention(q, k, v, ranges, ts, bias, mask, use_flex=True)
+
+    out = torch.compile(attention, fullgraph=True, backend='aot_eager')(*inputs)
+    grads = torch.autograd.grad(out.square().sum(), inputs)
+    expected = multimax_attention(q, k, v, ranges, ts, bias, mask, use_flex=False)
+    expected_grads = torch.autograd.grad(expected.square().sum(), inputs)
+    assert (out - expected).abs().max().item() < 1e-5
+    for grad, want in zip(grads, expected_grads):
+        assert (grad - want).abs().max().item() < 1e-4

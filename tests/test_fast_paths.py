@@ -276,6 +276,25 @@ def test_multimax_flex_path_matches_plain_path(dtype, tol, masked):
     assert max_abs_err(flex.double(), expected) < tol
 
 
+@pytest.mark.filterwarnings('ignore:flex_attention called without torch.compile')
+@pytest.mark.parametrize('masked', [False, True])
+def test_multimax_flex_training_keeps_flex_log_sum_exp_and_backpropagates_in_row_blocks(monkeypatch, masked):
+    """Training through FlexAttention: its forward pass (the unfused reference here) supplies the output and the
+    log-sum-exp that the backward pass in row blocks recomputes the probabilities from."""
+    q, k, v, pos_bias, mask = windows(requires_grad=True)
+    ranges, ts = spec_parameters(requires_grad=True)
+    mask = mask if masked else None
+    monkeypatch.setattr('models.attention.multimax._FLEX_BACKWARD_BLOCK_BYTES', 2 * q.shape[0] * q.shape[1] * 5 * 4)
+    out = multimax_attention(3 * q, k, v, ranges, ts, pos_bias, mask, use_flex=True)
+    assert type(out.grad_fn).__name__ == '_MultiMaxInRowBlocksBackward'
+    expected = plain_multimax(3 * q, k, v, ranges, ts, pos_bias, mask)
+    assert max_abs_err(out, expected) < 1e-12
+    inputs = (q, k, v, pos_bias, ranges, ts)
+    for g, e in zip(torch.autograd.grad(out.square().sum(), inputs),
+                    torch.autograd.grad(expected.square().sum(), inputs)):
+        assert max_abs_err(g, e) < 1e-10
+
+
 def test_multimax_flex_path_refuses_dropout():
     q, k, v, _, _ = windows()
     ranges, ts = spec_parameters()
@@ -285,7 +304,7 @@ def test_multimax_flex_path_refuses_dropout():
 
 def test_multimax_takes_flex_only_on_cuda(monkeypatch):
     calls = []
-    monkeypatch.setattr('models.attention.multimax._multimax_flex', lambda *a: calls.append(a) or a[2])
+    monkeypatch.setattr('models.attention.multimax._multimax_flex', lambda *a: calls.append(a) or (a[2], None))
     q, k, v, _, _ = windows()
     ranges, ts = spec_parameters()
     multimax_attention(q, k, v, ranges, ts)

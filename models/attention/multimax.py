@@ -11,6 +11,10 @@ attention dropout, take the plain path, whose σ keeps only its input for the ba
 score-sized intermediates. Larger ones run a block of query rows at a time: in inference beyond a few MiB of
 scores, in training beyond 64 MiB, where the forward pass keeps one log-sum-exp per row and the backward pass
 recomputes each block's scores, so memory grows with the score matrix only through one block.
+
+Training on CUDA joins the two: FlexAttention's forward pass returns the log-sum-exp, and the backward pass is
+the one in row blocks. FlexAttention's own backward would have to differentiate `ranges` and `ts`, scalars
+shared by every score, by atomic adds from every score into the same eight addresses.
 """
 from typing import Callable, List, Optional, Sequence, Tuple
 
@@ -25,9 +29,9 @@ from .registry import register_attention
 from .softmax import SoftmaxAttention
 
 try:
-    from torch.nn.attention.flex_attention import flex_attention
+    from torch.nn.attention.flex_attention import AuxRequest, flex_attention
 except ImportError:  # older torch: the plain path everywhere
-    flex_attention = None
+    AuxRequest = flex_attention = None
 
 __all__ = ['multimax_modulation', 'multimax_attention', 'MultiMaxAttention']
 
@@ -101,15 +105,19 @@ class _MultiMaxInRowBlocks(torch.autograd.Function):
     """The plain path a block of query rows at a time, forward and backward, for score matrices too large to
     keep (σ and the softmax are row-wise, so this is exact).
 
-    Forward keeps the output and each row's log-sum-exp; backward recomputes a block's scores and probabilities
-    from them, the way fused softmax kernels do, so training holds one block of scores instead of several n×m
-    tensors per head.
+    Forward keeps the output and each row's log-sum-exp, computed in row blocks or by FlexAttention; backward
+    recomputes a block's scores and probabilities from them, the way fused softmax kernels do, so training holds
+    one block of scores instead of several n×m tensors per head.
     """
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, ranges: Tensor, ts: Tensor, bias: Optional[Tensor],
-                mask: Optional[Tensor], rows: int) -> Tensor:
-        out, lse = _row_blocks_forward(q, k, v, ranges, ts, bias, mask, rows, keep_lse=True)
+                mask: Optional[Tensor], rows: int, use_flex: bool) -> Tensor:
+        if use_flex:  # detached: this function, not FlexAttention, differentiates them
+            detached = (None if t is None else t.detach() for t in (q, k, v, ranges, ts, bias))
+            out, lse = _multimax_flex(*detached, mask, keep_lse=True)
+        else:
+            out, lse = _row_blocks_forward(q, k, v, ranges, ts, bias, mask, rows, keep_lse=True)
         ctx.save_for_backward(q, k, v, ranges, ts, bias, mask, out, lse)
         ctx.rows = rows
         return out
@@ -119,7 +127,7 @@ class _MultiMaxInRowBlocks(torch.autograd.Function):
         q, k, v, ranges, ts, bias, mask, out, lse = ctx.saved_tensors
         if torch.is_grad_enabled():
             plain = _multimax_plain(q, k, v, ranges, ts, bias, mask, 0.)
-            return _differentiable_grads(ctx, plain, (q, k, v, ranges, ts, bias), grad_out) + (None, None)
+            return _differentiable_grads(ctx, plain, (q, k, v, ranges, ts, bias), grad_out) + (None,) * 3
         need_q, need_k, need_v, need_ranges, need_ts, need_bias = ctx.needs_input_grad[:6]
         work = torch.promote_types(q.dtype, torch.float32)
         scale = q.shape[-1] ** -0.5
@@ -155,7 +163,7 @@ class _MultiMaxInRowBlocks(torch.autograd.Function):
                 if need_q:
                     grad_q[..., block, :] = (grad_scores @ keys).mul_(scale)
         return (_cast(grad_q, q), _cast(grad_k, k), _cast(grad_v, v), _cast(grad_b if need_ranges else None, ranges),
-                _cast(grad_t if need_ts else None, ts), _cast(grad_bias, bias), None, None)
+                _cast(grad_t if need_ts else None, ts), _cast(grad_bias, bias), None, None, None)
 
 
 def _cast(grad: Optional[Tensor], like: Optional[Tensor]) -> Optional[Tensor]:
@@ -189,22 +197,25 @@ def multimax_attention(
     `bias` (added before σ) broadcasts to the (B, h, n, m) scores; `mask` (nW, n, m) is added after σ, batch
     entry b taking mask[b % nW] (windows of an image are consecutive). `use_flex`: None takes FlexAttention on
     CUDA without dropout and the plain path otherwise; True forces FlexAttention (compiled on CUDA, its unfused
-    reference elsewhere, forward only on CPU).
+    reference elsewhere) for the forward pass, with the backward pass in row blocks.
     """
     if use_flex is None:
         use_flex = flex_attention is not None and q.is_cuda and not dropout_p
+    B, h, n, _ = q.shape
+    row_bytes = B * h * k.shape[-2] * 4
+    training = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, ranges, ts, bias))
     if use_flex:
         if dropout_p:
             raise ValueError(f"the FlexAttention path of MultiMax has no attention dropout, got dropout_p={dropout_p}")
-        return _multimax_flex(q, k, v, ranges, ts, bias, mask)
-    B, h, n, _ = q.shape
-    row_bytes = B * h * k.shape[-2] * 4
+        if training:
+            rows = max(1, _FLEX_BACKWARD_BLOCK_BYTES // row_bytes)
+            return _MultiMaxInRowBlocks.apply(q, k, v, ranges, ts, bias, mask, rows, True)
+        return _multimax_flex(q, k, v, ranges, ts, bias, mask)[0]
     rows = max(1, _ROW_BLOCK_BYTES // row_bytes)
-    training = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, ranges, ts, bias))
     if dropout_p or rows >= n or (training and n * row_bytes <= _PLAIN_TRAINING_BYTES):
         return _multimax_plain(q, k, v, ranges, ts, bias, mask, dropout_p)
     if training:
-        return _MultiMaxInRowBlocks.apply(q, k, v, ranges, ts, bias, mask, rows)
+        return _MultiMaxInRowBlocks.apply(q, k, v, ranges, ts, bias, mask, rows, False)
     return _row_blocks_forward(q, k, v, ranges, ts, bias, mask, rows, keep_lse=False)[0]
 
 
@@ -227,6 +238,9 @@ def _multimax_plain(q: Tensor, k: Tensor, v: Tensor, ranges: Tensor, ts: Tensor,
 
 # Scores of this many bytes per block of query rows stay in cache between the passes over them.
 _ROW_BLOCK_BYTES = 4 << 20
+# The backward pass after FlexAttention's forward pass takes blocks this large: on a GPU, kernel launches rather
+# than cache bound small blocks.
+_FLEX_BACKWARD_BLOCK_BYTES = 256 << 20
 # Training takes the plain path up to this many bytes of scores: its backward pass keeps about three score
 # matrices, but it does not recompute them, and blocks of few rows (large batches of short sequences) multiply
 # small matrices slowly. Beyond it, `_MultiMaxInRowBlocks` keeps memory linear in the rows.
@@ -283,7 +297,9 @@ def _masked(logits: Tensor, mask: Optional[Tensor]) -> Tensor:
 
 
 def _multimax_flex(q: Tensor, k: Tensor, v: Tensor, ranges: Tensor, ts: Tensor, bias: Optional[Tensor],
-                   mask: Optional[Tensor]) -> Tensor:
+                   mask: Optional[Tensor], keep_lse: bool = False) -> Tuple[Tensor, Optional[Tensor]]:
+    """FlexAttention with σ as `score_mod`: the output and, with `keep_lse`, the (B, h, n, 1) float32
+    log-sum-exp of each row's logits."""
     work = torch.promote_types(q.dtype, torch.float32)
     ranges, ts = ranges.to(work), ts.to(work)
     bias = None if bias is None else bias.to(work)
@@ -301,7 +317,11 @@ def _multimax_flex(q: Tensor, k: Tensor, v: Tensor, ranges: Tensor, ts: Tensor, 
 
     # inside a compiled model the surrounding compilation fuses FlexAttention itself
     fused = q.is_cuda and not torch.compiler.is_compiling()
-    return (_fused_flex() if fused else flex_attention)(q, k, v, score_mod=modulate)
+    attend = _fused_flex() if fused else flex_attention
+    if not keep_lse:
+        return attend(q, k, v, score_mod=modulate), None
+    out, aux = attend(q, k, v, score_mod=modulate, return_aux=AuxRequest(lse=True))
+    return out, aux.lse.unsqueeze(-1)
 
 
 @register_attention('multimax')
