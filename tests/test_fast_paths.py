@@ -149,16 +149,26 @@ def test_modulation_gradcheck_and_second_derivatives():
     assert torch.autograd.gradgradcheck(_Modulation.apply, (x, ranges, ts))
 
 
+def grads_of_square_sum(out, q, k, v, ranges, ts, bias=None):
+    """Gradients of Σ out² with respect to q, k, v, bias (where given), ranges and ts."""
+    return torch.autograd.grad(out.square().sum(), [t for t in (q, k, v, bias, ranges, ts) if t is not None])
+
+
+def assert_matches_formula(out, grads, q, k, v, ranges, ts, bias=None, mask=None):
+    """`out` is MultiMax of (3q, k, v) and `grads` its `grads_of_square_sum`, both as the plain formula's."""
+    expected = plain_multimax(3 * q, k, v, ranges, ts, bias, mask)
+    assert max_abs_err(out, expected) < 1e-12
+    for g, e in zip(grads, grads_of_square_sum(expected, q, k, v, ranges, ts, bias)):
+        assert g.shape == e.shape
+        assert max_abs_err(g, e) < 1e-10
+
+
 def test_multimax_plain_path_matches_formula_with_bias_and_mask():
     q, k, v, pos_bias, mask = windows(requires_grad=True)
     ranges, ts = spec_parameters(requires_grad=True)
     out = multimax_attention(3 * q, k, v, ranges, ts, pos_bias, mask, use_flex=False)
-    expected = plain_multimax(3 * q, k, v, ranges, ts, pos_bias, mask)
-    assert max_abs_err(out, expected) < 1e-12
-    inputs = (q, k, v, pos_bias, ranges, ts)
-    for g, e in zip(torch.autograd.grad(out.square().sum(), inputs),
-                    torch.autograd.grad(expected.square().sum(), inputs)):
-        assert max_abs_err(g, e) < 1e-10
+    assert_matches_formula(out, grads_of_square_sum(out, q, k, v, ranges, ts, pos_bias), q, k, v, ranges, ts,
+                           pos_bias, mask)
 
 
 @pytest.mark.parametrize('masked', [False, True])
@@ -198,16 +208,11 @@ def test_multimax_training_in_row_blocks_matches_the_formula_and_keeps_no_score_
     bias = {'none': None, 'per_row': pos_bias, 'row_broadcast': pos_bias[:, :1].detach().requires_grad_()}[bias_kind]
     mask = mask if masked else None
     row_blocks(monkeypatch, q)
-    inputs = [t for t in (q, k, v, bias, ranges, ts) if t is not None]
     with LargestScoreTensor(q.shape[-2]) as record:
         out = multimax_attention(3 * q, k, v, ranges, ts, bias, mask, use_flex=False)
-        grads = torch.autograd.grad(out.square().sum(), inputs)
+        grads = grads_of_square_sum(out, q, k, v, ranges, ts, bias)
     assert record.largest == (pos_bias.numel() if bias_kind == 'per_row' else 0)
-    expected = plain_multimax(3 * q, k, v, ranges, ts, bias, mask)
-    assert max_abs_err(out, expected) < 1e-12
-    for g, e in zip(grads, torch.autograd.grad(expected.square().sum(), inputs)):
-        assert g.shape == e.shape
-        assert max_abs_err(g, e) < 1e-10
+    assert_matches_formula(out, grads, q, k, v, ranges, ts, bias, mask)
 
 
 def test_multimax_row_blocks_gradcheck_and_second_derivatives(monkeypatch):
@@ -287,12 +292,8 @@ def test_multimax_flex_training_keeps_flex_log_sum_exp_and_backpropagates_in_row
     monkeypatch.setattr('models.attention.multimax._FLEX_BACKWARD_BLOCK_BYTES', 2 * q.shape[0] * q.shape[1] * 5 * 4)
     out = multimax_attention(3 * q, k, v, ranges, ts, pos_bias, mask, use_flex=True)
     assert type(out.grad_fn).__name__ == '_MultiMaxInRowBlocksBackward'
-    expected = plain_multimax(3 * q, k, v, ranges, ts, pos_bias, mask)
-    assert max_abs_err(out, expected) < 1e-12
-    inputs = (q, k, v, pos_bias, ranges, ts)
-    for g, e in zip(torch.autograd.grad(out.square().sum(), inputs),
-                    torch.autograd.grad(expected.square().sum(), inputs)):
-        assert max_abs_err(g, e) < 1e-10
+    assert_matches_formula(out, grads_of_square_sum(out, q, k, v, ranges, ts, pos_bias), q, k, v, ranges, ts,
+                           pos_bias, mask)
 
 
 def test_multimax_flex_path_refuses_dropout():
