@@ -156,8 +156,8 @@ class _MultiMaxInRowBlocks(torch.autograd.Function):
                     grad_b = block_b if grad_b is None else grad_b.add_(block_b)
                     grad_t = block_t if grad_t is None else grad_t.add_(block_t)
                 if need_bias:
-                    rows = grad_bias[..., _bias_rows(bias, block), :]
-                    rows.add_(grad_scores.sum_to_size(rows.shape))
+                    grad_bias_block = grad_bias[..., _bias_rows(bias, block), :]
+                    grad_bias_block.add_(grad_scores.sum_to_size(grad_bias_block.shape))
                 if need_k:
                     grad_k.add_(grad_scores.transpose(-2, -1) @ q_scaled[..., block, :])
                 if need_q:
@@ -225,12 +225,9 @@ def _multimax_plain(q: Tensor, k: Tensor, v: Tensor, ranges: Tensor, ts: Tensor,
     scores = torch.matmul(q * q.shape[-1] ** -0.5, k.transpose(-2, -1)).to(work)
     if bias is not None:
         scores = scores + bias.to(work)
-    scores = _Modulation.apply(scores, ranges.to(work), ts.to(work))
-    if mask is not None:
-        B, h, n, m = scores.shape
-        nW = mask.shape[0]
-        scores = (scores.view(B // nW, nW, h, n, m) + mask.to(work).unsqueeze(1)).view(B, h, n, m)
-    weights = scores.softmax(dim=-1)
+    # σ's backward needs its input only, so its output may take the mask in place
+    logits = _masked(_Modulation.apply(scores, ranges.to(work), ts.to(work)), mask)
+    weights = logits.softmax(dim=-1)
     if dropout_p:
         weights = F.dropout(weights, dropout_p)
     return torch.matmul(weights.to(v.dtype), v)
