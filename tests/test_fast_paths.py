@@ -171,6 +171,12 @@ def test_multimax_plain_path_matches_formula_with_bias_and_mask():
                            pos_bias, mask)
 
 
+def row_block_bytes(q, rows=2):
+    """Bytes of `rows` query rows of float32 scores for q's batch and heads, with as many keys as queries."""
+    batch, heads, n, _ = q.shape
+    return rows * batch * heads * n * 4
+
+
 @pytest.mark.parametrize('masked', [False, True])
 def test_multimax_inference_runs_in_row_blocks_that_match_the_formula(monkeypatch, masked):
     """Without autograd the plain path takes 2 query rows at a time here (5 rows: blocks of 2, 2, 1); no
@@ -179,7 +185,7 @@ def test_multimax_inference_runs_in_row_blocks_that_match_the_formula(monkeypatc
     ranges, ts = spec_parameters()
     mask = mask if masked else None
     batch, heads, n, _ = q.shape
-    monkeypatch.setattr('models.attention.multimax._ROW_BLOCK_BYTES', 2 * batch * heads * n * 4)
+    monkeypatch.setattr('models.attention.multimax._ROW_BLOCK_BYTES', row_block_bytes(q))
     with torch.no_grad(), LargestScoreTensor(n) as record:
         out = multimax_attention(3 * q, k, v, ranges, ts, pos_bias, mask, use_flex=False)
     assert record.largest == 0
@@ -191,8 +197,7 @@ def test_multimax_inference_runs_in_row_blocks_that_match_the_formula(monkeypatc
 
 def row_blocks(monkeypatch, q, rows=2):
     """Make the plain path take `rows` query rows per block, in training too."""
-    batch, heads, n, _ = q.shape
-    monkeypatch.setattr('models.attention.multimax._ROW_BLOCK_BYTES', rows * batch * heads * n * 4)
+    monkeypatch.setattr('models.attention.multimax._ROW_BLOCK_BYTES', row_block_bytes(q, rows))
     monkeypatch.setattr('models.attention.multimax._PLAIN_TRAINING_BYTES', 0)
 
 
@@ -254,7 +259,7 @@ def test_multimax_training_takes_row_blocks_only_past_the_plain_budget(monkeypat
     q, k, v, pos_bias, mask = windows(requires_grad=True)
     ranges, ts = spec_parameters(requires_grad=True)
     batch, heads, n, _ = q.shape
-    monkeypatch.setattr('models.attention.multimax._ROW_BLOCK_BYTES', 2 * batch * heads * n * 4)
+    monkeypatch.setattr('models.attention.multimax._ROW_BLOCK_BYTES', row_block_bytes(q))
     paths = {}
     for budget in (batch * heads * n * n * 4, batch * heads * n * n * 4 - 1):
         monkeypatch.setattr('models.attention.multimax._PLAIN_TRAINING_BYTES', budget)
@@ -289,7 +294,7 @@ def test_multimax_flex_training_keeps_flex_log_sum_exp_and_backpropagates_in_row
     q, k, v, pos_bias, mask = windows(requires_grad=True)
     ranges, ts = spec_parameters(requires_grad=True)
     mask = mask if masked else None
-    monkeypatch.setattr('models.attention.multimax._FLEX_BACKWARD_BLOCK_BYTES', 2 * q.shape[0] * q.shape[1] * 5 * 4)
+    monkeypatch.setattr('models.attention.multimax._FLEX_BACKWARD_BLOCK_BYTES', row_block_bytes(q))
     out = multimax_attention(3 * q, k, v, ranges, ts, pos_bias, mask, use_flex=True)
     assert type(out.grad_fn).__name__ == '_MultiMaxInRowBlocksBackward'
     assert_matches_formula(out, grads_of_square_sum(out, q, k, v, ranges, ts, pos_bias), q, k, v, ranges, ts,

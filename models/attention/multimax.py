@@ -143,8 +143,7 @@ class _MultiMaxInRowBlocks(torch.autograd.Function):
             grad_bias = torch.zeros(bias.shape, dtype=work, device=bias.device) if need_bias else None
             grad_b = grad_t = None
             for block in _row_slices(q.shape[-2], ctx.rows):
-                scores = _scores(q_scaled[..., block, :], keys, _row_block(bias, block))
-                logits = _masked(_modulated(scores, b, t), _row_block(mask, block))
+                scores, logits = _block_logits(q_scaled, keys, b, t, bias, mask, block)
                 probs = logits.sub_(lse[..., block, :]).exp_()
                 grad_block = grad_out[..., block, :]
                 if need_v:
@@ -256,8 +255,7 @@ def _row_blocks_forward(q: Tensor, k: Tensor, v: Tensor, ranges: Tensor, ts: Ten
         out = values.new_empty(q.shape[:-1] + v.shape[-1:])
         lse = values.new_empty(q.shape[:-1] + (1,)) if keep_lse else None
         for block in _row_slices(q.shape[-2], rows):
-            scores = _scores(q_scaled[..., block, :], keys, _row_block(bias, block))
-            logits = _masked(_modulated(scores, ranges, ts), _row_block(mask, block))
+            logits = _block_logits(q_scaled, keys, ranges, ts, bias, mask, block)[1]
             if keep_lse:
                 lse[..., block, :] = block_lse = torch.logsumexp(logits, dim=-1, keepdim=True)
                 probs = logits.sub_(block_lse).exp_()
@@ -280,9 +278,14 @@ def _row_block(scores_like: Optional[Tensor], block: slice) -> Optional[Tensor]:
     return None if scores_like is None else scores_like[..., _bias_rows(scores_like, block), :]
 
 
-def _scores(q_scaled: Tensor, k: Tensor, bias: Optional[Tensor]) -> Tensor:
-    scores = q_scaled @ k.transpose(-2, -1)
-    return scores if bias is None else scores.add_(bias.to(scores.dtype))
+def _block_logits(q_scaled: Tensor, k: Tensor, ranges: Tensor, ts: Tensor, bias: Optional[Tensor],
+                  mask: Optional[Tensor], block: slice) -> Tuple[Tensor, Tensor]:
+    """The scores q·kᵀ/√d + bias of the query rows `block` and their logits σ(scores) + mask, computed the same
+    way by the forward pass and by the backward pass that recomputes them."""
+    scores = q_scaled[..., block, :] @ k.transpose(-2, -1)
+    if bias is not None:
+        scores.add_(_row_block(bias, block).to(scores.dtype))
+    return scores, _masked(_modulated(scores, ranges, ts), _row_block(mask, block))
 
 
 def _masked(logits: Tensor, mask: Optional[Tensor]) -> Tensor:
