@@ -11,7 +11,7 @@ from torch import Tensor, nn
 from yacs.config import CfgNode as CN
 
 import models  # noqa: F401  (registers the zoo's families with timm)
-from models._checkpoint import CheckpointError, checkpoint_state_dict, load_checkpoint_file
+from models.checkpoint import CheckpointError, checkpoint_state_dict, load_checkpoint_file
 
 from .config import ConfigError, mixup_active, model_kwargs
 from .errors import UsageError

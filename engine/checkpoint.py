@@ -12,7 +12,7 @@ from typing import Any, Dict, List, Mapping
 import numpy as np
 import torch
 
-from models._checkpoint import CheckpointError, load_checkpoint_file
+from models.checkpoint import CheckpointError, load_checkpoint_file
 
 __all__ = ['TRAINING_KEYS', 'atomic_save', 'rng_state', 'set_rng_state', 'load_training_checkpoint']
 

@@ -5,7 +5,7 @@ import signal
 import sys
 from typing import Callable, Optional, Sequence
 
-from models._checkpoint import CheckpointError
+from models.checkpoint import CheckpointError
 
 __all__ = ['UsageError', 'NonFiniteLossError', 'StoppedAtOnce', 'USAGE_EXIT_CODE', 'run_cli']
 

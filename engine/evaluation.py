@@ -6,7 +6,7 @@ import torch
 from torch import Tensor
 from yacs.config import CfgNode as CN
 
-from models._checkpoint import CheckpointError, load_checkpoint_file
+from models.checkpoint import CheckpointError, load_checkpoint_file
 
 from .build import check_model_name, classifier_rows, create_model, read_weights
 from .config import config_from_yaml_string, get_default_config, load_config, merge_dict, merge_opts, validate_config

@@ -15,7 +15,7 @@ from timm.utils import ModelEmaV3
 from torch.nn.parallel import DistributedDataParallel
 from yacs.config import CfgNode as CN
 
-from models._checkpoint import load_state_dict_checked
+from models.checkpoint import load_state_dict_checked
 
 from .build import check_model_name, create_criterion, create_model, create_optimizer, create_scheduler, read_weights
 from .checkpoint import atomic_save, load_training_checkpoint, rng_state, set_rng_state

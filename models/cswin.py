@@ -23,7 +23,7 @@ from timm.layers import DropPath, Mlp, calculate_drop_path_rates, global_pool_nl
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 from timm.models._features import feature_take_indices
 
-from ._checkpoint import check_state_dict, checkpoint_state_dict, drop_derived_buffers
+from .checkpoint import check_state_dict, checkpoint_state_dict, drop_derived_buffers
 from ._common import (
     FLATTEN_META, INLINE_META, check_global_pool, check_img_size, check_output_fmt, imagenet_cfg, init_weights,
     new_classifier, run_blocks, tsinghua_url,

@@ -32,7 +32,7 @@ from timm.layers import PatchEmbed, calculate_drop_path_rates, global_pool_nlc, 
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 from timm.models._features import feature_take_indices
 
-from ._checkpoint import (
+from .checkpoint import (
     CheckpointError, check_state_dict, checkpoint_state_dict, drop_derived_buffers, resize_grid_embedding,
 )
 from ._common import (

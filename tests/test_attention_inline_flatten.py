@@ -14,8 +14,8 @@ from models.attention import (
     CrossShapedAttention, build_attention, focused_feature_map, focused_linear_attention, inline_attention,
     is_linear_attention,
 )
+from golden import load_golden
 
-GOLDEN = Path(__file__).resolve().parents[2] / 'shared' / 'golden'
 DIM, HEADS, GRID = 16, 4, (4, 6)
 
 
@@ -431,14 +431,13 @@ def test_initial_parameters():
         assert conv.weight.std() > bound / 4 and conv.bias.any()
 
 
-@pytest.mark.skipif(not GOLDEN.is_dir(), reason=f"golden vectors not found at {GOLDEN}")
 @pytest.mark.parametrize('file, prefix, name, dim, heads, grid', [
-    ('inline_deit_tiny_like.pt', 'blocks.0.attn.', 'inline', 64, 2, (4, 4)),
-    ('flatten_swin_like_LLSS.pt', 'layers.0.blocks.0.attn.', 'flatten', 16, 1, (56, 56)),
-    ('flatten_swin_like_LLSS.pt', 'layers.1.blocks.0.attn.', 'flatten', 32, 2, (28, 28)),
+    ('inline_deit_tiny_like', 'blocks.0.attn.', 'inline', 64, 2, (4, 4)),
+    ('flatten_swin_like_LLSS', 'layers.0.blocks.0.attn.', 'flatten', 16, 1, (56, 56)),
+    ('flatten_swin_like_LLSS', 'layers.1.blocks.0.attn.', 'flatten', 32, 2, (28, 28)),
 ])
 def test_official_attention_weights_load_strictly(file, prefix, name, dim, heads, grid):
-    state = torch.load(GOLDEN / file)['state_dict']
+    state = load_golden(file)['state_dict']
     weights = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
     module = build_attention(name, dim, heads, grid)
     module.load_state_dict(weights, strict=True)

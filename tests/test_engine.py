@@ -28,7 +28,7 @@ from engine.data import (DIGITS_STAMP, ShardSampler, eval_transform, load_split,
 from engine.distributed import DistInfo
 from engine.errors import USAGE_EXIT_CODE, UsageError, run_cli
 from engine.loops import evaluate
-from models._checkpoint import CheckpointError
+from models.checkpoint import CheckpointError
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / 'configs' / 'demo' / 'digits_tiny.yaml')

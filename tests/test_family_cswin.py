@@ -13,7 +13,7 @@ from torch import nn
 import timm
 from yacs.config import CfgNode
 
-from models._checkpoint import CheckpointError
+from models.checkpoint import CheckpointError
 from models.cswin import CSWinBlock, CSWinTransformer
 
 FLAVOURS = ('inline', 'flatten', 'softmax', 'multimax', 'sima', 'additive')

@@ -9,21 +9,14 @@ import torch.nn.functional as F
 from yacs.config import CfgNode
 
 import models
-from models._checkpoint import CheckpointError
+from models.checkpoint import CheckpointError
 from models.attention import InLineAttention, MultiMaxAttention, SoftmaxAttention
 from models.vit import DeiT
+from golden import load_golden
 
-GOLDEN = Path(__file__).resolve().parents[2] / 'shared' / 'golden'
 TINY = dict(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, num_classes=10)
 SIZES = ('tiny', 'small', 'base')
 ALL_NAMES = [f'{attn}_deit_{size}' for attn in ('softmax', 'inline', 'multimax', 'sima', 'additive') for size in SIZES]
-
-
-def golden(name: str) -> dict:
-    path = GOLDEN / f'{name}.pt'
-    if not path.is_file():
-        pytest.skip(f'golden file {path} is absent')
-    return torch.load(path, weights_only=True)
 
 
 def count(model: torch.nn.Module) -> int:
@@ -46,7 +39,7 @@ def golden_model(spec: dict) -> DeiT:
 
 
 def test_golden_inline_deit_float64_and_float32():
-    data = golden('inline_deit_tiny_like')
+    data = load_golden('inline_deit_tiny_like')
     model = golden_model(data['spec']).eval()
     model.load_state_dict(data['state_dict'], strict=True)
     with torch.no_grad():
@@ -57,7 +50,7 @@ def test_golden_inline_deit_float64_and_float32():
 
 
 def test_golden_inline_deit_through_checkpoint_filter():
-    data = golden('inline_deit_tiny_like')
+    data = load_golden('inline_deit_tiny_like')
     model = golden_model(data['spec']).eval().double()
     state_dict = models.vit.checkpoint_filter_fn({'model': data['state_dict']}, model)
     model.load_state_dict(state_dict, strict=True)
@@ -305,7 +298,7 @@ def test_checkpoint_that_runs_code_is_refused(tmp_path):
         timm.create_model('inline_deit_tiny', pretrained=True, **TINY,
                           pretrained_cfg_overlay=dict(file=str(path), num_classes=10))
     with pytest.raises(CheckpointError, match='refused'):
-        models._checkpoint.load_checkpoint_file(str(path))
+        models.checkpoint.load_checkpoint_file(str(path))
     assert not marker.exists()
 
 

@@ -9,24 +9,17 @@ import torch.nn.functional as F
 from yacs.config import CfgNode
 
 import models
-from models._checkpoint import CheckpointError
+from models.checkpoint import CheckpointError
 from models.attention import FocusedLinearAttention, InLineAttention, SoftmaxAttention
 from models.pvt import PyramidVisionTransformer
+from golden import load_golden
 
-GOLDEN = Path(__file__).resolve().parents[2] / 'shared' / 'golden'
 TINY = dict(img_size=64, embed_dims=[16, 32, 64, 128], num_heads=[1, 2, 4, 8], mlp_ratios=[2, 2, 2, 2],
             depths=[1, 1, 1, 1], num_classes=10)
 SIZES = ('tiny', 'small', 'medium', 'large')
 FAMILIES = ('softmax', 'inline', 'flatten', 'multimax', 'sima', 'additive')
 ALL_NAMES = [f'{family}_pvt_{size}' for family in FAMILIES for size in SIZES]
 DEPTHS = {'tiny': [2, 2, 2, 2], 'small': [3, 4, 6, 3], 'medium': [3, 4, 18, 3], 'large': [3, 8, 27, 3]}
-
-
-def golden(name: str) -> dict:
-    path = GOLDEN / f'{name}.pt'
-    if not path.is_file():
-        pytest.skip(f'golden file {path} is absent')
-    return torch.load(path, weights_only=True)
 
 
 def count(model: torch.nn.Module) -> int:
@@ -51,7 +44,7 @@ def golden_model(spec: dict) -> PyramidVisionTransformer:
 
 
 def test_golden_inline_pvt_iiis_float64_and_float32():
-    data = golden('inline_pvt_like_IIIS')
+    data = load_golden('inline_pvt_like_IIIS')
     model = golden_model(data['spec']).eval()
     assert [type(getattr(model, f'block{i}')[0].attn) for i in range(1, 5)] == [InLineAttention] * 3 + [
         SoftmaxAttention]
@@ -64,7 +57,7 @@ def test_golden_inline_pvt_iiis_float64_and_float32():
 
 
 def test_golden_inline_pvt_through_checkpoint_filter():
-    data = golden('inline_pvt_like_IIIS')
+    data = load_golden('inline_pvt_like_IIIS')
     model = golden_model(data['spec']).eval().double()
     model.load_state_dict(models.pvt.checkpoint_filter_fn({'model': data['state_dict']}, model), strict=True)
     with torch.no_grad():

@@ -14,10 +14,10 @@ import timm
 from yacs.config import CfgNode
 from timm.models.swin_transformer import SwinTransformer as TimmSwin
 
-from models._checkpoint import CheckpointError
+from models.checkpoint import CheckpointError
 from models.swin import SwinTransformer, checkpoint_filter_fn
+from golden import load_golden
 
-GOLDEN = Path(__file__).resolve().parents[2] / 'shared' / 'golden'
 FLAVOURS = ('inline', 'flatten', 'softmax', 'multimax', 'sima', 'additive')
 SIZES = ('tiny', 'small', 'base', 'base_384')
 ALL_NAMES = [f'{f}_swin_{s}' for f in FLAVOURS for s in SIZES]
@@ -63,10 +63,7 @@ def randomize(model, seed=0):
 
 @pytest.fixture(scope='module')
 def golden():
-    path = GOLDEN / 'flatten_swin_like_LLSS.pt'
-    if not path.is_file():
-        pytest.skip(f'golden folder {GOLDEN} is absent')
-    return torch.load(path, weights_only=True)
+    return load_golden('flatten_swin_like_LLSS')
 
 
 def golden_model(golden):
