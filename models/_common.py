@@ -1,18 +1,23 @@
-"""What the backbone families share: the pre-norm block, the official init, block running, head and input checks,
-and the pieces of their pretrained cfgs."""
-from typing import Any, Callable, Dict, Iterable, Sequence
+"""What the backbone families share: the timm model API (`ZooModel`), variant registration, the pre-norm block, the
+official init, block running, head and input checks, and the pieces of their pretrained cfgs."""
+import inspect
+import sys
+from typing import Any, Callable, ClassVar, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Type, Union
 
 import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
-from timm.layers import DropPath, Mlp, trunc_normal_
+from timm.layers import DropPath, Mlp, global_pool_nlc, trunc_normal_
+from timm.models import build_model_with_cfg, register_model
+from timm.models._features import feature_take_indices
 
-from .attention.base import Grid
+from .attention import list_attention_options, stage_attentions
+from .attention.layout import Grid, tokens_to_image
 
 __all__ = [
-    'Block', 'init_weights', 'run_blocks', 'new_classifier', 'check_global_pool', 'check_img_size',
+    'ZooModel', 'create_variant', 'register_variants', 'Block', 'init_weights', 'run_blocks', 'new_classifier', 'check_global_pool', 'check_img_size',
     'check_output_fmt', 'imagenet_cfg', 'tsinghua_url', 'INLINE_META', 'FLATTEN_META',
 ]
 
@@ -121,3 +126,209 @@ def imagenet_cfg(url: str = '', **kwargs: Any) -> Dict[str, Any]:
 def tsinghua_url(file_id: str) -> str:
     """Download address of an official InLine / FLatten release file."""
     return f'https://cloud.tsinghua.edu.cn/f/{file_id}/?dl=1'
+
+
+class ZooModel(nn.Module):
+    """The timm model API that every family shares, over the family's stages.
+
+    A family builds `norm`, `head`, `feature_info`, `num_features`, `global_pool`, `num_prefix_tokens` and
+    `num_stages`, and implements `_run_stage(i, x, grid)`: stage i on the images (i = 0) or on the previous stage's
+    tokens and grid, returning its tokens and their (H, W) grid. Intermediates are taken at the stages' outputs.
+    """
+    global_pools: ClassVar[Tuple[str, ...]] = ('avg', '')
+    # The new classifier of `reset_classifier` takes the official init (else PyTorch's Linear init).
+    official_head_init: ClassVar[bool] = False
+    # The final norm belongs to the last stage's width, so pruning stages drops it.
+    norm_follows_last_stage: ClassVar[bool] = True
+
+    def _run_stage(self, i: int, x: Tensor, grid: Grid) -> Tuple[Tensor, Grid]:
+        raise NotImplementedError
+
+    def _stage_prefix_tokens(self, i: int) -> int:
+        """Prefix tokens (a class token) before the grid tokens of stage i's output."""
+        return self.num_prefix_tokens
+
+    def _check_input(self, x: Tensor) -> None:
+        check_img_size(x, self.img_size)
+
+    def _final_norm(self, x: Tensor) -> Tensor:
+        return self.norm(x)
+
+    def _prune_stages(self, num_stages: int) -> None:
+        """Drop every stage from `num_stages` on (the family's modules)."""
+        raise NotImplementedError
+
+    def _check_pool(self, global_pool: str) -> str:
+        return check_global_pool(global_pool, self.global_pools)
+
+    def _run_stages(self, x: Tensor, num_stages: int, keep: Sequence[int] = ()) -> Tuple[Tensor, Dict[int, Tuple[Tensor, Grid]]]:
+        """The last output of the first `num_stages` stages on images `x`, and the output and grid of the stages
+        in `keep`."""
+        self._check_input(x)
+        kept: Dict[int, Tuple[Tensor, Grid]] = {}
+        grid: Grid = (x.shape[-2], x.shape[-1])
+        for i in range(num_stages):
+            x, grid = self._run_stage(i, x, grid)
+            if i in keep:
+                kept[i] = (x, grid)
+        return x, kept
+
+    @torch.jit.ignore
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        self.grad_checkpointing = enable
+
+    @torch.jit.ignore
+    def get_classifier(self) -> nn.Module:
+        return self.head
+
+    def reset_classifier(self, num_classes: int, global_pool: Optional[str] = None) -> None:
+        """A new `num_classes`-way head (Identity for 0) on the model's device and dtype; optionally a new pooling."""
+        if global_pool is not None:
+            self.global_pool = self._check_pool(global_pool)
+        self.num_classes = num_classes
+        self.head = new_classifier(self, self.num_features, num_classes)
+        if self.official_head_init:
+            self.head.apply(init_weights)
+
+    def forward_features(self, x: Tensor) -> Tensor:
+        """(B, in_chans, H, W) images -> the last stage's (B, [prefix +] tokens, num_features) after the final norm."""
+        return self._final_norm(self._run_stages(x, self.num_stages)[0])
+
+    def forward_head(self, x: Tensor, pre_logits: bool = False) -> Tensor:
+        """Pool the tokens of `forward_features` (class token or mean of the grid tokens), then classify."""
+        x = global_pool_nlc(x, self.global_pool, self.num_prefix_tokens)
+        return x if pre_logits else self.head(x)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.forward_head(self.forward_features(x))
+
+    def forward_intermediates(
+            self,
+            x: Tensor,
+            indices: Optional[Union[int, List[int]]] = None,
+            norm: bool = False,
+            stop_early: bool = False,
+            output_fmt: str = 'NCHW',
+            intermediates_only: bool = False,
+    ) -> Union[List[Tensor], Tuple[Tensor, List[Tensor]]]:
+        """Stage outputs without prefix tokens, as (B, C, H, W) ('NCHW') or (B, H*W, C) ('NLC').
+
+        `indices`: the last n stages (int), the given stages (list) or all (None). `norm` applies the final norm
+        (to every output when it does not follow the last stage, else to the last one). Returns the
+        intermediates, or (final features, intermediates).
+        """
+        check_output_fmt(output_fmt)
+        take_indices, max_index = feature_take_indices(self.num_stages, indices)
+        run_all = not (stop_early or intermediates_only)
+        num_stages = self.num_stages if run_all else max_index + 1
+        final, kept = self._run_stages(x, num_stages, take_indices)
+        last = self.num_stages - 1
+        intermediates = []
+        for i in take_indices:
+            y, grid = kept[i]
+            if norm and (i == last or not self.norm_follows_last_stage):
+                y = self._final_norm(y)
+            y = y[:, self._stage_prefix_tokens(i):]
+            intermediates.append(tokens_to_image(y, grid) if output_fmt == 'NCHW' else y)
+        if intermediates_only:
+            return intermediates
+        return (self._final_norm(final) if num_stages == self.num_stages else final), intermediates
+
+    def prune_intermediate_layers(
+            self,
+            indices: Union[int, List[int]] = 1,
+            prune_norm: bool = False,
+            prune_head: bool = True,
+    ) -> List[int]:
+        """Drop the stages after the last of `indices` (and the final norm / head); returns the kept indices."""
+        take_indices, max_index = feature_take_indices(self.num_stages, indices)
+        if max_index + 1 < self.num_stages:
+            self._prune_stages(max_index + 1)
+            self.num_stages = max_index + 1
+            self.feature_info = self.feature_info[:self.num_stages]
+            if self.norm_follows_last_stage:
+                prune_norm = True
+                self.num_features = self.head_hidden_size = self.feature_info[-1]['num_chs']
+        if prune_norm:
+            self.norm = nn.Identity()
+        if prune_head:
+            self.reset_classifier(0, '')
+        return take_indices
+
+
+def _fold_attn_options(model_cls: Type[nn.Module], kwargs: Dict[str, Any]) -> Dict[str, Any]:
+    """Move the attentions' method options given as keywords (the official `focusing_factor=...`) into
+    `attn_kwargs`, where every family takes them."""
+    params = inspect.signature(model_cls.__init__).parameters
+    options = {key: kwargs.pop(key) for key in list(kwargs) if key in list_attention_options() and key not in params}
+    if options:
+        given = dict(kwargs.get('attn_kwargs') or {})
+        clash = sorted(set(options) & set(given))
+        if clash:
+            raise ValueError(f"{clash[0]!r} is given both as a keyword and in attn_kwargs; give it once")
+        kwargs['attn_kwargs'] = {**given, **options}
+    return kwargs
+
+
+def _block_attentions(args: Mapping[str, Any]) -> List[List[str]]:
+    """The attention of every block of a model built from constructor arguments `args`."""
+    depths = args.get('depths', args.get('depth'))
+    depths = list(depths) if isinstance(depths, (list, tuple)) else [depths]
+    extra = {'mixed_linear': args['mixed_linear']} if 'mixed_linear' in args else {}
+    return stage_attentions(args['attn_type'], depths, **extra)
+
+
+def create_variant(
+        model_cls: Type[nn.Module],
+        variant: str,
+        pretrained: bool,
+        model_args: Mapping[str, Any],
+        kwargs: Dict[str, Any],
+        **build_kwargs: Any,
+) -> nn.Module:
+    """Build registered `variant` from its `model_args` overridden by the user's `kwargs`, through timm.
+
+    A pretrained cfg belongs to the architecture its weights were trained with: a model built with another
+    `attn_type` than the variant's loses the weights URL, and `pretrained=True` with it is refused unless the
+    user names a file of their own (`pretrained_cfg_overlay=dict(file=...)`); softmax weights become the start
+    of another attention through `models.checkpoint.load_pretrained_into`, which reports the new keys.
+    """
+    kwargs = _fold_attn_options(model_cls, dict(kwargs))
+    built = {**model_args, **kwargs}
+    if 'attn_type' in kwargs and _block_attentions(built) != _block_attentions({**built, 'attn_type': model_args['attn_type']}):
+        overlay = dict(kwargs.get('pretrained_cfg_overlay') or {})
+        own_weights = bool(overlay.get('file') or overlay.get('url'))
+        if pretrained and not own_weights:
+            raise ValueError(
+                f"{variant}'s pretrained weights belong to attn_type {model_args.get('attn_type')!r}, not "
+                f"{kwargs['attn_type']!r}; build it with pretrained=False and start from them with "
+                f"models.checkpoint.load_pretrained_into(model, {variant!r}), or give your own file through "
+                f"pretrained_cfg_overlay=dict(file=...)")
+        kwargs['pretrained_cfg_overlay'] = {'url': '', 'hf_hub_id': None, 'file': None, **overlay}
+    return build_model_with_cfg(model_cls, variant, pretrained, **build_kwargs, **dict(model_args, **kwargs))
+
+
+def register_variants(
+        module_name: str,
+        variants: Mapping[str, Tuple[Dict[str, Any], str]],
+        create: Callable[..., nn.Module],
+) -> None:
+    """Register one timm entrypoint per variant of a family: `variants` maps a model name to its constructor
+    arguments and a one-line description; `create(name, pretrained, model_args, kwargs)` builds it.
+
+    The entrypoints become attributes of the family module, as timm's `@register_model` functions are.
+    """
+    module = sys.modules[module_name]
+    for name, (model_args, doc) in variants.items():
+        setattr(module, name, register_model(_entrypoint(module_name, name, model_args, doc, create)))
+
+
+def _entrypoint(module_name: str, name: str, model_args: Dict[str, Any], doc: str,
+                create: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
+    def entrypoint(pretrained: bool = False, **kwargs: Any) -> nn.Module:
+        return create(name, pretrained, model_args, kwargs)
+
+    entrypoint.__name__ = entrypoint.__qualname__ = name
+    entrypoint.__module__ = module_name
+    entrypoint.__doc__ = f"{doc}\n\nConstructor arguments: {model_args}; keywords override them."
+    return entrypoint

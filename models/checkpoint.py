@@ -1,5 +1,10 @@
 """Reading checkpoint files without running pickled code, and the state-dict surgery every family shares.
 
+`filter_checkpoint` makes any release file ready for a model: unwrapped, derived buffers dropped, every tensor of
+another resolution adapted by the module that owns it (`adapt_loaded_tensor`: position embeddings, bias tables,
+FLatten's positional encoding), and the keys checked on one line. `load_pretrained_into` starts a model from the
+weights of another (softmax weights into another attention) and reports which keys were new.
+
 Official InLine / FLatten / Swin training checkpoints pickle a yacs `CfgNode` under 'config'. Unpickling is
 restricted to tensors and plain containers (`torch.load(weights_only=True)`); the `CfgNode` is read as the plain
 `OrderedDict` it is, so no yacs code runs. The allow-list is registered with torch at import, which lets timm's
@@ -10,14 +15,14 @@ import os
 import pickle
 import zipfile
 from collections import OrderedDict
-from typing import Any, Dict, Mapping, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 __all__ = [
-    'CheckpointError', 'SAFE_GLOBALS', 'load_checkpoint_file', 'checkpoint_state_dict', 'drop_derived_buffers',
+    'CheckpointError', 'filter_checkpoint', 'adapt_state_dict', 'load_pretrained_into', 'TransferReport', 'SAFE_GLOBALS', 'load_checkpoint_file', 'checkpoint_state_dict', 'drop_derived_buffers',
     'check_state_dict', 'load_state_dict_checked', 'resize_grid_embedding', 'resize_rel_pos_bias_table',
 ]
 
@@ -137,3 +142,80 @@ def resize_rel_pos_bias_table(table: Tensor, new_window: Tuple[int, int]) -> Ten
     image = F.interpolate(image, size=(2 * new_window[0] - 1, 2 * new_window[1] - 1), mode='bicubic',
                           align_corners=False)
     return image.reshape(heads, rows).T.contiguous().to(table.dtype)
+
+
+def adapt_state_dict(model: nn.Module, state_dict: Dict[str, Tensor]) -> Dict[str, Tensor]:
+    """Give every tensor whose shape differs from the model's to the module that owns the parameter, through its
+    `adapt_loaded_tensor(name, tensor)` where it has one (another resolution, window or grid); others stay as they
+    are, for the key check to name."""
+    own = model.state_dict(keep_vars=True)
+    owners = {id(param): (module, name) for module in model.modules()
+              for name, param in module._parameters.items() if param is not None}
+    for key, value in state_dict.items():
+        target = own.get(key)
+        if target is None or target.shape == value.shape or id(target) not in owners:
+            continue
+        module, name = owners[id(target)]
+        adapt = getattr(module, 'adapt_loaded_tensor', None)
+        if adapt is not None:
+            state_dict[key] = adapt(name, value)
+    return state_dict
+
+
+def filter_checkpoint(
+        checkpoint: Any,
+        model: nn.Module,
+        prepare: Callable[[Dict[str, Tensor]], Dict[str, Tensor]] = lambda state_dict: state_dict,
+) -> Dict[str, Tensor]:
+    """A checkpoint made ready for `model`: weights unwrapped, derived buffers dropped, `prepare` applied (a
+    family's own renaming), tensors of another resolution adapted, and the keys checked (the classifier may
+    differ in shape: the loader re-creates it for another class count)."""
+    state_dict = prepare(drop_derived_buffers(checkpoint_state_dict(checkpoint)))
+    state_dict = adapt_state_dict(model, state_dict)
+    check_state_dict(model, state_dict, 'checkpoint', free_shape_prefixes=('head.',))
+    return state_dict
+
+
+class TransferReport(NamedTuple):
+    """What `load_pretrained_into` did: keys loaded, keys of the model the source lacks (they keep their
+    initialisation), and keys of the source the model has no place for or another shape for (dropped)."""
+    loaded: List[str]
+    new: List[str]
+    dropped: List[str]
+
+    def __str__(self) -> str:
+        def shown(keys: List[str]) -> str:
+            return ', '.join(keys[:8]) + (f', ... ({len(keys)} in all)' if len(keys) > 8 else '') if keys else 'none'
+        return (f"loaded {len(self.loaded)} tensors; new (initialised, not loaded): {shown(self.new)}; "
+                f"dropped: {shown(self.dropped)}")
+
+
+def load_pretrained_into(model: nn.Module, source: str) -> TransferReport:
+    """Start `model` from the weights of `source`, a checkpoint file or a registered model name whose
+    pretrained weights are downloaded into timm's cache: a fine-tuning start such as softmax DeiT weights in a
+    DeiT with another attention.
+
+    Every tensor whose key and (after adaptation to the model's resolution) shape the model shares is loaded;
+    the report names the model's new keys, which keep their initialisation, and the dropped ones.
+    """
+    if os.path.exists(source):
+        checkpoint = load_checkpoint_file(source)
+    else:
+        import timm
+        from timm.models import get_pretrained_cfg
+        if not timm.is_model(source):
+            raise CheckpointError(f"pretrained source {source!r} is neither a file nor a registered model name")
+        cfg = get_pretrained_cfg(source)
+        url = cfg.file or cfg.url if cfg is not None else None
+        if not url:
+            raise CheckpointError(f"model {source!r} has no pretrained weights to start from")
+        checkpoint = load_checkpoint_file(url) if cfg.file else torch.hub.load_state_dict_from_url(
+            url, map_location='cpu', progress=True, weights_only=True, file_name=f'{source}.pth')
+    state_dict = adapt_state_dict(model, drop_derived_buffers(checkpoint_state_dict(checkpoint)))
+    own = model.state_dict()
+    loaded = [k for k, v in state_dict.items() if k in own and own[k].shape == v.shape]
+    if not loaded:
+        raise CheckpointError(f"{source!r} shares no tensor with {type(model).__name__}; expected weights of the "
+                              f"same family")
+    model.load_state_dict({k: state_dict[k] for k in loaded}, strict=False)
+    return TransferReport(loaded, [k for k in own if k not in loaded], [k for k in state_dict if k not in loaded])

@@ -1,63 +1,34 @@
 """Swin Transformer (shifted windows) with the attention of every block taken from the registry by name.
 
-The layout and state-dict names are those of the original Swin code, which the InLine and FLatten checkpoints
-keep: `patch_embed.{proj,norm}`, `layers.{i}.blocks.{j}.{norm1,attn,norm2,mlp}`, patch merging
+The layout and state-dict names are those of the original Swin code, which the papers' checkpoints keep:
+`patch_embed.{proj,norm}`, `layers.{i}.blocks.{j}.{norm1,attn,norm2,mlp}`, patch merging
 `layers.{i}.downsample.{norm,reduction}` at the END of stages 0-2, a final `norm`, mean pooling over tokens and a
-`head` Linear. The attention windows itself: score-forming attentions get windows of `window_size` with a relative
-position bias, shifted by half a window on odd blocks of a stage; linear attentions get `la_window_size` windows
-(None: global, as the official linear blocks are at their trained resolution). A window as large as the grid
-means global attention without shift, as in Swin.
+`head` Linear. Every block uses the window grouping: score-forming attentions get windows of `window_size` with a
+relative position bias, shifted by half a window on odd blocks of a stage; the others get `la_window_size`
+windows (None: global, as the official linear blocks are at their trained resolution). A window as large as the
+grid means global attention without shift, as in Swin.
 
-Variants: `inline_swin_*` and `flatten_swin_*` (official InLine / FLatten models), `softmax_swin_*` (the original
-Swin), and `multimax_swin_*`, `sima_swin_*`, `additive_swin_*` (the original's architecture with that attention).
+Registered: every attention of the registry at the Swin sizes (`{attention}_swin_{tiny,small,base,base_384}`, the
+original's windows), except that the names of the official models (`_OFFICIAL`) are theirs.
 """
 from functools import partial
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor, nn
 
-from timm.layers import PatchEmbed, calculate_drop_path_rates, global_pool_nlc, to_2tuple
-from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
-from timm.models._features import feature_take_indices
+from timm.layers import PatchEmbed, calculate_drop_path_rates, to_2tuple
+from timm.models import generate_default_cfgs
 
-from .checkpoint import (
-    check_state_dict, checkpoint_state_dict, drop_derived_buffers, resize_grid_embedding,
-    resize_rel_pos_bias_table,
-)
+from .attention import build_attention, check_attn_kwargs, forms_score_matrix, list_attentions, stage_attentions
+from .attention.layout import Grid
+from .checkpoint import filter_checkpoint
 from ._common import (
-    FLATTEN_META, INLINE_META, Block, check_global_pool, check_img_size, check_output_fmt, imagenet_cfg,
-    init_weights, new_classifier, run_blocks, tsinghua_url,
+    FLATTEN_META, INLINE_META, Block, ZooModel, create_variant, imagenet_cfg, init_weights, register_variants,
+    run_blocks, tsinghua_url,
 )
-from .attention import build_attention, is_linear_attention, method_kwargs, stage_attentions
-from .attention.base import Grid, tokens_to_image
 
-__all__ = ['SwinTransformer', 'checkpoint_filter_fn', 'resize_attention_tables']
-
-GLOBAL_POOLS = ('avg', '')
-
-
-def resize_attention_tables(
-        state_dict: Dict[str, Tensor],
-        model: nn.Module,
-        module_name: Callable[[str], str] = lambda prefix: prefix,
-) -> Dict[str, Tensor]:
-    """Bicubically resize relative position bias tables and FLatten positional encodings whose shape differs
-    from the model's (another img_size or window), as the official fine-tuning loader does.
-
-    `module_name` maps the key prefix of a table to the name of the attention module that owns it.
-    """
-    own = model.state_dict()
-    for key, value in state_dict.items():
-        if key not in own or own[key].shape == value.shape:
-            continue
-        prefix, leaf = key.rsplit('.', 1)
-        if leaf == 'relative_position_bias_table' and value.shape[1] == own[key].shape[1]:
-            state_dict[key] = resize_rel_pos_bias_table(value, model.get_submodule(module_name(prefix)).bias_window)
-        elif leaf == 'positional_encoding' and value.shape[-1] == own[key].shape[-1]:
-            attn = model.get_submodule(module_name(prefix))
-            state_dict[key] = resize_grid_embedding(value, attn.window or attn.grid_size)
-    return state_dict
+__all__ = ['SwinTransformer', 'checkpoint_filter_fn']
 
 
 class PatchMerging(nn.Module):
@@ -79,7 +50,8 @@ class PatchMerging(nn.Module):
 
 
 class SwinStage(nn.Module):
-    """The blocks of one resolution, then (stages 0 to n-2) the patch merging to the next."""
+    """The blocks of one resolution and (stages 0 to n-2) the patch merging to the next, which the model applies
+    after taking the stage's output."""
 
     def __init__(
             self,
@@ -95,31 +67,23 @@ class SwinStage(nn.Module):
             attn_drop: float,
             drop_path: Sequence[float],
             downsample: bool,
-            attn_options: Dict[str, Any],
+            attn_kwargs: Dict[str, Any],
     ):
         super().__init__()
         self.grid_size = grid_size
-        self.grad_checkpointing = False
         blocks = []
         for j, name in enumerate(attn_names):
-            window = la_window_size if is_linear_attention(name) else window_size
-            shift = window // 2 if window is not None and j % 2 else 0
+            window = window_size if forms_score_matrix(name) else la_window_size
             attn = build_attention(
-                name, dim, num_heads, grid_size, qkv_bias, window_size=window, shift_size=shift, rel_pos_bias=True,
-                attn_drop=attn_drop, proj_drop=drop, **method_kwargs(name, **attn_options))
+                name, dim, num_heads, grid_size, qkv_bias, grouping='window', attn_kwargs=attn_kwargs,
+                window_size=grid_size if window is None else window,
+                shift_size=window // 2 if window is not None and j % 2 else 0, attn_drop=attn_drop, proj_drop=drop)
             blocks.append(Block(dim, attn, mlp_ratio=mlp_ratio, drop=drop, drop_path=drop_path[j]))
         self.blocks = nn.ModuleList(blocks)
         self.downsample = PatchMerging(dim, grid_size) if downsample else None
 
-    def forward_blocks(self, x: Tensor) -> Tensor:
-        return run_blocks(self.blocks, x, self.grid_size, grad_checkpointing=self.grad_checkpointing)
 
-    def forward(self, x: Tensor) -> Tensor:
-        x = self.forward_blocks(x)
-        return x if self.downsample is None else self.downsample(x)
-
-
-class SwinTransformer(nn.Module):
+class SwinTransformer(ZooModel):
     """Swin Transformer with a swappable attention per block (original Swin layout and key names).
 
     Args:
@@ -129,15 +93,17 @@ class SwinTransformer(nn.Module):
         global_pool: 'avg' (mean over tokens) or '' (no pooling).
         embed_dim: channels of stage 0, doubled by every patch merging.
         depths, num_heads: blocks and heads per stage.
-        window_size: window of the score-forming attentions (softmax, MultiMax), with relative position bias.
-        la_window_size: window of the linear attentions; None for the whole grid.
+        window_size: window of the attentions that form scores, with a relative position bias.
+        la_window_size: window of the attentions that form no score matrix; None for the whole grid.
         mlp_ratio, qkv_bias: MLP hidden ratio and query/key/value bias.
         attn_type: an attention name, one name per stage, or an official pattern ('IIIS', 'LLSS', 'IIMS2', ...).
         mixed_linear: the linear attention of an 'M' stage when the pattern has no I or L stage.
-        focusing_factor, kernel_size: FLatten options, given only to attentions that take them.
+        attn_kwargs: method options of the attentions (`models.attention.list_attention_options()`).
         drop_rate: dropout after the stem, in the MLPs and after the attention projection (as the original).
         attn_drop_rate: dropout on attention weights; drop_path_rate: stochastic depth, linear over all blocks.
     """
+
+    official_head_init = True
 
     def __init__(
             self,
@@ -154,9 +120,8 @@ class SwinTransformer(nn.Module):
             mlp_ratio: float = 4.,
             qkv_bias: bool = True,
             attn_type: Union[str, Sequence[str]] = 'softmax',
-            mixed_linear: str = 'inline',
-            focusing_factor: float = 3,
-            kernel_size: int = 5,
+            mixed_linear: Optional[str] = None,
+            attn_kwargs: Optional[Dict[str, Any]] = None,
             drop_rate: float = 0.,
             attn_drop_rate: float = 0.,
             drop_path_rate: float = 0.1,
@@ -174,10 +139,13 @@ class SwinTransformer(nn.Module):
                              f"patch mergings cannot halve evenly; expected a multiple of "
                              f"{patch_size * 2 ** (num_stages - 1)}")
         self.num_classes = num_classes
-        self.global_pool = check_global_pool(global_pool, GLOBAL_POOLS)
+        self.global_pool = self._check_pool(global_pool)
+        self.num_prefix_tokens = 0
+        self.num_stages = num_stages
+        self.grad_checkpointing = False
         self.num_features = self.head_hidden_size = int(embed_dim * 2 ** (num_stages - 1))
         self.attn_names = stage_attentions(attn_type, depths, mixed_linear)
-        attn_options = dict(focusing_factor=focusing_factor, kernel_size=kernel_size)
+        attn_kwargs = check_attn_kwargs([name for stage in self.attn_names for name in stage], attn_kwargs)
 
         self.patch_embed = PatchEmbed(self.img_size, patch_size, in_chans, embed_dim, norm_layer=nn.LayerNorm)
         self.pos_drop = nn.Dropout(drop_rate)
@@ -190,7 +158,7 @@ class SwinTransformer(nn.Module):
             self.layers.append(SwinStage(
                 dim, stage_grid, num_heads[i], self.attn_names[i], window_size, la_window_size, mlp_ratio, qkv_bias,
                 drop_rate, attn_drop_rate, dpr[sum(depths[:i]):sum(depths[:i + 1])], i < num_stages - 1,
-                attn_options))
+                attn_kwargs))
             self.feature_info.append(dict(num_chs=dim, reduction=patch_size * 2 ** i, module=f'layers.{i}'))
         self.norm = nn.LayerNorm(self.num_features)
         self.head = nn.Linear(self.num_features, num_classes) if num_classes > 0 else nn.Identity()
@@ -211,347 +179,107 @@ class SwinTransformer(nn.Module):
             ],
         )
 
-    @torch.jit.ignore
-    def set_grad_checkpointing(self, enable: bool = True) -> None:
-        for stage in self.layers:
-            stage.grad_checkpointing = enable
+    def _run_stage(self, i: int, x: Tensor, grid: Grid) -> Tuple[Tensor, Grid]:
+        """Stage i's blocks on the embedded images (i = 0) or on the previous stage's merged patches; the output
+        is taken before this stage's own patch merging."""
+        x = self.pos_drop(self.patch_embed(x)) if i == 0 else self.layers[i - 1].downsample(x)
+        stage = self.layers[i]
+        return run_blocks(stage.blocks, x, stage.grid_size, grad_checkpointing=self.grad_checkpointing), \
+            stage.grid_size
 
-    @torch.jit.ignore
-    def get_classifier(self) -> nn.Module:
-        return self.head
-
-    def reset_classifier(self, num_classes: int, global_pool: Optional[str] = None) -> None:
-        """A new `num_classes`-way head (Identity for 0), initialised as the official code does, on the model's
-        device and dtype; optionally a new pooling."""
-        self.num_classes = num_classes
-        if global_pool is not None:
-            self.global_pool = check_global_pool(global_pool, GLOBAL_POOLS)
-        self.head = new_classifier(self, self.num_features, num_classes)
-        self.head.apply(init_weights)
-
-    def forward_features(self, x: Tensor) -> Tensor:
-        """(B, in_chans, H, W) -> (B, H*W / patch^2 / 4^(stages-1), num_features) normalised tokens."""
-        check_img_size(x, self.img_size)
-        x = self.pos_drop(self.patch_embed(x))
-        for stage in self.layers:
-            x = stage(x)
-        return self.norm(x)
-
-    def forward_head(self, x: Tensor, pre_logits: bool = False) -> Tensor:
-        x = global_pool_nlc(x, self.global_pool, num_prefix_tokens=0)
-        return x if pre_logits else self.head(x)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.forward_head(self.forward_features(x))
-
-    def forward_intermediates(
-            self,
-            x: Tensor,
-            indices: Optional[Union[int, List[int]]] = None,
-            norm: bool = False,
-            stop_early: bool = False,
-            output_fmt: str = 'NCHW',
-            intermediates_only: bool = False,
-    ) -> Union[List[Tensor], Tuple[Tensor, List[Tensor]]]:
-        """Stage outputs (before patch merging) as (B, C, H, W) ('NCHW') or (B, H*W, C) ('NLC').
-
-        `indices`: the last n stages (int), the given stages (list) or all (None). `norm` applies the final norm
-        to the last stage's output. Returns the intermediates, or (final features, intermediates).
-        """
-        check_output_fmt(output_fmt)
-        check_img_size(x, self.img_size)
-        take_indices, max_index = feature_take_indices(len(self.layers), indices)
-        stages = self.layers[:max_index + 1] if stop_early else self.layers
-        last = len(self.layers) - 1
-        intermediates = []
-        x = self.pos_drop(self.patch_embed(x))
-        for i, stage in enumerate(stages):
-            x = stage.forward_blocks(x)
-            if i in take_indices:
-                out = self.norm(x) if norm and i == last else x
-                intermediates.append(tokens_to_image(out, stage.grid_size) if output_fmt == 'NCHW' else out)
-            if stage.downsample is not None and i < len(stages) - 1:
-                x = stage.downsample(x)
-        if intermediates_only:
-            return intermediates
-        return (self.norm(x) if len(stages) == len(self.layers) else x), intermediates
-
-    def prune_intermediate_layers(
-            self,
-            indices: Union[int, List[int]] = 1,
-            prune_norm: bool = False,
-            prune_head: bool = True,
-    ) -> List[int]:
-        """Drop the stages after the last wanted one (and its patch merging), optionally the norm and head."""
-        take_indices, max_index = feature_take_indices(len(self.layers), indices)
-        prune_end = max_index < len(self.layers) - 1
-        self.layers = self.layers[:max_index + 1]
+    def _prune_stages(self, num_stages: int) -> None:
+        self.layers = self.layers[:num_stages]
         self.layers[-1].downsample = None
-        if prune_norm or prune_end:
-            self.norm = nn.Identity()
-        if prune_head:
-            self.reset_classifier(0, '')
-        return take_indices
 
 
 def checkpoint_filter_fn(state_dict: Dict[str, Tensor], model: SwinTransformer) -> Dict[str, Tensor]:
-    """An official Swin / InLine-Swin / FLatten-Swin state dict (same key names) made ready for `model`.
+    """An official Swin state dict (any attention; the papers keep Swin's key names) made ready for `model`.
 
     Unwraps 'model'/'state_dict', drops the saved relative position indices and shift masks (recomputed here),
-    resizes bias tables and FLatten positional encodings to the model's windows, and raises `CheckpointError`
-    listing the keys when the checkpoint belongs to another model.
+    resizes grid- and window-sized tensors to the model's, and raises `CheckpointError` listing the keys when the
+    checkpoint belongs to another model.
     """
-    state_dict = drop_derived_buffers(checkpoint_state_dict(state_dict))
-    state_dict = resize_attention_tables(state_dict, model)
-    check_state_dict(model, state_dict, 'checkpoint', free_shape_prefixes=('head.',))
-    return state_dict
+    return filter_checkpoint(state_dict, model)
 
 
-def _create_swin(variant: str, pretrained: bool = False, **kwargs: Any) -> SwinTransformer:
-    return build_model_with_cfg(
-        SwinTransformer, variant, pretrained,
-        pretrained_filter_fn=checkpoint_filter_fn,
-        feature_cfg=dict(feature_cls='getter', out_indices=(0, 1, 2, 3)),
-        **kwargs)
+def _create_swin(variant: str, pretrained: bool, model_args: Dict[str, Any],
+                 kwargs: Dict[str, Any]) -> SwinTransformer:
+    """Build a Swin variant; the official linear-attention models take `window_size` as their constructors do."""
+    model_args = dict(model_args)
+    softmax_window = model_args.pop('softmax_window_rule', None)
+    if softmax_window is not None:
+        linear_window = kwargs.pop('window_size', model_args['la_window_size'])
+        kwargs.setdefault('la_window_size', linear_window)
+        model_args['window_size'] = softmax_window(linear_window)
+    return create_variant(SwinTransformer, variant, pretrained, model_args, kwargs,
+                          pretrained_filter_fn=checkpoint_filter_fn,
+                          feature_cfg=dict(feature_cls='getter', out_indices=(0, 1, 2, 3)))
+
+
+def _eighth_but_at_least_7(linear_window: int) -> int:
+    return max(7, linear_window // 8)
+
+
+def _7_up_to_56_else_12(linear_window: int) -> int:
+    return 7 if linear_window <= 56 else 12
 
 
 _cfg = partial(imagenet_cfg, fixed_input_size=True, first_conv='patch_embed.proj')
 
 _SIZES: Dict[str, Dict[str, Any]] = {
-    'tiny': dict(embed_dim=96, depths=(2, 2, 6, 2), num_heads=(3, 6, 12, 24)),
-    'small': dict(embed_dim=96, depths=(2, 2, 18, 2), num_heads=(3, 6, 12, 24)),
-    'base': dict(embed_dim=128, depths=(2, 2, 18, 2), num_heads=(4, 8, 16, 32)),
-    'base_384': dict(img_size=384, embed_dim=128, depths=(2, 2, 18, 2), num_heads=(4, 8, 16, 32)),
+    'tiny': dict(embed_dim=96, depths=(2, 2, 6, 2), num_heads=(3, 6, 12, 24), window_size=7),
+    'small': dict(embed_dim=96, depths=(2, 2, 18, 2), num_heads=(3, 6, 12, 24), window_size=7),
+    'base': dict(embed_dim=128, depths=(2, 2, 18, 2), num_heads=(4, 8, 16, 32), window_size=7),
+    'base_384': dict(img_size=384, embed_dim=128, depths=(2, 2, 18, 2), num_heads=(4, 8, 16, 32), window_size=12),
 }
-# The official InLine / FLatten models: their attention pattern per size. Their constructors take `window_size` as
-# the window of the linear blocks (by default the stage-0 grid: global) and derive the softmax window from it.
-_OFFICIAL_ARGS: Dict[str, Dict[str, Dict[str, Any]]] = {
-    'inline': {'tiny': dict(attn_type='IIIS'), 'small': dict(attn_type='IISS'), 'base': dict(attn_type='IIMS2'),
-               'base_384': dict(attn_type='IIMS2')},
-    'flatten': {size: dict(attn_type='LLSS', mixed_linear='flatten') for size in _SIZES},
+_WINDOW_DOC = ('`window_size` has the official constructor\'s meaning: the window of the linear blocks (default: the '
+               'stage-0 grid, global); the softmax window derives from it. `la_window_size` overrides the linear '
+               'window alone.')
+
+
+def _official(size: str, attn_type: str, softmax_window_rule: Callable[[int], int], **extra: Any) -> Dict[str, Any]:
+    """An official linear-attention Swin: its pattern, the linear window covering the grid, the window rule."""
+    args = {k: v for k, v in _SIZES[size].items() if k != 'window_size'}
+    return dict(args, attn_type=attn_type, la_window_size=96 if size == 'base_384' else 56,
+                softmax_window_rule=softmax_window_rule, **extra)
+
+
+_OFFICIAL: Dict[str, Tuple[Dict[str, Any], str]] = {
+    **{f'inline_swin_{size}': (_official(size, pattern, _eighth_but_at_least_7),
+                               f'The official model, pattern {pattern}; softmax window max(7, window_size // 8). '
+                               f'{_WINDOW_DOC}')
+       for size, pattern in (('tiny', 'IIIS'), ('small', 'IISS'), ('base', 'IIMS2'), ('base_384', 'IIMS2'))},
+    **{f'flatten_swin_{size}': (_official(size, 'LLSS', _7_up_to_56_else_12, mixed_linear='L'),
+                                f'The official model, pattern LLSS; softmax window 7 if window_size <= 56 else 12. '
+                                f'{_WINDOW_DOC}')
+       for size in _SIZES},
 }
-_SOFTMAX_WINDOW: Dict[str, Callable[[int], int]] = {
-    'inline': lambda window_size: max(7, window_size // 8),
-    'flatten': lambda window_size: 7 if window_size <= 56 else 12,
+_VARIANTS: Dict[str, Tuple[Dict[str, Any], str]] = {
+    **{f'{attn}_swin_{size}': (dict(args, attn_type=attn),
+                               f'Swin-{size} with {attn} attention in every block (window {args["window_size"]} '
+                               f'where it forms scores, else global).')
+       for attn in list_attentions() for size, args in _SIZES.items()},
+    **_OFFICIAL,
 }
 
 _SWIN_META = dict(paper_ids='arXiv:2103.14030', origin_url='https://github.com/microsoft/Swin-Transformer')
-_META = {'inline': INLINE_META, 'flatten': FLATTEN_META, 'softmax': _SWIN_META}
 _SWIN_URL = 'https://github.com/SwinTransformer/storage/releases/download/v1.0.0/{}.pth'
-# Official release files; variants absent here have none.
-_URLS = {
-    'inline_swin_tiny': tsinghua_url('32810869fcc34410966b'),
-    'inline_swin_small': tsinghua_url('e9657fd247c04c7cb1a1'),
-    'inline_swin_base': tsinghua_url('bf23564bb64c420aafe1'),
-    'flatten_swin_tiny': tsinghua_url('e1518e76703e4e57a7f2'),
-    'flatten_swin_small': tsinghua_url('94188e52af354bf4a88b'),
-    'flatten_swin_base': tsinghua_url('7a9e5186bad04e7fb3a9'),
-    'flatten_swin_base_384': tsinghua_url('0d0330cf2e5249f1abb6'),
-    'softmax_swin_tiny': _SWIN_URL.format('swin_tiny_patch4_window7_224'),
-    'softmax_swin_small': _SWIN_URL.format('swin_small_patch4_window7_224'),
-    'softmax_swin_base': _SWIN_URL.format('swin_base_patch4_window7_224'),
-    'softmax_swin_base_384': _SWIN_URL.format('swin_base_patch4_window12_384'),
-}
+_AT_384 = dict(input_size=(3, 384, 384), crop_pct=1.0)
 
 default_cfgs = generate_default_cfgs({
-    f'{flavour}_swin_{size}': _cfg(_URLS.get(f'{flavour}_swin_{size}', ''), **_META.get(flavour, {}),
-                                   **(dict(input_size=(3, 384, 384), crop_pct=1.0) if size == 'base_384' else {}))
-    for flavour in ('inline', 'flatten', 'softmax', 'multimax', 'sima', 'additive') for size in _SIZES
+    **{name: _cfg(**(_AT_384 if name.endswith('_384') else {})) for name in _VARIANTS},
+    'inline_swin_tiny': _cfg(tsinghua_url('32810869fcc34410966b'), **INLINE_META),
+    'inline_swin_small': _cfg(tsinghua_url('e9657fd247c04c7cb1a1'), **INLINE_META),
+    'inline_swin_base': _cfg(tsinghua_url('bf23564bb64c420aafe1'), **INLINE_META),
+    'inline_swin_base_384': _cfg(**_AT_384, **INLINE_META),
+    'flatten_swin_tiny': _cfg(tsinghua_url('e1518e76703e4e57a7f2'), **FLATTEN_META),
+    'flatten_swin_small': _cfg(tsinghua_url('94188e52af354bf4a88b'), **FLATTEN_META),
+    'flatten_swin_base': _cfg(tsinghua_url('7a9e5186bad04e7fb3a9'), **FLATTEN_META),
+    'flatten_swin_base_384': _cfg(tsinghua_url('0d0330cf2e5249f1abb6'), **_AT_384, **FLATTEN_META),
+    'softmax_swin_tiny': _cfg(_SWIN_URL.format('swin_tiny_patch4_window7_224'), **_SWIN_META),
+    'softmax_swin_small': _cfg(_SWIN_URL.format('swin_small_patch4_window7_224'), **_SWIN_META),
+    'softmax_swin_base': _cfg(_SWIN_URL.format('swin_base_patch4_window7_224'), **_SWIN_META),
+    'softmax_swin_base_384': _cfg(_SWIN_URL.format('swin_base_patch4_window12_384'), **_AT_384, **_SWIN_META),
 })
 
-
-def _swin(variant: str, pretrained: bool, **kwargs: Any) -> SwinTransformer:
-    """`{flavour}_swin_{size}`: the size's architecture with the official InLine / FLatten attention pattern, or
-    with attention `flavour` in every block and the original Swin's window (7; 12 at 384)."""
-    flavour, size = variant.split('_swin_')
-    if flavour in _OFFICIAL_ARGS:
-        linear_window = kwargs.pop('window_size', 96 if size == 'base_384' else 56)
-        kwargs.setdefault('la_window_size', linear_window)
-        model_args = dict(_OFFICIAL_ARGS[flavour][size], window_size=_SOFTMAX_WINDOW[flavour](linear_window))
-    else:
-        model_args = dict(attn_type=flavour, window_size=12 if size == 'base_384' else 7)
-    return _create_swin(variant, pretrained=pretrained, **{**_SIZES[size], **model_args, **kwargs})
-
-
-@register_model
-def inline_swin_tiny(pretrained: bool = False, **kwargs: Any) -> SwinTransformer:
-    """InLine-Swin-T (official configuration, pattern IIIS).
-
-    `window_size` has the official constructor's meaning: the window of the linear blocks (default 56, which
-    covers every stage grid at this resolution: global). The softmax window derives from it:
-    max(7, window_size // 8). `la_window_size` overrides the linear window alone.
-    """
-    return _swin('inline_swin_tiny', pretrained, **kwargs)
-
-
-@register_model
-def inline_swin_small(pretrained: bool = False, **kwargs: Any) -> SwinTransformer:
-    """InLine-Swin-S (official configuration, pattern IISS).
-
-    `window_size` has the official constructor's meaning: the window of the linear blocks (default 56, which
-    covers every stage grid at this resolution: global). The softmax window derives from it:
-    max(7, window_size // 8). `la_window_size` overrides the linear window alone.
-    """
-    return _swin('inline_swin_small', pretrained, **kwargs)
-
-
-@register_model
-def inline_swin_base(pretrained: bool = False, **kwargs: Any) -> SwinTransformer:
-    """InLine-Swin-B (official configuration, pattern IIMS2).
-
-    `window_size` has the official constructor's meaning: the window of the linear blocks (default 56, which
-    covers every stage grid at this resolution: global). The softmax window derives from it:
-    max(7, window_size // 8). `la_window_size` overrides the linear window alone.
-    """
-    return _swin('inline_swin_base', pretrained, **kwargs)
-
-
-@register_model
-def inline_swin_base_384(pretrained: bool = False, **kwargs: Any) -> SwinTransformer:
-    """InLine-Swin-B 384 (official configuration, pattern IIMS2).
-
-    `window_size` has the official constructor's meaning: the window of the linear blocks (default 96, which
-    covers every stage grid at this resolution: global). The softmax window derives from it:
-    max(7, window_size // 8). `la_window_size` overrides the linear window alone.
-    """
-    return _swin('inline_swin_base_384', pretrained, **kwargs)
-
-
-@register_model
-def flatten_swin_tiny(pretrained: bool = False, **kwargs: Any) -> SwinTransformer:
-    """FLatten-Swin-T (official configuration, pattern LLSS).
-
-    `window_size` has the official constructor's meaning: the window of the linear blocks (default 56, which
-    covers every stage grid at this resolution: global). The softmax window derives from it:
-    7 if window_size <= 56 else 12. `la_window_size` overrides the linear window alone.
-    """
-    return _swin('flatten_swin_tiny', pretrained, **kwargs)
-
-
-@register_model
-def flatten_swin_small(pretrained: bool = False, **kwargs: Any) -> SwinTransformer:
-    """FLatten-Swin-S (official configuration, pattern LLSS).
-
-    `window_size` has the official constructor's meaning: the window of the linear blocks (default 56, which
-    covers every stage grid at this resolution: global). The softmax window derives from it:
-    7 if window_size <= 56 else 12. `la_window_size` overrides the linear window alone.
-    """
-    return _swin('flatten_swin_small', pretrained, **kwargs)
-
-
-@register_model
-def flatten_swin_base(pretrained: bool = False, **kwargs: Any) -> SwinTransformer:
-    """FLatten-Swin-B (official configuration, pattern LLSS).
-
-    `window_size` has the official constructor's meaning: the window of the linear blocks (default 56, which
-    covers every stage grid at this resolution: global). The softmax window derives from it:
-    7 if window_size <= 56 else 12. `la_window_size` overrides the linear window alone.
-    """
-    return _swin('flatten_swin_base', pretrained, **kwargs)
-
-
-@register_model
-def flatten_swin_base_384(pretrained: bool = False, **kwargs: Any) -> SwinTransformer:
-    """FLatten-Swin-B 384 (official configuration, pattern LLSS).
-
-    `window_size` has the official constructor's meaning: the window of the linear blocks (default 96, which
-    covers every stage grid at this resolution: global). The softmax window derives from it:
-    7 if window_size <= 56 else 12. `la_window_size` overrides the linear window alone.
-    """
-    return _swin('flatten_swin_base_384', pretrained, **kwargs)
-
-
-@register_model
-def softmax_swin_tiny(pretrained: bool = False, **kwargs: Any) -> SwinTransformer:
-    """Swin-T, the original softmax model (window 7)."""
-    return _swin('softmax_swin_tiny', pretrained, **kwargs)
-
-
-@register_model
-def softmax_swin_small(pretrained: bool = False, **kwargs: Any) -> SwinTransformer:
-    """Swin-S, the original softmax model (window 7)."""
-    return _swin('softmax_swin_small', pretrained, **kwargs)
-
-
-@register_model
-def softmax_swin_base(pretrained: bool = False, **kwargs: Any) -> SwinTransformer:
-    """Swin-B, the original softmax model (window 7)."""
-    return _swin('softmax_swin_base', pretrained, **kwargs)
-
-
-@register_model
-def softmax_swin_base_384(pretrained: bool = False, **kwargs: Any) -> SwinTransformer:
-    """Swin-B 384, the original softmax model (window 12)."""
-    return _swin('softmax_swin_base_384', pretrained, **kwargs)
-
-
-@register_model
-def multimax_swin_tiny(pretrained: bool = False, **kwargs: Any) -> SwinTransformer:
-    """Swin-T with MultiMax attention in every block (in windows of 7 as the original)."""
-    return _swin('multimax_swin_tiny', pretrained, **kwargs)
-
-
-@register_model
-def multimax_swin_small(pretrained: bool = False, **kwargs: Any) -> SwinTransformer:
-    """Swin-S with MultiMax attention in every block (in windows of 7 as the original)."""
-    return _swin('multimax_swin_small', pretrained, **kwargs)
-
-
-@register_model
-def multimax_swin_base(pretrained: bool = False, **kwargs: Any) -> SwinTransformer:
-    """Swin-B with MultiMax attention in every block (in windows of 7 as the original)."""
-    return _swin('multimax_swin_base', pretrained, **kwargs)
-
-
-@register_model
-def multimax_swin_base_384(pretrained: bool = False, **kwargs: Any) -> SwinTransformer:
-    """Swin-B 384 with MultiMax attention in every block (in windows of 12 as the original)."""
-    return _swin('multimax_swin_base_384', pretrained, **kwargs)
-
-
-@register_model
-def sima_swin_tiny(pretrained: bool = False, **kwargs: Any) -> SwinTransformer:
-    """Swin-T with SimA attention in every block (global: it is linear)."""
-    return _swin('sima_swin_tiny', pretrained, **kwargs)
-
-
-@register_model
-def sima_swin_small(pretrained: bool = False, **kwargs: Any) -> SwinTransformer:
-    """Swin-S with SimA attention in every block (global: it is linear)."""
-    return _swin('sima_swin_small', pretrained, **kwargs)
-
-
-@register_model
-def sima_swin_base(pretrained: bool = False, **kwargs: Any) -> SwinTransformer:
-    """Swin-B with SimA attention in every block (global: it is linear)."""
-    return _swin('sima_swin_base', pretrained, **kwargs)
-
-
-@register_model
-def sima_swin_base_384(pretrained: bool = False, **kwargs: Any) -> SwinTransformer:
-    """Swin-B 384 with SimA attention in every block (global: it is linear)."""
-    return _swin('sima_swin_base_384', pretrained, **kwargs)
-
-
-@register_model
-def additive_swin_tiny(pretrained: bool = False, **kwargs: Any) -> SwinTransformer:
-    """Swin-T with additive (Fastformer) attention in every block (global: it is linear)."""
-    return _swin('additive_swin_tiny', pretrained, **kwargs)
-
-
-@register_model
-def additive_swin_small(pretrained: bool = False, **kwargs: Any) -> SwinTransformer:
-    """Swin-S with additive (Fastformer) attention in every block (global: it is linear)."""
-    return _swin('additive_swin_small', pretrained, **kwargs)
-
-
-@register_model
-def additive_swin_base(pretrained: bool = False, **kwargs: Any) -> SwinTransformer:
-    """Swin-B with additive (Fastformer) attention in every block (global: it is linear)."""
-    return _swin('additive_swin_base', pretrained, **kwargs)
-
-
-@register_model
-def additive_swin_base_384(pretrained: bool = False, **kwargs: Any) -> SwinTransformer:
-    """Swin-B 384 with additive (Fastformer) attention in every block (global: it is linear)."""
-    return _swin('additive_swin_base_384', pretrained, **kwargs)
+register_variants(__name__, _VARIANTS, _create_swin)

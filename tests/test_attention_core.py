@@ -32,7 +32,7 @@ def dot_weights(attn):
     def weights(q, k):
         s = torch.einsum('bnc,bmc->bnm', q, k) / math.sqrt(q.shape[-1])
         if attn.attention_name == 'multimax':
-            s = naive_sigma(s, attn.ranges, attn.ts)
+            s = naive_sigma(s, attn.mixer.ranges, attn.mixer.ts)
         return naive_softmax(s)
     return weights
 
@@ -48,7 +48,7 @@ def naive_additive(attn, x):
     d = C // h
     qkv = dense(x, attn.qkv)
     q, k, v = qkv[..., :C], qkv[..., C:2 * C], qkv[..., 2 * C:]
-    wq, bq, wk, bk = attn.query_att.weight, attn.query_att.bias, attn.key_att.weight, attn.key_att.bias
+    wq, bq, wk, bk = attn.mixer.query_att.weight, attn.mixer.query_att.bias, attn.mixer.key_att.weight, attn.mixer.key_att.bias
 
     def pool(vectors, w, bias):
         pooled = torch.zeros(C, dtype=x.dtype)
@@ -66,7 +66,7 @@ def naive_additive(attn, x):
         p = [k[b, i] * global_query for i in range(n)]
         global_key = pool(p, wk, bk)
         for i in range(n):
-            o = attn.transform.weight @ (global_key * v[b, i]) + attn.transform.bias + q[b, i]
+            o = attn.mixer.transform.weight @ (global_key * v[b, i]) + attn.mixer.transform.bias + q[b, i]
             out[b, i] = attn.proj.weight @ o + attn.proj.bias
     return out
 
@@ -76,8 +76,8 @@ def build64(name, dim=16, num_heads=4, grid=(3, 4), **kwargs):
     attn = build_attention(name, dim, num_heads, grid, **kwargs).double()
     if name == 'multimax':
         with torch.no_grad():
-            attn.ranges.copy_(torch.tensor(SPEC_RANGES))
-            attn.ts.copy_(torch.tensor(SPEC_TS))
+            attn.mixer.ranges.copy_(torch.tensor(SPEC_RANGES))
+            attn.mixer.ts.copy_(torch.tensor(SPEC_TS))
     return attn
 
 
@@ -111,8 +111,8 @@ def test_multimax_with_zero_parameters_is_softmax():
 
     multimax, softmax = build64('multimax'), build64('softmax')
     with torch.no_grad():
-        multimax.ranges.zero_()
-        multimax.ts.zero_()
+        multimax.mixer.ranges.zero_()
+        multimax.mixer.ts.zero_()
     softmax.load_state_dict({k: v for k, v in multimax.state_dict().items() if k not in ('ranges', 'ts')})
     x = 2 * torch.randn(2, 13, 16, dtype=torch.float64)
     assert max_abs_err(multimax(x, (3, 4)), softmax(x, (3, 4))) < 1e-12
@@ -121,12 +121,12 @@ def test_multimax_with_zero_parameters_is_softmax():
 def test_multimax_gradients_at_zero_init():
     attn = build64('multimax')
     with torch.no_grad():
-        attn.ranges.zero_()
-        attn.ts.zero_()
+        attn.mixer.ranges.zero_()
+        attn.mixer.ts.zero_()
     x = 2 * torch.randn(2, 13, 16, dtype=torch.float64)
     (attn(x, (3, 4)) * torch.randn(2, 13, 16, dtype=torch.float64)).sum().backward()
-    assert torch.equal(attn.ranges.grad, torch.zeros(4, dtype=torch.float64))
-    assert (attn.ts.grad != 0).all()
+    assert torch.equal(attn.mixer.ranges.grad, torch.zeros(4, dtype=torch.float64))
+    assert (attn.mixer.ts.grad != 0).all()
 
 
 def test_multimax_parameters_shape_and_init():
@@ -134,8 +134,8 @@ def test_multimax_parameters_shape_and_init():
     values = []
     for _ in range(300):
         attn = build_attention('multimax', 4, 1)
-        assert attn.ranges.shape == (4,) and attn.ts.shape == (4,)
-        values += [attn.ranges.detach(), attn.ts.detach()]
+        assert attn.mixer.ranges.shape == (4,) and attn.mixer.ts.shape == (4,)
+        values += [attn.mixer.ranges.detach(), attn.mixer.ts.detach()]
     values = torch.cat(values)
     assert abs(values.std().item() - 0.02) < 0.002
     assert abs(values.mean().item()) < 0.002
@@ -231,11 +231,11 @@ def test_autocast_outputs_and_grads_finite(name, dtype):
     x = 10 * torch.randn(2, 1 + 16, 32)
     if name == 'multimax':
         with torch.no_grad():
-            attn.ranges.zero_()
-            attn.ts.copy_(torch.tensor([0., 0., 100., 100.]))
+            attn.mixer.ranges.zero_()
+            attn.mixer.ts.copy_(torch.tensor([0., 0., 100., 100.]))
             q, k, _ = attn.qkv(x).chunk(3, dim=-1)
             scores = torch.einsum('bnc,bmc->bnm', q[..., :16], k[..., :16]) / 4
-        assert torch.isinf(multimax_modulation(scores.half(), attn.ranges.half(), attn.ts.half())).any()
+        assert torch.isinf(multimax_modulation(scores.half(), attn.mixer.ranges.half(), attn.mixer.ts.half())).any()
     x.requires_grad_(True)
     with torch.autocast('cpu', dtype=dtype):
         out = attn(x, (4, 4))

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from models.attention import build_attention
-from models.attention.base import relative_position_index
+from models.attention.layout import relative_position_index
 from reference import SPEC_RANGES, SPEC_TS, dense, max_abs_err, naive_l1, naive_sigma, naive_softmax
 
 
@@ -18,11 +18,11 @@ def head_weights(attn, q, k, bias=None, mask=None, sigma_after_mask=False):
         s = s + bias
     multimax = attn.attention_name == 'multimax'
     if multimax and not sigma_after_mask:
-        s = naive_sigma(s, attn.ranges, attn.ts)
+        s = naive_sigma(s, attn.mixer.ranges, attn.mixer.ts)
     if mask is not None:
         s = s + mask
     if multimax and sigma_after_mask:
-        s = naive_sigma(s, attn.ranges, attn.ts)
+        s = naive_sigma(s, attn.mixer.ranges, attn.mixer.ts)
     return naive_softmax(s)
 
 
@@ -79,13 +79,13 @@ def naive_swin(attn, x, grid, window, shift, sigma_after_mask=False):
 @pytest.mark.parametrize('shift', [0, 1])
 @pytest.mark.parametrize('name', ['softmax', 'multimax'])
 def test_shifted_windows_match_naive(name, shift):
-    attn = build64(name, 16, 2, (6, 9), window_size=3, shift_size=shift, rel_pos_bias=True)
+    attn = build64(name, 16, 2, (6, 9), grouping='window', window_size=3, shift_size=shift, rel_pos_bias=True)
     x = 2 * torch.randn(2, 54, 16, dtype=torch.float64)
     assert max_abs_err(attn(x, (6, 9)), naive_swin(attn, x, (6, 9), (3, 3), shift)) < 1e-10
 
 
 def test_multimax_in_windows_modulates_before_the_mask():
-    attn = build64('multimax', 16, 2, (6, 9), window_size=3, shift_size=1, rel_pos_bias=True)
+    attn = build64('multimax', 16, 2, (6, 9), grouping='window', window_size=3, shift_size=1, rel_pos_bias=True)
     x = 2 * torch.randn(2, 54, 16, dtype=torch.float64)
     out = attn(x, (6, 9))
     assert max_abs_err(out, naive_swin(attn, x, (6, 9), (3, 3), 1)) < 1e-10
@@ -100,20 +100,20 @@ def test_relative_position_index_is_the_offset_formula(window):
                              for yi, xi in cells])
     assert torch.equal(relative_position_index(window), expected)
     if wh == ww:
-        attn = build_attention('softmax', 8, 2, (2 * wh, 2 * ww), window_size=wh, rel_pos_bias=True)
+        attn = build_attention('softmax', 8, 2, (2 * wh, 2 * ww), grouping='window', window_size=wh, rel_pos_bias=True)
         assert torch.equal(attn.relative_position_index, expected)
         assert attn.relative_position_bias_table.shape == ((2 * wh - 1) * (2 * ww - 1), 2)
 
 
 @pytest.mark.parametrize('name', ['softmax', 'multimax'])
 def test_window_is_clamped_to_the_grid(name):
-    square = build64(name, 16, 2, (4, 4), window_size=7, shift_size=3, rel_pos_bias=True)
+    square = build64(name, 16, 2, (4, 4), grouping='window', window_size=7, shift_size=3, rel_pos_bias=True)
     assert square.window is None and square.shift_size == 0
     assert square.relative_position_bias_table.shape == (49, 2)
     x = 2 * torch.randn(2, 16, 16, dtype=torch.float64)
     assert max_abs_err(square(x, (4, 4)), naive_swin(square, x, (4, 4), (4, 4), 0)) < 1e-10
 
-    wide = build64(name, 16, 2, (4, 8), window_size=7, shift_size=3, rel_pos_bias=True)
+    wide = build64(name, 16, 2, (4, 8), grouping='window', window_size=7, shift_size=3, rel_pos_bias=True)
     assert wide.window == (4, 4) and wide.shift_size == 0
     x = 2 * torch.randn(2, 32, 16, dtype=torch.float64)
     assert max_abs_err(wide(x, (4, 8)), naive_swin(wide, x, (4, 8), (4, 4), 0)) < 1e-10
@@ -121,7 +121,7 @@ def test_window_is_clamped_to_the_grid(name):
 
 @pytest.mark.parametrize('name', ['sima', 'additive'])
 def test_linear_attentions_mix_each_shifted_window_alone(name):
-    attn = build64(name, 16, 2, (4, 6), window_size=2, shift_size=1)
+    attn = build64(name, 16, 2, (4, 6), grouping='window', window_size=2, shift_size=1)
     single = build64(name, 16, 2, (2, 2))
     single.load_state_dict(attn.state_dict())
     x = torch.randn(2, 24, 16, dtype=torch.float64)
@@ -163,7 +163,7 @@ def naive_reduced(attn, x, grid):
 
 @pytest.mark.parametrize('name', ['softmax', 'multimax', 'sima'])
 def test_spatial_reduction_matches_naive(name):
-    attn = build64(name, 16, 2, (4, 6), qkv_layout='split', sr_ratio=2)
+    attn = build64(name, 16, 2, (4, 6), grouping='reduction', sr_ratio=2)
     with torch.no_grad():
         attn.norm.weight.normal_()
         attn.norm.bias.normal_()
@@ -209,7 +209,7 @@ def naive_cswin(attn, x, grid, split):
 
 @pytest.mark.parametrize('name', ['softmax', 'multimax'])
 def test_cross_shaped_stripes_match_naive(name):
-    attn = build64(name, 16, 4, (4, 6), split_size=2)
+    attn = build64(name, 16, 4, (4, 6), grouping='stripes', split_size=2)
     assert len(attn.attns) == 2
     x = 2 * torch.randn(2, 24, 16, dtype=torch.float64)
     assert max_abs_err(attn(x, (4, 6)), naive_cswin(attn, x, (4, 6), 2)) < 1e-10
@@ -217,7 +217,7 @@ def test_cross_shaped_stripes_match_naive(name):
 
 @pytest.mark.parametrize('name', ['softmax', 'multimax'])
 def test_cross_shaped_single_global_branch_when_stripes_cover_the_grid(name):
-    attn = build64(name, 16, 4, (4, 4), split_size=4)
+    attn = build64(name, 16, 4, (4, 4), grouping='stripes', split_size=4)
     assert len(attn.attns) == 1 and attn.attns[0].num_heads == 4
     x = 2 * torch.randn(2, 16, 16, dtype=torch.float64)
     assert max_abs_err(attn(x, (4, 4)), naive_cswin(attn, x, (4, 4), 4)) < 1e-10
@@ -230,16 +230,16 @@ def test_bad_input_errors_name_the_bad_value(name):
     with pytest.raises(ValueError, match='dim 10 must be a multiple of num_heads 3'):
         build_attention(name, 10, 3, (4, 4))
     with pytest.raises(ValueError, match='grid 4x6 does not divide into windows of 3x3'):
-        build_attention(name, 16, 2, (4, 6), window_size=3)
-    with pytest.raises(ValueError, match="sr_ratio 2 needs qkv_layout='split'"):
+        build_attention(name, 16, 2, (4, 6), grouping='window', window_size=3)
+    with pytest.raises(ValueError, match="grouping 'global' takes no keyword 'sr_ratio'; expected one of"):
         build_attention(name, 16, 2, (4, 4), sr_ratio=2)
-    with pytest.raises(ValueError, match="qkv_layout 'bad'"):
-        build_attention(name, 16, 2, (4, 4), qkv_layout='bad')
-    windowed = build_attention(name, 16, 2, (4, 4), window_size=2)
+    with pytest.raises(ValueError, match="unknown grouping 'bad'; expected one of global, reduction, window, stripes"):
+        build_attention(name, 16, 2, (4, 4), grouping='bad')
+    windowed = build_attention(name, 16, 2, (4, 4), grouping='window', window_size=2)
     with pytest.raises(ValueError, match='prefix tokens, got 1 before the 4x4 grid'):
         windowed(torch.randn(1, 17, 16), (4, 4))
 
 
 def test_reduction_needs_an_attention_that_supports_it():
     with pytest.raises(ValueError, match='sr_ratio 2 needs'):
-        build_attention('additive', 16, 2, (4, 4), qkv_layout='split', sr_ratio=2)
+        build_attention('additive', 16, 2, (4, 4), grouping='reduction', sr_ratio=2)

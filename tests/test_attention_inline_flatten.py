@@ -1,5 +1,4 @@
 """InLine and FLatten attentions against plain O(N²) formulas, plus their numerics, cost and errors."""
-from pathlib import Path
 from typing import Callable, List, Optional, Tuple
 
 import pytest
@@ -10,10 +9,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
-from models.attention import (
-    CrossShapedAttention, build_attention, focused_feature_map, focused_linear_attention, inline_attention,
-    is_linear_attention,
-)
+from models.attention import CrossShapedAttention, MixContext, build_attention, forms_score_matrix
+from models.attention.flatten import focused_feature_map, focused_linear_attention
+from models.attention.inline import inline_attention
 from golden import load_golden
 
 DIM, HEADS, GRID = 16, 4, (4, 6)
@@ -68,7 +66,7 @@ def reference_inline_group(attn, q, k, v, tokens, grid, num_prefix) -> Tensor:
     for head in range(h):
         c = slice(head * d, (head + 1) * d)
         out[:, c] = inline_weights(q[:, c], k[:, c]) @ v[:, c]
-    conv1, conv2 = attn.residual[0], attn.residual[2]
+    conv1, conv2 = attn.mixer.residual[0], attn.mixer.residual[2]
     hidden = F.gelu(grouped_dense(conv1.weight, h) @ tokens.mean(0) + conv1.bias)
     kernels = (grouped_dense(conv2.weight, h) @ hidden + conv2.bias).view(C, 3, 3)
     out[num_prefix:] += tokens_of(taps_conv(image_of(v[num_prefix:], grid), kernels))
@@ -92,14 +90,14 @@ def reference_flatten_group(attn, q, k, v, tokens, grid, num_prefix) -> Tensor:
     h = attn.num_heads
     d = C // h
     k = k.clone()
-    k[num_prefix:] += attn.positional_encoding[0]
-    scale = attn.scale[0, 0]
-    phi_q, phi_k = focus(q, scale, attn.focusing_factor), focus(k, scale, attn.focusing_factor)
+    k[num_prefix:] += attn.mixer.positional_encoding[0]
+    scale = attn.mixer.scale[0, 0]
+    phi_q, phi_k = focus(q, scale, attn.mixer.focusing_factor), focus(k, scale, attn.mixer.focusing_factor)
     out = torch.zeros_like(v)
     for head in range(h):
         c = slice(head * d, (head + 1) * d)
         out[:, c] = flatten_weights(phi_q[:, c], phi_k[:, c]) @ v[:, c]
-        dwc = taps_conv(image_of(v[num_prefix:, c], grid), attn.dwc.weight[:, 0], attn.dwc.bias)
+        dwc = taps_conv(image_of(v[num_prefix:, c], grid), attn.mixer.dwc.weight[:, 0], attn.mixer.dwc.bias)
         out[num_prefix:, c] += tokens_of(dwc)
     return out
 
@@ -178,9 +176,9 @@ CASES = {
     # name: (build kwargs, forward prefix tokens, reference kwargs)
     'global': (dict(), 0, dict()),
     'class_token': (dict(), 1, dict(num_prefix=1)),
-    'shifted_windows': (dict(window_size=(2, 3), shift_size=1), 0, dict(window=(2, 3), shift=1)),
-    'stripes': (dict(split_size=2), 0, dict()),
-    'cswin_global': (dict(split_size=6), 0, dict()),
+    'shifted_windows': (dict(grouping='window', window_size=(2, 3), shift_size=1), 0, dict(window=(2, 3), shift=1)),
+    'stripes': (dict(grouping='stripes', split_size=2), 0, dict()),
+    'cswin_global': (dict(grouping='stripes', split_size=6), 0, dict()),
 }
 
 
@@ -200,7 +198,7 @@ def test_module_matches_plain_formula(name, case):
 
 @pytest.mark.parametrize('split_size', [6, 2])
 def test_inline_cswin_takes_the_mean_from_the_block_input(split_size):
-    module = randomize(build_attention('inline', DIM, HEADS, GRID, split_size=split_size).double())
+    module = randomize(build_attention('inline', DIM, HEADS, GRID, grouping='stripes', split_size=split_size).double())
     torch.manual_seed(2)
     x = torch.randn(2, GRID[0] * GRID[1], DIM, dtype=torch.float64)
     block_input = 3 * torch.randn_like(x) + 1
@@ -237,9 +235,9 @@ def test_flatten_weights_are_non_negative_and_rows_miss_one_by_eps_only():
     torch.manual_seed(4)
     x = torch.randn(1, GRID[0] * GRID[1], DIM, dtype=torch.float64)
     q, k, _ = module.qkv(x).chunk(3, dim=-1)
-    k = k + module.positional_encoding
+    k = k + module.mixer.positional_encoding
     n, h = x.shape[1], HEADS
-    phi_q, phi_k = (focused_feature_map(t, module.scale).view(1, n, h, -1).transpose(1, 2) for t in (q, k))
+    phi_q, phi_k = (focused_feature_map(t, module.mixer.scale).view(1, n, h, -1).transpose(1, 2) for t in (q, k))
     identity = torch.eye(n, dtype=torch.float64).expand(1, h, n, n)
     weights = focused_linear_attention(phi_q, phi_k, identity)
     assert (weights >= 0).all()
@@ -357,7 +355,7 @@ def test_cost_is_linear_in_tokens(make):
 
 @pytest.mark.parametrize('name', ['inline', 'flatten'])
 def test_linear_flags(name):
-    assert is_linear_attention(name)
+    assert not forms_score_matrix(name)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -375,9 +373,9 @@ def test_inline_global_term_is_permutation_equivariant():
 def test_flatten_without_position_terms_is_permutation_equivariant():
     module = randomize(build_attention('flatten', DIM, HEADS, GRID).double())
     with torch.no_grad():
-        module.positional_encoding.zero_()
-        module.dwc.weight.zero_()
-        module.dwc.bias.zero_()
+        module.mixer.positional_encoding.zero_()
+        module.mixer.dwc.weight.zero_()
+        module.mixer.dwc.bias.zero_()
     torch.manual_seed(10)
     x = torch.randn(2, GRID[0] * GRID[1], DIM, dtype=torch.float64)
     perm = torch.randperm(x.shape[1])
@@ -391,7 +389,7 @@ def test_flatten_without_position_terms_is_permutation_equivariant():
 # bad input, initialisation and checkpoint names
 
 def test_flatten_needs_grid_size():
-    with pytest.raises(ValueError, match=r"flatten attention: the positional encoding needs grid_size=\(H, W\)"):
+    with pytest.raises(ValueError, match=r"flatten attention: the positional encoding needs a fixed token grid"):
         build_attention('flatten', DIM, HEADS)
 
 
@@ -404,28 +402,29 @@ def test_flatten_rejects_another_grid(size):
         module(x, size)
 
 
-def test_inline_mix_needs_tokens():
+def test_inline_mixer_needs_tokens():
     module = build_attention('inline', DIM, HEADS, GRID)
     q = torch.randn(1, 24, DIM)
-    with pytest.raises(ValueError, match="inline attention: mix needs the attention input `tokens`"):
-        module.attend(q, q, q, GRID)
+    with pytest.raises(ValueError, match=r"inline attention needs the grouped attention input \(MixContext.tokens\)"):
+        module.mixer(q, q, q, MixContext(GRID))
 
 
 def test_inline_rejects_spatial_reduction():
     with pytest.raises(ValueError, match="sr_ratio 2 needs"):
-        build_attention('inline', DIM, HEADS, GRID, qkv_layout='split', sr_ratio=2)
+        build_attention('inline', DIM, HEADS, GRID, grouping='reduction', sr_ratio=2)
 
 
 def test_initial_parameters():
-    flatten = build_attention('flatten', DIM, HEADS, GRID, window_size=(2, 3), kernel_size=3)
-    assert flatten.scale.shape == (1, 1, DIM) and not flatten.scale.any()
-    assert flatten.positional_encoding.shape == (1, 6, DIM) and not flatten.positional_encoding.any()
-    assert flatten.dwc.weight.shape == (DIM // HEADS, 1, 3, 3) and flatten.dwc.bias.shape == (DIM // HEADS,)
+    flatten = build_attention('flatten', DIM, HEADS, GRID, grouping='window', window_size=(2, 3),
+                              attn_kwargs=dict(kernel_size=3))
+    assert flatten.mixer.scale.shape == (1, 1, DIM) and not flatten.mixer.scale.any()
+    assert flatten.mixer.positional_encoding.shape == (1, 6, DIM) and not flatten.mixer.positional_encoding.any()
+    assert flatten.mixer.dwc.weight.shape == (DIM // HEADS, 1, 3, 3) and flatten.mixer.dwc.bias.shape == (DIM // HEADS,)
     inline = build_attention('inline', DIM, HEADS, GRID)
     shapes = {k: tuple(v.shape) for k, v in inline.state_dict().items() if k.startswith('residual')}
     assert shapes == {'residual.0.weight': (DIM, DIM // HEADS, 1), 'residual.0.bias': (DIM,),
                       'residual.2.weight': (9 * DIM, DIM // HEADS, 1), 'residual.2.bias': (9 * DIM,)}
-    for conv in (inline.residual[0], inline.residual[2]):  # PyTorch's default init, as the official models keep
+    for conv in (inline.mixer.residual[0], inline.mixer.residual[2]):  # PyTorch's default init, as the official models keep
         bound = (DIM // HEADS) ** -0.5
         assert conv.weight.abs().max() <= bound and conv.bias.abs().max() <= bound
         assert conv.weight.std() > bound / 4 and conv.bias.any()

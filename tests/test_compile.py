@@ -10,7 +10,8 @@ import torch
 import timm
 
 import models  # noqa: F401  (registers the families)
-from models.attention import list_attentions, multimax_attention
+from models.attention import list_attentions
+from models.attention.multimax import multimax_attention
 
 # Tiny versions of each family that still reach every grouping: class token (DeiT), spatial reduction (PVT),
 # shifted windows and a window covering the grid (Swin), stripes and a single global branch (CSwin).

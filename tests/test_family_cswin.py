@@ -13,10 +13,11 @@ from torch import nn
 import timm
 from yacs.config import CfgNode
 
+from models.attention import list_attentions
 from models.checkpoint import CheckpointError
 from models.cswin import CSWinBlock, CSWinTransformer
 
-FLAVOURS = ('inline', 'flatten', 'softmax', 'multimax', 'sima', 'additive')
+FLAVOURS = tuple(list_attentions())
 SIZES = ('tiny', 'small', 'base', 'base_384')
 ALL_NAMES = [f'{f}_cswin_{s}' for f in FLAVOURS for s in SIZES]
 
@@ -149,7 +150,7 @@ def test_inline_global_branch_matches_naive_recomputation_with_block_input_mean(
             qh, kh, vh = (t[:, h * d:(h + 1) * d] for t in (q, k, v))
             weights = (d ** -0.5 / N) * (qh @ kh.T - qh @ kh.mean(0, keepdim=True).T) + 1 / N
             heads.append(weights @ vh)
-        kernels = branch.residual(x[b].mean(0)[None, :, None]).reshape(C, 1, 3, 3)
+        kernels = branch.mixer.residual(x[b].mean(0)[None, :, None]).reshape(C, 1, 3, 3)
         local = F.conv2d(image(v, 4, 4), kernels, padding=1, groups=C)[0].reshape(C, N).T
         return torch.cat(heads, dim=1) + local
 
@@ -162,7 +163,7 @@ def test_flatten_global_branch_matches_naive_recomputation():
     linear attention, the head-shared 5x5 depthwise conv of V, plus LePE."""
     block = make_block('flatten', 16, 2, (4, 4), 4, focusing_factor=3, kernel_size=5)
     branch = block.attn.attns[0]
-    assert branch.positional_encoding.shape == (1, 16, 16) and branch.dwc.weight.shape == (8, 1, 5, 5)
+    assert branch.mixer.positional_encoding.shape == (1, 16, 16) and branch.mixer.dwc.weight.shape == (8, 1, 5, 5)
     x = torch.randn(2, 16, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
 
     def focus(t, scale):
@@ -172,14 +173,14 @@ def test_flatten_global_branch_matches_naive_recomputation():
     def mix(branch, q, k, v, b):
         N, C = q.shape
         d = C // branch.num_heads
-        phi_q = focus(q, branch.scale[0, 0])
-        phi_k = focus(k + branch.positional_encoding[0], branch.scale[0, 0])
+        phi_q = focus(q, branch.mixer.scale[0, 0])
+        phi_k = focus(k + branch.mixer.positional_encoding[0], branch.mixer.scale[0, 0])
         heads = []
         for h in range(branch.num_heads):
             scores = phi_q[:, h * d:(h + 1) * d] @ phi_k[:, h * d:(h + 1) * d].T
             heads.append(scores @ v[:, h * d:(h + 1) * d] / (scores.sum(1, keepdim=True) + N * 1e-6))
         v_heads = v.T.reshape(branch.num_heads, d, 4, 4)
-        local = F.conv2d(v_heads, branch.dwc.weight, branch.dwc.bias, padding=2, groups=d).reshape(C, N).T
+        local = F.conv2d(v_heads, branch.mixer.dwc.weight, branch.mixer.dwc.bias, padding=2, groups=d).reshape(C, N).T
         return torch.cat(heads, dim=1) + local
 
     with torch.no_grad():
@@ -322,7 +323,7 @@ def test_layer_norm_eps_drop_path_rule_and_init():
     rates = [getattr(b.drop_path, 'drop_prob', 0.) for s in (1, 2, 3, 4) for b in getattr(model, f'stage{s}')]
     assert rates == pytest.approx(torch.linspace(0, 0.3, 5).tolist())
     assert torch.equal(model.head.bias, torch.zeros(10)) and torch.equal(model.norm.weight, torch.ones(128))
-    assert torch.equal(model.stage1[0].attn.attns[0].positional_encoding, torch.zeros(1, 64, 16))
+    assert torch.equal(model.stage1[0].attn.attns[0].mixer.positional_encoding, torch.zeros(1, 64, 16))
 
 
 # ----------------------------------------------------------------------------------------- checkpoints

@@ -9,14 +9,17 @@ import torch.nn.functional as F
 from yacs.config import CfgNode
 
 import models
+from models.attention import list_attentions
 from models.checkpoint import CheckpointError
-from models.attention import InLineAttention, MultiMaxAttention, SoftmaxAttention
+from models.attention.inline import InLineMixer
+from models.attention.multimax import MultiMaxMixer
+from models.attention.softmax import SoftmaxMixer
 from models.vit import DeiT
 from golden import load_golden
 
 TINY = dict(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, num_classes=10)
 SIZES = ('tiny', 'small', 'base')
-ALL_NAMES = [f'{attn}_deit_{size}' for attn in ('softmax', 'inline', 'multimax', 'sima', 'additive') for size in SIZES]
+ALL_NAMES = [f'{attn}_deit_{size}' for attn in list_attentions() for size in SIZES]
 
 
 def count(model: torch.nn.Module) -> int:
@@ -119,7 +122,7 @@ def test_widths_heads_and_input_sizes(name, dim, heads, img):
 
 def test_inline_deit_has_inline_in_every_block_and_official_keys():
     model = meta_model('inline_deit_tiny')
-    assert all(isinstance(block.attn, InLineAttention) for block in model.blocks)
+    assert all(isinstance(block.attn.mixer, InLineMixer) for block in model.blocks)
     keys = set(model.state_dict())
     assert {'cls_token', 'pos_embed', 'patch_embed.proj.weight', 'norm.weight', 'head.weight',
             'blocks.11.attn.residual.2.weight', 'blocks.0.mlp.fc2.bias'} <= keys
@@ -129,12 +132,12 @@ def test_inline_deit_has_inline_in_every_block_and_official_keys():
 @pytest.mark.parametrize('attn_type', ['inline', ['inline'], 'I'])
 def test_attn_type_name_list_or_letter(attn_type):
     model = timm.create_model('softmax_deit_tiny', attn_type=attn_type, **TINY)
-    assert all(isinstance(block.attn, InLineAttention) for block in model.blocks)
+    assert all(isinstance(block.attn.mixer, InLineMixer) for block in model.blocks)
 
 
 def test_attn_type_mixed_letter():
     model = timm.create_model('softmax_deit_tiny', attn_type='M1', **TINY)
-    assert [type(b.attn) for b in model.blocks] == [InLineAttention, SoftmaxAttention]
+    assert [type(b.attn.mixer) for b in model.blocks] == [InLineMixer, SoftmaxMixer]
 
 
 @pytest.mark.parametrize('attn_type', ['nope', ['inline', 'softmax'], 'IS'])
@@ -145,7 +148,7 @@ def test_bad_attn_type_is_a_value_error(attn_type):
 
 def test_multimax_deit_uses_multimax():
     model = timm.create_model('multimax_deit_tiny', **TINY)
-    assert all(isinstance(block.attn, MultiMaxAttention) for block in model.blocks)
+    assert all(isinstance(block.attn.mixer, MultiMaxMixer) for block in model.blocks)
 
 
 def test_drop_path_rises_linearly_over_blocks():
@@ -257,7 +260,7 @@ def test_features_only_and_intermediates():
         assert torch.allclose(final, model.forward_features(x))
         assert [t.shape for t in intermediates] == [(2, 32, 4, 4)] * 2
         tokens = model.forward_intermediates(x, indices=[0], output_fmt='NLC', intermediates_only=True)[0]
-        embedded = model._embed(x)
+        embedded = torch.cat([model.cls_token.expand(2, -1, -1), model.patch_embed(x)], dim=1) + model.pos_embed
         assert torch.allclose(tokens, model.blocks[0](embedded, model.grid_size)[:, 1:])
     default = timm.create_model('inline_deit_tiny', features_only=True, **kwargs)
     assert len(default(x)) == 3 and len(default.model.blocks) == 4
@@ -326,7 +329,7 @@ def test_checkpoint_at_another_resolution_resizes_pos_embed(tmp_path):
     assert model.pos_embed.shape == (1, 37, 32)
     assert torch.equal(model.pos_embed[:, :1], old[:, :1])
     assert torch.allclose(model.pos_embed[:, 1:], expected, atol=1e-6)
-    assert torch.equal(model.blocks[1].attn.residual[2].weight, source.blocks[1].attn.residual[2].weight)
+    assert torch.equal(model.blocks[1].attn.mixer.residual[2].weight, source.blocks[1].attn.mixer.residual[2].weight)
     assert model(torch.randn(1, 3, 48, 48)).shape == (1, 10)
 
 

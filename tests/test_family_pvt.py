@@ -9,15 +9,18 @@ import torch.nn.functional as F
 from yacs.config import CfgNode
 
 import models
+from models.attention import list_attentions
 from models.checkpoint import CheckpointError
-from models.attention import FocusedLinearAttention, InLineAttention, SoftmaxAttention
+from models.attention.flatten import FocusedLinearMixer
+from models.attention.inline import InLineMixer
+from models.attention.softmax import SoftmaxMixer
 from models.pvt import PyramidVisionTransformer
 from golden import load_golden
 
 TINY = dict(img_size=64, embed_dims=[16, 32, 64, 128], num_heads=[1, 2, 4, 8], mlp_ratios=[2, 2, 2, 2],
             depths=[1, 1, 1, 1], num_classes=10)
 SIZES = ('tiny', 'small', 'medium', 'large')
-FAMILIES = ('softmax', 'inline', 'flatten', 'multimax', 'sima', 'additive')
+FAMILIES = tuple(list_attentions())
 ALL_NAMES = [f'{family}_pvt_{size}' for family in FAMILIES for size in SIZES]
 DEPTHS = {'tiny': [2, 2, 2, 2], 'small': [3, 4, 6, 3], 'medium': [3, 4, 18, 3], 'large': [3, 8, 27, 3]}
 
@@ -46,8 +49,8 @@ def golden_model(spec: dict) -> PyramidVisionTransformer:
 def test_golden_inline_pvt_iiis_float64_and_float32():
     data = load_golden('inline_pvt_like_IIIS')
     model = golden_model(data['spec']).eval()
-    assert [type(getattr(model, f'block{i}')[0].attn) for i in range(1, 5)] == [InLineAttention] * 3 + [
-        SoftmaxAttention]
+    assert [type(getattr(model, f'block{i}')[0].attn.mixer) for i in range(1, 5)] == [InLineMixer] * 3 + [
+        SoftmaxMixer]
     model.load_state_dict(data['state_dict'], strict=True)
     with torch.no_grad():
         out32 = model(data['input'])
@@ -194,7 +197,7 @@ def test_inline_and_flatten_keys():
     assert [tuple(keys[f'block{i}.0.attn.positional_encoding'].shape) for i in range(1, 5)] == [
         (1, 3136, 64), (1, 784, 128), (1, 196, 320), (1, 49, 512)]
     assert keys['block3.1.attn.dwc.weight'].shape == (64, 1, 5, 5)
-    assert all(isinstance(b.attn, FocusedLinearAttention) for i in range(1, 5) for b in getattr(flatten, f'block{i}'))
+    assert all(isinstance(b.attn.mixer, FocusedLinearMixer) for i in range(1, 5) for b in getattr(flatten, f'block{i}'))
 
 
 def test_flatten_final_norm_is_unused_and_frozen():
@@ -221,9 +224,9 @@ def test_sr_ratios_apply_to_score_forming_and_la_sr_ratios_to_linear_attentions(
 
 def test_flatten_options_reach_only_flatten_attentions():
     flatten = timm.create_model('flatten_pvt_tiny', **dict(TINY, focusing_factor=2, kernel_size=3))
-    assert flatten.block2[0].attn.dwc.kernel_size == (3, 3) and flatten.block2[0].attn.focusing_factor == 2
+    assert flatten.block2[0].attn.mixer.dwc.kernel_size == (3, 3) and flatten.block2[0].attn.mixer.focusing_factor == 2
     inline = timm.create_model('inline_pvt_tiny', **dict(TINY, attn_type='LLIS', kernel_size=3))
-    assert inline.block1[0].attn.dwc.kernel_size == (3, 3) and isinstance(inline.block3[0].attn, InLineAttention)
+    assert inline.block1[0].attn.mixer.dwc.kernel_size == (3, 3) and isinstance(inline.block3[0].attn.mixer, InLineMixer)
 
 
 def test_heads_and_layer_norm_eps():
@@ -451,7 +454,7 @@ def test_checkpoint_at_another_resolution_is_resized(tmp_path, name):
         expected = bicubic(getattr(source, f'pos_embed{i + 1}').detach(), side, new_side, stage_prefix)
         assert torch.allclose(getattr(model, f'pos_embed{i + 1}'), expected, atol=1e-6)
         if name == 'flatten_pvt_tiny':
-            encoding = getattr(source, f'block{i + 1}')[0].attn.positional_encoding.detach()
-            assert torch.allclose(getattr(model, f'block{i + 1}')[0].attn.positional_encoding,
+            encoding = getattr(source, f'block{i + 1}')[0].attn.mixer.positional_encoding.detach()
+            assert torch.allclose(getattr(model, f'block{i + 1}')[0].attn.mixer.positional_encoding,
                                   bicubic(encoding, side, new_side), atol=1e-6)
     assert model(torch.randn(1, 3, 96, 96)).shape == (1, 10)

@@ -14,11 +14,12 @@ import timm
 from yacs.config import CfgNode
 from timm.models.swin_transformer import SwinTransformer as TimmSwin
 
+from models.attention import list_attentions
 from models.checkpoint import CheckpointError
 from models.swin import SwinTransformer, checkpoint_filter_fn
 from golden import load_golden
 
-FLAVOURS = ('inline', 'flatten', 'softmax', 'multimax', 'sima', 'additive')
+FLAVOURS = tuple(list_attentions())
 SIZES = ('tiny', 'small', 'base', 'base_384')
 ALL_NAMES = [f'{f}_swin_{s}' for f in FLAVOURS for s in SIZES]
 
@@ -93,7 +94,7 @@ def test_golden_window_rule_of_the_official_window_size(golden):
                                                if k in ('embed_dim', 'depths', 'num_heads', 'window_size')})
     attns = [[b.attn for b in stage.blocks] for stage in model.layers]
     assert all(a.attention_name == 'flatten' and a.window is None for s in attns[:2] for a in s)
-    assert [a.positional_encoding.shape[1] for a in attns[0] + attns[1]] == [3136, 3136, 784, 784]
+    assert [a.mixer.positional_encoding.shape[1] for a in attns[0] + attns[1]] == [3136, 3136, 784, 784]
     assert [(a.window, a.shift_size) for a in attns[2]] == [((7, 7), 0), ((7, 7), 3)]
     assert [(a.window, a.shift_size, a.bias_window) for a in attns[3]] == [(None, 0, (7, 7))] * 2
     assert attns[2][1].attn_mask.shape == (4, 49, 49)

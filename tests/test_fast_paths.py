@@ -11,9 +11,9 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from models.attention import build_attention
+from models.attention import MixContext, build_attention
 from models.attention.multimax import _Modulation, multimax_attention, multimax_modulation
-from models.attention.softmax import fold_windows, unfold_windows
+from models.attention.softmax import SoftmaxMixer, fold_windows, unfold_windows
 from reference import max_abs_err
 
 SPEC_RANGES = (0.1, 0.2, -0.3, 0.4)
@@ -63,18 +63,18 @@ def test_fold_windows_puts_each_window_in_its_own_heads():
 @pytest.mark.parametrize('with_pos_bias', [True, False])
 @pytest.mark.parametrize('grad', [False, True])
 def test_windowed_softmax_mix_matches_plain_formula(with_pos_bias, grad):
-    """`mix` of (B·nW, n, C) windows, in inference (the fused kernel) and in training (a bias with a gradient,
+    """The softmax mixer on (B·nW, n, C) windows, in inference (the fused kernel) and in training (a bias with a gradient,
     which the fused CPU kernel does not take: the plain formula)."""
     q, k, v, pos_bias, mask = windows(requires_grad=grad)
     pos_bias = pos_bias if with_pos_bias else None
     Bw, heads, n, d = q.shape
-    attn = build_attention('softmax', heads * d, heads).double().train(grad)
+    mixer = SoftmaxMixer(heads * d, heads).double().train(grad)
 
     def tokens(t):
         return t.transpose(1, 2).reshape(Bw, n, heads * d)
 
     with torch.set_grad_enabled(grad):
-        out = attn.mix(tokens(q), tokens(k), tokens(v), (1, n), 0, None, pos_bias, mask)
+        out = mixer(tokens(q), tokens(k), tokens(v), MixContext((1, n), 0, pos_bias, mask))
         scores = plain_scores(q, k, pos_bias) + plain_window_mask(mask, Bw)
         expected = tokens(scores.softmax(dim=-1) @ v)
     assert max_abs_err(out, expected) < 1e-12
@@ -108,7 +108,7 @@ class LargestScoreTensor(TorchDispatchMode):
 def test_windowed_softmax_inference_is_fused_and_its_bias_does_not_grow_with_the_batch(shift):
     heads, grid, window = 2, (8, 8), 4
     n, num_windows = window * window, (8 // window) ** 2
-    attn = build_attention('softmax', 24, heads, grid, window_size=window, shift_size=shift, rel_pos_bias=True).eval()
+    attn = build_attention('softmax', 24, heads, grid, grouping='window', window_size=window, shift_size=shift, rel_pos_bias=True).eval()
     largest = {}
     for batch in (1, 8):
         x = torch.randn(batch, 64, 24)

@@ -1,12 +1,26 @@
-"""Swappable attentions behind one interface: `build_attention(name, dim, num_heads, grid_size)(x, size)`."""
-from .base import Attention, CrossShapedAttention
-from .registry import (
-    build_attention, get_attention_class, is_linear_attention, list_attentions, method_kwargs, register_attention,
+"""Swappable attentions behind one interface: `build_attention(name, dim, num_heads, grid_size, grouping=...)`.
+
+An attention is a grouping (`grouping.py`: global, spatial reduction, shifted windows, cross-shaped stripes) times
+a mixer (one file per method, registered by name). Every module of this package is imported here, so a new
+mixer file registers itself without further edits.
+"""
+import importlib
+import pkgutil
+
+from .layout import Grid
+from .mixer import MixContext, Mixer, autocast_off
+from .grouping import (
+    CrossShapedAttention, GlobalAttention, GroupedAttention, SpatialReductionAttention, StripeBranch,
+    WindowAttention,
 )
-from .softmax import SoftmaxAttention, softmax_attention
-from .multimax import MultiMaxAttention, multimax_attention, multimax_modulation
-from .inline import InLineAttention, inline_attention, inline_local_residual
-from .flatten import FocusedLinearAttention, focused_feature_map, focused_linear_attention
-from .sima import SimAAttention, sima_attention
-from .additive import AdditiveAttention, additive_attention
+from .registry import (
+    GROUPINGS, build_attention, check_attn_kwargs, forms_score_matrix, get_mixer_class, list_attention_options,
+    list_attentions, register_attention,
+)
 from .pattern import stage_attentions
+# The backbones' native attention first, then the others in the order the README presents them; any other
+# module of the package (a new mixer file) registers itself after them.
+from . import softmax, multimax, inline, flatten, sima, additive
+
+for _module in pkgutil.iter_modules(__path__):
+    importlib.import_module(f'{__name__}.{_module.name}')

@@ -5,7 +5,7 @@ Per head j, with d = C / heads channels:
     p_i = k_i ⊙ g_q,
     β = softmax over tokens of key_att(p)_j / √d,     g_k = Σ_i β_i p_i
     u_i = g_k ⊙ v_i,   o_i = transform(u_i) + q_i,
-then the base class's `proj`. The scores of every head come from the full C-channel vectors (`query_att`,
+then the grouping's `proj`. The scores of every head come from the full C-channel vectors (`query_att`,
 `key_att`: Linear(C, heads)). The cost is linear in the number of tokens; no token-by-token matrix is formed.
 
 Departure from the reference code: there the value is the query (parameter sharing); here the value is the
@@ -18,10 +18,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .base import Attention, Grid
+from .layout import Grid
+from .mixer import Mixer, MixContext
 from .registry import register_attention
 
-__all__ = ['additive_pool', 'additive_attention', 'AdditiveAttention']
+__all__ = ['additive_pool', 'additive_attention', 'AdditiveMixer']
 
 
 def additive_pool(x: Tensor, logits: Tensor) -> Tensor:
@@ -61,23 +62,21 @@ def additive_attention(
 
 
 @register_attention('additive')
-class AdditiveAttention(Attention):
-    """Fastformer's additive attention with the groupings of the base class; prefix tokens pool like any token.
+class AdditiveMixer(Mixer):
+    """Fastformer's additive attention; prefix tokens pool like any token.
 
-    Parameters beyond `qkv` and `proj`: `query_att`, `key_att` (Linear(C, heads)) and `transform` (Linear(C, C)).
-    Every query needs its own value, so keys and values cannot come from a reduced map (no `sr_ratio`); there is
-    no score matrix, so a relative position bias and the shifted-window mask do not apply.
+    Parameters: `query_att`, `key_att` (Linear(C, heads)) and `transform` (Linear(C, C)). Every query needs its
+    own value, so keys and values cannot come from a reduced map; there is no score matrix, so no position bias
+    or window mask applies.
     """
-    linear = True
 
-    def __init__(self, dim: int, num_heads: int, *args, **kwargs):
-        super().__init__(dim, num_heads, *args, **kwargs)
+    def __init__(self, dim: int, num_heads: int, group_grid: Optional[Grid] = None, attn_drop: float = 0.):
+        super().__init__(dim, num_heads, group_grid, attn_drop)
         self.query_att = nn.Linear(dim, num_heads)
         self.key_att = nn.Linear(dim, num_heads)
         self.transform = nn.Linear(dim, dim)
 
-    def mix(self, q: Tensor, k: Tensor, v: Tensor, grid: Grid, num_prefix_tokens: int, tokens: Optional[Tensor],
-            pos_bias: Optional[Tensor], mask: Optional[Tensor]) -> Tensor:
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, ctx: MixContext) -> Tensor:
         return additive_attention(
             q, k, v, self.query_att.weight, self.query_att.bias, self.key_att.weight, self.key_att.bias,
             self.transform.weight, self.transform.bias)

@@ -18,10 +18,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .base import Attention, Grid, autocast_off, image_to_tokens, merge_heads, split_heads, tokens_to_image
+from ..checkpoint import resize_grid_embedding
+from .layout import Grid, image_to_tokens, merge_heads, split_heads, tokens_to_image
+from .mixer import Mixer, MixContext, autocast_off
 from .registry import register_attention
 
-__all__ = ['focused_feature_map', 'focused_linear_attention', 'FocusedLinearAttention']
+__all__ = ['focused_feature_map', 'focused_linear_attention', 'FocusedLinearMixer']
 
 def focused_feature_map(x: Tensor, scale: Tensor, focusing_factor: float = 3.) -> Tensor:
     """x: (..., C), scale broadcastable to x -> (..., C) non-negative features φ(x), in float32 at least."""
@@ -48,51 +50,58 @@ def focused_linear_attention(phi_q: Tensor, phi_k: Tensor, v: Tensor, eps: float
 
 
 @register_attention('flatten')
-class FocusedLinearAttention(Attention):
-    """Focused linear attention over a fixed token grid (the window when windowed, else `grid_size`).
+class FocusedLinearMixer(Mixer):
+    """Focused linear attention over a fixed token grid (the window or stripe when grouped, else the whole map).
 
     Parameters: `scale` (1, 1, C) (softplus gives the per-channel temperature), `positional_encoding` (1, T, C)
     added to the keys of the T grid tokens of a group (not to prefix tokens), and `dwc`, a depthwise
-    Conv2d(head_dim, head_dim, kernel_size) applied to every head's V image.
+    Conv2d(head_dim, head_dim, kernel_size) applied to every head's V image. Options: `focusing_factor` (the
+    power p) and `kernel_size`.
     """
-    linear = True
 
     def __init__(
             self,
             dim: int,
             num_heads: int,
-            grid_size: Optional[Grid] = None,
-            qkv_bias: bool = True,
+            group_grid: Optional[Grid] = None,
+            attn_drop: float = 0.,
             *,
             focusing_factor: float = 3,
             kernel_size: int = 5,
-            **kwargs,
     ):
-        super().__init__(dim, num_heads, grid_size, qkv_bias, **kwargs)
+        super().__init__(dim, num_heads, group_grid, attn_drop)
+        if kernel_size < 1 or kernel_size % 2 == 0:
+            raise ValueError(f"flatten attention: kernel_size {kernel_size} must be a positive odd number")
         self.focusing_factor = focusing_factor
         self.kernel_size = kernel_size
-        self.group_grid: Grid = self.window or self._require_grid('the positional encoding')
+        gh, gw = self.require_group_grid('the positional encoding')
         self.scale = nn.Parameter(torch.zeros(1, 1, dim))
-        self.positional_encoding = nn.Parameter(torch.zeros(1, self.group_grid[0] * self.group_grid[1], dim))
+        self.positional_encoding = nn.Parameter(torch.zeros(1, gh * gw, dim))
         self.dwc = nn.Conv2d(self.head_dim, self.head_dim, kernel_size, padding=kernel_size // 2, groups=self.head_dim)
 
     def extra_repr(self) -> str:
-        return f'{super().extra_repr()}, focusing_factor={self.focusing_factor}, kernel_size={self.kernel_size}'
+        return f'focusing_factor={self.focusing_factor}, kernel_size={self.kernel_size}'
 
-    def mix(self, q: Tensor, k: Tensor, v: Tensor, grid: Grid, num_prefix_tokens: int, tokens: Optional[Tensor],
-            pos_bias: Optional[Tensor], mask: Optional[Tensor]) -> Tensor:
+    def adapt_loaded_tensor(self, name: str, tensor: Tensor) -> Tensor:
+        """A positional encoding of another square grid, resized bicubically to this mixer's grid."""
+        if name == 'positional_encoding' and tensor.shape[-1] == self.dim:
+            return resize_grid_embedding(tensor, self.group_grid)
+        return tensor
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, ctx: MixContext) -> Tensor:
+        grid, num_prefix = ctx.grid, ctx.num_prefix_tokens
         if tuple(grid) != self.group_grid:
             gh, gw = self.group_grid
             raise ValueError(f"flatten attention: input grid {grid[0]}x{grid[1]} does not match the {gh}x{gw} grid "
                              f"its positional_encoding of {gh * gw} tokens was built for")
         h = self.num_heads
-        k = k + F.pad(self.positional_encoding, (0, 0, num_prefix_tokens, 0))
+        k = k + F.pad(self.positional_encoding, (0, 0, num_prefix, 0))
         phi_q = focused_feature_map(q, self.scale, self.focusing_factor)
         phi_k = focused_feature_map(k, self.scale, self.focusing_factor)
         out = merge_heads(focused_linear_attention(split_heads(phi_q, h), split_heads(phi_k, h), split_heads(v, h)))
         B, n, C = v.shape
-        v_image = tokens_to_image(v[:, num_prefix_tokens:], grid).reshape(B * h, self.head_dim, *grid)
-        local = image_to_tokens(self.dwc(v_image).reshape(B, C, *grid))
-        if num_prefix_tokens:
-            local = F.pad(local, (0, 0, num_prefix_tokens, 0))
+        v_image = tokens_to_image(v[:, num_prefix:], grid).reshape(B * h, self.head_dim, grid[0], grid[1])
+        local = image_to_tokens(self.dwc(v_image).reshape(B, C, grid[0], grid[1]))
+        if num_prefix:
+            local = F.pad(local, (0, 0, num_prefix, 0))
         return out + local

@@ -14,10 +14,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .base import Attention, Grid, image_to_tokens, merge_heads, split_heads
+from .layout import Grid, image_to_tokens, merge_heads, split_heads
+from .mixer import Mixer, MixContext
 from .registry import register_attention
 
-__all__ = ['inline_attention', 'inline_local_residual', 'InLineAttention']
+__all__ = ['inline_attention', 'inline_local_residual', 'InLineMixer']
 
 
 def inline_attention(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
@@ -46,18 +47,17 @@ def inline_local_residual(v: Tensor, kernels: Tensor) -> Tensor:
 
 
 @register_attention('inline')
-class InLineAttention(Attention):
+class InLineMixer(Mixer):
     """Injective linear attention plus the local residual (`residual`: token mean -> 3×3 kernels per channel).
 
     `residual` maps the (C,) mean token of a group through two 1×1 convolutions grouped by head to 9C values;
     value 9c + 3u + w is tap (u, w) of channel c's kernel. The mean covers prefix tokens, the convolution and
     its addition only the grid tokens.
     """
-    linear = True
-    uses_tokens = True
+    needs_tokens = True
 
-    def __init__(self, dim: int, num_heads: int, grid_size: Optional[Grid] = None, qkv_bias: bool = True, **kwargs):
-        super().__init__(dim, num_heads, grid_size, qkv_bias, **kwargs)
+    def __init__(self, dim: int, num_heads: int, group_grid: Optional[Grid] = None, attn_drop: float = 0.):
+        super().__init__(dim, num_heads, group_grid, attn_drop)
         self.residual = nn.Sequential(
             nn.Conv1d(dim, dim, kernel_size=1, groups=num_heads),
             nn.GELU(),
@@ -68,18 +68,19 @@ class InLineAttention(Attention):
         """tokens: (B', n, C) -> (B', C, 3, 3) kernels predicted from the mean token."""
         return self.residual(tokens.mean(dim=1).unsqueeze(-1)).view(-1, self.dim, 3, 3)
 
-    def mix(self, q: Tensor, k: Tensor, v: Tensor, grid: Grid, num_prefix_tokens: int, tokens: Optional[Tensor],
-            pos_bias: Optional[Tensor], mask: Optional[Tensor]) -> Tensor:
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, ctx: MixContext) -> Tensor:
+        tokens = ctx.tokens
         if tokens is None:
-            raise ValueError("inline attention: mix needs the attention input `tokens` of the group, got None")
+            raise ValueError("inline attention needs the grouped attention input (MixContext.tokens), got None")
         h = self.num_heads
         out = merge_heads(inline_attention(split_heads(q, h), split_heads(k, h), split_heads(v, h),
                                            self.head_dim ** -0.5))
         # v is a view into the projection output: one explicit copy to a dense NCHW image is cheaper than
         # convolving the strided view or a channels-last copy
         B, n, C = v.shape
-        image = v[:, num_prefix_tokens:].transpose(1, 2).contiguous().view(B, C, *grid)
+        num_prefix = ctx.num_prefix_tokens
+        image = v[:, num_prefix:].transpose(1, 2).contiguous().view(B, C, ctx.grid[0], ctx.grid[1])
         local = image_to_tokens(inline_local_residual(image, self.residual_kernels(tokens)))
-        if num_prefix_tokens:
-            return torch.cat([out[:, :num_prefix_tokens], out[:, num_prefix_tokens:] + local], dim=1)
+        if num_prefix:
+            return torch.cat([out[:, :num_prefix], out[:, num_prefix:] + local], dim=1)
         return out + local

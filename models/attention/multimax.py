@@ -24,16 +24,17 @@ from torch import Tensor, nn
 
 from timm.layers import trunc_normal_
 
-from .base import Grid, autocast_off, merge_heads, split_heads
+from .layout import Grid, merge_heads, split_heads
+from .mixer import MixContext, autocast_off
 from .registry import register_attention
-from .softmax import SoftmaxAttention
+from .softmax import SoftmaxMixer
 
 try:
     from torch.nn.attention.flex_attention import AuxRequest, flex_attention
 except ImportError:  # older torch: the plain path everywhere
     AuxRequest = flex_attention = None
 
-__all__ = ['multimax_modulation', 'multimax_attention', 'MultiMaxAttention']
+__all__ = ['multimax_modulation', 'multimax_attention', 'MultiMaxMixer']
 
 
 def multimax_modulation(x: Tensor, ranges: Tensor, ts: Tensor) -> Tensor:
@@ -325,19 +326,18 @@ def _multimax_flex(q: Tensor, k: Tensor, v: Tensor, ranges: Tensor, ts: Tensor, 
 
 
 @register_attention('multimax')
-class MultiMaxAttention(SoftmaxAttention):
-    """Softmax attention whose scores pass through the learned MultiMax modulation first."""
+class MultiMaxMixer(SoftmaxMixer):
+    """Softmax attention whose scores pass through the learned MultiMax modulation first (`ranges`, `ts`)."""
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(self, dim: int, num_heads: int, group_grid: Optional[Grid] = None, attn_drop: float = 0.):
+        super().__init__(dim, num_heads, group_grid, attn_drop)
         self.ranges = nn.Parameter(torch.zeros(4))
         self.ts = nn.Parameter(torch.zeros(4))
         trunc_normal_(self.ranges, std=.02)
         trunc_normal_(self.ts, std=.02)
 
-    def mix(self, q: Tensor, k: Tensor, v: Tensor, grid: Grid, num_prefix_tokens: int, tokens: Optional[Tensor],
-            pos_bias: Optional[Tensor], mask: Optional[Tensor]) -> Tensor:
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, ctx: MixContext) -> Tensor:
         h = self.num_heads
         out = multimax_attention(split_heads(q, h), split_heads(k, h), split_heads(v, h), self.ranges, self.ts,
-                                 pos_bias, mask, self.attn_drop if self.training else 0.)
+                                 ctx.pos_bias, ctx.mask, self.attn_drop if self.training else 0.)
         return merge_heads(out)

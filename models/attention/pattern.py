@@ -1,7 +1,7 @@
 """Which attention each block of a staged backbone gets, from a name, a list or an official pattern string."""
-from typing import List, Sequence, Union
+from typing import List, Optional, Sequence, Union
 
-from .registry import get_attention_class, list_attentions
+from .registry import get_mixer_class, list_attentions
 
 __all__ = ['PATTERN_LETTERS', 'stage_attentions']
 
@@ -19,14 +19,14 @@ def _pattern_error(attn_type: str, num_stages: int, why: str) -> ValueError:
 def stage_attentions(
         attn_type: Union[str, Sequence[str]],
         depths: Sequence[int],
-        mixed_linear: str = 'inline',
+        mixed_linear: Optional[str] = None,
 ) -> List[List[str]]:
     """Per stage, the attention name of every block.
 
     `attn_type` is one registered name for every block, a list with one name per stage, or a pattern string with
     one letter per stage: 'I' InLine, 'L' FLatten, 'S' softmax, and 'M' for a stage whose first m blocks use the
-    pattern's linear attention (its I or L, else `mixed_linear`) and the rest softmax, m being the number after the
-    letters ('IIMS2': stage 3 has 2 InLine blocks, then softmax).
+    pattern's linear attention (its I or L, else `mixed_linear`, a name or letter, by default InLine) and the rest
+    softmax, m being the number after the letters ('IIMS2': stage 3 has 2 InLine blocks, then softmax).
     """
     num_stages = len(depths)
     if isinstance(attn_type, str):
@@ -42,7 +42,7 @@ def stage_attentions(
         linear = [PATTERN_LETTERS[c] for c in letters if c in 'IL']
         if len(set(linear)) > 1 and 'M' in letters:
             raise _pattern_error(attn_type, num_stages, 'an M stage is ambiguous with both I and L stages')
-        mixed = linear[0] if linear else mixed_linear
+        mixed = linear[0] if linear else PATTERN_LETTERS.get(mixed_linear or 'I', mixed_linear)
         stages = []
         for letter, depth in zip(letters, depths):
             if letter == 'M':
@@ -55,5 +55,5 @@ def stage_attentions(
     if len(names) != num_stages:
         raise _pattern_error(str(names), num_stages, f'{len(names)} names for {num_stages} stages')
     for name in names:
-        get_attention_class(name)
+        get_mixer_class(name)
     return [[name] * d for name, d in zip(names, depths)]

@@ -1,25 +1,43 @@
-"""The attention registry: one name per attention, one builder for every backbone."""
-import inspect
-from typing import Any, Callable, Dict, List, Optional, Tuple, Type, TypeVar
+"""The attention registry: one name per mixer, one builder that joins any mixer with any grouping.
 
-from .base import Attention, CrossShapedAttention
+The registry is the single list of attentions: families build every block from it, and the entrypoints, the
+benchmark, the zoo table and the tests iterate it.
+"""
+import inspect
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Type, TypeVar
+
+from .grouping import (
+    CrossShapedAttention, GlobalAttention, GroupedAttention, SpatialReductionAttention, WindowAttention,
+)
+from .layout import Grid
+from .mixer import Mixer
 
 __all__ = [
-    'register_attention', 'build_attention', 'list_attentions', 'get_attention_class', 'is_linear_attention',
-    'method_kwargs',
+    'register_attention', 'build_attention', 'list_attentions', 'get_mixer_class', 'forms_score_matrix',
+    'list_attention_options', 'check_attn_kwargs', 'GROUPINGS',
 ]
 
-_ATTENTIONS: Dict[str, Type[Attention]] = {}
+_MIXERS: Dict[str, Type[Mixer]] = {}
 
-T = TypeVar('T', bound=Type[Attention])
+# How tokens can be grouped, by name; `build_attention(grouping=...)` passes its keywords to the class.
+GROUPINGS: Dict[str, Type[GroupedAttention]] = {
+    'global': GlobalAttention,
+    'reduction': SpatialReductionAttention,
+    'window': WindowAttention,
+    'stripes': CrossShapedAttention,
+}
+
+T = TypeVar('T', bound=Type[Mixer])
 
 
 def register_attention(name: str) -> Callable[[T], T]:
-    """Class decorator that makes an `Attention` subclass buildable by `name`."""
+    """Class decorator that makes a `Mixer` subclass buildable by `name` in every grouping and family."""
     def wrap(cls: T) -> T:
-        if name in _ATTENTIONS:
-            raise ValueError(f"attention {name!r} is already registered by {_ATTENTIONS[name].__name__}")
-        _ATTENTIONS[name] = cls
+        if name in _MIXERS:
+            raise ValueError(f"attention {name!r} is already registered by {_MIXERS[name].__name__}")
+        if not issubclass(cls, Mixer):
+            raise TypeError(f"attention {name!r}: {cls.__name__} must subclass models.attention.Mixer")
+        _MIXERS[name] = cls
         cls.attention_name = name
         return cls
     return wrap
@@ -27,52 +45,74 @@ def register_attention(name: str) -> Callable[[T], T]:
 
 def list_attentions() -> List[str]:
     """Names of the registered attentions, in registration order."""
-    return list(_ATTENTIONS)
+    return list(_MIXERS)
 
 
-def get_attention_class(name: str) -> Type[Attention]:
-    """The class registered as `name`; an unknown name raises `ValueError` listing the valid ones."""
+def get_mixer_class(name: str) -> Type[Mixer]:
+    """The mixer class registered as `name`; an unknown name raises `ValueError` listing the valid ones."""
     try:
-        return _ATTENTIONS[name]
+        return _MIXERS[name]
     except (KeyError, TypeError):
-        raise ValueError(f"unknown attention {name!r}; expected one of {', '.join(_ATTENTIONS)}") from None
+        raise ValueError(f"unknown attention {name!r}; expected one of {', '.join(_MIXERS)}") from None
 
 
-def is_linear_attention(name: str) -> bool:
-    """True when the attention's cost is linear in the number of tokens (it forms no score matrix)."""
-    return get_attention_class(name).linear
+def forms_score_matrix(name: str) -> bool:
+    """True when attention `name` forms a score matrix, so its cost grows with the square of the tokens of a group."""
+    return get_mixer_class(name).forms_scores
 
 
-def method_kwargs(name: str, **options: Any) -> Dict[str, Any]:
-    """The `options` that attention `name`'s constructor takes by name (FLatten's `focusing_factor`, ...).
+def list_attention_options() -> Dict[str, List[str]]:
+    """Every method option any registered attention takes, with the attentions that take it."""
+    options: Dict[str, List[str]] = {}
+    for name, cls in _MIXERS.items():
+        for option in cls.option_names():
+            options.setdefault(option, []).append(name)
+    return options
 
-    A backbone offers every block the same method options; each attention gets only those it knows.
-    """
-    params = inspect.signature(get_attention_class(name).__init__).parameters
-    return {key: value for key, value in options.items() if key in params}
+
+def check_attn_kwargs(names: Iterable[str], attn_kwargs: Optional[Mapping[str, Any]]) -> Dict[str, Any]:
+    """`attn_kwargs` as a dict, or a ValueError naming an option that none of the attentions `names` takes."""
+    attn_kwargs = dict(attn_kwargs or {})
+    names = sorted(set(names))
+    taken = {option for name in names for option in get_mixer_class(name).option_names()}
+    unknown = [key for key in attn_kwargs if key not in taken]
+    if unknown:
+        raise ValueError(f"attn_kwargs {unknown[0]!r} is not an option of the model's attention ({', '.join(names)}); "
+                         f"expected one of: {', '.join(sorted(taken)) or 'none (they take no options)'}")
+    return attn_kwargs
 
 
 def build_attention(
         name: str,
         dim: int,
         num_heads: int,
-        grid_size: Optional[Tuple[int, int]] = None,
+        grid_size: Optional[Grid] = None,
         qkv_bias: bool = True,
         *,
-        split_size: Optional[int] = None,
-        **kwargs,
-) -> Attention:
-    """Build attention `name` for `dim` channels and `num_heads` heads over a `grid_size` = (H, W) token grid.
+        grouping: str = 'global',
+        attn_kwargs: Optional[Mapping[str, Any]] = None,
+        attn_drop: float = 0.,
+        proj_drop: float = 0.,
+        **grouping_kwargs: Any,
+) -> GroupedAttention:
+    """Attention `name` in `grouping`, for `dim` channels and `num_heads` heads over a `grid_size` = (H, W) grid.
 
-    The module's forward is `attn(x, size)` with `x` of shape (B, N, C) whose last H*W tokens form the grid
-    `size` = (H, W); the result has shape (B, N, C). Without further arguments the attention is global.
+    The module's forward is `attn(x, size)` with `x` (B, N, C) whose last H*W tokens form the grid `size` = (H, W);
+    the result has shape (B, N, C).
 
-    Grouping keywords (see `Attention`): `qkv_layout`, `sr_ratio`, `window_size`, `shift_size`, `rel_pos_bias`,
-    `lepe`. `split_size` builds CSwin's cross-shaped stripes: the channels are split into two branches attending
-    within vertical and horizontal stripes of that width, or one global branch when the stripes cover the grid.
-    Method keywords (`focusing_factor`, `kernel_size`, ...) go to the attention class.
+    Groupings and their keywords: 'global' (prefix tokens allowed), 'reduction' (`sr_ratio`), 'window'
+    (`window_size`, `shift_size`, `rel_pos_bias`), 'stripes' (`split_size`). `attn_kwargs` holds method options;
+    the mixer takes those it declares, so one dict serves models that mix several attentions.
     """
-    cls = get_attention_class(name)
-    if split_size is not None:
-        return CrossShapedAttention(cls, dim, num_heads, grid_size, qkv_bias, split_size=split_size, **kwargs)
-    return cls(dim, num_heads, grid_size, qkv_bias, **kwargs)
+    cls = get_mixer_class(name)
+    try:
+        grouping_cls = GROUPINGS[grouping]
+    except (KeyError, TypeError):
+        raise ValueError(f"unknown grouping {grouping!r}; expected one of {', '.join(GROUPINGS)}") from None
+    params = inspect.signature(grouping_cls.__init__).parameters
+    for key in grouping_kwargs:
+        if key not in params or key in ('mixer_cls', 'mixer_options'):
+            keywords = [p for p in params if params[p].kind is inspect.Parameter.KEYWORD_ONLY and p != 'mixer_options']
+            raise ValueError(f"grouping {grouping!r} takes no keyword {key!r}; expected one of {', '.join(keywords)}")
+    return grouping_cls(cls, dim, num_heads, grid_size, qkv_bias, mixer_options=cls.take_options(attn_kwargs),
+                        attn_drop=attn_drop, proj_drop=proj_drop, **grouping_kwargs)

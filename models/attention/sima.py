@@ -5,15 +5,14 @@ as `F.normalize(p=1, dim=-2)` does); there is no scale, no softmax and no score 
 cheaper order for the shapes, (Q̂K̂ᵀ)V when the group has fewer tokens than a head has channels, else Q̂(K̂ᵀV): the
 two are equal, only their cost differs. Prefix tokens (a class token) are normalised with the grid tokens.
 """
-from typing import Optional
-
 import torch
 from torch import Tensor
 
-from .base import Attention, Grid, merge_heads, split_heads
+from .layout import merge_heads, split_heads
+from .mixer import Mixer, MixContext
 from .registry import register_attention
 
-__all__ = ['l1_normalize_tokens', 'sima_attention', 'SimAAttention']
+__all__ = ['l1_normalize_tokens', 'sima_attention', 'SimAMixer']
 
 
 def l1_normalize_tokens(x: Tensor, eps: float = 1e-12) -> Tensor:
@@ -35,15 +34,10 @@ def sima_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
 
 
 @register_attention('sima')
-class SimAAttention(Attention):
-    """SimA with the groupings of the base class; no parameters beyond `qkv` (or `q`, `kv`) and `proj`.
+class SimAMixer(Mixer):
+    """SimA; no parameters of its own. It forms no score matrix, so no position bias or window mask applies."""
+    reduces_keys = True
 
-    It forms no score matrix, so a relative position bias and the shifted-window mask do not apply.
-    """
-    linear = True
-    supports_reduction = True
-
-    def mix(self, q: Tensor, k: Tensor, v: Tensor, grid: Grid, num_prefix_tokens: int, tokens: Optional[Tensor],
-            pos_bias: Optional[Tensor], mask: Optional[Tensor]) -> Tensor:
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, ctx: MixContext) -> Tensor:
         h = self.num_heads
         return merge_heads(sima_attention(split_heads(q, h), split_heads(k, h), split_heads(v, h)))

@@ -12,10 +12,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .base import Attention, Grid, merge_heads, split_heads
+from .layout import merge_heads, split_heads
+from .mixer import Mixer, MixContext
 from .registry import register_attention
 
-__all__ = ['softmax_attention', 'window_bias', 'fold_windows', 'unfold_windows', 'SoftmaxAttention']
+__all__ = ['softmax_attention', 'window_bias', 'fold_windows', 'unfold_windows', 'SoftmaxMixer']
 
 
 def softmax_attention(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor] = None, dropout_p: float = 0.) -> Tensor:
@@ -51,18 +52,19 @@ def unfold_windows(x: Tensor, num_heads: int) -> Tensor:
 
 
 @register_attention('softmax')
-class SoftmaxAttention(Attention):
-    """Scaled dot-product attention with the groupings of DeiT, PVT, Swin and CSwin."""
-    supports_reduction = True
+class SoftmaxMixer(Mixer):
+    """Scaled dot-product attention; no parameters of its own."""
+    forms_scores = True
+    accepts_score_bias = True
+    reduces_keys = True
 
-    def mix(self, q: Tensor, k: Tensor, v: Tensor, grid: Grid, num_prefix_tokens: int, tokens: Optional[Tensor],
-            pos_bias: Optional[Tensor], mask: Optional[Tensor]) -> Tensor:
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, ctx: MixContext) -> Tensor:
         h = self.num_heads
         q, k, v = split_heads(q, h), split_heads(k, h), split_heads(v, h)
         dropout_p = self.attn_drop if self.training else 0.
-        if mask is None:
-            return merge_heads(softmax_attention(q, k, v, pos_bias, dropout_p))
-        nW = mask.shape[0]
+        if ctx.mask is None:
+            return merge_heads(softmax_attention(q, k, v, ctx.pos_bias, dropout_p))
+        nW = ctx.mask.shape[0]
         out = softmax_attention(fold_windows(q, nW), fold_windows(k, nW), fold_windows(v, nW),
-                                window_bias(pos_bias, mask, h), dropout_p)
+                                window_bias(ctx.pos_bias, ctx.mask, h), dropout_p)
         return merge_heads(unfold_windows(out, h))

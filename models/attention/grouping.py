@@ -1,0 +1,411 @@
+"""The grouping half of an attention: which tokens attend to which, and the projections and tables that go with it.
+
+Every grouping owns the query/key/value and output projections, builds its mixer for the grid of one group, and
+calls it on grouped q, k, v with a `MixContext`:
+
+- `GlobalAttention`: every token with every other, prefix tokens (a class token) included (DeiT);
+- `SpatialReductionAttention`: separate `q` and `kv` projections, keys and values optionally from a strided
+  convolution `sr` and LayerNorm `norm` of the map (PVT);
+- `WindowAttention`: (shifted) windows with a relative position bias and the shifted-window mask for mixers that
+  accept a score bias (Swin);
+- `CrossShapedAttention`: one `qkv`, the channels split into vertical and horizontal stripe branches
+  (`StripeBranch`), each with a locally-enhanced positional encoding `get_v` (CSwin).
+
+The mixer's state-dict entries stand at the grouping's level (`attn.ranges`, not `attn.mixer.ranges`), which is
+where the official checkpoints keep them.
+"""
+from typing import Any, Dict, List, Mapping, Optional, Tuple, Type, Union
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from timm.layers import trunc_normal_
+
+from ..checkpoint import resize_rel_pos_bias_table
+from .layout import (
+    Grid, image_to_tokens, relative_position_index, roll_tokens, shifted_window_mask, tokens_to_image,
+    window_partition, window_reverse,
+)
+from .mixer import Mixer, MixContext
+
+__all__ = [
+    'MixerHost', 'GroupedAttention', 'GlobalAttention', 'SpatialReductionAttention', 'WindowAttention',
+    'StripeBranch', 'CrossShapedAttention',
+]
+
+
+def _lift_mixer_keys(module: 'MixerHost', state_dict: Dict[str, Any], prefix: str, local_metadata: Any) -> None:
+    """State-dict post-hook: `prefix.mixer.x` -> `prefix.x`, in the order of one module that owned both parts
+    (the official order): parameters, then buffers, then submodules, each the host's before the mixer's."""
+    mixer = module.mixer
+
+    def rank(key: str) -> int:
+        rest = key[len(prefix):]
+        if rest.startswith('mixer.'):
+            name = rest[len('mixer.'):]
+            return 5 if '.' in name else 1 if name in mixer._parameters else 3
+        return 4 if '.' in rest else 0 if rest in module._parameters else 2
+
+    # This module's entries are the last ones written: re-inserting them keeps them where they were.
+    segment = [k for k in state_dict if k.startswith(prefix)]
+    entries = {k: state_dict.pop(k) for k in segment}
+    for key in sorted(segment, key=rank):
+        lifted = prefix + key[len(prefix) + len('mixer.'):] if key.startswith(prefix + 'mixer.') else key
+        state_dict[lifted] = entries[key]
+
+
+def _sink_mixer_keys(module: 'MixerHost', state_dict: Dict[str, Any], prefix: str, *args: Any) -> None:
+    """Load-state-dict pre-hook: `prefix.x` -> `prefix.mixer.x` for the names the mixer owns."""
+    for key in [k for k in state_dict if k.startswith(prefix)]:
+        if key[len(prefix):].split('.', 1)[0] in module.mixer_keys:
+            state_dict[prefix + 'mixer.' + key[len(prefix):]] = state_dict.pop(key)
+
+
+class MixerHost(nn.Module):
+    """A module holding a `mixer` whose state-dict entries stand at this module's level."""
+
+    @property
+    def attention_name(self) -> str:
+        return self.mixer.attention_name
+
+    def mount(self, mixer: Mixer) -> None:
+        """Register `mixer` last, so that its entries follow this module's own, as in the official layouts."""
+        own = set(self._parameters) | set(self._buffers) | set(self._modules)
+        names = frozenset(key.split('.', 1)[0] for key in mixer.state_dict())
+        if own & names:
+            raise ValueError(f"{type(mixer).__name__} names {sorted(own & names)} clash with {type(self).__name__}'s")
+        self.mixer = mixer
+        self.mixer_keys = names
+        self.needs_tokens = mixer.needs_tokens
+        self.register_state_dict_post_hook(_lift_mixer_keys)
+        self.register_load_state_dict_pre_hook(_sink_mixer_keys)
+
+
+class GroupedAttention(MixerHost):
+    """What every grouping shares: its mixer's name and heads, the output projection, the token-count check."""
+
+    def __init__(self, dim: int, num_heads: int, grid_size: Optional[Grid]):
+        super().__init__()
+        self.dim = dim
+        self.num_heads = num_heads
+        self.grid_size: Optional[Grid] = None if grid_size is None else tuple(grid_size)
+
+    def _finish(self, mixer: Mixer, proj_drop: float) -> None:
+        self.proj = nn.Linear(self.dim, self.dim)
+        self.proj_drop = nn.Dropout(proj_drop)
+        self.mount(mixer)
+
+    def _require_grid(self, what: str) -> Grid:
+        if self.grid_size is None:
+            raise ValueError(f"{type(self).__name__}: {what} needs grid_size=(H, W)")
+        return self.grid_size
+
+    def _output(self, x: Tensor) -> Tensor:
+        return self.proj_drop(self.proj(x))
+
+    def extra_repr(self) -> str:
+        return f'dim={self.dim}, num_heads={self.num_heads}'
+
+
+def _prefix_tokens(size: Grid, num_tokens: int) -> int:
+    """The number of tokens before the `size` grid; a ValueError when there are too few tokens for it."""
+    num_prefix = num_tokens - size[0] * size[1]
+    if num_prefix < 0:
+        raise ValueError(f"{num_tokens} tokens cannot hold a {size[0]}x{size[1]} grid")
+    return num_prefix
+
+
+def _tokens(needs_tokens: bool, x: Tensor, block_input: Optional[Tensor]) -> Optional[Tensor]:
+    """The tokens a mixer that needs them summarises: the block input when the family gives it, else x."""
+    if not needs_tokens:
+        return None
+    return x if block_input is None else block_input
+
+
+class GlobalAttention(GroupedAttention):
+    """All tokens attend to all: `qkv` Linear(C, 3C), the mixer, `proj`.
+
+    `attn(x, size)`: x (B, N, C) whose last H*W tokens form the grid `size`, the others prefix tokens -> (B, N, C).
+    """
+
+    def __init__(
+            self,
+            mixer_cls: Type[Mixer],
+            dim: int,
+            num_heads: int,
+            grid_size: Optional[Grid] = None,
+            qkv_bias: bool = True,
+            *,
+            mixer_options: Optional[Mapping[str, Any]] = None,
+            attn_drop: float = 0.,
+            proj_drop: float = 0.,
+    ):
+        super().__init__(dim, num_heads, grid_size)
+        self.qkv = nn.Linear(dim, dim * 3, bias=qkv_bias)
+        self._finish(mixer_cls(dim, num_heads, self.grid_size, attn_drop=attn_drop, **(mixer_options or {})),
+                     proj_drop)
+
+    def forward(self, x: Tensor, size: Grid, block_input: Optional[Tensor] = None) -> Tensor:
+        ctx = MixContext(size, _prefix_tokens(size, x.shape[1]), tokens=_tokens(self.needs_tokens, x, block_input))
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        return self._output(self.mixer(q, k, v, ctx))
+
+
+class SpatialReductionAttention(GroupedAttention):
+    """PVT's attention: `q` Linear(C, C) and `kv` Linear(C, 2C), keys and values from the map reduced by a
+    stride-`sr_ratio` convolution `sr` and a LayerNorm `norm` when `sr_ratio` > 1 (mixers that take reduced keys
+    only), then the mixer and `proj`. Prefix tokens are allowed without reduction.
+    """
+
+    def __init__(
+            self,
+            mixer_cls: Type[Mixer],
+            dim: int,
+            num_heads: int,
+            grid_size: Optional[Grid] = None,
+            qkv_bias: bool = True,
+            *,
+            sr_ratio: int = 1,
+            mixer_options: Optional[Mapping[str, Any]] = None,
+            attn_drop: float = 0.,
+            proj_drop: float = 0.,
+    ):
+        super().__init__(dim, num_heads, grid_size)
+        if sr_ratio < 1:
+            raise ValueError(f"sr_ratio {sr_ratio} must be a positive integer")
+        if sr_ratio > 1 and not mixer_cls.reduces_keys:
+            raise ValueError(f"{mixer_cls.attention_name} attention takes no reduced keys: sr_ratio {sr_ratio} needs "
+                             f"an attention that supports them (sr_ratio=1 expected)")
+        self.sr_ratio = sr_ratio
+        self.q = nn.Linear(dim, dim, bias=qkv_bias)
+        self.kv = nn.Linear(dim, dim * 2, bias=qkv_bias)
+        if sr_ratio > 1:
+            self._require_grid('sr_ratio')
+            self.sr = nn.Conv2d(dim, dim, kernel_size=sr_ratio, stride=sr_ratio)
+            self.norm = nn.LayerNorm(dim)
+        self._finish(mixer_cls(dim, num_heads, self.grid_size, attn_drop=attn_drop, **(mixer_options or {})),
+                     proj_drop)
+
+    def extra_repr(self) -> str:
+        return f'{super().extra_repr()}, sr_ratio={self.sr_ratio}'
+
+    def forward(self, x: Tensor, size: Grid, block_input: Optional[Tensor] = None) -> Tensor:
+        num_prefix = _prefix_tokens(size, x.shape[1])
+        ctx = MixContext(size, num_prefix, tokens=_tokens(self.needs_tokens, x, block_input))
+        q = self.q(x)
+        if self.sr_ratio > 1:
+            if num_prefix:
+                raise ValueError(f"spatial reduction does not support prefix tokens, got {num_prefix} before the "
+                                 f"{size[0]}x{size[1]} grid")
+            x = self.norm(image_to_tokens(self.sr(tokens_to_image(x, size))))
+        k, v = self.kv(x).chunk(2, dim=-1)
+        return self._output(self.mixer(q, k, v, ctx))
+
+
+def _resolve_window(grid: Grid, window_size: Union[int, Grid], shift_size: int) -> Tuple[Optional[Grid], int]:
+    """(window, shift) for a grid, None for one window covering the grid (unshifted).
+
+    A square `window_size` as large as the grid's short side means the whole grid, as Swin clamps it.
+    """
+    H, W = grid
+    if isinstance(window_size, int):
+        if min(H, W) <= window_size:
+            window_size, shift_size = min(H, W), 0
+        window = (window_size, window_size)
+    else:
+        window = tuple(window_size)
+    if min(window) < 1 or H % window[0] or W % window[1]:
+        raise ValueError(f"grid {H}x{W} does not divide into windows of {window[0]}x{window[1]}")
+    if not 0 <= shift_size < min(window):
+        raise ValueError(f"shift_size {shift_size} must be in [0, {min(window)})")
+    if window == (H, W):
+        return None, 0
+    return window, shift_size
+
+
+def _check_windowed(size: Grid, num_tokens: int, grid: Grid) -> None:
+    """A ValueError unless the tokens are exactly the `grid` the windows or stripes were built for."""
+    H, W = size
+    if size != grid:
+        raise ValueError(f"input grid {H}x{W} does not match the {grid[0]}x{grid[1]} grid this windowed attention "
+                         f"was built for")
+    num_prefix = _prefix_tokens(size, num_tokens)
+    if num_prefix:
+        raise ValueError(f"windowed attention does not support prefix tokens, got {num_prefix} before the {H}x{W} "
+                         f"grid")
+
+
+class WindowAttention(GroupedAttention):
+    """Swin's (shifted) window attention: `qkv`, a relative position bias and the shifted-window mask for mixers
+    that accept a score bias, the mixer on every window, `proj`.
+
+    `window_size` is an int for square windows (clamped to the grid: as large as its short side means one
+    unshifted window over the whole grid) or (wh, ww); odd blocks shift by `shift_size`. Mixers that take no
+    score bias get neither the bias table nor the mask, but the same windows and shift.
+    """
+
+    def __init__(
+            self,
+            mixer_cls: Type[Mixer],
+            dim: int,
+            num_heads: int,
+            grid_size: Grid,
+            qkv_bias: bool = True,
+            *,
+            window_size: Union[int, Grid],
+            shift_size: int = 0,
+            rel_pos_bias: bool = True,
+            mixer_options: Optional[Mapping[str, Any]] = None,
+            attn_drop: float = 0.,
+            proj_drop: float = 0.,
+    ):
+        super().__init__(dim, num_heads, grid_size)
+        grid = self._require_grid('window_size')
+        self.window, self.shift_size = _resolve_window(grid, window_size, shift_size)
+        group_grid = self.window or grid
+        self.qkv = nn.Linear(dim, dim * 3, bias=qkv_bias)
+        self.bias_window: Optional[Grid] = None
+        if rel_pos_bias and mixer_cls.accepts_score_bias:
+            self.bias_window = group_grid
+            wh, ww = group_grid
+            self.relative_position_bias_table = nn.Parameter(torch.zeros((2 * wh - 1) * (2 * ww - 1), num_heads))
+            trunc_normal_(self.relative_position_bias_table, std=.02)
+            self.register_buffer('relative_position_index', relative_position_index(group_grid), persistent=False)
+        if self.shift_size and mixer_cls.accepts_score_bias:
+            self.register_buffer('attn_mask', shifted_window_mask(grid, self.window, self.shift_size), persistent=False)
+        else:
+            self.attn_mask = None
+        self._finish(mixer_cls(dim, num_heads, group_grid, attn_drop=attn_drop, **(mixer_options or {})), proj_drop)
+
+    def extra_repr(self) -> str:
+        parts = [super().extra_repr()]
+        if self.window is not None:
+            parts.append(f'window={self.window}')
+        if self.shift_size:
+            parts.append(f'shift={self.shift_size}')
+        return ', '.join(parts)
+
+    def relative_position_bias(self) -> Optional[Tensor]:
+        """(heads, n, n) bias for the tokens of one window, or None."""
+        if self.bias_window is None:
+            return None
+        n = self.bias_window[0] * self.bias_window[1]
+        bias = self.relative_position_bias_table[self.relative_position_index.view(-1)]
+        return bias.view(n, n, -1).permute(2, 0, 1)
+
+    def adapt_loaded_tensor(self, name: str, tensor: Tensor) -> Tensor:
+        """A bias table of another window, resized bicubically as the official fine-tuning does."""
+        if name == 'relative_position_bias_table' and tensor.shape[1:] == self.relative_position_bias_table.shape[1:]:
+            return resize_rel_pos_bias_table(tensor, self.bias_window)
+        return tensor
+
+    def forward(self, x: Tensor, size: Grid, block_input: Optional[Tensor] = None) -> Tensor:
+        tokens = _tokens(self.needs_tokens, x, block_input)
+        if self.window is None:
+            ctx = MixContext(size, _prefix_tokens(size, x.shape[1]), self.relative_position_bias(), None, tokens)
+            q, k, v = self.qkv(x).chunk(3, dim=-1)
+            return self._output(self.mixer(q, k, v, ctx))
+        _check_windowed(size, x.shape[1], self.grid_size)
+        # The projections act token by token, so they commute with the grouping into windows: grouping the
+        # input once moves a third of the data that grouping q, k and v would.
+        ctx = MixContext(self.window, 0, self.relative_position_bias(), self.attn_mask,
+                         None if tokens is None else self._group(tokens, size))
+        q, k, v = self.qkv(self._group(x, size)).chunk(3, dim=-1)
+        return self._ungroup(self._output(self.mixer(q, k, v, ctx)), size)
+
+    def _group(self, x: Tensor, size: Grid) -> Tensor:
+        """(B, H*W, C) -> (B * nW, n, C): roll by the shift, then cut into windows."""
+        if self.shift_size:
+            x = roll_tokens(x, size, -self.shift_size)
+        return window_partition(x, size, self.window)
+
+    def _ungroup(self, x: Tensor, size: Grid) -> Tensor:
+        """Inverse of `_group`: (B * nW, n, C) -> (B, H*W, C)."""
+        x = window_reverse(x, size, self.window)
+        return roll_tokens(x, size, self.shift_size) if self.shift_size else x
+
+
+class StripeBranch(MixerHost):
+    """One branch of cross-shaped attention: the mixer within stripes of `window` = (wh, ww) (None: the whole
+    grid) of already projected q, k, v, plus LePE, a depthwise 3x3 convolution `get_v` of V inside each stripe."""
+
+    def __init__(self, mixer: Mixer, window: Optional[Grid]):
+        super().__init__()
+        self.window = window
+        self.num_heads = mixer.num_heads
+        self.get_v = nn.Conv2d(mixer.dim, mixer.dim, 3, padding=1, groups=mixer.dim)
+        self.mount(mixer)
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, size: Grid, tokens: Optional[Tensor]) -> Tensor:
+        """q, k, v: (B, H*W, C') over the grid `size` -> (B, H*W, C')."""
+        if self.window is None:
+            return self._mix(q, k, v, size, tokens)
+        q, k, v = (window_partition(t, size, self.window) for t in (q, k, v))
+        tokens = None if tokens is None else window_partition(tokens, size, self.window)
+        return window_reverse(self._mix(q, k, v, self.window, tokens), size, self.window)
+
+    def _mix(self, q: Tensor, k: Tensor, v: Tensor, grid: Grid, tokens: Optional[Tensor]) -> Tensor:
+        out = self.mixer(q, k, v, MixContext(grid, 0, tokens=tokens))
+        return out + image_to_tokens(self.get_v(tokens_to_image(v, grid)))
+
+
+class CrossShapedAttention(GroupedAttention):
+    """CSwin's cross-shaped window attention: one `qkv` over all channels; the first half of the channels (and
+    heads) attends within vertical stripes of width `split_size`, the second half within horizontal stripes,
+    each branch (`attns`) adding LePE; when the stripes cover the grid a single branch takes all channels
+    globally. `proj` follows the concatenation.
+
+    `attn(x, size, block_input)`: x (B, H*W, C) -> (B, H*W, C); mixers that need the tokens summarise
+    `block_input` (the un-normalised block input) when given.
+    """
+
+    def __init__(
+            self,
+            mixer_cls: Type[Mixer],
+            dim: int,
+            num_heads: int,
+            grid_size: Grid,
+            qkv_bias: bool = True,
+            *,
+            split_size: int,
+            mixer_options: Optional[Mapping[str, Any]] = None,
+            attn_drop: float = 0.,
+            proj_drop: float = 0.,
+    ):
+        super().__init__(dim, num_heads, grid_size)
+        grid = self._require_grid('split_size')
+        self.qkv = nn.Linear(dim, dim * 3, bias=qkv_bias)
+        H, W = grid
+        options = dict(attn_drop=attn_drop, **(mixer_options or {}))
+        if split_size >= max(H, W):
+            branches = [StripeBranch(mixer_cls(dim, num_heads, grid, **options), None)]
+        else:
+            if dim % 2 or num_heads % 2:
+                raise ValueError(f"two stripe branches need an even dim and num_heads, got {dim} and {num_heads}")
+            branches = []
+            for window in ((H, split_size), (split_size, W)):
+                window = _resolve_window(grid, window, 0)[0]
+                branches.append(StripeBranch(mixer_cls(dim // 2, num_heads // 2, window or grid, **options), window))
+        self.attns = nn.ModuleList(branches)
+        self.needs_tokens = mixer_cls.needs_tokens
+        self.proj = nn.Linear(dim, dim)
+        self.proj_drop = nn.Dropout(proj_drop)
+
+    @property
+    def mixer(self) -> Mixer:
+        return self.attns[0].mixer
+
+    def forward(self, x: Tensor, size: Grid, block_input: Optional[Tensor] = None) -> Tensor:
+        _check_windowed(size, x.shape[1], self.grid_size)
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        tokens = _tokens(self.needs_tokens, x, block_input)
+        if len(self.attns) == 1:
+            return self._output(self.attns[0](q, k, v, size, tokens))
+        outs: List[Tensor] = []
+        c = q.shape[-1] // 2
+        for i, branch in enumerate(self.attns):
+            part = slice(i * c, (i + 1) * c)
+            outs.append(branch(q[..., part], k[..., part], v[..., part], size,
+                               None if tokens is None else tokens[..., part]))
+        return self._output(torch.cat(outs, dim=-1))

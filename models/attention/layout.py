@@ -1,0 +1,80 @@
+"""Tensor layouts the groupings and mixers share: heads, token maps and images, windows, relative positions."""
+from typing import Tuple
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    'Grid', 'split_heads', 'merge_heads', 'tokens_to_image', 'image_to_tokens', 'window_partition',
+    'window_reverse', 'roll_tokens', 'relative_position_index', 'shifted_window_mask',
+]
+
+Grid = Tuple[int, int]
+
+
+def split_heads(x: Tensor, num_heads: int) -> Tensor:
+    """(B, N, C) -> (B, heads, N, C // heads); channel c belongs to head c // (C // heads)."""
+    B, N, C = x.shape
+    return x.view(B, N, num_heads, C // num_heads).transpose(1, 2)
+
+
+def merge_heads(x: Tensor) -> Tensor:
+    """(B, heads, N, d) -> (B, N, heads * d)."""
+    B, h, N, d = x.shape
+    return x.transpose(1, 2).reshape(B, N, h * d)
+
+
+def tokens_to_image(x: Tensor, grid: Grid) -> Tensor:
+    """(B, H*W, C) in row-major token order -> (B, C, H, W)."""
+    B, N, C = x.shape
+    return x.transpose(1, 2).reshape(B, C, grid[0], grid[1])
+
+
+def image_to_tokens(x: Tensor) -> Tensor:
+    """(B, C, H, W) -> (B, H*W, C)."""
+    return x.flatten(2).transpose(1, 2)
+
+
+def window_partition(x: Tensor, grid: Grid, window: Grid) -> Tensor:
+    """(B, H*W, C) -> (B * nW, wh*ww, C): windows in row-major order, tokens row-major inside each window."""
+    B, N, C = x.shape
+    (H, W), (wh, ww) = grid, window
+    x = x.view(B, H // wh, wh, W // ww, ww, C).permute(0, 1, 3, 2, 4, 5)
+    return x.reshape(-1, wh * ww, C)
+
+
+def window_reverse(x: Tensor, grid: Grid, window: Grid) -> Tensor:
+    """Inverse of `window_partition`: (B * nW, wh*ww, C) -> (B, H*W, C)."""
+    (H, W), (wh, ww) = grid, window
+    C = x.shape[-1]
+    x = x.view(-1, H // wh, W // ww, wh, ww, C).permute(0, 1, 3, 2, 4, 5)
+    return x.reshape(-1, H * W, C)
+
+
+def relative_position_index(window: Grid) -> Tensor:
+    """(n, n) int64 index into a ((2wh-1)(2ww-1), heads) bias table, n = wh*ww, as Swin computes it."""
+    wh, ww = window
+    coords = torch.stack(torch.meshgrid(torch.arange(wh), torch.arange(ww), indexing='ij')).flatten(1)
+    rel = (coords[:, :, None] - coords[:, None, :]).permute(1, 2, 0)
+    return (rel[..., 0] + wh - 1) * (2 * ww - 1) + rel[..., 1] + ww - 1
+
+
+def shifted_window_mask(grid: Grid, window: Grid, shift: int) -> Tensor:
+    """(nW, n, n) additive mask, -100 between tokens that come from different regions of the rolled map."""
+    H, W = grid
+    wh, ww = window
+    region = torch.zeros(1, H, W, 1)
+    label = 0
+    for hs in (slice(0, -wh), slice(-wh, -shift), slice(-shift, None)):
+        for ws in (slice(0, -ww), slice(-ww, -shift), slice(-shift, None)):
+            region[:, hs, ws, :] = label
+            label += 1
+    region = window_partition(region.view(1, H * W, 1), grid, window).squeeze(-1)
+    diff = region[:, None, :] - region[:, :, None]
+    return diff.masked_fill(diff != 0, -100.0).masked_fill(diff == 0, 0.0)
+
+
+def roll_tokens(x: Tensor, grid: Grid, shift: int) -> Tensor:
+    """Cyclically shift a (B, H*W, C) token map by `shift` rows and columns (negative: towards the origin)."""
+    B, N, C = x.shape
+    return x.view(B, grid[0], grid[1], C).roll((shift, shift), (1, 2)).view(B, N, C)

@@ -1,0 +1,105 @@
+"""The mixer half of an attention: how one group of tokens is mixed, apart from how the tokens were grouped.
+
+A mixer owns its method's parameters (MultiMax's `ranges` and `ts`, InLine's `residual`, ...) and maps grouped
+queries, keys and values plus a `MixContext` to the mixed values. It never sees how the groups were formed; the
+grouping (`grouping.py`) owns the projections, the windows or stripes, and the tables it needs for them, and
+reads the mixer's flags once, when it is built:
+
+- `forms_scores`: the mixer forms an n×m score matrix, so its cost is quadratic in the tokens of a group
+  (families give such mixers windows or reduced keys, and the others the whole grid);
+- `accepts_score_bias`: a relative position bias and a shifted-window mask can be added to its scores;
+- `needs_tokens`: it reads the grouped attention input itself (`MixContext.tokens`), not only q, k and v;
+- `reduces_keys`: its keys and values may come from a spatially reduced map (PVT) with fewer tokens than queries.
+
+Method options (FLatten's `focusing_factor`, ...) are the keyword-only arguments of a mixer's constructor; a
+backbone passes one `attn_kwargs` dict and each mixer takes the options it declares.
+"""
+import contextlib
+import inspect
+from typing import Any, ClassVar, ContextManager, Dict, NamedTuple, Optional, Tuple
+
+import torch
+from torch import Tensor, nn
+
+from .layout import Grid
+
+__all__ = ['Mixer', 'MixContext', 'autocast_off']
+
+# Device types with an autocast mode; others (the meta device used to count parameters and FLOPs) have none to turn off.
+_AUTOCAST_DEVICES = frozenset(d for d in ('cpu', 'cuda', 'xpu', 'mps', 'hpu') if torch.amp.is_autocast_available(d))
+
+
+def autocast_off(device: torch.device) -> ContextManager:
+    """Autocast disabled on `device`'s type, for math that chooses its own precision."""
+    return torch.autocast(device.type, enabled=False) if device.type in _AUTOCAST_DEVICES else contextlib.nullcontext()
+
+
+class MixContext(NamedTuple):
+    """What a mixer may need besides q, k and v, for one call over B' groups of n query tokens.
+
+    grid: (h, w) image shape of the last h*w query tokens of every group.
+    num_prefix_tokens: n - h*w leading tokens outside the image (a class token).
+    pos_bias: (heads, n, m) additive score bias (a relative position bias), for mixers that accept one.
+    mask: (nW, n, m) additive mask of shifted windows, group g using mask[g % nW], for mixers that accept one.
+    tokens: (B', n, C) grouped attention input, for mixers that need it.
+    """
+    grid: Grid
+    num_prefix_tokens: int = 0
+    pos_bias: Optional[Tensor] = None
+    mask: Optional[Tensor] = None
+    tokens: Optional[Tensor] = None
+
+
+class Mixer(nn.Module):
+    """Base of every registered attention's mixing.
+
+    Args:
+        dim: channels C of q, k and v (heads concatenated in channel order).
+        num_heads: number of heads; C must divide by it.
+        group_grid: (h, w) token grid of every group the mixer will see (the window, the stripe or the whole
+            map), for mixers with parameters tied to it; None where the grouping has no fixed grid.
+        attn_drop: dropout on the attention weights, for mixers that form them.
+    """
+    attention_name: ClassVar[str] = ''
+    forms_scores: ClassVar[bool] = False
+    accepts_score_bias: ClassVar[bool] = False
+    needs_tokens: ClassVar[bool] = False
+    reduces_keys: ClassVar[bool] = False
+
+    def __init__(self, dim: int, num_heads: int, group_grid: Optional[Grid] = None, attn_drop: float = 0.):
+        super().__init__()
+        if num_heads < 1 or dim % num_heads:
+            raise ValueError(f"{self.attention_name or type(self).__name__} attention: dim {dim} must be a multiple "
+                             f"of num_heads {num_heads}")
+        self.dim = dim
+        self.num_heads = num_heads
+        self.head_dim = dim // num_heads
+        self.group_grid: Optional[Grid] = None if group_grid is None else tuple(group_grid)
+        self.attn_drop = attn_drop
+
+    @classmethod
+    def option_names(cls) -> Tuple[str, ...]:
+        """The method options this mixer's constructor takes (its keyword-only arguments)."""
+        params = inspect.signature(cls.__init__).parameters.values()
+        return tuple(p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY)
+
+    @classmethod
+    def take_options(cls, attn_kwargs: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+        """The entries of `attn_kwargs` that are this mixer's options."""
+        names = cls.option_names()
+        return {key: value for key, value in (attn_kwargs or {}).items() if key in names}
+
+    def require_group_grid(self, what: str) -> Grid:
+        """The fixed grid of the groups, or a ValueError saying that `what` needs one."""
+        if self.group_grid is None:
+            raise ValueError(f"{self.attention_name} attention: {what} needs a fixed token grid (grid_size=(H, W))")
+        return self.group_grid
+
+    def adapt_loaded_tensor(self, name: str, tensor: Tensor) -> Tensor:
+        """A checkpoint's value for this mixer's parameter `name`, adapted to the mixer's shape where the mixer
+        knows how (another resolution); by default unchanged."""
+        return tensor
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, ctx: MixContext) -> Tensor:
+        """q: (B', n, C), k and v: (B', m, C) of B' groups (m = n unless keys are reduced) -> (B', n, C)."""
+        raise NotImplementedError

@@ -1,0 +1,160 @@
+"""The seams between attentions, groupings and families: one registry, method options through `attn_kwargs`,
+unchanged state dicts, pretrained cfgs that belong to their architecture, and softmax weights as a start."""
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+import timm
+import torch
+
+import models  # noqa: F401  (registers the families)
+from models.attention import GROUPINGS, build_attention, forms_score_matrix, list_attentions
+from models.checkpoint import CheckpointError, load_pretrained_into
+
+FINGERPRINTS = json.loads((Path(__file__).parent / 'data' / 'state_dict_fingerprints.json').read_text())
+FAMILIES = ('deit', 'pvt', 'swin', 'cswin')
+TINY = {
+    'deit': dict(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, num_classes=5),
+    'pvt': dict(img_size=64, embed_dims=[16, 32, 32, 32], num_heads=[1, 2, 2, 2], mlp_ratios=[2, 2, 2, 2],
+                depths=[1, 1, 1, 1], num_classes=5),
+    'swin': dict(img_size=32, embed_dim=16, depths=[2, 1, 1, 1], num_heads=[1, 2, 2, 2], window_size=4,
+                 num_classes=5),
+    'cswin': dict(img_size=64, embed_dim=16, depth=[1, 1, 1, 1], num_heads=[2, 2, 2, 2], split_size=[2, 2, 2, 2],
+                  num_classes=5),
+}
+
+
+def fingerprint(name: str) -> dict:
+    with torch.device('meta'):
+        model = timm.create_model(name)
+    state = model.state_dict()
+    text = '\n'.join(f"{k} {tuple(v.shape)}" for k, v in state.items())
+    return dict(keys=len(state), params=sum(p.numel() for p in model.parameters()),
+                sha256=hashlib.sha256(text.encode()).hexdigest())
+
+
+@pytest.mark.parametrize('name', sorted(FINGERPRINTS))
+def test_state_dict_keys_order_and_shapes_are_those_of_the_first_release(name):
+    """Names, order and shapes of every state-dict entry and the parameter count, as recorded before the
+    attentions were split into groupings and mixers."""
+    assert fingerprint(name) == FINGERPRINTS[name]
+
+
+def test_every_attention_is_registered_on_every_family_size():
+    sizes = [name[len('softmax_'):] for name in timm.list_models('softmax_*')]
+    assert len(sizes) == 15
+    for attention in list_attentions():
+        missing = [size for size in sizes if not timm.is_model(f'{attention}_{size}')]
+        assert not missing, f"{attention}: {missing}"
+
+
+@pytest.mark.parametrize('family', FAMILIES)
+def test_method_options_reach_the_mixer_through_attn_kwargs_and_official_keywords(family):
+    by_dict = timm.create_model(f'flatten_{family}_tiny', attn_kwargs=dict(focusing_factor=2, kernel_size=3),
+                                **TINY[family])
+    by_keyword = timm.create_model(f'softmax_{family}_tiny', attn_type='flatten', focusing_factor=2, kernel_size=3,
+                                   **TINY[family])
+    for model in (by_dict, by_keyword):
+        mixers = [m for m in model.modules() if type(m).__name__ == 'FocusedLinearMixer']
+        assert mixers and all(m.focusing_factor == 2 and m.dwc.kernel_size == (3, 3) for m in mixers)
+        assert model(torch.randn(1, 3, TINY[family]['img_size'], TINY[family]['img_size'])).shape == (1, 5)
+
+
+@pytest.mark.parametrize('family', FAMILIES)
+def test_an_option_no_attention_of_the_model_takes_is_one_line(family):
+    with pytest.raises(ValueError, match=r"attn_kwargs 'focusing_factor' is not an option of the model's attention "
+                                         r"\(softmax\); expected one of: none"):
+        timm.create_model(f'softmax_{family}_tiny', attn_kwargs=dict(focusing_factor=2), **TINY[family])
+    with pytest.raises(ValueError, match="'kernel_size' is given both as a keyword and in attn_kwargs"):
+        timm.create_model(f'flatten_{family}_tiny', kernel_size=3, attn_kwargs=dict(kernel_size=5), **TINY[family])
+
+
+def test_mixed_attentions_share_one_attn_kwargs():
+    model = timm.create_model('inline_swin_tiny', attn_type='LLSS', mixed_linear='flatten',
+                              attn_kwargs=dict(focusing_factor=2), **TINY['swin'])
+    names = [block.attn.attention_name for stage in model.layers for block in stage.blocks]
+    assert names == ['flatten', 'flatten', 'flatten', 'softmax', 'softmax']
+    assert [block.attn.mixer.focusing_factor for block in model.layers[0].blocks] == [2, 2]
+
+
+def test_flags_say_what_they_mean():
+    for name in list_attentions():
+        mixer = build_attention(name, 16, 2, (4, 4)).mixer
+        assert mixer.forms_scores == forms_score_matrix(name)
+        assert mixer.accepts_score_bias == (name in ('softmax', 'multimax'))
+        assert mixer.needs_tokens == (name == 'inline')
+    assert list(GROUPINGS) == ['global', 'reduction', 'window', 'stripes']
+
+
+@pytest.mark.parametrize('name', ['softmax_deit_small', 'softmax_swin_tiny', 'inline_pvt_tiny'])
+def test_another_attention_does_not_inherit_the_weights_url(name):
+    with torch.device('meta'):
+        native = timm.create_model(name)
+        other = timm.create_model(name, attn_type='sima')
+    assert native.pretrained_cfg['url'].startswith('https://')
+    assert other.pretrained_cfg['url'] == '' and other.pretrained_cfg['input_size'] == native.pretrained_cfg[
+        'input_size']
+    with pytest.raises(ValueError, match=rf"{name}'s pretrained weights belong to attn_type .* not 'sima'; build it "
+                                         rf"with pretrained=False and start from them with "
+                                         rf"models.checkpoint.load_pretrained_into\(model, '{name}'\)"):
+        timm.create_model(name, attn_type='sima', pretrained=True)
+
+
+def test_an_equivalent_attn_type_keeps_the_pretrained_cfg():
+    with torch.device('meta'):
+        model = timm.create_model('inline_swin_tiny', attn_type=['inline', 'inline', 'inline', 'softmax'])
+    assert model.pretrained_cfg['url'] == timm.models.get_pretrained_cfg('inline_swin_tiny').url
+
+
+def test_own_weights_of_another_attention_load_through_the_overlay(tmp_path):
+    torch.manual_seed(0)
+    source = timm.create_model('softmax_deit_tiny', attn_type='sima', **TINY['deit'])
+    torch.save(source.state_dict(), tmp_path / 'sima.pth')
+    model = timm.create_model('softmax_deit_tiny', attn_type='sima', pretrained=True,
+                              pretrained_cfg_overlay=dict(file=str(tmp_path / 'sima.pth')), **TINY['deit'])
+    # timm gives a classifier of another class count than the pretrained cfg's a fresh init
+    assert all(torch.equal(v, source.state_dict()[k]) for k, v in model.state_dict().items() if not k.startswith('head.'))
+
+
+@pytest.mark.parametrize('attention, new', [
+    ('multimax', {'ranges', 'ts'}),
+    ('inline', {'residual.0.weight', 'residual.0.bias', 'residual.2.weight', 'residual.2.bias'}),
+    ('sima', set()),
+])
+def test_softmax_weights_start_another_attention_and_the_new_keys_are_reported(tmp_path, attention, new):
+    torch.manual_seed(0)
+    softmax = timm.create_model('softmax_deit_tiny', **TINY['deit'])
+    torch.save({'model': softmax.state_dict()}, tmp_path / 'softmax.pth')
+    model = timm.create_model('softmax_deit_tiny', attn_type=attention, **TINY['deit'])
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    report = load_pretrained_into(model, str(tmp_path / 'softmax.pth'))
+    expected_new = sorted(f'blocks.{i}.attn.{key}' for i in range(2) for key in new)
+    assert sorted(report.new) == expected_new and report.dropped == []
+    state = model.state_dict()
+    assert all(torch.equal(state[k], softmax.state_dict()[k]) for k in report.loaded)
+    assert all(torch.equal(state[k], before[k]) for k in report.new)
+    assert str(report).startswith(f"loaded {len(report.loaded)} tensors; new (initialised, not loaded): "
+                                  f"{', '.join(report.new[:8]) or 'none'}")
+
+
+def test_a_start_at_another_resolution_adapts_the_grid_sized_tensors(tmp_path):
+    torch.manual_seed(0)
+    softmax = timm.create_model('softmax_deit_tiny', **TINY['deit'])
+    torch.save(softmax.state_dict(), tmp_path / 'softmax.pth')
+    model = timm.create_model('softmax_deit_tiny', attn_type='flatten', **dict(TINY['deit'], img_size=48))
+    report = load_pretrained_into(model, str(tmp_path / 'softmax.pth'))
+    assert 'pos_embed' in report.loaded and model.pos_embed.shape == (1, 1 + 36, 32)
+    assert {k.rsplit('.', 1)[-1] for k in report.new} == {'scale', 'positional_encoding', 'weight', 'bias'}
+
+
+def test_a_start_from_another_family_or_a_missing_source_is_one_line(tmp_path):
+    pvt = timm.create_model('softmax_pvt_tiny', **dict(TINY['pvt'], embed_dims=[16, 32, 32, 48], num_classes=7))
+    torch.save(pvt.state_dict(), tmp_path / 'pvt.pth')
+    model = timm.create_model('softmax_deit_tiny', **TINY['deit'])
+    with pytest.raises(CheckpointError, match=r"'.*pvt.pth' shares no tensor with DeiT"):
+        load_pretrained_into(model, str(tmp_path / 'pvt.pth'))
+    with pytest.raises(CheckpointError, match="pretrained source 'nope.pth' is neither a file nor a registered model"):
+        load_pretrained_into(model, 'nope.pth')
+    with pytest.raises(CheckpointError, match="model 'sima_deit_tiny' has no pretrained weights to start from"):
+        load_pretrained_into(model, 'sima_deit_tiny')
