@@ -7,6 +7,7 @@ import random
 import signal
 import sys
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Any, Dict, Iterator, Optional
 
 import numpy as np
@@ -22,7 +23,7 @@ from .data import (build_eval_loader, build_mixup, build_train_loader, check_spl
                    eval_transform, load_split, resolve_data_root, train_transform)
 from .distributed import DistInfo, any_rank, barrier
 from .errors import StoppedAtOnce, UsageError
-from .loops import TrainState, evaluate, train_one_epoch
+from .loops import EpochOptions, TrainState, evaluate, train_one_epoch
 
 __all__ = ['LOG', 'CONFIG', 'train', 'seed_everything', 'setup_logging', 'StopSignal']
 
@@ -159,6 +160,10 @@ def train(cfg: CN, info: DistInfo) -> Dict[str, Any]:
             find_unused_parameters=cfg.DIST.FIND_UNUSED_PARAMETERS)
     criterion = create_criterion(cfg)
     mixup = build_mixup(cfg)
+    epoch_options = EpochOptions(
+        updates=updates_per_epoch, accumulation=cfg.TRAIN.ACCUMULATION_STEPS, clip_grad=cfg.TRAIN.CLIP_GRAD,
+        amp=cfg.AMP.ENABLED, amp_dtype=cfg.AMP.DTYPE, max_nonfinite_steps=cfg.TRAIN.MAX_NONFINITE_STEPS,
+        print_freq=cfg.PRINT_FREQ)
 
     if info.is_main:
         # records of epochs this run trains (again) go: a run killed after logging an epoch but before saving it
@@ -186,10 +191,7 @@ def train(cfg: CN, info: DistInfo) -> Dict[str, Any]:
             train_loader.generator.manual_seed(cfg.SEED * 1_000_003 + epoch * 1009 + info.rank)
             result = train_one_epoch(
                 train_model, train_loader, criterion, optimizer, scheduler, scaler, state, info,
-                updates=updates_per_epoch, accumulation=cfg.TRAIN.ACCUMULATION_STEPS, clip_grad=cfg.TRAIN.CLIP_GRAD,
-                amp=cfg.AMP.ENABLED, amp_dtype=cfg.AMP.DTYPE, mixup=mixup, ema=ema,
-                max_nonfinite_steps=cfg.TRAIN.MAX_NONFINITE_STEPS, stop_requested=stop, print_freq=cfg.PRINT_FREQ,
-                desc=f'epoch {epoch}/{num_epochs}')
+                replace(epoch_options, desc=f'epoch {epoch}/{num_epochs}'), mixup=mixup, ema=ema, stop_requested=stop)
             if result.stopped:
                 checkpoint.save()
                 logger.info(f"stopped at epoch {epoch} batch {state.epoch_batches} (step {state.step}); "
