@@ -2,22 +2,30 @@
 
 A checkpoint holds `model`, `model_ema` (EMA on), `optimizer`, `scheduler`, `scaler`, `epoch` (the epoch index
 the state belongs to), `epoch_batches` (batches of that epoch already trained), `step` (optimizer updates so far),
-`max_accuracy`, `max_ema_accuracy`, `rng` (one entry per rank), `world_size` and `config` (the YAML text).
+`max_accuracy`, `max_ema_accuracy`, `rng` (one entry per rank), `world_size`, `config` (the YAML text) and
+`metrics` (the last epoch's log record, None when saved mid-epoch). `TrainingCheckpoint` owns this format.
 """
+import logging
 import os
 import random
 import uuid
-from typing import Any, Dict, List, Mapping
+from typing import Any, Dict, List, Mapping, Optional
 
 import numpy as np
 import torch
+from timm.scheduler.scheduler import Scheduler
+from timm.utils import ModelEmaV3
+from torch import nn
 
-from models.checkpoint import CheckpointError, load_checkpoint_file
+from models.checkpoint import CheckpointError, load_checkpoint_file, load_state_dict_checked
 
-__all__ = ['TRAINING_KEYS', 'atomic_save', 'rng_state', 'set_rng_state', 'load_training_checkpoint']
+from .distributed import DistInfo, all_gather_objects
+from .loops import TrainState
 
-TRAINING_KEYS = ('model', 'optimizer', 'scheduler', 'scaler', 'epoch', 'epoch_batches', 'step', 'max_accuracy',
-                 'rng', 'world_size', 'config')
+__all__ = ['LAST', 'BEST', 'TrainingCheckpoint', 'atomic_save', 'rng_state', 'set_rng_state']
+
+LAST, BEST = 'last.pth', 'best.pth'
+logger = logging.getLogger('engine')
 
 
 def _fsync_folder(folder: str) -> None:
@@ -78,13 +86,81 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
     random.setstate((state['python_version'], tuple(state['python_internal'].tolist()), state['python_gauss']))
 
 
-def load_training_checkpoint(path: str) -> Dict[str, Any]:
-    """A checkpoint written by the training loop; another file raises `CheckpointError` naming what is missing."""
-    checkpoint = load_checkpoint_file(path)
-    if not isinstance(checkpoint, Mapping):
-        raise CheckpointError(f"checkpoint {path!r} holds a {type(checkpoint).__name__}, not a training checkpoint")
-    missing: List[str] = [k for k in TRAINING_KEYS if k not in checkpoint]
-    if missing:
-        raise CheckpointError(f"checkpoint {path!r} is not a training checkpoint of this engine: it lacks "
-                              f"{', '.join(missing)}")
-    return dict(checkpoint)
+class TrainingCheckpoint:
+    """The checkpoint of one training run: what it holds, the atomic writing of `last.pth` / `best.pth`, reading
+    one back checked, and restoring one into the live model, EMA, optimizer, scaler, schedule, state and RNG."""
+
+    # what a file must hold to resume; `model_ema`, `max_ema_accuracy` and `metrics` may be absent
+    KEYS = ('model', 'optimizer', 'scheduler', 'scaler', 'epoch', 'epoch_batches', 'step', 'max_accuracy', 'rng',
+            'world_size', 'config')
+
+    def __init__(self, output: str, info: DistInfo, state: TrainState, model: nn.Module,
+                 optimizer: torch.optim.Optimizer, scheduler: Scheduler, scaler: torch.amp.GradScaler,
+                 ema: Optional[ModelEmaV3], config: str):
+        self.last_path, self.best_path = os.path.join(output, LAST), os.path.join(output, BEST)
+        self.info, self.state, self.model, self.ema = info, state, model, ema
+        self.optimizer, self.scheduler, self.scaler = optimizer, scheduler, scaler
+        self.config = config
+
+    def save(self, metrics: Optional[Dict[str, Any]] = None, best: bool = False) -> None:
+        """Write `last.pth`, and `best.pth` too when `best`. Every process calls it, since each one's random state
+        goes in; rank 0 writes."""
+        rngs = all_gather_objects(rng_state())
+        if not self.info.is_main:
+            return
+        state = self.state
+        payload = dict(
+            model=self.model.state_dict(),
+            model_ema=self.ema.module.state_dict() if self.ema is not None else None,
+            optimizer=self.optimizer.state_dict(), scheduler=self.scheduler.state_dict(),
+            scaler=self.scaler.state_dict(), epoch=state.epoch, epoch_batches=state.epoch_batches, step=state.step,
+            max_accuracy=state.max_accuracy, max_ema_accuracy=state.max_ema_accuracy, rng=rngs,
+            world_size=self.info.world_size, config=self.config, metrics=metrics)
+        atomic_save(payload, self.last_path)
+        if best:
+            atomic_save(payload, self.best_path)
+
+    @classmethod
+    def read(cls, path: str) -> Dict[str, Any]:
+        """The checkpoint at `path`; a file that is not one raises `CheckpointError` naming what is missing."""
+        checkpoint = load_checkpoint_file(path)
+        if not isinstance(checkpoint, Mapping):
+            raise CheckpointError(f"checkpoint {path!r} holds a {type(checkpoint).__name__}, not a training "
+                                  f"checkpoint")
+        missing: List[str] = [k for k in cls.KEYS if k not in checkpoint]
+        if missing:
+            raise CheckpointError(f"checkpoint {path!r} is not a training checkpoint of this engine: it lacks "
+                                  f"{', '.join(missing)}")
+        return dict(checkpoint)
+
+    def restore(self, checkpoint: Mapping[str, Any], path: str, batches_per_epoch: int) -> None:
+        """Load `checkpoint` (read from `path`) into the live objects, so training goes on where it stopped.
+
+        A checkpoint that finished its epoch under this run's `batches_per_epoch` goes on at the next epoch. The
+        random streams are restored only when the world size is the one that wrote them.
+        """
+        load_state_dict_checked(self.model, checkpoint['model'], f"checkpoint {path!r}")
+        if self.ema is not None:
+            if checkpoint.get('model_ema') is None:
+                self.ema.set(self.model)
+                logger.warning(f"{path} has no EMA weights; the EMA starts from the model")
+            else:
+                load_state_dict_checked(self.ema.module, checkpoint['model_ema'], f"EMA of checkpoint {path!r}")
+        self.optimizer.load_state_dict(checkpoint['optimizer'])
+        # a disabled scaler saves an empty state, which an enabled one refuses
+        if self.scaler.is_enabled() and checkpoint['scaler']:
+            self.scaler.load_state_dict(checkpoint['scaler'])
+        state = self.state
+        state.epoch, state.epoch_batches = checkpoint['epoch'], checkpoint['epoch_batches']
+        state.step, state.max_accuracy = checkpoint['step'], checkpoint['max_accuracy']
+        state.max_ema_accuracy = checkpoint.get('max_ema_accuracy', 0.0)
+        if state.epoch_batches >= batches_per_epoch:
+            state.epoch, state.epoch_batches = state.epoch + 1, 0
+        # the stored schedule is not loaded: the schedule follows this run's config at this step
+        self.scheduler.step_update(num_updates=state.step)
+        if checkpoint['world_size'] == self.info.world_size:
+            set_rng_state(checkpoint['rng'][self.info.rank])
+        else:
+            logger.warning(f"{path} was written by {checkpoint['world_size']} processes, not "
+                           f"{self.info.world_size}: random streams restart from the seed")
+        logger.info(f"resumed from {path} at epoch {state.epoch} batch {state.epoch_batches} (step {state.step})")

@@ -17,7 +17,8 @@ from tqdm import tqdm
 from .distributed import DistInfo, all_reduce_sum, any_rank
 from .errors import NonFiniteLossError
 
-__all__ = ['TrainState', 'EpochResult', 'autocast', 'train_one_epoch', 'evaluate', 'measure_throughput']
+__all__ = ['TrainState', 'EpochOptions', 'EpochResult', 'autocast', 'train_one_epoch', 'evaluate',
+           'measure_throughput']
 
 AMP_DTYPES = {'float16': torch.float16, 'bfloat16': torch.bfloat16}
 logger = logging.getLogger('engine')
@@ -33,6 +34,21 @@ class TrainState:
     max_accuracy: float = 0.0
     max_ema_accuracy: float = 0.0
     skipped_steps: int = 0
+
+
+@dataclass(frozen=True)
+class EpochOptions:
+    """How `train_one_epoch` trains: `updates` optimizer updates of `accumulation` batches each, gradient norms
+    clipped to `clip_grad` (None: not clipped), autocast to `amp_dtype` when `amp`, at most `max_nonfinite_steps`
+    updates skipped for a non-finite loss in the run, the progress bar `desc` refreshed every `print_freq` batches."""
+    updates: int
+    accumulation: int = 1
+    clip_grad: Optional[float] = None
+    amp: bool = False
+    amp_dtype: str = 'float16'
+    max_nonfinite_steps: int = 0
+    print_freq: int = 10
+    desc: str = ''
 
 
 @dataclass
@@ -62,36 +78,29 @@ def train_one_epoch(
         scaler: torch.amp.GradScaler,
         state: TrainState,
         info: DistInfo,
+        options: EpochOptions,
         *,
-        updates: int,
-        accumulation: int = 1,
-        clip_grad: Optional[float] = None,
-        amp: bool = False,
-        amp_dtype: str = 'float16',
         mixup: Optional[Callable] = None,
         ema=None,
-        max_nonfinite_steps: int = 0,
         stop_requested: Callable[[], bool] = lambda: False,
-        print_freq: int = 10,
-        desc: str = '',
 ) -> EpochResult:
-    """Train the batches of `state.epoch` from `state.epoch_batches` on, `updates * accumulation` in all.
+    """Train the batches of `state.epoch` from `state.epoch_batches` up to `options.updates * options.accumulation`.
 
     After each optimizer update the scheduler gets the new update count and the EMA follows the model. When
     `stop_requested()` is true on any process at an update boundary, the epoch ends early with `stopped` set.
     An update whose loss is non-finite on any process is skipped on all of them (no backward, and weights,
-    optimizer, scaler, EMA and schedule stay as they were); once more than `max_nonfinite_steps` updates were
-    skipped in this run, `NonFiniteLossError` is raised on every process.
+    optimizer, scaler, EMA and schedule stay as they were); once more than `options.max_nonfinite_steps`
+    updates were skipped in this run, `NonFiniteLossError` is raised on every process.
     """
     model.train()
-    total = updates * accumulation
+    total = options.updates * options.accumulation
     loss_meter = AverageMeter()
     parameters = [p for p in model.parameters() if p.requires_grad]
     lr = optimizer.param_groups[0]['lr']
     stopped = update_skipped = False
     start, images = time.perf_counter(), 0
-    with tqdm(total=total, initial=state.epoch_batches, desc=desc, disable=not info.is_main, dynamic_ncols=True,
-              leave=False, mininterval=_bar_interval()) as bar:
+    with tqdm(total=total, initial=state.epoch_batches, desc=options.desc, disable=not info.is_main,
+              dynamic_ncols=True, leave=False, mininterval=_bar_interval()) as bar:
         for images_batch, targets in loader:
             if state.epoch_batches >= total:
                 break
@@ -99,33 +108,33 @@ def train_one_epoch(
             targets = targets.to(info.device, non_blocking=True)
             if mixup is not None:
                 images_batch, targets = mixup(images_batch, targets)
-            update = (state.epoch_batches + 1) % accumulation == 0
-            if state.epoch_batches % accumulation == 0:
+            update = (state.epoch_batches + 1) % options.accumulation == 0
+            if state.epoch_batches % options.accumulation == 0:
                 update_skipped = False
             sync = contextlib.nullcontext()
             if isinstance(model, DistributedDataParallel) and not update:
                 sync = model.no_sync()
             with sync:
-                with autocast(info.device, amp, amp_dtype):
+                with autocast(info.device, options.amp, options.amp_dtype):
                     loss = criterion(model(images_batch), targets)
                 loss_value = loss.item()
                 # every process must take the same branch (a backward on some processes only would hang DDP), and
                 # the sum over processes is non-finite exactly when a process's loss is
                 finite = math.isfinite(all_reduce_sum([loss_value], info.device)[0])
                 if finite and not update_skipped:
-                    scaler.scale(loss / accumulation).backward()
+                    scaler.scale(loss / options.accumulation).backward()
             if not finite and not update_skipped:
                 update_skipped = True
                 state.skipped_steps += 1
                 where = f"step {state.step} (epoch {state.epoch}, batch {state.epoch_batches})"
-                if state.skipped_steps > max_nonfinite_steps:
+                if state.skipped_steps > options.max_nonfinite_steps:
                     raise NonFiniteLossError(
-                        f"the training loss is not finite at {where} after "
-                        f"{state.skipped_steps - 1} skipped step(s) (TRAIN.MAX_NONFINITE_STEPS {max_nonfinite_steps}); "
-                        f"expected a finite loss: lower the learning rate or set TRAIN.CLIP_GRAD")
+                        f"the training loss is not finite at {where} after {state.skipped_steps - 1} skipped "
+                        f"step(s) (TRAIN.MAX_NONFINITE_STEPS {options.max_nonfinite_steps}); expected a finite loss: "
+                        f"lower the learning rate or set TRAIN.CLIP_GRAD")
                 if info.is_main:
                     logger.warning(f"skipping {where}: the training loss is not finite "
-                                   f"({state.skipped_steps}/{max_nonfinite_steps} skipped)")
+                                   f"({state.skipped_steps}/{options.max_nonfinite_steps} skipped)")
             if not update_skipped:
                 loss_meter.update(loss_value, images_batch.shape[0])
             state.epoch_batches += 1
@@ -135,9 +144,9 @@ def train_one_epoch(
                 if update_skipped:
                     optimizer.zero_grad(set_to_none=True)
                 else:
-                    if clip_grad is not None:
+                    if options.clip_grad is not None:
                         scaler.unscale_(optimizer)
-                        torch.nn.utils.clip_grad_norm_(parameters, clip_grad)
+                        torch.nn.utils.clip_grad_norm_(parameters, options.clip_grad)
                     scaler.step(optimizer)
                     scaler.update()
                     optimizer.zero_grad(set_to_none=True)
@@ -148,7 +157,7 @@ def train_one_epoch(
                 if any_rank(stop_requested(), info.device):
                     stopped = True
             bar.update(1)
-            if state.epoch_batches % print_freq == 0:
+            if state.epoch_batches % options.print_freq == 0:
                 rate = images / max(time.perf_counter() - start, 1e-9)
                 bar.set_postfix(loss=f'{loss_meter.avg:.4f}', lr=f'{lr:.3e}', img_s=f'{rate:.0f}')
             if stopped:

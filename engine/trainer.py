@@ -7,6 +7,7 @@ import random
 import signal
 import sys
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Any, Dict, Iterator, Optional
 
 import numpy as np
@@ -15,20 +16,18 @@ from timm.utils import ModelEmaV3
 from torch.nn.parallel import DistributedDataParallel
 from yacs.config import CfgNode as CN
 
-from models.checkpoint import load_state_dict_checked
-
 from .build import check_model_name, create_criterion, create_model, create_optimizer, create_scheduler, read_weights
-from .checkpoint import atomic_save, load_training_checkpoint, rng_state, set_rng_state
+from .checkpoint import LAST, TrainingCheckpoint
 from .config import ema_decay, scaled_lrs, total_batch_size
 from .data import (build_eval_loader, build_mixup, build_train_loader, check_splits, eval_batch_size,
                    eval_transform, load_split, resolve_data_root, train_transform)
-from .distributed import DistInfo, all_gather_objects, any_rank, barrier
+from .distributed import DistInfo, any_rank, barrier
 from .errors import StoppedAtOnce, UsageError
-from .loops import TrainState, evaluate, train_one_epoch
+from .loops import EpochOptions, TrainState, evaluate, train_one_epoch
 
-__all__ = ['LAST', 'BEST', 'LOG', 'CONFIG', 'train', 'seed_everything', 'setup_logging', 'StopSignal']
+__all__ = ['LOG', 'CONFIG', 'train', 'seed_everything', 'setup_logging', 'StopSignal']
 
-LAST, BEST, LOG, CONFIG = 'last.pth', 'best.pth', 'log.jsonl', 'config.yaml'
+LOG, CONFIG = 'log.jsonl', 'config.yaml'
 logger = logging.getLogger('engine')
 
 
@@ -131,9 +130,9 @@ def train(cfg: CN, info: DistInfo) -> Dict[str, Any]:
                          f"{len(train_loader)} batches per epoch; expected fewer accumulation steps")
 
     resume = _resume_path(cfg)
-    checkpoint = load_training_checkpoint(resume) if resume else None
+    stored = TrainingCheckpoint.read(resume) if resume else None
     pretrained = None
-    if cfg.MODEL.PRETRAINED and checkpoint is None:
+    if cfg.MODEL.PRETRAINED and stored is None:
         pretrained = read_weights(cfg.MODEL.PRETRAINED)
     model = create_model(cfg, pretrained, source=cfg.MODEL.PRETRAINED)
     if cfg.TRAIN.USE_CHECKPOINT:
@@ -150,30 +149,9 @@ def train(cfg: CN, info: DistInfo) -> Dict[str, Any]:
     scaler = torch.amp.GradScaler(info.device.type, enabled=use_scaler)
 
     state = TrainState()
-    if checkpoint is not None:
-        load_state_dict_checked(model, checkpoint['model'], f"checkpoint {resume!r}")
-        if ema is not None:
-            if checkpoint.get('model_ema') is None:
-                ema.set(model)
-                logger.warning(f"{resume} has no EMA weights; the EMA starts from the model")
-            else:
-                load_state_dict_checked(ema.module, checkpoint['model_ema'], f"EMA of checkpoint {resume!r}")
-        optimizer.load_state_dict(checkpoint['optimizer'])
-        if use_scaler and checkpoint['scaler']:
-            scaler.load_state_dict(checkpoint['scaler'])
-        state = TrainState(epoch=checkpoint['epoch'], epoch_batches=checkpoint['epoch_batches'],
-                           step=checkpoint['step'], max_accuracy=checkpoint['max_accuracy'],
-                           max_ema_accuracy=checkpoint.get('max_ema_accuracy', 0.0))
-        if state.epoch_batches >= updates_per_epoch * cfg.TRAIN.ACCUMULATION_STEPS:
-            state.epoch, state.epoch_batches = state.epoch + 1, 0
-        scheduler.step_update(num_updates=state.step)  # the schedule follows this run's config at this step
-        if checkpoint['world_size'] == info.world_size:
-            set_rng_state(checkpoint['rng'][info.rank])
-        else:
-            logger.warning(f"{resume} was written by {checkpoint['world_size']} processes, not "
-                           f"{info.world_size}: random streams restart from the seed")
-        logger.info(f"resumed from {resume} at epoch {state.epoch} batch {state.epoch_batches} "
-                    f"(step {state.step})")
+    checkpoint = TrainingCheckpoint(output, info, state, model, optimizer, scheduler, scaler, ema, cfg.dump())
+    if stored is not None:
+        checkpoint.restore(stored, resume, updates_per_epoch * cfg.TRAIN.ACCUMULATION_STEPS)
 
     train_model = model
     if info.distributed:
@@ -182,6 +160,10 @@ def train(cfg: CN, info: DistInfo) -> Dict[str, Any]:
             find_unused_parameters=cfg.DIST.FIND_UNUSED_PARAMETERS)
     criterion = create_criterion(cfg)
     mixup = build_mixup(cfg)
+    epoch_options = EpochOptions(
+        updates=updates_per_epoch, accumulation=cfg.TRAIN.ACCUMULATION_STEPS, clip_grad=cfg.TRAIN.CLIP_GRAD,
+        amp=cfg.AMP.ENABLED, amp_dtype=cfg.AMP.DTYPE, max_nonfinite_steps=cfg.TRAIN.MAX_NONFINITE_STEPS,
+        print_freq=cfg.PRINT_FREQ)
 
     if info.is_main:
         # records of epochs this run trains (again) go: a run killed after logging an epoch but before saving it
@@ -196,20 +178,6 @@ def train(cfg: CN, info: DistInfo) -> Dict[str, Any]:
                     f"{total_batch_size(cfg, info.world_size)}, lr {lrs['lr']:.3e}, {updates_per_epoch} updates "
                     f"per epoch, {num_epochs} epochs; output {output}")
 
-    def save(record: Optional[Dict[str, Any]], best: bool) -> None:
-        rngs = all_gather_objects(rng_state())
-        if not info.is_main:
-            return
-        payload = dict(
-            model=model.state_dict(), model_ema=ema.module.state_dict() if ema is not None else None,
-            optimizer=optimizer.state_dict(), scheduler=scheduler.state_dict(), scaler=scaler.state_dict(),
-            epoch=state.epoch, epoch_batches=state.epoch_batches, step=state.step,
-            max_accuracy=state.max_accuracy, max_ema_accuracy=state.max_ema_accuracy, rng=rngs,
-            world_size=info.world_size, config=cfg.dump(), metrics=record)
-        atomic_save(payload, os.path.join(output, LAST))
-        if best:
-            atomic_save(payload, os.path.join(output, BEST))
-
     record: Dict[str, Any] = {}
     epochs_run = 0
     if state.epoch >= num_epochs:
@@ -223,14 +191,11 @@ def train(cfg: CN, info: DistInfo) -> Dict[str, Any]:
             train_loader.generator.manual_seed(cfg.SEED * 1_000_003 + epoch * 1009 + info.rank)
             result = train_one_epoch(
                 train_model, train_loader, criterion, optimizer, scheduler, scaler, state, info,
-                updates=updates_per_epoch, accumulation=cfg.TRAIN.ACCUMULATION_STEPS, clip_grad=cfg.TRAIN.CLIP_GRAD,
-                amp=cfg.AMP.ENABLED, amp_dtype=cfg.AMP.DTYPE, mixup=mixup, ema=ema,
-                max_nonfinite_steps=cfg.TRAIN.MAX_NONFINITE_STEPS, stop_requested=stop, print_freq=cfg.PRINT_FREQ,
-                desc=f'epoch {epoch}/{num_epochs}')
+                replace(epoch_options, desc=f'epoch {epoch}/{num_epochs}'), mixup=mixup, ema=ema, stop_requested=stop)
             if result.stopped:
-                save(None, best=False)
+                checkpoint.save()
                 logger.info(f"stopped at epoch {epoch} batch {state.epoch_batches} (step {state.step}); "
-                            f"{os.path.join(output, LAST)} resumes it")
+                            f"{checkpoint.last_path} resumes it")
                 break
             val = evaluate(model, val_loader, info, amp=cfg.AMP.ENABLED and cfg.AMP.EVAL, amp_dtype=cfg.AMP.DTYPE,
                            desc='val')
@@ -255,13 +220,13 @@ def train(cfg: CN, info: DistInfo) -> Dict[str, Any]:
                             f"{val['top1']:.2f} top-5 {val['top5']:.2f}{ema_text} (max {state.max_accuracy:.2f}), "
                             f"{record['images_per_second']:.0f} img/s")
             if is_best or last_epoch or pause or (epoch + 1) % cfg.SAVE_FREQ == 0:
-                save(record, best=is_best)
+                checkpoint.save(record, best=is_best)
             state.epoch, state.epoch_batches = epoch + 1, 0
             if pause and not last_epoch:
                 logger.info(f"paused after {epochs_run} epoch(s) (TRAIN.EPOCHS_PER_RUN); run again to continue")
                 break
             if any_rank(stop(), info.device):
-                save(record, best=False)
+                checkpoint.save(record)
                 break
     barrier()
     return record

@@ -1,6 +1,8 @@
 """Engine parts: the digits cache, data checks, evaluation preprocessing and exact counts, schedule, optimizer
-groups, atomic checkpoints, RNG state, and one-line errors with exit status 2 from the command lines."""
+groups, atomic checkpoints, RNG state, the training checkpoint's round trip, and one-line errors with exit status 2
+from the command lines."""
 import json
+import logging
 import math
 import os
 import random
@@ -15,19 +17,21 @@ import pytest
 import torch
 from PIL import Image
 from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
+from timm.scheduler import create_scheduler_v2
+from timm.utils import ModelEmaV3
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from yacs.config import CfgNode
 
 import engine.data
 from engine.build import create_criterion, create_model, create_optimizer, create_scheduler, read_weights
-from engine.checkpoint import atomic_save, load_training_checkpoint, rng_state, set_rng_state
+from engine.checkpoint import TrainingCheckpoint, atomic_save, rng_state, set_rng_state
 from engine.cli import eval_main, train_main
 from engine.config import ConfigError, load_config
 from engine.data import (DIGITS_STAMP, ShardSampler, eval_transform, load_split, prepare_digits)
 from engine.distributed import DistInfo
 from engine.errors import USAGE_EXIT_CODE, UsageError, run_cli
-from engine.loops import evaluate
+from engine.loops import TrainState, evaluate
 from models.checkpoint import CheckpointError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -246,13 +250,108 @@ def test_corrupt_and_foreign_checkpoints_fail_with_one_line(tmp_path):
     with pytest.raises(CheckpointError, match='truncated or corrupt'):
         read_weights(str(broken))
     with pytest.raises(CheckpointError, match='not a training checkpoint of this engine: it lacks optimizer'):
-        load_training_checkpoint(str(good))
+        TrainingCheckpoint.read(str(good))
     with pytest.raises(CheckpointError, match='has no EMA weights'):
         read_weights(str(good), ema=True)
     both = tmp_path / 'both.pth'
     torch.save({'state_dict': {'w': torch.ones(1)}, 'state_dict_ema': {'module.w': torch.zeros(1)}}, both)
     assert torch.equal(read_weights(str(both))['w'], torch.ones(1))
     assert torch.equal(read_weights(str(both), ema=True)['w'], torch.zeros(1))
+
+
+def _training_objects(output: Path, state: TrainState, info: DistInfo = CPU, seed: int = 0) -> TrainingCheckpoint:
+    """The trainer's live objects around a small model (EMA, AdamW, a warm-up and cosine schedule per update, an
+    enabled gradient scaler), in a `TrainingCheckpoint` writing to `output`."""
+    torch.manual_seed(seed)
+    model = nn.Linear(4, 3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    scheduler, _ = create_scheduler_v2(optimizer, sched='cosine', num_epochs=4, warmup_epochs=1, warmup_lr=1e-3,
+                                       step_on_epochs=False, updates_per_epoch=5)
+    scaler = torch.amp.GradScaler('cpu', init_scale=2.0 ** (seed + 4))
+    return TrainingCheckpoint(str(output), info, state, model, optimizer, scheduler, scaler,
+                              ModelEmaV3(model, decay=0.5), config='MODEL:\n  NAME: linear\n')
+
+
+def _assert_same(a, b, where: str = 'checkpoint') -> None:
+    """`a` and `b` hold the same keys in the same order and equal values, tensor for tensor."""
+    assert type(a) is type(b), where
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert list(a) == list(b), where
+        for key in a:
+            _assert_same(a[key], b[key], f'{where}[{key!r}]')
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _assert_same(x, y, f'{where}[{i}]')
+    else:
+        assert a == b, where
+
+
+def test_a_training_checkpoint_restores_every_field(tmp_path):
+    saved = _training_objects(tmp_path / 'saved', TrainState(epoch=1, epoch_batches=3, step=3, max_accuracy=62.5,
+                                                             max_ema_accuracy=60.0, skipped_steps=1))
+    for step in range(1, 4):  # optimizer moments, a grown scaler, a moved EMA and schedule
+        loss = saved.model(torch.randn(8, 4)).logsumexp(1).mean()
+        saved.scaler.scale(loss).backward()
+        saved.scaler.step(saved.optimizer)
+        saved.scaler.update()
+        saved.optimizer.zero_grad()
+        saved.scheduler.step_update(num_updates=step)
+        saved.ema.update(saved.model)
+    random.seed(1), np.random.seed(2), torch.manual_seed(3)
+    saved.save({'val_top1': 62.5}, best=True)
+    draws = (random.random(), np.random.rand(3), torch.rand(3))
+    stored = TrainingCheckpoint.read(saved.last_path)
+    # the keys (and their order) of the format that earlier checkpoints were written in
+    assert list(stored) == ['model', 'model_ema', 'optimizer', 'scheduler', 'scaler', 'epoch', 'epoch_batches',
+                            'step', 'max_accuracy', 'max_ema_accuracy', 'rng', 'world_size', 'config', 'metrics']
+    _assert_same(TrainingCheckpoint.read(saved.best_path), stored)
+
+    restored = _training_objects(tmp_path / 'restored', TrainState(), seed=1)
+    restored.restore(stored, saved.last_path, batches_per_epoch=5)
+    assert restored.state == TrainState(epoch=1, epoch_batches=3, step=3, max_accuracy=62.5, max_ema_accuracy=60.0)
+    restored.save({'val_top1': 62.5})  # nothing drew a random number since the restore
+    _assert_same(TrainingCheckpoint.read(restored.last_path), stored)
+    again = (random.random(), np.random.rand(3), torch.rand(3))
+    assert draws[0] == again[0] and np.array_equal(draws[1], again[1]) and torch.equal(draws[2], again[2])
+
+    # a finished epoch goes on at the next one, the schedule (not the stored learning rate) sets the learning rate,
+    # and another world size keeps this process's random streams
+    stored['optimizer']['param_groups'][0]['lr'] = 1.0
+    two = _training_objects(tmp_path / 'two', TrainState(), DistInfo(rank=0, world_size=2, local_rank=0,
+                                                                     device=torch.device('cpu')))
+    warnings = []
+    handler = logging.Handler()
+    handler.emit = lambda record: warnings.append(record.getMessage())
+    logging.getLogger('engine').addHandler(handler)
+    torch.manual_seed(4)
+    expected = torch.rand(3)
+    torch.manual_seed(4)
+    try:
+        two.restore(stored, saved.last_path, batches_per_epoch=3)
+    finally:
+        logging.getLogger('engine').removeHandler(handler)
+    assert torch.equal(torch.rand(3), expected)
+    assert (two.state.epoch, two.state.epoch_batches, two.state.step) == (2, 0, 3)
+    assert two.optimizer.param_groups[0]['lr'] == saved.optimizer.param_groups[0]['lr'] < 1.0
+    assert f"{saved.last_path} was written by 1 processes, not 2: random streams restart from the seed" in warnings
+
+
+def test_a_training_checkpoint_missing_keys_fails_with_one_line(tmp_path):
+    saved = _training_objects(tmp_path, TrainState())
+    saved.save()
+    partial = torch.load(saved.last_path, weights_only=True)
+    del partial['scaler'], partial['rng']
+    path = str(tmp_path / 'partial.pth')
+    torch.save(partial, path)
+    with pytest.raises(CheckpointError) as error:
+        TrainingCheckpoint.read(path)
+    assert str(error.value) == f"checkpoint {path!r} is not a training checkpoint of this engine: it lacks scaler, rng"
+    torch.save([partial], path)
+    with pytest.raises(CheckpointError, match=r"holds a list, not a training checkpoint$"):
+        TrainingCheckpoint.read(path)
 
 
 def _tiny_checkpoint(tmp_path, cfg, num_classes=10, official=False) -> str:

@@ -26,7 +26,7 @@ from engine.config import load_config, scaled_lrs
 from engine.data import build_train_loader, load_split, prepare_digits, train_transform
 from engine.distributed import DistInfo
 from engine.errors import USAGE_EXIT_CODE, NonFiniteLossError, run_cli
-from engine.loops import TrainState, train_one_epoch
+from engine.loops import EpochOptions, TrainState, train_one_epoch
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / 'configs' / 'demo' / 'digits_tiny.yaml')
@@ -74,9 +74,10 @@ def linear_run(batches, bad_calls: set, max_nonfinite_steps: int, accumulation: 
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
     scheduler = RecordingScheduler()
     state = TrainState()
+    options = EpochOptions(updates=len(batches) // accumulation, accumulation=accumulation,
+                           max_nonfinite_steps=max_nonfinite_steps)
     train_one_epoch(model, batches, nan_at(nn.CrossEntropyLoss(), bad_calls), optimizer, scheduler,
-                    torch.amp.GradScaler('cpu', enabled=False), state, CPU, updates=len(batches) // accumulation,
-                    accumulation=accumulation, ema=ema, max_nonfinite_steps=max_nonfinite_steps)
+                    torch.amp.GradScaler('cpu', enabled=False), state, CPU, options, ema=ema)
     return model, ema, optimizer, scheduler, state
 
 
@@ -260,8 +261,8 @@ def test_every_attention_trains_50_steps_under_float16_autocast(attn, digits):
         losses.append(loss.item())
         return loss
 
-    train_one_epoch(model, loader, recorded, optimizer, scheduler, scaler, state, CPU, updates=50, amp=True,
-                    amp_dtype='float16')
+    train_one_epoch(model, loader, recorded, optimizer, scheduler, scaler, state, CPU,
+                    EpochOptions(updates=50, amp=True, amp_dtype='float16'))
     assert state.step == 50 and state.skipped_steps == 0 and len(losses) == 50
     assert all(math.isfinite(loss) for loss in losses)
     # the scaler starts at 2**16 and halves on each update it skips for inf/NaN gradients (no growth in 50)

@@ -13,7 +13,7 @@ import torch
 
 import engine.loops
 from engine.build import create_criterion, create_model
-from engine.checkpoint import load_training_checkpoint
+from engine.checkpoint import TrainingCheckpoint
 from engine.cli import eval_main, train_main
 from engine.config import load_config
 from engine.data import build_train_loader, load_split, prepare_digits, train_transform
@@ -72,7 +72,7 @@ def test_an_uninterrupted_run_logs_and_checkpoints(uninterrupted):
     last = torch.load(uninterrupted / 'last.pth', weights_only=True)
     assert last['step'] == 178 and last['metrics']['val_top1'] == log[-1]['val_top1']
     assert math.isclose(last['optimizer']['param_groups'][0]['lr'], 1e-5)  # MIN_LR after the last update
-    best = load_training_checkpoint(str(uninterrupted / 'best.pth'))
+    best = TrainingCheckpoint.read(str(uninterrupted / 'best.pth'))
     assert best['max_accuracy'] == max(r['val_top1'] for r in log) == best['metrics']['val_top1']
     saved = load_config(str(uninterrupted / 'config.yaml'))
     assert saved == load_config(TINY, ['OUTPUT', str(uninterrupted), 'DATA.DATA_PATH', saved.DATA.DATA_PATH, *RANDOM])
@@ -153,7 +153,7 @@ def test_two_processes_stop_resume_evaluate_and_match_one_process(tmp_path, digi
     torchrun(*args, cwd=tmp_path)
     two = records(output)
     assert [r['epoch'] for r in two] == [0, 1] and two[-1]['step'] == 178
-    checkpoint = load_training_checkpoint(str(output / 'last.pth'))
+    checkpoint = TrainingCheckpoint.read(str(output / 'last.pth'))
     assert checkpoint['world_size'] == 2 and len(checkpoint['rng']) == 2
 
     capsys.readouterr()
