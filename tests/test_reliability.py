@@ -27,11 +27,12 @@ from engine.data import build_train_loader, load_split, prepare_digits, train_tr
 from engine.distributed import DistInfo
 from engine.errors import USAGE_EXIT_CODE, NonFiniteLossError, run_cli
 from engine.loops import EpochOptions, TrainState, train_one_epoch
+from models.attention import list_attentions
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / 'configs' / 'demo' / 'digits_tiny.yaml')
 CPU = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device('cpu'))
-ATTENTIONS = ('softmax', 'multimax', 'inline', 'flatten', 'sima', 'additive')
+ATTENTIONS = list_attentions()
 # 22 updates per epoch instead of 89: the runs below only need a few.
 SHORT = ['DATA.BATCH_SIZE', '64']
 TIMING = ('epoch_seconds', 'images_per_second')
