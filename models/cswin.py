@@ -26,7 +26,7 @@ from timm.models import generate_default_cfgs
 from .attention import build_attention, check_attn_kwargs, forms_score_matrix, list_attentions, stage_attentions
 from .attention.layout import Grid, image_to_tokens, tokens_to_image
 from .checkpoint import filter_checkpoint
-from ._common import (
+from .family import (
     FLATTEN_META, INLINE_META, ZooModel, create_variant, imagenet_cfg, init_weights, register_variants, run_blocks,
     tsinghua_url,
 )

@@ -36,7 +36,7 @@ from timm.models import generate_default_cfgs
 from .attention import build_attention, check_attn_kwargs, forms_score_matrix, list_attentions, stage_attentions
 from .attention.layout import Grid, image_to_tokens, tokens_to_image
 from .checkpoint import CheckpointError, filter_checkpoint, resize_grid_embedding
-from ._common import (
+from .family import (
     FLATTEN_META, INLINE_META, Block, ZooModel, create_variant, imagenet_cfg, init_weights, register_variants,
     run_blocks, tsinghua_url,
 )
@@ -225,7 +225,8 @@ class PyramidVisionTransformer(ZooModel):
             x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)
         pos_embed = resize_position_embedding(getattr(self, f'pos_embed{i + 1}'), self.grid_sizes[i], grid, prefix)
         x = getattr(self, f'pos_drop{i + 1}')(x + pos_embed)
-        return run_blocks(getattr(self, f'block{i + 1}'), x, grid, grad_checkpointing=self.grad_checkpointing), grid
+        x = run_blocks(getattr(self, f'block{i + 1}'), x, grid, grad_checkpointing=self.grad_checkpointing)
+        return x, grid
 
     def _final_norm(self, x: Tensor) -> Tensor:
         return self.norm(x) if self.norm_used else x

@@ -23,7 +23,7 @@ from timm.models import generate_default_cfgs
 from .attention import build_attention, check_attn_kwargs, forms_score_matrix, list_attentions, stage_attentions
 from .attention.layout import Grid
 from .checkpoint import filter_checkpoint
-from ._common import (
+from .family import (
     FLATTEN_META, INLINE_META, Block, ZooModel, create_variant, imagenet_cfg, init_weights, register_variants,
     run_blocks, tsinghua_url,
 )
@@ -184,8 +184,8 @@ class SwinTransformer(ZooModel):
         is taken before this stage's own patch merging."""
         x = self.pos_drop(self.patch_embed(x)) if i == 0 else self.layers[i - 1].downsample(x)
         stage = self.layers[i]
-        return run_blocks(stage.blocks, x, stage.grid_size, grad_checkpointing=self.grad_checkpointing), \
-            stage.grid_size
+        x = run_blocks(stage.blocks, x, stage.grid_size, grad_checkpointing=self.grad_checkpointing)
+        return x, stage.grid_size
 
     def _prune_stages(self, num_stages: int) -> None:
         self.layers = self.layers[:num_stages]

@@ -21,8 +21,10 @@ from timm.models import generate_default_cfgs
 from .attention import build_attention, check_attn_kwargs, list_attentions, stage_attentions
 from .attention.layout import Grid
 from .checkpoint import CheckpointError, filter_checkpoint, resize_grid_embedding
-from ._common import INLINE_META, Block, ZooModel, create_variant, imagenet_cfg, init_weights, register_variants, \
-    run_blocks, tsinghua_url
+from .family import (
+    INLINE_META, Block, ZooModel, create_variant, imagenet_cfg, init_weights, register_variants, run_blocks,
+    tsinghua_url,
+)
 
 __all__ = ['DeiT', 'checkpoint_filter_fn']
 
@@ -127,8 +129,8 @@ class DeiT(ZooModel):
             x = self.patch_embed(x)
             x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)
             x = self.pos_drop(x + self.pos_embed)
-        return run_blocks(self.blocks[i:i + 1], x, self.grid_size, grad_checkpointing=self.grad_checkpointing), \
-            self.grid_size
+        x = run_blocks(self.blocks[i:i + 1], x, self.grid_size, grad_checkpointing=self.grad_checkpointing)
+        return x, self.grid_size
 
     def _prune_stages(self, num_stages: int) -> None:
         self.blocks = self.blocks[:num_stages]

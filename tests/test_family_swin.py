@@ -3,7 +3,6 @@ rules, checkpoint loading (official format, unsafe pickles, other models, other 
 import functools
 import os
 import re
-from pathlib import Path
 
 import pytest
 import torch

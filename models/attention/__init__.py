@@ -7,6 +7,13 @@ mixer file registers itself without further edits.
 import importlib
 import pkgutil
 
+__all__ = [
+    'Grid', 'Mixer', 'MixContext', 'autocast_off', 'GroupedAttention', 'GlobalAttention', 'SpatialReductionAttention',
+    'WindowAttention', 'StripeBranch', 'CrossShapedAttention', 'GROUPINGS', 'build_attention', 'check_attn_kwargs',
+    'forms_score_matrix', 'get_mixer_class', 'list_attention_options', 'list_attentions', 'register_attention',
+    'stage_attentions',
+]
+
 from .layout import Grid
 from .mixer import MixContext, Mixer, autocast_off
 from .grouping import (

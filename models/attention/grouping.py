@@ -17,7 +17,6 @@ where the official checkpoints keep them.
 from typing import Any, Dict, List, Mapping, Optional, Tuple, Type, Union
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from timm.layers import trunc_normal_

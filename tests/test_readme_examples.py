@@ -1,0 +1,55 @@
+"""The README's "Extending" examples, run as a user would: a new mixer file dropped into `models/attention/` and a
+new family module beside the others, in a copy of the package."""
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def extending_examples():
+    """The Python blocks of the README's Extending section: the attention file, then the family module."""
+    text = (ROOT / 'README.md').read_text()
+    section = text[text.index('## Extending'):text.index('## Tests and benchmarks')]
+    return re.findall(r'```python\n(.*?)```', section, flags=re.S)
+
+
+def test_the_extending_section_has_an_attention_and_a_family_example():
+    attention, family = extending_examples()
+    assert attention.startswith('# models/attention/cosine.py') and "@register_attention('cosine')" in attention
+    assert 'class PlainViT(ZooModel)' in family and 'register_variants(__name__' in family
+
+
+CHECK = '''
+import torch, timm
+import models, models.plainvit
+from models.attention import list_attentions
+assert 'cosine' in list_attentions(), list_attentions()
+swin = timm.create_model('cosine_swin_tiny', temperature=20, img_size=32, embed_dim=16, depths=[2, 1, 1, 1],
+                         num_heads=[1, 2, 2, 2], window_size=4, num_classes=3)
+mixers = [b.attn.mixer for s in swin.layers for b in s.blocks]
+assert all(m.temperature == 20 for m in mixers) and swin.layers[0].blocks[1].attn.shift_size == 2
+assert sorted(timm.list_models('*_plainvit')) == sorted(f'{a}_plainvit' for a in list_attentions())
+for name in ('inline_plainvit', 'cosine_plainvit'):
+    model = timm.create_model(name)
+    out = model(torch.randn(2, 3, 32, 32))
+    out.square().mean().backward()
+    assert out.shape == (2, 10) and all(p.grad is not None for p in model.parameters())
+    assert [f.shape for f in model.forward_intermediates(torch.randn(1, 3, 32, 32), intermediates_only=True)] == [
+        (1, 32, 4, 4)]
+print('ok')
+'''
+
+
+def test_the_examples_run_as_package_files(tmp_path):
+    attention, family = extending_examples()
+    package = tmp_path / 'models'
+    shutil.copytree(ROOT / 'models', package, ignore=shutil.ignore_patterns('__pycache__'))
+    (package / 'attention' / 'cosine.py').write_text(attention)
+    (package / 'plainvit.py').write_text(family)
+    run = subprocess.run([sys.executable, '-c', CHECK], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and run.stdout.strip() == 'ok', run.stderr[-3000:]
