@@ -63,15 +63,11 @@ NOTES_MARKER = '<!-- notes -->'
 
 
 def model_spec(attention: str, family: str, size: str, resolution: int) -> Tuple[str, Dict]:
-    """Our model name and its keyword arguments: the registered `{attention}_{family}_{size}` where there is one
-    (a paper's official model keeps its own configuration), else the softmax model with the attention swapped
-    in."""
+    """Our model name and its keyword arguments: the registered `{attention}_{family}_{size}`, which every family
+    has for every attention (a paper's official model keeps its own configuration)."""
     name = f'{attention}_{family}_{size}'
     kwargs: Dict = dict(img_size=resolution)
-    if not timm.is_model(name):
-        name = f'softmax_{family}_{size}'
-        kwargs['attn_type'] = attention
-    elif family == 'swin' and not forms_score_matrix(attention) and _from_paper(name):
+    if family == 'swin' and not forms_score_matrix(attention) and _from_paper(name):
         # A paper's linear-attention Swin takes `window_size` as the window of its linear blocks (its softmax
         # window derives from it); the stage-0 grid keeps them global at every resolution, as at the trained one.
         kwargs['window_size'] = resolution // 4
@@ -277,7 +273,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                         continue
                     rows.append(dict(
                         family=family, size=size, attention=spec['label'], resolution=resolution,
-                        model=spec['model'], attn_type=spec['kwargs'].get('attn_type', ''),
+                        model=spec['model'],
                         params_m=res['params_m'], infer_img_s=res['infer_img_s'],
                         train_step_ms=res.get('train_step_ms'), infer_mem_mib=res['infer_mem_mib'],
                         train_mem_mib=res.get('train_mem_mib'),
@@ -404,8 +400,7 @@ def write_outputs(args: argparse.Namespace, rows: List[Dict], skipped: List[str]
         '|---|---|---|---|---|---|---|---|---|---|---|',
     ]
     for r in rows:
-        name = r['model'] + (f" + {r['attn_type']}" if r['attn_type'] else '')
-        lines.append(f"| {name} | {r['resolution']} | {r['params_m']:.1f} | {fmt(r['infer_img_s'])} "
+        lines.append(f"| {r['model']} | {r['resolution']} | {r['params_m']:.1f} | {fmt(r['infer_img_s'])} "
                      f"| {fmt(r['train_step_ms'], 0)} | {fmt(r['infer_mem_mib'], 0)} | {fmt(r['train_mem_mib'], 0)} "
                      f"| {fmt(r['infer_vs_timm'])} | {fmt(r['train_vs_timm'])} "
                      f"| {fmt(r['infer_vs_softmax'])} | {fmt(r['train_vs_softmax'])} |")
