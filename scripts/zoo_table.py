@@ -1,12 +1,15 @@
-"""Print the README's model-zoo table: parameters and FLOPs measured on our models, official top-1 and config.
+"""Print the README's model-zoo tables: the official models (parameters and FLOPs measured on ours, official top-1
+and config), then parameters and FLOPs of every registered attention on every family size.
 
     python scripts/zoo_table.py > zoo.md
 
 FLOPs are multiply-accumulates of the matrix products and convolutions (as the official READMEs count them),
 measured with `torch.utils.flop_counter` on the meta device, so no weights are allocated.
 """
+import functools
 import os
 import sys
+from typing import Collection, List, Optional, Tuple
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
@@ -15,6 +18,7 @@ import timm
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import models  # noqa: E402,F401  (registers the families)
+from models.attention import list_attentions  # noqa: E402
 
 # ImageNet-1k top-1 reported by the papers / official READMEs (None: no released weights or figure).
 OFFICIAL_TOP1 = {
@@ -40,7 +44,9 @@ def config_file(name: str) -> str:
     return f'`{path}`' if os.path.exists(os.path.join(os.path.dirname(os.path.dirname(__file__)), path)) else '–'
 
 
-def measure(name: str):
+@functools.lru_cache(maxsize=None)  # both tables measure the official models
+def measure(name: str) -> Tuple[int, int, float]:
+    """Input resolution, parameters and multiply-accumulates of model `name` at its pretrained input size."""
     with torch.device('meta'):
         model = timm.create_model(name).eval()
     size = model.pretrained_cfg['input_size']
@@ -51,15 +57,51 @@ def measure(name: str):
     return size[-1], params, counter.get_total_flops() / 2
 
 
-def main() -> None:
-    print('| model | resolution | params (M) | FLOPs (G) | official top-1 | weights | config |')
-    print('|---|---|---|---|---|---|---|')
+def official_table() -> List[str]:
+    """The official models with their measured size and cost, official top-1, weights and config (markdown)."""
+    lines = ['| model | resolution | params (M) | FLOPs (G) | official top-1 | weights | config |',
+             '|---|---|---|---|---|---|---|']
     for name in OFFICIAL_TOP1:
         resolution, params, macs = measure(name)
         top1 = OFFICIAL_TOP1[name]
         weights = 'released' if timm.models.get_pretrained_cfg(name).has_weights else '–'
-        print(f'| `{name}` | {resolution} | {params / 1e6:.1f} | {macs / 1e9:.1f} | '
-              f'{top1 if top1 is not None else "–"} | {weights} | {config_file(name)} |')
+        lines.append(f'| `{name}` | {resolution} | {params / 1e6:.1f} | {macs / 1e9:.1f} | '
+                     f'{top1 if top1 is not None else "–"} | {weights} | {config_file(name)} |')
+    return lines
+
+
+def registry_table(families: Optional[Collection[str]] = None) -> List[str]:
+    """Every registered attention (columns) on every family size of `families` (rows; default all), each cell the
+    parameters and FLOPs of `{attention}_{family}_{size}` (markdown, with its legend)."""
+    attentions = list_attentions()
+    # Every family registers every attention at each of its sizes, so the softmax models list the sizes.
+    rows = []
+    for softmax_name in timm.list_models('softmax_*'):
+        family_size = softmax_name[len('softmax_'):]
+        family = family_size.split('_', 1)[0]
+        if families is None or family in families:
+            resolution, params, _ = measure(softmax_name)
+            rows.append((family, params, resolution, family_size))
+    lines = [f"| family size | resolution | {' | '.join(attentions)} |", '|---|---|' + '---|' * len(attentions)]
+    # A family's sizes in the order of their softmax models' parameters, then resolution (base before base_384).
+    for _, _, row_resolution, family_size in sorted(rows):
+        cells = []
+        for attention in attentions:
+            name = f'{attention}_{family_size}'
+            resolution, params, macs = measure(name)
+            cells.append(f'{params / 1e6:.1f} / {macs / 1e9:.1f}'
+                         + (f' @ {resolution}' if resolution != row_resolution else '')
+                         + (' †' if name in OFFICIAL_TOP1 else ''))
+        lines.append(f"| {family_size} | {row_resolution} | {' | '.join(cells)} |")
+    lines += ['', 'Cells: params (M) / FLOPs (G) of `{attention}_{family size}` at the row\'s resolution (`@ R`: at '
+                  'its own resolution R). † an official model of the table above: what is measured is its official '
+                  'configuration, which for an attention other than the family\'s own can differ from the family '
+                  'size with that attention in every block (pattern, widths, resolution).']
+    return lines
+
+
+def main() -> None:
+    print('\n'.join(official_table() + [''] + registry_table()))
 
 
 if __name__ == '__main__':
