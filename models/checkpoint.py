@@ -21,8 +21,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+import timm
+from timm.models import get_pretrained_cfg
+
 __all__ = [
-    'CheckpointError', 'filter_checkpoint', 'adapt_state_dict', 'load_pretrained_into', 'TransferReport', 'SAFE_GLOBALS', 'load_checkpoint_file', 'checkpoint_state_dict', 'drop_derived_buffers',
+    'CheckpointError', 'filter_checkpoint', 'adapt_state_dict', 'load_pretrained_into', 'TransferReport',
+    'SAFE_GLOBALS', 'load_checkpoint_file', 'checkpoint_state_dict', 'drop_derived_buffers',
     'check_state_dict', 'load_state_dict_checked', 'resize_grid_embedding', 'resize_rel_pos_bias_table',
 ]
 
@@ -201,12 +205,10 @@ def load_pretrained_into(model: nn.Module, source: str) -> TransferReport:
     if os.path.exists(source):
         checkpoint = load_checkpoint_file(source)
     else:
-        import timm
-        from timm.models import get_pretrained_cfg
         if not timm.is_model(source):
             raise CheckpointError(f"pretrained source {source!r} is neither a file nor a registered model name")
         cfg = get_pretrained_cfg(source)
-        url = cfg.file or cfg.url if cfg is not None else None
+        url = (cfg.file or cfg.url) if cfg is not None else None
         if not url:
             raise CheckpointError(f"model {source!r} has no pretrained weights to start from")
         checkpoint = load_checkpoint_file(url) if cfg.file else torch.hub.load_state_dict_from_url(

@@ -140,7 +140,8 @@ class CSWinTransformer(ZooModel):
         embed_dim: channels of stage 1, doubled by every merge.
         depth, num_heads: blocks and heads of the four stages.
         split_size: stripe width per stage for score-forming attentions (the last stage is always global).
-        la_split_size: stripe width per stage for attentions that form no score matrix, as a list or a '56-28-14-7' string;
+        la_split_size: stripe width per stage for attentions that form no score matrix, as a list or a
+            '56-28-14-7' string;
             None for one global branch in every stage.
         mlp_ratio, qkv_bias: MLP hidden ratio and query/key/value bias.
         attn_type: an attention name, one name per stage, or an official pattern ('IISS', 'LLSS', ...).

@@ -17,8 +17,9 @@ from .attention import list_attention_options, stage_attentions
 from .attention.layout import Grid, tokens_to_image
 
 __all__ = [
-    'ZooModel', 'create_variant', 'register_variants', 'Block', 'init_weights', 'run_blocks', 'new_classifier', 'check_global_pool', 'check_img_size',
-    'check_output_fmt', 'imagenet_cfg', 'tsinghua_url', 'INLINE_META', 'FLATTEN_META',
+    'ZooModel', 'create_variant', 'register_variants', 'Block', 'init_weights', 'run_blocks', 'new_classifier',
+    'check_global_pool', 'check_img_size', 'check_output_fmt', 'imagenet_cfg', 'tsinghua_url', 'INLINE_META',
+    'FLATTEN_META',
 ]
 
 # Pretrained-cfg entries of the InLine and FLatten releases, which several families ship. Their evaluation resizes
@@ -161,7 +162,8 @@ class ZooModel(nn.Module):
     def _check_pool(self, global_pool: str) -> str:
         return check_global_pool(global_pool, self.global_pools)
 
-    def _run_stages(self, x: Tensor, num_stages: int, keep: Sequence[int] = ()) -> Tuple[Tensor, Dict[int, Tuple[Tensor, Grid]]]:
+    def _run_stages(self, x: Tensor, num_stages: int,
+                    keep: Sequence[int] = ()) -> Tuple[Tensor, Dict[int, Tuple[Tensor, Grid]]]:
         """The last output of the first `num_stages` stages on images `x`, and the output and grid of the stages
         in `keep`."""
         self._check_input(x)
@@ -260,7 +262,8 @@ def _fold_attn_options(model_cls: Type[nn.Module], kwargs: Dict[str, Any]) -> Di
     """Move the attentions' method options given as keywords (the official `focusing_factor=...`) into
     `attn_kwargs`, where every family takes them."""
     params = inspect.signature(model_cls.__init__).parameters
-    options = {key: kwargs.pop(key) for key in list(kwargs) if key in list_attention_options() and key not in params}
+    known = list_attention_options()
+    options = {key: kwargs.pop(key) for key in list(kwargs) if key in known and key not in params}
     if options:
         given = dict(kwargs.get('attn_kwargs') or {})
         clash = sorted(set(options) & set(given))
@@ -295,7 +298,8 @@ def create_variant(
     """
     kwargs = _fold_attn_options(model_cls, dict(kwargs))
     built = {**model_args, **kwargs}
-    if 'attn_type' in kwargs and _block_attentions(built) != _block_attentions({**built, 'attn_type': model_args['attn_type']}):
+    native = {**built, 'attn_type': model_args['attn_type']}
+    if 'attn_type' in kwargs and _block_attentions(built) != _block_attentions(native):
         overlay = dict(kwargs.get('pretrained_cfg_overlay') or {})
         own_weights = bool(overlay.get('file') or overlay.get('url'))
         if pretrained and not own_weights:

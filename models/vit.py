@@ -30,7 +30,8 @@ __all__ = ['DeiT', 'checkpoint_filter_fn']
 
 
 class DeiT(ZooModel):
-    """Vision transformer with a class token and learned absolute position embedding (DeiT and the DeiT-style models of the papers).
+    """Vision transformer with a class token and a learned absolute position embedding (DeiT and the papers'
+    DeiT-style models).
 
     Args:
         img_size: input image size the model is built for (int or (H, W)); other sizes raise ValueError.

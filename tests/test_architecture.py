@@ -114,7 +114,8 @@ def test_own_weights_of_another_attention_load_through_the_overlay(tmp_path):
     model = timm.create_model('softmax_deit_tiny', attn_type='sima', pretrained=True,
                               pretrained_cfg_overlay=dict(file=str(tmp_path / 'sima.pth')), **TINY['deit'])
     # timm gives a classifier of another class count than the pretrained cfg's a fresh init
-    assert all(torch.equal(v, source.state_dict()[k]) for k, v in model.state_dict().items() if not k.startswith('head.'))
+    expected = source.state_dict()
+    assert all(torch.equal(v, expected[k]) for k, v in model.state_dict().items() if not k.startswith('head.'))
 
 
 @pytest.mark.parametrize('attention, new', [

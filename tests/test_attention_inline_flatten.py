@@ -424,7 +424,8 @@ def test_initial_parameters():
     shapes = {k: tuple(v.shape) for k, v in inline.state_dict().items() if k.startswith('residual')}
     assert shapes == {'residual.0.weight': (DIM, DIM // HEADS, 1), 'residual.0.bias': (DIM,),
                       'residual.2.weight': (9 * DIM, DIM // HEADS, 1), 'residual.2.bias': (9 * DIM,)}
-    for conv in (inline.mixer.residual[0], inline.mixer.residual[2]):  # PyTorch's default init, as the official models keep
+    # PyTorch's default init, as the official models keep
+    for conv in (inline.mixer.residual[0], inline.mixer.residual[2]):
         bound = (DIM // HEADS) ** -0.5
         assert conv.weight.abs().max() <= bound and conv.bias.abs().max() <= bound
         assert conv.weight.std() > bound / 4 and conv.bias.any()

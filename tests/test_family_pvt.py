@@ -226,7 +226,8 @@ def test_flatten_options_reach_only_flatten_attentions():
     flatten = timm.create_model('flatten_pvt_tiny', **dict(TINY, focusing_factor=2, kernel_size=3))
     assert flatten.block2[0].attn.mixer.dwc.kernel_size == (3, 3) and flatten.block2[0].attn.mixer.focusing_factor == 2
     inline = timm.create_model('inline_pvt_tiny', **dict(TINY, attn_type='LLIS', kernel_size=3))
-    assert inline.block1[0].attn.mixer.dwc.kernel_size == (3, 3) and isinstance(inline.block3[0].attn.mixer, InLineMixer)
+    assert inline.block1[0].attn.mixer.dwc.kernel_size == (3, 3)
+    assert isinstance(inline.block3[0].attn.mixer, InLineMixer)
 
 
 def test_heads_and_layer_norm_eps():

@@ -63,8 +63,8 @@ def test_fold_windows_puts_each_window_in_its_own_heads():
 @pytest.mark.parametrize('with_pos_bias', [True, False])
 @pytest.mark.parametrize('grad', [False, True])
 def test_windowed_softmax_mix_matches_plain_formula(with_pos_bias, grad):
-    """The softmax mixer on (B·nW, n, C) windows, in inference (the fused kernel) and in training (a bias with a gradient,
-    which the fused CPU kernel does not take: the plain formula)."""
+    """The softmax mixer on (B·nW, n, C) windows, in inference (the fused kernel) and in training (a bias with a
+    gradient, which the fused CPU kernel does not take: the plain formula)."""
     q, k, v, pos_bias, mask = windows(requires_grad=grad)
     pos_bias = pos_bias if with_pos_bias else None
     Bw, heads, n, d = q.shape
@@ -108,7 +108,8 @@ class LargestScoreTensor(TorchDispatchMode):
 def test_windowed_softmax_inference_is_fused_and_its_bias_does_not_grow_with_the_batch(shift):
     heads, grid, window = 2, (8, 8), 4
     n, num_windows = window * window, (8 // window) ** 2
-    attn = build_attention('softmax', 24, heads, grid, grouping='window', window_size=window, shift_size=shift, rel_pos_bias=True).eval()
+    attn = build_attention('softmax', 24, heads, grid, grouping='window', window_size=window, shift_size=shift,
+                           rel_pos_bias=True).eval()
     largest = {}
     for batch in (1, 8):
         x = torch.randn(batch, 64, 24)
