@@ -189,6 +189,7 @@ class CSWinTransformer(ZooModel):
         for _ in range(NUM_STAGES - 1):
             grid = tuple((g - 1) // 2 + 1 for g in grid)
             self.grid_sizes.append(grid)
+        self.in_chans = in_chans
         self.num_classes = num_classes
         self.global_pool = self._check_pool(global_pool)
         self.num_prefix_tokens = 0

@@ -1,5 +1,6 @@
 """What the backbone families share: the timm model API (`ZooModel`), variant registration, the pre-norm block, the
 official init, block running, head and input checks, and the pieces of their pretrained cfgs."""
+import contextlib
 import inspect
 import sys
 from typing import Any, Callable, ClassVar, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Type, Union
@@ -289,7 +290,8 @@ def create_variant(
         kwargs: Dict[str, Any],
         **build_kwargs: Any,
 ) -> nn.Module:
-    """Build registered `variant` from its `model_args` overridden by the user's `kwargs`, through timm.
+    """Build registered `variant` from its `model_args` overridden by the user's `kwargs`, through timm, on the
+    `device` and in the `dtype` that timm's factory may pass.
 
     A pretrained cfg belongs to the architecture its weights were trained with: a model built with another
     `attn_type` than the variant's loses the weights URL, and `pretrained=True` with it is refused unless the
@@ -309,7 +311,11 @@ def create_variant(
                 f"models.checkpoint.load_pretrained_into(model, {variant!r}), or give your own file through "
                 f"pretrained_cfg_overlay=dict(file=...)")
         kwargs['pretrained_cfg_overlay'] = {'url': '', 'hf_hub_id': None, 'file': None, **overlay}
-    return build_model_with_cfg(model_cls, variant, pretrained, **build_kwargs, **dict(model_args, **kwargs))
+    device, dtype = kwargs.pop('device', None), kwargs.pop('dtype', None)
+    # timm's factory keywords: parameters are created on `device` (the meta device allocates nothing)
+    with torch.device(device) if device is not None else contextlib.nullcontext():
+        model = build_model_with_cfg(model_cls, variant, pretrained, **build_kwargs, **dict(model_args, **kwargs))
+    return model if dtype is None else model.to(dtype=dtype)
 
 
 def register_variants(

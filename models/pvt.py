@@ -10,10 +10,9 @@ Two heads exist, both with the original key names (`patch_embed{i}.proj/norm`, `
 - the original PVT (`class_token=True`): a class token joins the last stage (its `pos_embed4` has one more row),
   a final LayerNorm `norm`, class-token pooling;
 - the papers' linear-attention PVTs (`class_token=False`): no class token, no final norm, the mean of the last
-  stage's tokens. One of them holds a final LayerNorm `norm` that its forward never uses; `keep_unused_norm`
-  keeps it, frozen, so that the state dict and parameter count are the official ones and data-parallel
-  training sees no parameter without a gradient. Other models without a final norm drop a checkpoint's `norm.*`
-  on loading.
+  stage's tokens. One official model holds a final LayerNorm `norm` that its forward never uses: a parameter no
+  forward uses is no parameter here, so its checkpoints' `norm.*` is dropped on loading and the parameter
+  count is the official code's less those 2 × 512.
 
 Another input size: like the official model, each stage's position embedding is resized at run time (bilinear,
 the class token's row kept), which at the built size is the identity. The image sides must be multiples of the
@@ -77,8 +76,6 @@ class PyramidVisionTransformer(ZooModel):
         attn_kwargs: method options of the attentions (`models.attention.list_attention_options()`).
         class_token: the original PVT head (class token in the last stage, final norm, class-token pooling);
             False for the papers' linear-attention PVTs (mean of the last stage's tokens, no final norm).
-        keep_unused_norm: without a class token, still hold the final LayerNorm `norm`, frozen and unused, as
-            one official model does.
         global_pool: 'token', 'avg' (mean of the last stage's grid tokens) or ''; default 'token' with a class
             token, else 'avg'.
         drop_rate: dropout after the position embeddings, the attention projections and the MLP layers.
@@ -103,7 +100,6 @@ class PyramidVisionTransformer(ZooModel):
             la_sr_ratios: Union[str, Sequence[int]] = '1111',
             attn_type: Union[str, Sequence[str]] = 'softmax',
             class_token: bool = True,
-            keep_unused_norm: bool = False,
             global_pool: Optional[str] = None,
             attn_kwargs: Optional[Dict[str, Any]] = None,
             drop_rate: float = 0.,
@@ -123,6 +119,7 @@ class PyramidVisionTransformer(ZooModel):
         self.stride = patch_size * 2 ** (NUM_STAGES - 1)
         self.img_size: Grid = to_2tuple(img_size)
         self._check_size(self.img_size, 'img_size')
+        self.in_chans = in_chans
         self.num_classes = num_classes
         self.num_features = self.head_hidden_size = embed_dims[-1]
         self.num_prefix_tokens = 1 if class_token else 0
@@ -156,8 +153,7 @@ class PyramidVisionTransformer(ZooModel):
                     norm_layer=partial(nn.LayerNorm, eps=1e-6))
                 for name in names[i]]))
         self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dims[-1])) if class_token else None
-        self.norm = nn.LayerNorm(embed_dims[-1], eps=1e-6) if class_token or keep_unused_norm else nn.Identity()
-        self.norm_used = class_token
+        self.norm = nn.LayerNorm(embed_dims[-1], eps=1e-6) if class_token else nn.Identity()
         self.head = nn.Linear(embed_dims[-1], num_classes) if num_classes > 0 else nn.Identity()
         self.feature_info = [dict(module=f'block{i + 1}', num_chs=embed_dims[i], reduction=patch_size * 2 ** i)
                              for i in range(NUM_STAGES)]
@@ -167,8 +163,6 @@ class PyramidVisionTransformer(ZooModel):
         if self.cls_token is not None:
             trunc_normal_(self.cls_token, std=.02)
         self.apply(init_weights)
-        if not self.norm_used:
-            self.norm.requires_grad_(False)
 
     def _check_size(self, size: Grid, what: str) -> None:
         if size[0] % self.stride or size[1] % self.stride or min(size) <= 0:
@@ -228,9 +222,6 @@ class PyramidVisionTransformer(ZooModel):
         x = run_blocks(getattr(self, f'block{i + 1}'), x, grid, grad_checkpointing=self.grad_checkpointing)
         return x, grid
 
-    def _final_norm(self, x: Tensor) -> Tensor:
-        return self.norm(x) if self.norm_used else x
-
     def _prune_stages(self, num_stages: int) -> None:
         """Dropping the last stage drops the class token and the final norm with it."""
         for i in range(num_stages, self.num_stages):
@@ -239,10 +230,10 @@ class PyramidVisionTransformer(ZooModel):
         self.cls_token = None
         self.num_prefix_tokens = 0
         self.global_pool = 'avg' if self.global_pool == 'token' else self.global_pool
-        self.norm_used = False
 
 
 def _drop_unused_norm(model: PyramidVisionTransformer) -> Any:
+    """Without a final norm the model has no use for a checkpoint's `norm.*`, which one official model saves."""
     def prepare(state_dict: Dict[str, Tensor]) -> Dict[str, Tensor]:
         if 'norm.weight' in model.state_dict():
             return state_dict
@@ -274,8 +265,7 @@ _ORIGINAL = dict(_COMMON, num_heads=(1, 2, 5, 8), class_token=True)
 # The official models of the papers: attention pattern, heads, mean pooling without final norm.
 _OFFICIAL_ARGS = {
     'inline_pvt': dict(_COMMON, attn_type='IIII', num_heads=(2, 4, 10, 16), class_token=False),
-    'flatten_pvt': dict(_COMMON, attn_type='LLLL', num_heads=(1, 2, 5, 8), class_token=False,
-                        keep_unused_norm=True),
+    'flatten_pvt': dict(_COMMON, attn_type='LLLL', num_heads=(1, 2, 5, 8), class_token=False),
 }
 _VARIANTS = {
     **{f'{attn}_pvt_{size}': (dict(_ORIGINAL, depths=_DEPTHS[size], attn_type=attn),

@@ -138,6 +138,7 @@ class SwinTransformer(ZooModel):
             raise ValueError(f"img_size {self.img_size} gives a {grid[0]}x{grid[1]} token grid that {num_stages - 1} "
                              f"patch mergings cannot halve evenly; expected a multiple of "
                              f"{patch_size * 2 ** (num_stages - 1)}")
+        self.in_chans = in_chans
         self.num_classes = num_classes
         self.global_pool = self._check_pool(global_pool)
         self.num_prefix_tokens = 0

@@ -70,6 +70,7 @@ class DeiT(ZooModel):
             drop_path_rate: float = 0.,
     ):
         super().__init__()
+        self.in_chans = in_chans
         self.num_classes = num_classes
         self.global_pool = self._check_pool(global_pool)
         self.num_features = self.head_hidden_size = self.embed_dim = embed_dim

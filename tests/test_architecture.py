@@ -159,3 +159,14 @@ def test_a_start_from_another_family_or_a_missing_source_is_one_line(tmp_path):
         load_pretrained_into(model, 'nope.pth')
     with pytest.raises(CheckpointError, match="model 'sima_deit_tiny' has no pretrained weights to start from"):
         load_pretrained_into(model, 'sima_deit_tiny')
+
+
+@pytest.mark.parametrize('family', FAMILIES)
+def test_timm_factory_keywords_device_dtype_and_in_chans(family):
+    model = timm.create_model(f'inline_{family}_tiny', device='meta', dtype=torch.float64)
+    tensors = [*model.parameters(), *model.buffers()]
+    assert {t.device.type for t in tensors} == {'meta'}
+    assert {p.dtype for p in model.parameters()} == {torch.float64} and model.in_chans == 3
+    gray = timm.create_model(f'softmax_{family}_tiny', in_chans=1, **TINY[family])
+    size = TINY[family]['img_size']
+    assert gray.in_chans == 1 and gray(torch.randn(2, 1, size, size)).shape == (2, 5)

@@ -122,7 +122,9 @@ def test_softmax_pvt_matches_the_written_out_original_in_float64():
 # ------------------------------------------------------------------------------------------------ architecture
 
 INLINE_COUNTS = {'tiny': 12_032_232, 'small': 21_556_136, 'medium': 37_618_856, 'large': 51_154_280}
-FLATTEN_COUNTS = {'tiny': 12_150_504, 'small': 21_670_248, 'medium': 37_242_216, 'large': 50_649_192}
+# The official code's counts less its final LayerNorm (2 × 512), which its forward never uses.
+FLATTEN_COUNTS = {'tiny': 12_150_504 - 1024, 'small': 21_670_248 - 1024, 'medium': 37_242_216 - 1024,
+                  'large': 50_649_192 - 1024}
 README_MILLIONS = {'tiny': 13.2, 'small': 24.5, 'medium': 44.2, 'large': 61.4}
 
 
@@ -193,24 +195,26 @@ def test_inline_and_flatten_keys():
     assert inline['block1.0.attn.residual.2.weight'].shape == (576, 32, 1)
     flatten = meta_model('flatten_pvt_tiny')
     keys = flatten.state_dict()
-    assert len(keys) == 168 and 'cls_token' not in keys
+    assert len(keys) == 166 and 'cls_token' not in keys and 'norm.weight' not in keys
     assert [tuple(keys[f'block{i}.0.attn.positional_encoding'].shape) for i in range(1, 5)] == [
         (1, 3136, 64), (1, 784, 128), (1, 196, 320), (1, 49, 512)]
     assert keys['block3.1.attn.dwc.weight'].shape == (64, 1, 5, 5)
     assert all(isinstance(b.attn.mixer, FocusedLinearMixer) for i in range(1, 5) for b in getattr(flatten, f'block{i}'))
 
 
-def test_flatten_final_norm_is_unused_and_frozen():
+def test_flatten_official_checkpoint_with_its_unused_final_norm_loads_and_every_parameter_trains(tmp_path):
     torch.manual_seed(0)
-    model = timm.create_model('flatten_pvt_tiny', **TINY).eval()
-    assert not model.norm.weight.requires_grad and not model.norm.bias.requires_grad
+    source = timm.create_model('flatten_pvt_tiny', **TINY).eval()
+    state = dict(source.state_dict(), **{'norm.weight': torch.ones(128), 'norm.bias': torch.zeros(128)})
+    official_checkpoint(tmp_path / 'flatten.pth', state)
+    model = timm.create_model('flatten_pvt_tiny', pretrained=True, **TINY,
+                              pretrained_cfg_overlay=dict(file=str(tmp_path / 'flatten.pth'), num_classes=10)).eval()
     x = torch.randn(1, 3, 64, 64)
     with torch.no_grad():
-        before = model(x)
-        model.norm.weight.mul_(3).add_(1)
-        assert torch.equal(model(x), before)
-        tokens = model.forward_features(x)
-        assert torch.allclose(model.head(tokens.mean(1)), before)
+        assert torch.equal(model(x), source(x))
+        assert torch.allclose(model.head(model.forward_features(x).mean(1)), source(x))
+    model.train()(x).square().mean().backward()
+    assert all(p.grad is not None for p in model.parameters())
 
 
 def test_sr_ratios_apply_to_score_forming_and_la_sr_ratios_to_linear_attentions():
