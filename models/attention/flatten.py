@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..checkpoint import resize_grid_embedding
-from .layout import Grid, image_to_tokens, merge_heads, split_heads, tokens_to_image
+from .layout import Grid, image_to_tokens, merge_heads, tokens_to_image
 from .mixer import Mixer, MixContext, autocast_off
 from .registry import register_attention
 
@@ -98,7 +98,7 @@ class FocusedLinearMixer(Mixer):
         k = k + F.pad(self.positional_encoding, (0, 0, num_prefix, 0))
         phi_q = focused_feature_map(q, self.scale, self.focusing_factor)
         phi_k = focused_feature_map(k, self.scale, self.focusing_factor)
-        out = merge_heads(focused_linear_attention(split_heads(phi_q, h), split_heads(phi_k, h), split_heads(v, h)))
+        out = merge_heads(focused_linear_attention(*self.heads(phi_q, phi_k, v)))
         B, n, C = v.shape
         v_image = tokens_to_image(v[:, num_prefix:], grid).reshape(B * h, self.head_dim, grid[0], grid[1])
         local = image_to_tokens(self.dwc(v_image).reshape(B, C, grid[0], grid[1]))

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .layout import Grid, image_to_tokens, merge_heads, split_heads
+from .layout import Grid, image_to_tokens, merge_heads
 from .mixer import Mixer, MixContext
 from .registry import register_attention
 
@@ -72,9 +72,7 @@ class InLineMixer(Mixer):
         tokens = ctx.tokens
         if tokens is None:
             raise ValueError("inline attention needs the grouped attention input (MixContext.tokens), got None")
-        h = self.num_heads
-        out = merge_heads(inline_attention(split_heads(q, h), split_heads(k, h), split_heads(v, h),
-                                           self.head_dim ** -0.5))
+        out = merge_heads(inline_attention(*self.heads(q, k, v), self.head_dim ** -0.5))
         # v is a view into the projection output: one explicit copy to a dense NCHW image is cheaper than
         # convolving the strided view or a channels-last copy
         B, n, C = v.shape

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .layout import merge_heads, split_heads
+from .layout import merge_heads
 from .mixer import Mixer, MixContext, autocast_off
 from .registry import register_attention
 
@@ -45,5 +45,4 @@ class LinearMixer(Mixer):
     reduces_keys = True
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, ctx: MixContext) -> Tensor:
-        h = self.num_heads
-        return merge_heads(linear_attention(split_heads(q, h), split_heads(k, h), split_heads(v, h)))
+        return merge_heads(linear_attention(*self.heads(q, k, v)))

@@ -16,12 +16,12 @@ backbone passes one `attn_kwargs` dict and each mixer takes the options it decla
 """
 import contextlib
 import inspect
-from typing import Any, ClassVar, ContextManager, Dict, NamedTuple, Optional, Tuple
+from typing import Any, ClassVar, ContextManager, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
 
-from .layout import Grid
+from .layout import Grid, split_heads
 
 __all__ = ['Mixer', 'MixContext', 'autocast_off']
 
@@ -88,6 +88,10 @@ class Mixer(nn.Module):
         """The entries of `attn_kwargs` that are this mixer's options."""
         names = cls.option_names()
         return {key: value for key, value in (attn_kwargs or {}).items() if key in names}
+
+    def heads(self, *tensors: Tensor) -> List[Tensor]:
+        """Each (B', n, C) tensor as (B', heads, n, C / heads), the layout of the pure attention functions."""
+        return [split_heads(t, self.num_heads) for t in tensors]
 
     def require_group_grid(self, what: str) -> Grid:
         """The fixed grid of the groups, or a ValueError saying that `what` needs one."""

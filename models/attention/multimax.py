@@ -24,7 +24,7 @@ from torch import Tensor, nn
 
 from timm.layers import trunc_normal_
 
-from .layout import Grid, merge_heads, split_heads
+from .layout import Grid, merge_heads
 from .mixer import MixContext, autocast_off
 from .registry import register_attention
 from .softmax import SoftmaxMixer
@@ -337,7 +337,6 @@ class MultiMaxMixer(SoftmaxMixer):
         trunc_normal_(self.ts, std=.02)
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, ctx: MixContext) -> Tensor:
-        h = self.num_heads
-        out = multimax_attention(split_heads(q, h), split_heads(k, h), split_heads(v, h), self.ranges, self.ts,
-                                 ctx.pos_bias, ctx.mask, self.attn_drop if self.training else 0.)
+        out = multimax_attention(*self.heads(q, k, v), self.ranges, self.ts, ctx.pos_bias, ctx.mask,
+                                 self.attn_drop if self.training else 0.)
         return merge_heads(out)

@@ -8,7 +8,7 @@ two are equal, only their cost differs. Prefix tokens (a class token) are normal
 import torch
 from torch import Tensor
 
-from .layout import merge_heads, split_heads
+from .layout import merge_heads
 from .mixer import Mixer, MixContext
 from .registry import register_attention
 
@@ -39,5 +39,4 @@ class SimAMixer(Mixer):
     reduces_keys = True
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, ctx: MixContext) -> Tensor:
-        h = self.num_heads
-        return merge_heads(sima_attention(split_heads(q, h), split_heads(k, h), split_heads(v, h)))
+        return merge_heads(sima_attention(*self.heads(q, k, v)))

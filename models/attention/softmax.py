@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .layout import merge_heads, split_heads
+from .layout import merge_heads
 from .mixer import Mixer, MixContext
 from .registry import register_attention
 
@@ -60,7 +60,7 @@ class SoftmaxMixer(Mixer):
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, ctx: MixContext) -> Tensor:
         h = self.num_heads
-        q, k, v = split_heads(q, h), split_heads(k, h), split_heads(v, h)
+        q, k, v = self.heads(q, k, v)
         dropout_p = self.attn_drop if self.training else 0.
         if ctx.mask is None:
             return merge_heads(softmax_attention(q, k, v, ctx.pos_bias, dropout_p))
