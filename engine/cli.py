@@ -5,7 +5,7 @@ from typing import Any, Dict, Sequence
 
 from .config import load_config
 from .distributed import cleanup_distributed, init_distributed
-from .evaluation import eval_config, evaluate_weights, throughput
+from .evaluation import eval_config, evaluate_weights, released_checkpoint, throughput
 from .trainer import train
 
 __all__ = ['train_main', 'eval_main']
@@ -61,7 +61,8 @@ def eval_main(argv: Sequence[str]) -> int:
     source = parser.add_mutually_exclusive_group()
     source.add_argument('--cfg', help='YAML config of the model (default: the config stored in our checkpoint)')
     source.add_argument('--model', help='registered model name; preprocessing from its pretrained config')
-    parser.add_argument('--checkpoint', help='our checkpoint (last.pth / best.pth) or an official release file')
+    parser.add_argument('--checkpoint', help='our checkpoint (last.pth / best.pth) or an official release file '
+                                             '(default with --model: its released weights, downloaded once)')
     parser.add_argument('--ema', action='store_true', help='evaluate the EMA weights of the checkpoint')
     parser.add_argument('--amp', action='store_true', help='evaluate under autocast (AMP.DTYPE); float32 otherwise')
     parser.add_argument('--img-size', type=int, help='input size S (DATA.IMG_SIZE)')
@@ -71,8 +72,8 @@ def eval_main(argv: Sequence[str]) -> int:
                         help='print images/s at --batch-size (50 warm-up forwards, 30 timed) instead of accuracy')
     _common_arguments(parser)
     args = parser.parse_args(argv)
-    if not args.checkpoint and not args.throughput:
-        parser.error('--checkpoint is required (except with --throughput)')
+    if not args.checkpoint and not args.throughput and not args.model:
+        parser.error('--checkpoint is required (except with --model or --throughput)')
     overrides = _overrides(args, dict(
         data_path='DATA.DATA_PATH', img_size='DATA.IMG_SIZE', crop_pct='TEST.CROP_PCT', crop_mode='TEST.CROP_MODE'))
     if args.batch_size is not None:
@@ -87,7 +88,8 @@ def eval_main(argv: Sequence[str]) -> int:
             if info.is_main:
                 print(f"batch_size {batch_size} throughput {result['throughput']:.1f} images/s")
         else:
-            result = evaluate_weights(cfg, info, args.checkpoint, ema=args.ema, amp=args.amp,
+            checkpoint = args.checkpoint or released_checkpoint(args.model, info)
+            result = evaluate_weights(cfg, info, checkpoint, ema=args.ema, amp=args.amp,
                                       adopt_classes=bool(args.model))
             if info.is_main:
                 print(f"{result['model']} ({result['weights']} weights, {result['precision']}): top-1 "

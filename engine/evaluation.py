@@ -6,16 +6,16 @@ import torch
 from torch import Tensor
 from yacs.config import CfgNode as CN
 
-from models.checkpoint import CheckpointError, load_checkpoint_file
+from models.checkpoint import CheckpointError, load_checkpoint_file, released_weights_file
 
 from .build import check_model_name, classifier_rows, create_model, read_weights
 from .config import config_from_yaml_string, get_default_config, load_config, merge_dict, merge_opts, validate_config
 from .data import build_eval_loader, eval_batch_size, eval_transform, load_split, resolve_data_root
-from .distributed import DistInfo
+from .distributed import DistInfo, any_rank
 from .errors import UsageError
 from .loops import evaluate, measure_throughput
 
-__all__ = ['eval_config', 'evaluate_weights', 'throughput']
+__all__ = ['eval_config', 'released_checkpoint', 'evaluate_weights', 'throughput']
 
 
 def _model_data_settings(name: str) -> Dict[str, Any]:
@@ -62,6 +62,22 @@ def eval_config(
     validate_config(cfg)
     cfg.freeze()
     return cfg
+
+
+def released_checkpoint(name: str, info: DistInfo) -> str:
+    """The cached file of model `name`'s released weights; the main process downloads them while the others
+    wait, so that one download serves every process of a machine."""
+    path, error = None, None
+    if info.is_main:
+        try:
+            path = released_weights_file(name)
+        except CheckpointError as e:
+            error = e
+    if info.distributed and any_rank(error is not None, info.device) and error is None:
+        raise CheckpointError(f"the main process could not download the released weights of {name!r}")
+    if error is not None:
+        raise error
+    return path if path is not None else released_weights_file(name)
 
 
 def _load_weights(cfg: CN, checkpoint: str, ema: bool, adopt_classes: bool) -> Tuple[CN, Dict[str, Tensor]]:

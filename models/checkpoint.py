@@ -1,9 +1,12 @@
-"""Reading checkpoint files without running pickled code, and the state-dict surgery every family shares.
+"""Downloading released weights, reading checkpoint files without running pickled code, and the state-dict surgery
+every family shares.
 
-`filter_checkpoint` makes any release file ready for a model: unwrapped, derived buffers dropped, every tensor of
-another resolution adapted by the module that owns it (`adapt_loaded_tensor`: position embeddings, bias tables,
-FLatten's positional encoding), and the keys checked on one line. `load_pretrained_into` starts a model from the
-weights of another (softmax weights into another attention) and reports which keys were new.
+`download_checkpoint` fetches released weights into timm's cache under a real file name, atomically and once, and
+fails on one line; the families use it for the release URLs without a file name, which timm's own download cannot
+cache. `filter_checkpoint` makes any release file ready for a model: unwrapped, derived buffers dropped, every
+tensor of another resolution adapted by the module that owns it (`adapt_loaded_tensor`: position embeddings, bias
+tables, FLatten's positional encoding), and the keys checked on one line. `load_pretrained_into` starts a model
+from the weights of another (softmax weights into another attention) and reports which keys were new.
 
 Official InLine / FLatten / Swin training checkpoints pickle a yacs `CfgNode` under 'config'. Unpickling is
 restricted to tensors and plain containers (`torch.load(weights_only=True)`); the `CfgNode` is read as the plain
@@ -11,11 +14,17 @@ restricted to tensors and plain containers (`torch.load(weights_only=True)`); th
 own `pretrained_cfg_overlay=dict(file=...)` loading read those files too.
 """
 import argparse
+import hashlib
+import http.client
 import os
 import pickle
+import tempfile
+import urllib.error
+import urllib.parse
+import urllib.request
 import zipfile
 from collections import OrderedDict
-from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -23,9 +32,11 @@ from torch import Tensor, nn
 
 import timm
 from timm.models import get_pretrained_cfg
+from tqdm import tqdm
 
 __all__ = [
-    'CheckpointError', 'filter_checkpoint', 'adapt_state_dict', 'load_pretrained_into', 'TransferReport',
+    'CheckpointError', 'DownloadError', 'checkpoint_cache_dir', 'cached_file_name', 'download_checkpoint',
+    'released_weights_file', 'filter_checkpoint', 'adapt_state_dict', 'load_pretrained_into', 'TransferReport',
     'SAFE_GLOBALS', 'load_checkpoint_file', 'checkpoint_state_dict', 'drop_derived_buffers',
     'check_state_dict', 'load_state_dict_checked', 'resize_grid_embedding', 'resize_rel_pos_bias_table',
 ]
@@ -35,10 +46,112 @@ torch.serialization.add_safe_globals(SAFE_GLOBALS)
 
 DERIVED_BUFFERS = ('relative_position_index', 'relative_coords_table', 'attn_mask')
 WRAPPER_PREFIXES = ('module.', '_orig_mod.')
+# Seconds a connection attempt or a read may stall before the download is given up.
+DOWNLOAD_TIMEOUT_S = 60.
+DOWNLOAD_CHUNK = 1 << 20
 
 
 class CheckpointError(ValueError):
     """A checkpoint file that cannot be read, is unsafe, or does not fit the model."""
+
+
+class DownloadError(CheckpointError):
+    """Released weights that could not be downloaded: unreachable host, HTTP error or a cut-off transfer."""
+
+
+def checkpoint_cache_dir(cache_dir: Optional[str] = None) -> str:
+    """The folder of downloaded weights: `cache_dir`, else `<torch hub dir>/checkpoints` (under TORCH_HOME), the
+    folder timm and torch.hub download into."""
+    return str(cache_dir) if cache_dir else os.path.join(torch.hub.get_dir(), 'checkpoints')
+
+
+def cached_file_name(name: str, url: str) -> str:
+    """The cache file name of model `name`'s weights at `url`: the URL's own file name where it has one (as
+    torch.hub names it, so both share the file), else `<name>.pth` for the registered URL and `<name>-<hash>.pth`
+    for another, so that a URL of the user's own never reads the registered weights from the cache."""
+    base = os.path.basename(urllib.parse.urlparse(url).path)
+    if base:
+        return base
+    cfg = get_pretrained_cfg(name) if timm.is_model(name) else None
+    if cfg is not None and cfg.url == url:
+        return f'{name}.pth'
+    return f'{name}-{hashlib.sha256(url.encode()).hexdigest()[:8]}.pth'
+
+
+def _download_failure(error: BaseException) -> str:
+    """What went wrong in a download, in a few words."""
+    if isinstance(error, urllib.error.HTTPError):
+        return f"HTTP {error.code} {error.reason}"
+    if isinstance(error, urllib.error.URLError):
+        return f"host unreachable: {error.reason}"
+    if isinstance(error, TimeoutError):
+        return f"no answer within {DOWNLOAD_TIMEOUT_S:.0f} s"
+    if isinstance(error, http.client.IncompleteRead):
+        return f"connection closed after {len(error.partial)} more bytes, {error.expected} short"
+    return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else 'no detail'}"
+
+
+def download_checkpoint(url: str, file_name: str, cache_dir: Optional[str] = None, progress: bool = True) -> str:
+    """The cached copy of `url` as `file_name` in the download folder (`checkpoint_cache_dir`), downloaded first
+    when it is not there yet, with a progress bar on stderr when `progress`.
+
+    The bytes go to a temporary file in the same folder that replaces the cached name only once complete (its
+    length checked against the server's), so an interrupted download leaves nothing behind and concurrent
+    downloads (one per process) each land whole. Any failure is a `DownloadError` on one line.
+    """
+    folder = checkpoint_cache_dir(cache_dir)
+    path = os.path.join(folder, file_name)
+    if os.path.isfile(path):
+        return path
+    hint = (f"without network access, download it where you can and load it with "
+            f"pretrained_cfg_overlay=dict(file=...) (eval.py: --checkpoint FILE), or copy it to {path}")
+    partial = None
+    try:
+        os.makedirs(folder, exist_ok=True)
+        with urllib.request.urlopen(url, timeout=DOWNLOAD_TIMEOUT_S) as response:
+            length = response.headers.get('Content-Length')
+            expected = int(length) if length and length.isdigit() else None
+            fd, partial = tempfile.mkstemp(prefix=f'{file_name}.', suffix='.partial', dir=folder)
+            received = 0
+            with os.fdopen(fd, 'wb') as f, tqdm(total=expected, unit='B', unit_scale=True, unit_divisor=1024,
+                                                 desc=file_name, disable=not progress) as bar:
+                while chunk := response.read(DOWNLOAD_CHUNK):
+                    f.write(chunk)
+                    received += len(chunk)
+                    bar.update(len(chunk))
+        if expected is not None and received != expected:
+            raise DownloadError(f"cannot download {url}: the connection closed after {received} of {expected} "
+                                f"bytes; {hint}")
+        with open(partial, 'rb') as f:
+            head = f.read(4)
+        # A torch checkpoint is a zip archive (or, from before torch 1.6, a pickle); anything else is a web page.
+        if not (head.startswith(b'PK\x03\x04') or head[:1] == b'\x80'):
+            raise DownloadError(f"cannot download {url}: the server sent {received} bytes that are not a torch "
+                                f"checkpoint (starting {head!r}); {hint}")
+        os.replace(partial, path)
+        partial = None
+    except (OSError, http.client.HTTPException, ValueError) as e:
+        if isinstance(e, DownloadError):
+            raise
+        raise DownloadError(f"cannot download {url} ({_download_failure(e)}); {hint}") from None
+    finally:
+        if partial is not None and os.path.exists(partial):
+            os.remove(partial)
+    return path
+
+
+def released_weights_file(name: str, cache_dir: Optional[str] = None, progress: bool = True) -> str:
+    """A local file of registered model `name`'s released weights: its cfg's `file`, else its `url` downloaded
+    into the cache by `download_checkpoint`."""
+    if not timm.is_model(name):
+        raise CheckpointError(f"model {name!r} is not registered with timm; expected a model name")
+    cfg = get_pretrained_cfg(name)
+    if cfg is not None and cfg.file:
+        return cfg.file
+    if cfg is None or not cfg.url:
+        raise CheckpointError(f"model {name!r} has no pretrained weights to start from; expected a checkpoint file "
+                              f"of your own")
+    return download_checkpoint(cfg.url, cached_file_name(name, cfg.url), cache_dir, progress)
 
 
 def load_checkpoint_file(path: str, map_location: Any = 'cpu') -> Any:
@@ -202,17 +315,9 @@ def load_pretrained_into(model: nn.Module, source: str) -> TransferReport:
     Every tensor whose key and (after adaptation to the model's resolution) shape the model shares is loaded;
     the report names the model's new keys, which keep their initialisation, and the dropped ones.
     """
-    if os.path.exists(source):
-        checkpoint = load_checkpoint_file(source)
-    else:
-        if not timm.is_model(source):
-            raise CheckpointError(f"pretrained source {source!r} is neither a file nor a registered model name")
-        cfg = get_pretrained_cfg(source)
-        url = (cfg.file or cfg.url) if cfg is not None else None
-        if not url:
-            raise CheckpointError(f"model {source!r} has no pretrained weights to start from")
-        checkpoint = load_checkpoint_file(url) if cfg.file else torch.hub.load_state_dict_from_url(
-            url, map_location='cpu', progress=True, weights_only=True, file_name=f'{source}.pth')
+    if not os.path.exists(source) and not timm.is_model(source):
+        raise CheckpointError(f"pretrained source {source!r} is neither a file nor a registered model name")
+    checkpoint = load_checkpoint_file(source if os.path.exists(source) else released_weights_file(source))
     state_dict = adapt_state_dict(model, drop_derived_buffers(checkpoint_state_dict(checkpoint)))
     own = model.state_dict()
     loaded = [k for k, v in state_dict.items() if k in own and own[k].shape == v.shape]

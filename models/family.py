@@ -2,7 +2,9 @@
 official init, block running, head and input checks, and the pieces of their pretrained cfgs."""
 import contextlib
 import inspect
+import os
 import sys
+import urllib.parse
 from typing import Any, Callable, ClassVar, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Type, Union
 
 import torch
@@ -11,11 +13,12 @@ from torch.utils.checkpoint import checkpoint
 
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.layers import DropPath, Mlp, global_pool_nlc, trunc_normal_
-from timm.models import build_model_with_cfg, register_model
+from timm.models import build_model_with_cfg, register_model, resolve_pretrained_cfg
 from timm.models._features import feature_take_indices
 
 from .attention import list_attention_options, stage_attentions
 from .attention.layout import Grid, tokens_to_image
+from .checkpoint import cached_file_name, download_checkpoint
 
 __all__ = [
     'ZooModel', 'create_variant', 'register_variants', 'Block', 'init_weights', 'run_blocks', 'new_classifier',
@@ -311,11 +314,31 @@ def create_variant(
                 f"models.checkpoint.load_pretrained_into(model, {variant!r}), or give your own file through "
                 f"pretrained_cfg_overlay=dict(file=...)")
         kwargs['pretrained_cfg_overlay'] = {'url': '', 'hf_hub_id': None, 'file': None, **overlay}
+    if pretrained:
+        _download_nameless_url(variant, kwargs)
     device, dtype = kwargs.pop('device', None), kwargs.pop('dtype', None)
     # timm's factory keywords: parameters are created on `device` (the meta device allocates nothing)
     with torch.device(device) if device is not None else contextlib.nullcontext():
         model = build_model_with_cfg(model_cls, variant, pretrained, **build_kwargs, **dict(model_args, **kwargs))
     return model if dtype is None else model.to(dtype=dtype)
+
+
+def _download_nameless_url(variant: str, kwargs: Dict[str, Any]) -> None:
+    """Download the weights of a URL without a file name in its path (the InLine / FLatten releases' `/f/<id>/?dl=1`)
+    into the cache and point `pretrained_cfg_overlay['file']` at them.
+
+    timm hands such a URL to torch.hub, which names the cached file after the URL's path and so takes the cache
+    folder itself for the file; URLs with a file name stay with timm.
+    """
+    overlay = dict(kwargs.get('pretrained_cfg_overlay') or {})
+    cfg = resolve_pretrained_cfg(variant, kwargs.get('pretrained_cfg'), overlay)
+    if cfg.state_dict is not None or cfg.file or cfg.hf_hub_id or not cfg.url:
+        return
+    if os.path.basename(urllib.parse.urlparse(cfg.url).path):
+        return
+    name = cached_file_name(variant, cfg.url)
+    overlay['file'] = download_checkpoint(cfg.url, name, kwargs.get('cache_dir'))
+    kwargs['pretrained_cfg_overlay'] = overlay
 
 
 def register_variants(

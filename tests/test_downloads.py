@@ -1,0 +1,228 @@
+"""Released weights at URLs without a file name (`/f/<id>/?dl=1`) download into timm's cache under a real name,
+atomically, once; failures are one line and leave no file. Served offline by an HTTP server on 127.0.0.1."""
+import dataclasses
+import io
+import json
+import os
+import subprocess
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Dict, Iterator, List, Tuple
+
+import pytest
+import timm
+import torch
+from timm.models._registry import _model_pretrained_cfgs
+
+from engine.cli import eval_main
+from engine.data import prepare_digits
+from engine.errors import run_cli
+import models.family
+from models.checkpoint import DownloadError, load_pretrained_into
+from models.family import tsinghua_url
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = dict(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2)
+# The same tiny model as the eval command line builds it: 16x16 digits, 10 classes.
+EVAL_TINY = dict(img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=2, num_classes=10)
+EVAL_OPTS = ['MODEL.KWARGS.patch_size', '4', 'MODEL.KWARGS.embed_dim', '32', 'MODEL.KWARGS.depth', '2',
+             'MODEL.KWARGS.num_heads', '2', 'DEVICE', 'cpu', 'DATA.NUM_WORKERS', '0']
+
+
+class Server:
+    """Files served at `/f/<id>/?dl=1` as the release cloud does; `mode` 'ok', '404' or 'cut' (the connection
+    closes halfway through the body). Every request path is recorded."""
+
+    def __init__(self) -> None:
+        self.files: Dict[str, bytes] = {}
+        self.requests: List[str] = []
+        self.mode = 'ok'
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            timeout = 10  # a stalled client cannot hold the test
+
+            def do_GET(self) -> None:
+                server.requests.append(self.path)
+                body = server.files.get(self.path.split('/')[2]) if self.path.startswith('/f/') else None
+                if body is None or server.mode == '404':
+                    self.send_error(404)
+                    return
+                self.send_response(200)
+                self.send_header('Content-Type', 'application/octet-stream')
+                self.send_header('Content-Length', str(len(body)))
+                self.end_headers()
+                self.wfile.write(body if server.mode == 'ok' else body[:len(body) // 2])
+                self.wfile.flush()
+                self.close_connection = True
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.httpd = ThreadingHTTPServer(('127.0.0.1', 0), Handler)
+        self.port = self.httpd.server_address[1]
+        self.thread = threading.Thread(target=self.httpd.serve_forever, kwargs=dict(poll_interval=0.05), daemon=True)
+        self.thread.start()
+
+    def url(self, file_id: str) -> str:
+        return tsinghua_url(file_id).replace('https://cloud.tsinghua.edu.cn', f'http://127.0.0.1:{self.port}')
+
+    def stop(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        self.thread.join(timeout=10)
+
+
+@pytest.fixture
+def server() -> Iterator[Server]:
+    served = Server()
+    yield served
+    served.stop()
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch) -> Path:
+    """torch.hub's checkpoints folder under a TORCH_HOME of the test's own."""
+    monkeypatch.setenv('TORCH_HOME', str(tmp_path / 'torch'))
+    return tmp_path / 'torch' / 'hub' / 'checkpoints'
+
+
+def official_checkpoint(**model_args) -> Tuple[Dict[str, torch.Tensor], bytes]:
+    """A tiny InLine DeiT's weights and the bytes of its checkpoint in the official layout ({'model': ...})."""
+    torch.manual_seed(0)
+    state_dict = timm.create_model('inline_deit_tiny', **model_args).state_dict()
+    buffer = io.BytesIO()
+    torch.save({'model': state_dict, 'epoch': 299}, buffer)
+    return state_dict, buffer.getvalue()
+
+
+def register_url(monkeypatch, name: str, url: str) -> None:
+    """Point `name`'s registered pretrained cfg at `url` for this test."""
+    monkeypatch.setitem(_model_pretrained_cfgs, name, dataclasses.replace(_model_pretrained_cfgs[name], url=url))
+
+
+def assert_weights(model: torch.nn.Module, state_dict: Dict[str, torch.Tensor]) -> None:
+    own = model.state_dict()
+    assert own.keys() == state_dict.keys()
+    for key, value in state_dict.items():
+        assert torch.equal(own[key], value), key
+
+
+class Requested(Exception):
+    """Raised instead of downloading, with what would have been downloaded."""
+
+
+def test_every_release_without_a_file_name_is_downloaded_by_the_zoo(monkeypatch):
+    def requested(url: str, file_name: str, cache_dir=None) -> str:
+        raise Requested(url, file_name)
+
+    monkeypatch.setattr(models.family, 'download_checkpoint', requested)
+    nameless = [name for name in timm.list_models(pretrained=True)
+                if (timm.models.get_pretrained_cfg(name).url or '').startswith('https://cloud.tsinghua.edu.cn/f/')]
+    assert len(nameless) == 19
+    for name in nameless:
+        with pytest.raises(Requested) as raised:
+            timm.create_model(name, pretrained=True)
+        assert raised.value.args == (timm.models.get_pretrained_cfg(name).url, f'{name}.pth')
+    # A URL with a file name (GitHub releases, dl.fbaipublicfiles) stays with timm's own download.
+    for name in ('softmax_pvt_tiny', 'softmax_swin_tiny', 'softmax_deit_tiny'):
+        kwargs: Dict[str, object] = {}
+        models.family._download_nameless_url(name, kwargs)
+        assert kwargs == {}, name
+
+
+def test_registered_url_downloads_once_under_the_model_name(server, cache, monkeypatch, capfd):
+    state_dict, server.files['1d6b8191ad6d4114b291'] = official_checkpoint(**TINY)
+    register_url(monkeypatch, 'inline_deit_tiny', server.url('1d6b8191ad6d4114b291'))
+    model = timm.create_model('inline_deit_tiny', pretrained=True, **TINY)
+    assert_weights(model, state_dict)
+    assert sorted(p.name for p in cache.iterdir()) == ['inline_deit_tiny.pth']
+    assert (cache / 'inline_deit_tiny.pth').read_bytes() == server.files['1d6b8191ad6d4114b291']
+    assert server.requests == ['/f/1d6b8191ad6d4114b291/?dl=1']
+    assert 'inline_deit_tiny.pth' in capfd.readouterr().err  # the progress bar
+    again = timm.create_model('inline_deit_tiny', pretrained=True, **TINY)
+    assert_weights(again, state_dict)
+    assert len(server.requests) == 1
+    # A fine-tuning start by model name reads the same cached file.
+    start = timm.create_model('inline_deit_tiny', **TINY)
+    report = load_pretrained_into(start, 'inline_deit_tiny')
+    assert not report.new and not report.dropped
+    assert_weights(start, state_dict)
+    assert len(server.requests) == 1
+
+
+def test_an_overlay_url_has_a_cache_name_of_its_own(server, cache):
+    state_dict, server.files['abc123'] = official_checkpoint(**TINY)
+    model = timm.create_model('inline_deit_tiny', pretrained=True, **TINY,
+                              pretrained_cfg_overlay=dict(url=server.url('abc123')))
+    assert_weights(model, state_dict)
+    (cached,) = cache.iterdir()
+    assert cached.name.startswith('inline_deit_tiny-') and cached.name.endswith('.pth')
+    assert model.pretrained_cfg['file'] == str(cached)
+
+
+@pytest.mark.parametrize('failure', ['404', 'closed port', 'cut', 'web page'])
+def test_failures_are_one_line_and_leave_no_file(server, cache, monkeypatch, failure):
+    _, server.files['1d6b8191ad6d4114b291'] = official_checkpoint(**TINY)
+    url = server.url('1d6b8191ad6d4114b291')
+    if failure == 'closed port':
+        server.stop()
+    elif failure == 'web page':
+        server.files['1d6b8191ad6d4114b291'] = b'<!DOCTYPE html><html>sign in</html>'
+    else:
+        server.mode = failure
+    register_url(monkeypatch, 'inline_deit_tiny', url)
+    with pytest.raises(DownloadError) as raised:
+        timm.create_model('inline_deit_tiny', pretrained=True, **TINY)
+    message = str(raised.value)
+    assert '\n' not in message and url in message and 'pretrained_cfg_overlay=dict(file=...)' in message
+    assert {'404': 'HTTP 404', 'closed port': 'host unreachable', 'cut': 'connection closed after',
+            'web page': 'not a torch checkpoint'}[failure] in message
+    assert not cache.exists() or not list(cache.iterdir())
+
+
+def test_eval_by_model_name_downloads_the_released_weights(server, cache, monkeypatch, tmp_path, capsys):
+    digits = prepare_digits(str(tmp_path / 'digits'))
+    _, served = official_checkpoint(**EVAL_TINY)
+    server.files['1d6b8191ad6d4114b291'] = served
+    register_url(monkeypatch, 'inline_deit_tiny', server.url('1d6b8191ad6d4114b291'))
+    args = ['--data-path', digits, '--img-size', '16', '--crop-pct', '1.0', '--opts', *EVAL_OPTS]
+    assert eval_main(['--model', 'inline_deit_tiny', *args]) == 0
+    downloaded = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert downloaded['checkpoint'] == str(cache / 'inline_deit_tiny.pth') and len(server.requests) == 1
+    local = tmp_path / 'local.pth'
+    local.write_bytes(served)
+    assert eval_main(['--model', 'inline_deit_tiny', '--checkpoint', str(local), *args]) == 0
+    given = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert {k: downloaded[k] for k in ('top1', 'top5', 'loss', 'count')} == \
+        {k: given[k] for k in ('top1', 'top5', 'loss', 'count')}
+
+
+def test_eval_reports_an_unreachable_host_on_one_line(server, cache, monkeypatch, tmp_path, capsys):
+    url = server.url('1d6b8191ad6d4114b291')
+    server.stop()
+    register_url(monkeypatch, 'inline_deit_tiny', url)
+    status = run_cli(eval_main, ['--model', 'inline_deit_tiny', '--data-path', str(tmp_path), '--opts', *EVAL_OPTS])
+    err = capsys.readouterr().err.strip()
+    assert status == 2 and err.startswith('error: cannot download ' + url) and '\n' not in err
+    assert not cache.exists() or not list(cache.iterdir())
+
+
+def test_eval_py_reads_a_file_copied_to_the_cache_path_without_network(tmp_path):
+    """The offline recipe of the README, through the command line: the released file copied to the cache path
+    is evaluated by model name, and the release host is never asked (nothing serves it here)."""
+    digits = prepare_digits(str(tmp_path / 'digits'))
+    cache = tmp_path / 'torch' / 'hub' / 'checkpoints'
+    cache.mkdir(parents=True)
+    _, served = official_checkpoint(**EVAL_TINY)
+    (cache / 'inline_deit_tiny.pth').write_bytes(served)
+    env = dict(os.environ, TORCH_HOME=str(tmp_path / 'torch'), OMP_NUM_THREADS='1')
+    done = subprocess.run([sys.executable, str(REPO / 'eval.py'), '--model', 'inline_deit_tiny', '--data-path', digits,
+                           '--img-size', '16', '--crop-pct', '1.0', '--opts', *EVAL_OPTS],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result['checkpoint'] == str(cache / 'inline_deit_tiny.pth') and result['count'] > 0
+    assert sorted(p.name for p in cache.iterdir()) == ['inline_deit_tiny.pth']
