@@ -1,4 +1,6 @@
-"""The shipped ImageNet recipes as training builds them: augmentation that survives every RandAugment draw."""
+"""The shipped ImageNet recipes as training builds them: augmentation that survives every RandAugment draw, and
+the official learning-rate schedules."""
+import math
 import random
 from collections import defaultdict
 from pathlib import Path
@@ -9,7 +11,8 @@ import pytest
 import torch
 from PIL import Image, ImageOps
 
-from engine.config import load_config
+from engine.build import create_scheduler
+from engine.config import ConfigError, load_config, scaled_lrs
 from engine.data import posterize, train_transform
 
 CONFIGS = Path(__file__).resolve().parents[1] / 'configs'
@@ -98,3 +101,87 @@ def test_every_recipe_train_transform_survives_every_randaugment_op_and_magnitud
         assert {name for name in op_names if len(magnitudes[name]) >= 500} == set(op_names), names
         assert {name for name in op_names if max(magnitudes[name]) == MAX_MAGNITUDE} == set(op_names), names
         assert {0, 1} <= bits, (names, bits)
+
+
+# The official schedules: (epochs run, warm-up epochs, warm-up before the decay (prefix), effective minimum lr,
+# GPUs of the official run). The minimum lr is the official one at the official total batch.
+DEIT = (300, 5, False, 1e-5)  # facebookresearch/deit main.py: 300 epochs (the scheduler's cooldown 10 never runs)
+PVT = (300, 5, False, 1e-5)  # whai362/PVT classification/main.py (DeiT-derived)
+CSWIN = (310, 20, False, 1e-5)  # microsoft/CSWin-Transformer main.py (timm train): 300 + cooldown 10
+SWIN = (300, 20, True, 5e-6 * 1024 / 512)  # microsoft/Swin-Transformer: warm-up inside the 300 epochs, then cosine
+SWIN_384 = (30, 5, True, 2e-7 * 1024 / 512)  # Swin base-384 fine-tune: 30 epochs, 5 warm-up, batch 64 x 2 accum x 8
+# InLine / FLatten (Swin fork, warm-up inside the cosine, EPOCHS + COOLDOWN run), min lr at 8 GPUs: their table
+INLINE_DEIT = (300, 20, False, 5e-6 * 4096 / 512)  # inline_deit_t: 512 x 8
+SWIN_FORK_1024 = (300, 20, False, 1e-5)  # 128 x 8: inline_deit_s, *_swin_t/s
+SWIN_FORK_512 = (300, 20, False, 5e-6)  # 64 x 8: inline_deit_b, *_swin_b
+SWIN_FORK_384 = (30, 5, False, 1e-7)  # *_swin_b_384: 32 x 8
+PVT_FORK = {128: (310, 5, False, 2e-5), 64: (310, 5, False, 1e-5), 32: (310, 5, False, 5e-6)}  # by batch per GPU
+CSWIN_FORK = {128: (310, 20, False, 2e-5), 64: (310, 20, False, 1e-5), 256: (310, 20, False, 4e-5)}
+CSWIN_FORK_384 = (30, 0, False, 2.5e-7)  # *_cswin_b_384: 20 epochs + cooldown 10, no warm-up, 32 x 8
+
+SCHEDULES = {
+    'base/deit': (*DEIT, 16), 'softmax/deit_tiny': (*DEIT, 4), 'softmax/deit_small': (*DEIT, 4),
+    'softmax/deit_base': (*DEIT, 16),  # README: Ti/S 256 x 4 GPUs, B 64 x 16 GPUs
+    'base/pvt': (*PVT, 8), **{f'softmax/pvt_{s}': (*PVT, 8) for s in ('tiny', 'small', 'medium', 'large')},
+    'base/cswin': (*CSWIN, 8), **{f'softmax/cswin_{s}': (*CSWIN, 8) for s in ('tiny', 'small', 'base')},
+    'base/swin': (*SWIN, 8), **{f'softmax/swin_{s}': (*SWIN, 8) for s in ('tiny', 'small', 'base')},
+    'softmax/swin_base_384': (*SWIN_384, 8),
+    **{f'base/{b}': (*SWIN_FORK_1024, 8) for b in ('inline', 'flatten', 'inline_flatten')},
+    'inline/deit_tiny': (*INLINE_DEIT, 8), 'inline/deit_small': (*SWIN_FORK_1024, 8),
+    'inline/deit_base': (*SWIN_FORK_512, 8),
+    **{f'{a}/swin_{s}': (*SWIN_FORK_1024, 8) for a in ('inline', 'flatten') for s in ('tiny', 'small')},
+    **{f'{a}/swin_base': (*SWIN_FORK_512, 8) for a in ('inline', 'flatten')},
+    **{f'{a}/swin_base_384': (*SWIN_FORK_384, 8) for a in ('inline', 'flatten')},
+    **{f'inline/pvt_{s}': (*PVT_FORK[b], 8) for s, b in (('tiny', 128), ('small', 128), ('medium', 128),
+                                                        ('large', 64))},
+    **{f'flatten/pvt_{s}': (*PVT_FORK[b], 8) for s, b in (('tiny', 128), ('small', 64), ('medium', 64),
+                                                         ('large', 32))},
+    **{f'inline/cswin_{s}': (*CSWIN_FORK[b], 8) for s, b in (('tiny', 128), ('small', 128), ('base', 64))},
+    **{f'flatten/cswin_{s}': (*CSWIN_FORK[b], 8) for s, b in (('tiny', 256), ('small', 128), ('base', 64))},
+    **{f'{a}/cswin_base_384': (*CSWIN_FORK_384, 8) for a in ('inline', 'flatten')},
+}
+
+
+def test_every_recipe_has_an_official_schedule():
+    assert sorted(SCHEDULES) == sorted(f'{p.parent.name}/{p.stem}' for p in RECIPES)
+
+
+@pytest.mark.parametrize('key', sorted(SCHEDULES))
+def test_schedule_matches_the_official_recipe(key):
+    """The scheduler the engine builds: epochs run, warm-up, where the decay starts and ends, per-update steps."""
+    epochs_run, warmup, prefix, min_lr, gpus = SCHEDULES[key]
+    cfg = load_config(str(CONFIGS / f'{key}.yaml'))
+    lrs = scaled_lrs(cfg, gpus)
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=lrs['lr'])
+    per_epoch = 7
+    scheduler, epochs = create_scheduler(cfg, optimizer, lrs, per_epoch)
+
+    def lr_at(step: int) -> float:
+        scheduler.step_update(num_updates=step)
+        return optimizer.param_groups[0]['lr']
+
+    assert epochs == epochs_run and not scheduler.t_in_epochs  # stepped every update
+    assert lrs['min_lr'] == pytest.approx(min_lr, rel=1e-12)
+    decay_end = cfg.TRAIN.EPOCHS * per_epoch
+    assert epochs_run - cfg.TRAIN.EPOCHS == cfg.TRAIN.COOLDOWN_EPOCHS
+    warmup_steps = warmup * per_epoch
+    assert scheduler.warmup_t == warmup_steps
+    if warmup:
+        assert lr_at(0) == pytest.approx(lrs['warmup_lr'], rel=1e-12)
+        assert lr_at(warmup_steps - 1) < lrs['lr']
+    # the cosine starts at update 0 (warm-up inside it) or after the warm-up (prefix), and ends at EPOCHS
+    start = warmup_steps if prefix else 0
+    cosine = lrs['min_lr'] + 0.5 * (lrs['lr'] - lrs['min_lr']) * (
+        1 + math.cos(math.pi * (warmup_steps - start) / (decay_end - start)))
+    assert lr_at(warmup_steps) == pytest.approx(cosine, rel=1e-12)
+    assert (lr_at(warmup_steps) == pytest.approx(lrs['lr'], rel=1e-12)) == (prefix or not warmup)
+    assert lr_at(decay_end - 1) > min_lr
+    assert lr_at(decay_end) == pytest.approx(min_lr, rel=1e-12)
+    if cfg.TRAIN.COOLDOWN_EPOCHS:  # the last update of the run, at the minimum
+        assert lr_at(epochs_run * per_epoch - 1) == pytest.approx(min_lr, rel=1e-12)
+
+
+def test_a_prefixed_warm_up_must_leave_epochs_to_decay():
+    with pytest.raises(ConfigError, match=r'^config key TRAIN.WARMUP_EPOCHS is 20; expected fewer than TRAIN.EPOCHS '
+                                          r'\(20\) with TRAIN.LR_SCHEDULER.WARMUP_PREFIX$'):
+        load_config(str(CONFIGS / 'base/swin.yaml'), ['TRAIN.EPOCHS', '20'])
