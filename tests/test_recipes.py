@@ -1,5 +1,6 @@
-"""The shipped ImageNet recipes as training builds them: augmentation that survives every RandAugment draw, and
-the official learning-rate schedules."""
+"""The shipped ImageNet recipes as training builds them: augmentation that survives every RandAugment draw, the
+official learning-rate schedules, and their float16 autocast, which runs as bfloat16 on the CPU."""
+import logging
 import math
 import random
 from collections import defaultdict
@@ -11,7 +12,8 @@ import pytest
 import torch
 from PIL import Image, ImageOps
 
-from engine.build import create_scheduler
+from engine.build import autocast_dtype, create_scheduler
+from engine.cli import train_main
 from engine.config import ConfigError, load_config, scaled_lrs
 from engine.data import posterize, train_transform
 
@@ -185,3 +187,51 @@ def test_a_prefixed_warm_up_must_leave_epochs_to_decay():
     with pytest.raises(ConfigError, match=r'^config key TRAIN.WARMUP_EPOCHS is 20; expected fewer than TRAIN.EPOCHS '
                                           r'\(20\) with TRAIN.LR_SCHEDULER.WARMUP_PREFIX$'):
         load_config(str(CONFIGS / 'base/swin.yaml'), ['TRAIN.EPOCHS', '20'])
+
+
+def test_float16_autocast_becomes_bfloat16_on_the_cpu_only():
+    cfg = load_config(str(CONFIGS / 'inline/deit_tiny.yaml'))
+    assert cfg.AMP.ENABLED and cfg.AMP.DTYPE == 'float16'
+    records: List[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger('engine')
+    logger.addHandler(handler)
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    try:
+        assert autocast_dtype(cfg, torch.device('cuda', 0), True) == 'float16'
+        assert records == []
+        assert autocast_dtype(cfg, torch.device('cpu'), False) == 'bfloat16'
+        assert records == []  # autocast off: nothing to say
+        assert autocast_dtype(cfg, torch.device('cpu'), True) == 'bfloat16'
+        assert [r.getMessage() for r in records] == [
+            'AMP.DTYPE float16 runs as bfloat16 on the CPU (float16 autocast is slower there than float32)']
+        bf16 = load_config(str(CONFIGS / 'inline/deit_tiny.yaml'), ['AMP.DTYPE', 'bfloat16'])
+        assert autocast_dtype(bf16, torch.device('cpu'), True) == 'bfloat16' and len(records) == 1
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
+def test_a_float16_run_on_the_cpu_trains_exactly_like_bfloat16_without_a_scaler(tmp_path):
+    rng = np.random.default_rng(0)
+    for split in ('train', 'val'):
+        for label in range(2):
+            (tmp_path / 'data' / split / str(label)).mkdir(parents=True)
+            for i in range(32):
+                Image.fromarray(rng.integers(0, 256, (8, 8), dtype=np.uint8), mode='L').save(
+                    tmp_path / 'data' / split / str(label) / f'{i}.png')
+    opts = ['DATA.DATASET', 'imagefolder', 'MODEL.NUM_CLASSES', '2', 'TRAIN.EPOCHS', '1', 'AMP.ENABLED', 'True',
+            'DEVICE', 'cpu']
+    for dtype in ('float16', 'bfloat16'):
+        assert train_main(['--cfg', str(CONFIGS / 'demo/digits_tiny.yaml'), '--output', str(tmp_path / dtype),
+                           '--data-path', str(tmp_path / 'data'), '--opts', *opts, 'AMP.DTYPE', dtype]) == 0
+    log = (tmp_path / 'float16' / 'train.log').read_text()
+    assert log.count('AMP.DTYPE float16 runs as bfloat16 on the CPU') == 1
+    assert 'runs as bfloat16' not in (tmp_path / 'bfloat16' / 'train.log').read_text()
+    runs = [torch.load(tmp_path / dtype / 'last.pth', weights_only=True) for dtype in ('float16', 'bfloat16')]
+    assert runs[0]['scaler'] == runs[1]['scaler'] == {}  # no gradient scaler
+    assert runs[0]['step'] == runs[1]['step'] == 4
+    for name, value in runs[1]['model'].items():
+        assert torch.equal(runs[0]['model'][name], value), name
