@@ -1,5 +1,6 @@
 """Model, weights, optimizer, scheduler and loss from a config, through timm's factories."""
 import difflib
+import logging
 from typing import Any, Dict, Mapping, Optional, Tuple
 
 import timm
@@ -17,10 +18,11 @@ from .config import ConfigError, mixup_active, model_kwargs
 from .errors import UsageError
 
 __all__ = ['check_model_name', 'classifier_rows', 'read_weights', 'create_model', 'create_optimizer',
-           'create_scheduler', 'create_criterion']
+           'create_scheduler', 'create_criterion', 'autocast_dtype']
 
 MODEL_KEYS = ('model', 'state_dict')
 EMA_KEYS = ('model_ema', 'state_dict_ema')
+logger = logging.getLogger('engine')
 
 
 def check_model_name(name: str) -> None:
@@ -112,14 +114,21 @@ def create_optimizer(cfg: CN, model: nn.Module, lr: float) -> torch.optim.Optimi
 def create_scheduler(cfg: CN, optimizer: torch.optim.Optimizer, lrs: Mapping[str, float],
                      updates_per_epoch: int) -> Tuple[Any, int]:
     """timm's scheduler stepped per optimizer update; returns it and the number of epochs to run
-    (EPOCHS + COOLDOWN_EPOCHS, at MIN_LR after EPOCHS)."""
+    (EPOCHS + COOLDOWN_EPOCHS, at MIN_LR after EPOCHS).
+
+    The warm-up is always inside EPOCHS. With `WARMUP_PREFIX` the decay starts after it (Swin), so the decay
+    spans EPOCHS - WARMUP_EPOCHS: timm adds a prefixed warm-up to the epochs it is given, while Swin subtracts it.
+    """
     sched = cfg.TRAIN.LR_SCHEDULER
-    return create_scheduler_v2(
-        optimizer, sched=sched.NAME, num_epochs=cfg.TRAIN.EPOCHS, decay_epochs=sched.DECAY_EPOCHS,
-        decay_milestones=list(sched.MILESTONES), cooldown_epochs=cfg.TRAIN.COOLDOWN_EPOCHS,
+    train = cfg.TRAIN
+    schedule_epochs = train.EPOCHS - train.WARMUP_EPOCHS if sched.WARMUP_PREFIX else train.EPOCHS
+    scheduler, _ = create_scheduler_v2(
+        optimizer, sched=sched.NAME, num_epochs=schedule_epochs, decay_epochs=sched.DECAY_EPOCHS,
+        decay_milestones=list(sched.MILESTONES), cooldown_epochs=train.COOLDOWN_EPOCHS,
         decay_rate=sched.DECAY_RATE, min_lr=lrs['min_lr'], warmup_lr=lrs['warmup_lr'],
-        warmup_epochs=cfg.TRAIN.WARMUP_EPOCHS, warmup_prefix=sched.WARMUP_PREFIX, step_on_epochs=False,
+        warmup_epochs=train.WARMUP_EPOCHS, warmup_prefix=sched.WARMUP_PREFIX, step_on_epochs=False,
         updates_per_epoch=updates_per_epoch)
+    return scheduler, train.EPOCHS + train.COOLDOWN_EPOCHS
 
 
 def create_criterion(cfg: CN) -> nn.Module:
@@ -130,3 +139,15 @@ def create_criterion(cfg: CN) -> nn.Module:
         return LabelSmoothingCrossEntropy(smoothing=cfg.MODEL.LABEL_SMOOTHING)
     return nn.CrossEntropyLoss()
 
+
+def autocast_dtype(cfg: CN, device: torch.device, enabled: bool) -> str:
+    """AMP.DTYPE for autocast on `device`, except float16 on the CPU, which becomes bfloat16 (logged when `enabled`).
+
+    CPU float16 autocast runs several times slower than float32; bfloat16 has float32's range, so it needs no
+    gradient scaler either.
+    """
+    if device.type == 'cpu' and cfg.AMP.DTYPE == 'float16':
+        if enabled:
+            logger.info("AMP.DTYPE float16 runs as bfloat16 on the CPU (float16 autocast is slower there than float32)")
+        return 'bfloat16'
+    return cfg.AMP.DTYPE

@@ -69,7 +69,7 @@ _C.TRAIN.AUTO_RESUME = True
 _C.TRAIN.MAX_NONFINITE_STEPS = 0  # updates skipped for a non-finite loss before the run stops with an error
 _C.TRAIN.LR_SCHEDULER = CN()
 _C.TRAIN.LR_SCHEDULER.NAME = 'cosine'  # a timm scheduler stepped per update: cosine, tanh, step, multistep, poly
-_C.TRAIN.LR_SCHEDULER.WARMUP_PREFIX = False
+_C.TRAIN.LR_SCHEDULER.WARMUP_PREFIX = False  # the decay starts after the warm-up (Swin); both within EPOCHS
 _C.TRAIN.LR_SCHEDULER.DECAY_EPOCHS = 30
 _C.TRAIN.LR_SCHEDULER.DECAY_RATE = 0.1
 _C.TRAIN.LR_SCHEDULER.MILESTONES = [90, 180, 270]
@@ -272,6 +272,9 @@ def validate_config(cfg: CN) -> None:
         _check(0 <= value <= 1, key, value, 'a value in [0, 1]')
     _check(cfg.TRAIN.CLIP_GRAD is None or cfg.TRAIN.CLIP_GRAD > 0, 'TRAIN.CLIP_GRAD', cfg.TRAIN.CLIP_GRAD,
            'None or a value > 0')
+    train = cfg.TRAIN
+    _check(not train.LR_SCHEDULER.WARMUP_PREFIX or train.WARMUP_EPOCHS < train.EPOCHS, 'TRAIN.WARMUP_EPOCHS',
+           train.WARMUP_EPOCHS, f'fewer than TRAIN.EPOCHS ({train.EPOCHS}) with TRAIN.LR_SCHEDULER.WARMUP_PREFIX')
     _check(0 < cfg.TEST.CROP_PCT <= 1, 'TEST.CROP_PCT', cfg.TEST.CROP_PCT, 'a value in (0, 1]')
     for key in ('DATA.MEAN', 'DATA.STD'):
         value = _get(cfg, key)

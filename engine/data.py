@@ -11,8 +11,9 @@ from typing import Iterator, List, Optional, Sequence
 
 import numpy as np
 import torch
-from PIL import Image
+from PIL import Image, ImageOps
 from timm.data import Mixup, create_transform
+from timm.data.auto_augment import AugmentOp
 from timm.data.distributed_sampler import RepeatAugSampler
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 from torchvision.datasets import ImageFolder
@@ -23,8 +24,9 @@ from .distributed import DistInfo, barrier
 from .errors import UsageError
 
 __all__ = [
-    'DIGITS_STAMP', 'default_digits_root', 'prepare_digits', 'resolve_data_root', 'check_splits', 'load_split', 'train_transform',
-    'eval_transform', 'build_mixup', 'ShardSampler', 'SkipSampler', 'build_train_loader', 'build_eval_loader', 'eval_batch_size',
+    'DIGITS_STAMP', 'default_digits_root', 'prepare_digits', 'resolve_data_root', 'check_splits', 'load_split',
+    'posterize', 'train_transform', 'eval_transform', 'build_mixup', 'ShardSampler', 'SkipSampler',
+    'build_train_loader', 'build_eval_loader', 'eval_batch_size',
 ]
 
 DIGITS_STAMP = 'digits.json'
@@ -133,14 +135,43 @@ def _eval_interpolation(cfg: CN) -> str:
     return 'bicubic' if cfg.DATA.INTERPOLATION == 'random' else cfg.DATA.INTERPOLATION
 
 
+def posterize(img: Image.Image, bits_to_keep: int, **_) -> Image.Image:
+    """Keep the `bits_to_keep` most significant bits of each channel; 0 bits (or fewer) give a black image.
+
+    timm's increasing posterize maps magnitude 10 to 0 bits, which `rand-m9-mstd0.5` reaches whenever the magnitude
+    noise lands 2 standard deviations high (about 1 image in 660). Pillow before 13 posterized 0 bits to black, which
+    is what the official recipes trained with; Pillow 13 rejects 0 bits, so the black image is made here.
+    """
+    if bits_to_keep >= 8:
+        return img
+    if bits_to_keep <= 0:
+        return Image.new(img.mode, img.size)
+    return ImageOps.posterize(img, bits_to_keep)
+
+
+def _augment_ops(transform) -> Iterator[AugmentOp]:
+    """The ops of RandAugment / AugMix (`ops`) and AutoAugment (`policy`, a list of sub-policies) in `transform`."""
+    for step in getattr(transform, 'transforms', ()):
+        yield from getattr(step, 'ops', ())
+        for sub_policy in getattr(step, 'policy', ()):
+            yield from sub_policy
+
+
 def train_transform(cfg: CN):
-    """timm's training transform: random resized crop, flip, RandAugment, normalisation, random erasing."""
+    """timm's training transform: random resized crop, flip, RandAugment, normalisation, random erasing.
+
+    Every posterize op of the auto-augmentation uses `posterize`, which accepts the 0 bits timm asks for.
+    """
     aug = cfg.AUG
-    return create_transform(
+    transform = create_transform(
         cfg.DATA.IMG_SIZE, is_training=True, scale=tuple(aug.SCALE), ratio=tuple(aug.RATIO), hflip=aug.HFLIP,
         color_jitter=aug.COLOR_JITTER or None, auto_augment=aug.AUTO_AUGMENT or None,
         interpolation=cfg.DATA.INTERPOLATION, mean=tuple(cfg.DATA.MEAN), std=tuple(cfg.DATA.STD),
         re_prob=aug.REPROB, re_mode=aug.REMODE, re_count=aug.RECOUNT)
+    for op in _augment_ops(transform):
+        if op.name.startswith('Posterize'):
+            op.aug_fn = posterize
+    return transform
 
 
 def eval_transform(cfg: CN):

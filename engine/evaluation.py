@@ -8,7 +8,7 @@ from yacs.config import CfgNode as CN
 
 from models.checkpoint import CheckpointError, load_checkpoint_file, released_weights_file
 
-from .build import check_model_name, classifier_rows, create_model, read_weights
+from .build import autocast_dtype, check_model_name, classifier_rows, create_model, read_weights
 from .config import config_from_yaml_string, get_default_config, load_config, merge_dict, merge_opts, validate_config
 from .data import build_eval_loader, eval_batch_size, eval_transform, load_split, resolve_data_root
 from .distributed import DistInfo, any_rank
@@ -110,10 +110,11 @@ def evaluate_weights(cfg: CN, info: DistInfo, checkpoint: str, *, ema: bool = Fa
     model = create_model(cfg, weights, source=source).to(info.device)
     del weights
     loader = build_eval_loader(cfg, val_set, info, eval_batch_size(cfg))
-    metrics = evaluate(model, loader, info, amp=amp, amp_dtype=cfg.AMP.DTYPE, desc='eval')
+    dtype = autocast_dtype(cfg, info.device, amp)
+    metrics = evaluate(model, loader, info, amp=amp, amp_dtype=dtype, desc='eval')
     return dict(model=cfg.MODEL.NAME, checkpoint=checkpoint, weights='ema' if ema else 'model', data=root,
                 img_size=cfg.DATA.IMG_SIZE, crop_pct=cfg.TEST.CROP_PCT, crop_mode=cfg.TEST.CROP_MODE,
-                precision=cfg.AMP.DTYPE if amp else 'float32', world_size=info.world_size, **metrics)
+                precision=dtype if amp else 'float32', world_size=info.world_size, **metrics)
 
 
 def throughput(cfg: CN, info: DistInfo, batch_size: int, checkpoint: Optional[str] = None, *, ema: bool = False,
@@ -128,6 +129,7 @@ def throughput(cfg: CN, info: DistInfo, batch_size: int, checkpoint: Optional[st
     model = create_model(cfg, weights, source=f"checkpoint {checkpoint!r}").to(info.device)
     generator = torch.Generator().manual_seed(cfg.SEED)
     images = torch.randn(batch_size, 3, cfg.DATA.IMG_SIZE, cfg.DATA.IMG_SIZE, generator=generator)
-    rate = measure_throughput(model, images, info, amp=amp, amp_dtype=cfg.AMP.DTYPE)
+    dtype = autocast_dtype(cfg, info.device, amp)
+    rate = measure_throughput(model, images, info, amp=amp, amp_dtype=dtype)
     return dict(model=cfg.MODEL.NAME, batch_size=batch_size, img_size=cfg.DATA.IMG_SIZE,
-                precision=cfg.AMP.DTYPE if amp else 'float32', device=str(info.device), throughput=rate)
+                precision=dtype if amp else 'float32', device=str(info.device), throughput=rate)

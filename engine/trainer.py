@@ -16,7 +16,8 @@ from timm.utils import ModelEmaV3
 from torch.nn.parallel import DistributedDataParallel
 from yacs.config import CfgNode as CN
 
-from .build import check_model_name, create_criterion, create_model, create_optimizer, create_scheduler, read_weights
+from .build import (autocast_dtype, check_model_name, create_criterion, create_model, create_optimizer,
+                    create_scheduler, read_weights)
 from .checkpoint import LAST, TrainingCheckpoint
 from .config import ema_decay, scaled_lrs, total_batch_size
 from .data import (build_eval_loader, build_mixup, build_train_loader, check_splits, eval_batch_size,
@@ -145,7 +146,8 @@ def train(cfg: CN, info: DistInfo) -> Dict[str, Any]:
     lrs = scaled_lrs(cfg, info.world_size)
     optimizer = create_optimizer(cfg, model, lrs['lr'])
     scheduler, num_epochs = create_scheduler(cfg, optimizer, lrs, updates_per_epoch)
-    use_scaler = cfg.AMP.ENABLED and cfg.AMP.DTYPE == 'float16'
+    amp_dtype = autocast_dtype(cfg, info.device, cfg.AMP.ENABLED)
+    use_scaler = cfg.AMP.ENABLED and amp_dtype == 'float16'
     scaler = torch.amp.GradScaler(info.device.type, enabled=use_scaler)
 
     state = TrainState()
@@ -162,7 +164,7 @@ def train(cfg: CN, info: DistInfo) -> Dict[str, Any]:
     mixup = build_mixup(cfg)
     epoch_options = EpochOptions(
         updates=updates_per_epoch, accumulation=cfg.TRAIN.ACCUMULATION_STEPS, clip_grad=cfg.TRAIN.CLIP_GRAD,
-        amp=cfg.AMP.ENABLED, amp_dtype=cfg.AMP.DTYPE, max_nonfinite_steps=cfg.TRAIN.MAX_NONFINITE_STEPS,
+        amp=cfg.AMP.ENABLED, amp_dtype=amp_dtype, max_nonfinite_steps=cfg.TRAIN.MAX_NONFINITE_STEPS,
         print_freq=cfg.PRINT_FREQ)
 
     if info.is_main:
@@ -197,7 +199,7 @@ def train(cfg: CN, info: DistInfo) -> Dict[str, Any]:
                 logger.info(f"stopped at epoch {epoch} batch {state.epoch_batches} (step {state.step}); "
                             f"{checkpoint.last_path} resumes it")
                 break
-            val = evaluate(model, val_loader, info, amp=cfg.AMP.ENABLED and cfg.AMP.EVAL, amp_dtype=cfg.AMP.DTYPE,
+            val = evaluate(model, val_loader, info, amp=cfg.AMP.ENABLED and cfg.AMP.EVAL, amp_dtype=amp_dtype,
                            desc='val')
             record = dict(epoch=epoch, step=state.step, train_loss=result.loss, lr=result.lr,
                           val_loss=val['loss'], val_top1=val['top1'], val_top5=val['top5'])
@@ -205,7 +207,7 @@ def train(cfg: CN, info: DistInfo) -> Dict[str, Any]:
             state.max_accuracy = max(state.max_accuracy, val['top1'])
             if ema is not None and cfg.EMA.EVAL and not cfg.EMA.FORCE_CPU:
                 ema_val = evaluate(ema.module, val_loader, info, amp=cfg.AMP.ENABLED and cfg.AMP.EVAL,
-                                   amp_dtype=cfg.AMP.DTYPE, desc='val ema')
+                                   amp_dtype=amp_dtype, desc='val ema')
                 state.max_ema_accuracy = max(state.max_ema_accuracy, ema_val['top1'])
                 record.update(ema_val_top1=ema_val['top1'], ema_val_top5=ema_val['top5'])
             record.update(max_val_top1=state.max_accuracy, epoch_seconds=result.seconds,
