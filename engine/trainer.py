@@ -1,5 +1,6 @@
 """The training run: data, model, EMA, optimizer and schedule from a config; epochs with validation, logging,
-atomic `last.pth` / `best.pth` checkpoints, exact resumption, and a clean stop on SIGTERM / SIGINT."""
+atomic `last.pth` / `best.pth` checkpoints, exact resumption, and a stop on SIGTERM / SIGINT that saves, then exits
+with 128 + the signal."""
 import json
 import logging
 import os
@@ -21,8 +22,8 @@ from .checkpoint import LAST, TrainingCheckpoint
 from .config import ema_decay, scaled_lrs, total_batch_size
 from .data import (build_eval_loader, build_mixup, build_train_loader, check_splits, eval_batch_size,
                    eval_transform, load_split, resolve_data_root, train_transform)
-from .distributed import DistInfo, any_rank, barrier
-from .errors import StoppedAtOnce, UsageError
+from .distributed import DistInfo, all_gather_objects, any_rank, barrier
+from .errors import Stopped, StoppedAtOnce, UsageError
 from .loops import EpochOptions, TrainState, evaluate, train_one_epoch
 
 __all__ = ['LOG', 'CONFIG', 'train', 'seed_everything', 'setup_logging', 'StopSignal']
@@ -60,11 +61,15 @@ class StopSignal:
 
     def __init__(self):
         self.received: Optional[int] = None
+        self.pid = os.getpid()
 
     def __call__(self) -> bool:
         return self.received is not None
 
     def _handle(self, signum, frame) -> None:
+        # DataLoader workers inherit the handler and get Ctrl-C too; their process stops them, once, itself
+        if os.getpid() != self.pid:
+            return
         if self.received is not None:
             raise StoppedAtOnce(signum)
         self.received = signum
@@ -73,6 +78,7 @@ class StopSignal:
 
     @contextmanager
     def installed(self) -> Iterator['StopSignal']:
+        self.pid = os.getpid()
         previous = {s: signal.signal(s, self._handle) for s in (signal.SIGTERM, signal.SIGINT)}
         try:
             yield self
@@ -108,7 +114,9 @@ def _drop_log_records(path: str, first_epoch: int) -> None:
 
 
 def train(cfg: CN, info: DistInfo) -> Dict[str, Any]:
-    """Train `cfg` on this process's share of the data; return the last epoch's log record (or {})."""
+    """Train `cfg` on this process's share of the data; return the last epoch's log record (or {}).
+
+    A run stopped by SIGTERM / SIGINT saves, then raises `Stopped`."""
     check_model_name(cfg.MODEL.NAME)
     root = resolve_data_root(cfg, info)
     check_splits(root, ('train', 'val'))
@@ -179,7 +187,7 @@ def train(cfg: CN, info: DistInfo) -> Dict[str, Any]:
                     f"per epoch, {num_epochs} epochs; output {output}")
 
     record: Dict[str, Any] = {}
-    epochs_run = 0
+    epochs_run, stopped = 0, False
     if state.epoch >= num_epochs:
         logger.info(f"{resume} already finished all {num_epochs} epochs; nothing to train")
     stop = StopSignal()
@@ -196,6 +204,7 @@ def train(cfg: CN, info: DistInfo) -> Dict[str, Any]:
                 checkpoint.save()
                 logger.info(f"stopped at epoch {epoch} batch {state.epoch_batches} (step {state.step}); "
                             f"{checkpoint.last_path} resumes it")
+                stopped = True
                 break
             val = evaluate(model, val_loader, info, amp=cfg.AMP.ENABLED and cfg.AMP.EVAL, amp_dtype=cfg.AMP.DTYPE,
                            desc='val')
@@ -227,7 +236,12 @@ def train(cfg: CN, info: DistInfo) -> Dict[str, Any]:
                 break
             if any_rank(stop(), info.device):
                 checkpoint.save(record)
+                stopped = True
                 break
     barrier()
+    if stopped:
+        # ranks that got no signal themselves stopped with the others: all exit with the signal they got
+        signum = next(s for s in all_gather_objects(stop.received) if s is not None)
+        raise Stopped(signum, checkpoint.last_path)
     return record
 

@@ -1,8 +1,8 @@
 """Reliability of training: a non-finite loss skips the update or stops the run with a one-line error and the last
-checkpoint intact; SIGINT saves and stops, a second signal stops at once and saves nothing; a bad torchrun
-environment is one line; every attention trains under float16 autocast with the gradient scaler; a run killed
-with SIGKILL resumes to exactly the weights and metrics of an uninterrupted run; a rank that dies ends the
-others."""
+checkpoint intact; SIGTERM / SIGINT save and exit with 128 + the signal, a second signal stops at once and saves
+nothing; a bad torchrun environment is one line; every attention trains under float16 autocast with the gradient
+scaler; a run killed with SIGKILL resumes to exactly the weights and metrics of an uninterrupted run; a rank that
+dies ends the others."""
 import json
 import math
 import os
@@ -21,6 +21,7 @@ from torch import nn
 import engine.loops
 import engine.trainer
 from engine.build import create_criterion, create_model, create_optimizer, create_scheduler
+from engine.checkpoint import TrainingCheckpoint
 from engine.cli import train_main
 from engine.config import load_config, scaled_lrs
 from engine.data import build_train_loader, load_split, prepare_digits, train_transform
@@ -193,13 +194,16 @@ def checkpoints(output: Path):
     return {p.name: p.read_bytes() for p in output.iterdir() if p.suffix == '.pth' or p.name == 'log.jsonl'}
 
 
-def test_sigint_saves_after_the_current_step_and_exits_cleanly(tmp_path, digits, one_epoch, monkeypatch):
+def test_sigint_saves_after_the_current_step_and_exits_with_130(tmp_path, digits, one_epoch, monkeypatch, capsys):
     output = tmp_path / 'run'
     shutil.copytree(one_epoch, output)
     signals_at(monkeypatch, (3, signal.SIGINT))
     handler = signal.getsignal(signal.SIGINT)
-    assert run_cli(train_main, train_argv(output, digits)) == 0
+    capsys.readouterr()
+    assert run_cli(train_main, train_argv(output, digits)) == 128 + signal.SIGINT
     assert signal.getsignal(signal.SIGINT) is handler
+    assert capsys.readouterr().err.splitlines()[-1] == (f"error: stopped by SIGINT after saving {output / 'last.pth'}; "
+                                                        f"run the same command again to resume")
     stopped = torch.load(output / 'last.pth', weights_only=True)
     assert (stopped['epoch'], stopped['epoch_batches'], stopped['step']) == (1, 4, 26)
     assert 'received SIGINT: saving a checkpoint after this step' in (output / 'train.log').read_text()
@@ -271,8 +275,8 @@ def test_every_attention_trains_50_steps_under_float16_autocast(attn, digits):
     assert sum(losses[-10:]) < sum(losses[:10])
 
 
-def start_training(output: Path, digits: Path) -> subprocess.Popen:
-    command = [sys.executable, str(REPO / 'train.py'), *train_argv(output, digits)]
+def start_training(output: Path, digits: Path, *opts: str) -> subprocess.Popen:
+    command = [sys.executable, str(REPO / 'train.py'), *train_argv(output, digits), *opts]
     # one thread each: the two runs share the machine, and the same thread count keeps their sums identical
     env = dict(os.environ, OMP_NUM_THREADS='1')
     return subprocess.Popen(command, cwd=output.parent, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
@@ -394,3 +398,46 @@ def test_a_non_finite_loss_on_one_rank_skips_then_stops_every_rank(tmp_path, dig
             in result.stderr), result.stdout[-3000:] + result.stderr[-3000:]
     assert 'exitcode  : 2' in result.stderr.split('Root Cause')[-1], result.stderr[-3000:]
     assert not (tmp_path / 'out' / 'last.pth').exists()
+
+
+def wait_for(process: subprocess.Popen, ready, seconds: float = 120) -> None:
+    deadline = time.monotonic() + seconds
+    while not ready():
+        assert process.poll() is None and time.monotonic() < deadline, process.stderr.read()[-3000:]
+        time.sleep(0.02)
+
+
+def log_text(output: Path) -> str:
+    path = output / 'train.log'
+    return path.read_text() if path.exists() else ''
+
+
+def test_sigterm_to_train_py_saves_exits_143_and_the_run_resumes(tmp_path, digits):
+    output = tmp_path / 'run'
+    process = start_training(output, digits, 'TRAIN.EPOCHS', '1')
+    wait_for(process, lambda: 'updates per epoch' in log_text(output))  # the next line installs the handler
+    time.sleep(0.5)
+    process.send_signal(signal.SIGTERM)
+    _, err = process.communicate(timeout=60)
+    assert process.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert err.splitlines()[-1] == (f"error: stopped by SIGTERM after saving {output / 'last.pth'}; run the same "
+                                    f"command again to resume")
+    assert log_text(output).count('received SIGTERM') == 1
+    assert TrainingCheckpoint.read(str(output / 'last.pth'))['step'] > 0
+    finish(start_training(output, digits, 'TRAIN.EPOCHS', '1'))
+    assert [(r['epoch'], r['step']) for r in records(output)] == [(0, 22)]
+
+
+def test_ctrl_c_with_dataloader_workers_is_one_line_and_exits_130(tmp_path, digits):
+    output = tmp_path / 'run'
+    command = [sys.executable, str(REPO / 'train.py'), *train_argv(output, digits), 'DATA.NUM_WORKERS', '2']
+    # a terminal's Ctrl-C signals the whole process group: the run and its DataLoader workers
+    process = subprocess.Popen(command, cwd=tmp_path, env=dict(os.environ, OMP_NUM_THREADS='1'),
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    wait_for(process, lambda: 'updates per epoch' in log_text(output))
+    time.sleep(1.0)  # the workers have started
+    os.killpg(process.pid, signal.SIGINT)
+    _, err = process.communicate(timeout=60)
+    assert process.returncode == 128 + signal.SIGINT, err[-3000:]
+    assert log_text(output).count('received SIGINT') == 1
+    assert err.splitlines()[-1].startswith('error: stopped by SIGINT after saving')
