@@ -116,9 +116,10 @@ class TrainingCheckpoint:
             scaler=self.scaler.state_dict(), epoch=state.epoch, epoch_batches=state.epoch_batches, step=state.step,
             max_accuracy=state.max_accuracy, max_ema_accuracy=state.max_ema_accuracy, rng=rngs,
             world_size=self.info.world_size, config=self.config, metrics=metrics)
-        atomic_save(payload, self.last_path)
-        if best:
-            atomic_save(payload, self.best_path)
+        # best.pth first: a run killed between the two writes leaves a best.pth at least as new as the best epoch
+        # that last.pth records, never an older one
+        for path in ([self.best_path] if best else []) + [self.last_path]:
+            atomic_save(payload, path)
 
     @classmethod
     def read(cls, path: str) -> Dict[str, Any]:

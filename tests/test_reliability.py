@@ -1,8 +1,8 @@
 """Reliability of training: a non-finite loss skips the update or stops the run with a one-line error and the last
 checkpoint intact; SIGTERM / SIGINT save and exit with 128 + the signal, a second signal stops at once and saves
 nothing; a bad torchrun environment is one line; every attention trains under float16 autocast with the gradient
-scaler; a run killed with SIGKILL resumes to exactly the weights and metrics of an uninterrupted run; a rank that
-dies ends the others."""
+scaler; a run killed with SIGKILL resumes to exactly the weights and metrics of an uninterrupted run, and one
+killed between writing best.pth and last.pth keeps the best weights; a rank that dies ends the others."""
 import json
 import math
 import os
@@ -18,6 +18,7 @@ import torch
 from timm.utils import ModelEmaV3
 from torch import nn
 
+import engine.checkpoint
 import engine.loops
 import engine.trainer
 from engine.build import create_criterion, create_model, create_optimizer, create_scheduler
@@ -441,3 +442,30 @@ def test_ctrl_c_with_dataloader_workers_is_one_line_and_exits_130(tmp_path, digi
     assert process.returncode == 128 + signal.SIGINT, err[-3000:]
     assert log_text(output).count('received SIGINT') == 1
     assert err.splitlines()[-1].startswith('error: stopped by SIGINT after saving')
+
+
+class Died(BaseException):
+    """The process dies here: nothing after it runs."""
+
+
+def test_a_run_killed_between_the_checkpoint_writes_keeps_the_best_weights(tmp_path, digits, one_epoch,
+                                                                           monkeypatch):
+    output = tmp_path / 'run'
+    argv = [*train_argv(output, digits), 'TRAIN.EPOCHS_PER_RUN', '1']
+    real_save = engine.checkpoint.atomic_save
+
+    def save_then_die(obj, path):
+        real_save(obj, path)
+        raise Died
+
+    monkeypatch.setattr(engine.checkpoint, 'atomic_save', save_then_die)
+    with pytest.raises(Died):
+        run_cli(train_main, argv)  # dies after the first file of epoch 0's save, which is the best so far
+    monkeypatch.undo()
+    assert TrainingCheckpoint.read(str(output / 'best.pth'))['epoch'] == 0 and not (output / 'last.pth').exists()
+    assert run_cli(train_main, argv) == 0  # no last.pth: epoch 0 again
+    best = torch.load(output / 'best.pth', weights_only=True)
+    reference = torch.load(one_epoch / 'best.pth', weights_only=True)
+    assert best['metrics']['val_top1'] == max(r['val_top1'] for r in records(output))
+    for name in reference['model']:
+        assert torch.equal(best['model'][name], reference['model'][name]), name
