@@ -4,10 +4,17 @@ A checkpoint holds `model`, `model_ema` (EMA on), `optimizer`, `scheduler`, `sca
 the state belongs to), `epoch_batches` (batches of that epoch already trained), `step` (optimizer updates so far),
 `max_accuracy`, `max_ema_accuracy`, `rng` (one entry per rank), `world_size`, `config` (the YAML text) and
 `metrics` (the last epoch's log record, None when saved mid-epoch). `TrainingCheckpoint` owns this format.
+
+`OutputLock` keeps one run at a time in an output folder; `remove_stale_temp_files` clears the temporary files of
+writes that were killed.
 """
+import fcntl
 import logging
 import os
 import random
+import re
+import shutil
+import socket
 import uuid
 from typing import Any, Dict, List, Mapping, Optional
 
@@ -20,11 +27,15 @@ from torch import nn
 from models.checkpoint import CheckpointError, load_checkpoint_file, load_state_dict_checked
 
 from .distributed import DistInfo, all_gather_objects
+from .errors import UsageError
 from .loops import TrainState
 
-__all__ = ['LAST', 'BEST', 'TrainingCheckpoint', 'atomic_save', 'rng_state', 'set_rng_state']
+__all__ = ['LAST', 'BEST', 'LOCK', 'TrainingCheckpoint', 'OutputLock', 'atomic_save', 'remove_stale_temp_files',
+           'rng_state', 'set_rng_state']
 
-LAST, BEST = 'last.pth', 'best.pth'
+LAST, BEST, LOCK = 'last.pth', 'best.pth', '.train.lock'
+# the temporary name `atomic_save` gives: .<name>.<pid>.<8 hex digits>.tmp
+TEMP_NAME = re.compile(r'^\..+\.(\d+)\.[0-9a-f]{8}\.tmp$')
 logger = logging.getLogger('engine')
 
 
@@ -61,6 +72,122 @@ def atomic_save(obj: Any, path: str) -> None:
             os.remove(tmp)
         raise
     _fsync_folder(folder)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # a process of another user
+    return True
+
+
+def remove_stale_temp_files(folder: str) -> List[str]:
+    """Remove the temporary files of `atomic_save` calls whose process no longer runs on this host (killed
+    mid-write); return their names."""
+    removed = []
+    for name in sorted(os.listdir(folder)):
+        match = TEMP_NAME.match(name)
+        if match and not _pid_alive(int(match.group(1))):
+            try:
+                os.remove(os.path.join(folder, name))
+            except FileNotFoundError:
+                continue
+            removed.append(name)
+    return removed
+
+
+class OutputLock:
+    """An advisory lock (`fcntl.flock`) on `<output>/.train.lock`, which holds the holder's host and PID, so that
+    one run at a time writes into an output folder. The kernel drops the lock when its process dies, so a lock
+    file left by a killed run is simply taken over."""
+
+    def __init__(self, output: str):
+        self.output, self.path = output, os.path.join(output, LOCK)
+        self.fd: Optional[int] = None
+
+    def acquire(self) -> Optional[str]:
+        """Check that the output folder is a writable folder and lock it; return the holder written in a lock file
+        that a run which has ended left behind (None if there was none). Raise `UsageError` when the folder is
+        a file, cannot be created or written, or another run holds it."""
+        output = self.output
+        if os.path.exists(output) and not os.path.isdir(output):
+            raise UsageError(f"output folder {output!r} is a file; expected a folder (OUTPUT / --output)")
+        fd: Optional[int] = None
+        try:
+            os.makedirs(output, exist_ok=True)
+            fd = self._lock()
+            previous = os.read(fd, 256).decode(errors='replace').strip() or None
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"host {socket.gethostname()} pid {os.getpid()}\n".encode(), 0)
+            # the lock file may be a left-over one: only a new file proves that the folder takes new files
+            os.remove(self._probe())
+        except OSError as e:
+            self.fd = fd
+            self.release()
+            raise UsageError(f"output folder {output!r} is not writable ({e.strerror}); expected a folder this "
+                             f"user can write (OUTPUT / --output)") from None
+        self.fd = fd
+        return previous
+
+    def _lock(self) -> int:
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.read(fd, 256).decode(errors='replace').strip() or 'holder unknown'
+                os.close(fd)
+                raise UsageError(f"output folder {self.output!r} is in use by another run ({holder}, lock file "
+                                 f"{self.path}); expected one run per output folder: wait for it to end or choose "
+                                 f"another --output") from None
+            # a holder that ends unlinks the file before unlocking it: a lock on that old file locks nothing
+            if _same_file(fd, self.path):
+                return fd
+            os.close(fd)
+
+    def _probe(self) -> str:
+        path = os.path.join(self.output, f'.write-probe.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp')
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+        return path
+
+    def release(self) -> None:
+        """Remove the lock file, then unlock it."""
+        if self.fd is None:
+            return
+        try:
+            os.remove(self.path)
+        except OSError:
+            pass  # a read-only folder keeps it; the next run takes it over
+        os.close(self.fd)
+        self.fd = None
+
+
+def _same_file(fd: int, path: str) -> bool:
+    try:
+        return os.path.samestat(os.fstat(fd), os.stat(path))
+    except FileNotFoundError:
+        return False
+
+
+def _tensor_bytes(obj: Any) -> int:
+    """The bytes of the tensors in `obj`, about what `torch.save` writes."""
+    if isinstance(obj, torch.Tensor):
+        return obj.nelement() * obj.element_size()
+    if isinstance(obj, Mapping):
+        return sum(_tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in obj)
+    return 0
+
+
+def _free_bytes(folder: str) -> Optional[int]:
+    try:
+        return shutil.disk_usage(folder).free
+    except OSError:
+        return None
 
 
 def rng_state() -> Dict[str, Any]:
@@ -119,7 +246,15 @@ class TrainingCheckpoint:
         # best.pth first: a run killed between the two writes leaves a best.pth at least as new as the best epoch
         # that last.pth records, never an older one
         for path in ([self.best_path] if best else []) + [self.last_path]:
-            atomic_save(payload, path)
+            try:
+                atomic_save(payload, path)
+            except OSError as e:
+                free = _free_bytes(os.path.dirname(path))
+                space = f"about {_tensor_bytes(payload) / 1e6:.1f} MB needed"
+                if free is not None:
+                    space += f", {free / 1e6:.1f} MB free"
+                raise UsageError(f"cannot write checkpoint {path!r}: {e.strerror} ({space}); the checkpoints saved "
+                                 f"before are kept; expected a writable output folder with room for it") from None
 
     @classmethod
     def read(cls, path: str) -> Dict[str, Any]:

@@ -1,6 +1,6 @@
 """The training run: data, model, EMA, optimizer and schedule from a config; epochs with validation, logging,
-atomic `last.pth` / `best.pth` checkpoints, exact resumption, and a stop on SIGTERM / SIGINT that saves, then exits
-with 128 + the signal."""
+atomic `last.pth` / `best.pth` checkpoints, exact resumption, one run at a time per output folder, and a stop on
+SIGTERM / SIGINT that saves, then exits with 128 + the signal."""
 import json
 import logging
 import os
@@ -18,7 +18,7 @@ from torch.nn.parallel import DistributedDataParallel
 from yacs.config import CfgNode as CN
 
 from .build import check_model_name, create_criterion, create_model, create_optimizer, create_scheduler, read_weights
-from .checkpoint import LAST, TrainingCheckpoint
+from .checkpoint import LAST, OutputLock, TrainingCheckpoint, remove_stale_temp_files
 from .config import ema_decay, scaled_lrs, total_batch_size
 from .data import (build_eval_loader, build_mixup, build_train_loader, check_splits, eval_batch_size,
                    eval_transform, load_split, resolve_data_root, train_transform)
@@ -116,8 +116,17 @@ def _drop_log_records(path: str, first_epoch: int) -> None:
 def train(cfg: CN, info: DistInfo) -> Dict[str, Any]:
     """Train `cfg` on this process's share of the data; return the last epoch's log record (or {}).
 
-    A run stopped by SIGTERM / SIGINT saves, then raises `Stopped`."""
+    Rank 0 holds the output folder's lock for the whole run. A run stopped by SIGTERM / SIGINT saves, then raises
+    `Stopped`."""
     check_model_name(cfg.MODEL.NAME)
+    lock = OutputLock(cfg.OUTPUT)
+    try:
+        return _train(cfg, info, lock)
+    finally:
+        lock.release()
+
+
+def _train(cfg: CN, info: DistInfo, lock: OutputLock) -> Dict[str, Any]:
     root = resolve_data_root(cfg, info)
     check_splits(root, ('train', 'val'))
     train_set = load_split(root, 'train', train_transform(cfg), cfg.MODEL.NUM_CLASSES)
@@ -125,10 +134,16 @@ def train(cfg: CN, info: DistInfo) -> Dict[str, Any]:
     if train_set.classes != val_set.classes:
         raise UsageError(f"the class folders of {root}/train and {root}/val differ; expected the same classes")
     output = cfg.OUTPUT
-    if info.is_main:
-        os.makedirs(output, exist_ok=True)
+    stale_holder = lock.acquire() if info.is_main else None
     barrier()
     setup_logging(info, output)
+    if info.is_main:
+        if stale_holder is not None:
+            logger.warning(f"took over the lock of a run that has ended ({stale_holder}) in {output}")
+        removed = remove_stale_temp_files(output)
+        if removed:
+            logger.warning(f"removed {len(removed)} temporary file(s) of checkpoint writes killed before they "
+                           f"finished: {', '.join(removed)}")
     seed_everything(cfg.SEED + info.rank)
     train_loader = build_train_loader(cfg, train_set, info)
     val_loader = build_eval_loader(cfg, val_set, info, eval_batch_size(cfg))

@@ -1,13 +1,17 @@
 """Reliability of training: a non-finite loss skips the update or stops the run with a one-line error and the last
 checkpoint intact; SIGTERM / SIGINT save and exit with 128 + the signal, a second signal stops at once and saves
 nothing; a bad torchrun environment is one line; every attention trains under float16 autocast with the gradient
-scaler; a run killed with SIGKILL resumes to exactly the weights and metrics of an uninterrupted run, and one
-killed between writing best.pth and last.pth keeps the best weights; a rank that dies ends the others."""
+scaler; a run killed with SIGKILL resumes to exactly the weights and metrics of an uninterrupted run, keeps
+`best.pth` and leaves no temp files or lock behind; one run at a time per output folder; an unwritable or full
+output folder is one line; a rank that dies ends the others."""
+import errno
 import json
 import math
 import os
+import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -22,7 +26,7 @@ import engine.checkpoint
 import engine.loops
 import engine.trainer
 from engine.build import create_criterion, create_model, create_optimizer, create_scheduler
-from engine.checkpoint import TrainingCheckpoint
+from engine.checkpoint import OutputLock, TrainingCheckpoint
 from engine.cli import train_main
 from engine.config import load_config, scaled_lrs
 from engine.data import build_train_loader, load_split, prepare_digits, train_transform
@@ -208,6 +212,7 @@ def test_sigint_saves_after_the_current_step_and_exits_with_130(tmp_path, digits
     stopped = torch.load(output / 'last.pth', weights_only=True)
     assert (stopped['epoch'], stopped['epoch_batches'], stopped['step']) == (1, 4, 26)
     assert 'received SIGINT: saving a checkpoint after this step' in (output / 'train.log').read_text()
+    assert not (output / '.train.lock').exists()
 
 
 @pytest.mark.parametrize('signum', [signal.SIGTERM, signal.SIGINT])
@@ -469,3 +474,100 @@ def test_a_run_killed_between_the_checkpoint_writes_keeps_the_best_weights(tmp_p
     assert best['metrics']['val_top1'] == max(r['val_top1'] for r in records(output))
     for name in reference['model']:
         assert torch.equal(best['model'][name], reference['model'][name]), name
+
+
+def dead_pid() -> int:
+    process = subprocess.Popen([sys.executable, '-c', ''])
+    process.wait()
+    return process.pid
+
+
+def test_a_lock_and_temp_files_left_by_a_killed_run_are_cleared(tmp_path, digits, one_epoch):
+    output = tmp_path / 'run'
+    shutil.copytree(one_epoch, output)
+    pid = dead_pid()
+    (output / '.train.lock').write_text(f"host {socket.gethostname()} pid {pid}\n")
+    stale, live = output / f'.last.pth.{pid}.0123abcd.tmp', output / f'.best.pth.{os.getpid()}.89abcdef.tmp'
+    stale.write_bytes(b'partial')
+    live.write_bytes(b'being written')
+    # one epoch in all is already done: the run checks the folder, then has nothing to train
+    assert run_cli(train_main, [*train_argv(output, digits), 'TRAIN.EPOCHS', '1']) == 0
+    log = log_text(output)
+    assert f"took over the lock of a run that has ended (host {socket.gethostname()} pid {pid})" in log
+    assert f"removed 1 temporary file(s) of checkpoint writes killed before they finished: {stale.name}" in log
+    assert not stale.exists() and live.exists() and not (output / '.train.lock').exists()
+
+
+def test_a_second_run_into_a_locked_output_folder_is_refused(tmp_path, digits, one_epoch, capsys):
+    output = tmp_path / 'run'
+    shutil.copytree(one_epoch, output)
+    saved = checkpoints(output)
+    lock = OutputLock(str(output))
+    assert lock.acquire() is None
+    try:
+        capsys.readouterr()
+        assert run_cli(train_main, train_argv(output, digits)) == USAGE_EXIT_CODE
+        assert (output / '.train.lock').read_text() == f"host {socket.gethostname()} pid {os.getpid()}\n"
+    finally:
+        lock.release()
+    assert capsys.readouterr().err == (
+        f"error: output folder {str(output)!r} is in use by another run (host {socket.gethostname()} pid "
+        f"{os.getpid()}, lock file {output / '.train.lock'}); expected one run per output folder: wait for it to end "
+        f"or choose another --output\n")
+    assert checkpoints(output) == saved and not (output / '.train.lock').exists()
+
+
+def test_an_output_path_that_is_a_file_or_read_only_is_one_line_before_training(tmp_path, digits, monkeypatch,
+                                                                                capsys):
+    file = tmp_path / 'file'
+    file.write_text('not a folder')
+    capsys.readouterr()
+    assert run_cli(train_main, train_argv(file, digits)) == USAGE_EXIT_CODE
+    assert capsys.readouterr().err == (f"error: output folder {str(file)!r} is a file; expected a folder "
+                                       f"(OUTPUT / --output)\n")
+
+    read_only = tmp_path / 'read_only'
+    read_only.mkdir()
+    read_only.chmod(0o555)
+    real_open = os.open
+
+    def open_without_privilege(path, flags, *args, **kwargs):
+        # what a user meets in a 0o555 folder, which the superuser running the tests would write into
+        if os.path.dirname(str(path)) == str(read_only) and flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, 'open', open_without_privilege)
+    try:
+        assert run_cli(train_main, train_argv(read_only, digits)) == USAGE_EXIT_CODE
+    finally:
+        monkeypatch.undo()
+        read_only.chmod(0o755)
+    assert capsys.readouterr().err == (f"error: output folder {str(read_only)!r} is not writable (Permission denied); "
+                                       f"expected a folder this user can write (OUTPUT / --output)\n")
+    assert list(read_only.iterdir()) == []
+
+
+def test_a_full_disk_at_a_save_keeps_the_checkpoints_and_names_the_space(tmp_path, digits, one_epoch, monkeypatch,
+                                                                         capsys):
+    output = tmp_path / 'run'
+    shutil.copytree(one_epoch, output)
+    saved = {name: data for name, data in checkpoints(output).items() if name.endswith('.pth')}
+    real_save = torch.save
+
+    def fill_the_disk(obj, f):
+        real_save(obj, f)
+        f.truncate(1000)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(torch, 'save', fill_the_disk)
+    capsys.readouterr()
+    assert run_cli(train_main, train_argv(output, digits)) == USAGE_EXIT_CODE
+    monkeypatch.undo()
+    err = capsys.readouterr().err
+    assert re.fullmatch(rf"error: cannot write checkpoint '{re.escape(str(output))}/(best|last)\.pth': No space left "
+                        rf"on device \(about \d+\.\d MB needed, \d+\.\d MB free\); the checkpoints saved before are "
+                        rf"kept; expected a writable output folder with room for it\n", err.split('\r')[-1]), err
+    assert {name: data for name, data in checkpoints(output).items() if name.endswith('.pth')} == saved
+    assert sorted(p.name for p in output.iterdir()) == ['best.pth', 'config.yaml', 'last.pth', 'log.jsonl',
+                                                        'train.log']
