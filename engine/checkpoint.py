@@ -20,6 +20,7 @@ from typing import Any, Dict, List, Mapping, Optional
 
 import numpy as np
 import torch
+import yaml
 from timm.scheduler.scheduler import Scheduler
 from timm.utils import ModelEmaV3
 from torch import nn
@@ -269,11 +270,30 @@ class TrainingCheckpoint:
                                   f"{', '.join(missing)}")
         return dict(checkpoint)
 
+    @staticmethod
+    def check_resumable(checkpoint: Mapping[str, Any], path: str, batch_size: int, accumulation: int,
+                        world_size: int) -> None:
+        """Raise `UsageError` when `checkpoint` stopped in the middle of an epoch and this run splits the data
+        otherwise (batch size, accumulation steps or process count): its batch count would point elsewhere in the
+        epoch. A checkpoint saved at the end of an epoch resumes under any of them."""
+        if checkpoint['metrics'] is not None or checkpoint['epoch_batches'] == 0:
+            return
+        stored = yaml.safe_load(checkpoint['config'])
+        pairs = [('DATA.BATCH_SIZE', stored['DATA']['BATCH_SIZE'], batch_size),
+                 ('TRAIN.ACCUMULATION_STEPS', stored['TRAIN']['ACCUMULATION_STEPS'], accumulation),
+                 ('processes', checkpoint['world_size'], world_size)]
+        changed = [f"{name} {then} (this run: {now})" for name, then, now in pairs if then != now]
+        if changed:
+            raise UsageError(f"checkpoint {path!r} stopped in the middle of epoch {checkpoint['epoch']} (batch "
+                             f"{checkpoint['epoch_batches']}) with {', '.join(changed)}; expected the same values "
+                             f"until that epoch ends")
+
     def restore(self, checkpoint: Mapping[str, Any], path: str, batches_per_epoch: int) -> None:
         """Load `checkpoint` (read from `path`) into the live objects, so training goes on where it stopped.
 
-        A checkpoint that finished its epoch under this run's `batches_per_epoch` goes on at the next epoch. The
-        random streams are restored only when the world size is the one that wrote them.
+        A checkpoint saved at the end of its epoch (with `metrics`), or whose batches fill this run's
+        `batches_per_epoch`, goes on at the next epoch, whatever batch size wrote it. The random streams are
+        restored only when the world size is the one that wrote them.
         """
         load_state_dict_checked(self.model, checkpoint['model'], f"checkpoint {path!r}")
         if self.ema is not None:
@@ -290,7 +310,7 @@ class TrainingCheckpoint:
         state.epoch, state.epoch_batches = checkpoint['epoch'], checkpoint['epoch_batches']
         state.step, state.max_accuracy = checkpoint['step'], checkpoint['max_accuracy']
         state.max_ema_accuracy = checkpoint.get('max_ema_accuracy', 0.0)
-        if state.epoch_batches >= batches_per_epoch:
+        if checkpoint['metrics'] is not None or state.epoch_batches >= batches_per_epoch:
             state.epoch, state.epoch_batches = state.epoch + 1, 0
         # the stored schedule is not loaded: the schedule follows this run's config at this step
         self.scheduler.step_update(num_updates=state.step)

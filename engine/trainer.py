@@ -154,6 +154,9 @@ def _train(cfg: CN, info: DistInfo, lock: OutputLock) -> Dict[str, Any]:
 
     resume = _resume_path(cfg)
     stored = TrainingCheckpoint.read(resume) if resume else None
+    if stored is not None:
+        TrainingCheckpoint.check_resumable(stored, resume, cfg.DATA.BATCH_SIZE, cfg.TRAIN.ACCUMULATION_STEPS,
+                                           info.world_size)
     pretrained = None
     if cfg.MODEL.PRETRAINED and stored is None:
         pretrained = read_weights(cfg.MODEL.PRETRAINED)

@@ -3,7 +3,8 @@ checkpoint intact; SIGTERM / SIGINT save and exit with 128 + the signal, a secon
 nothing; a bad torchrun environment is one line; every attention trains under float16 autocast with the gradient
 scaler; a run killed with SIGKILL resumes to exactly the weights and metrics of an uninterrupted run, keeps
 `best.pth` and leaves no temp files or lock behind; one run at a time per output folder; an unwritable or full
-output folder is one line; a rank that dies ends the others."""
+output folder is one line; a resume with another batch split never retrains a finished epoch; a rank that dies
+ends the others."""
 import errno
 import json
 import math
@@ -213,6 +214,25 @@ def test_sigint_saves_after_the_current_step_and_exits_with_130(tmp_path, digits
     assert (stopped['epoch'], stopped['epoch_batches'], stopped['step']) == (1, 4, 26)
     assert 'received SIGINT: saving a checkpoint after this step' in (output / 'train.log').read_text()
     assert not (output / '.train.lock').exists()
+
+    # in the middle of an epoch, another batch size would point elsewhere in it: refused before any training
+    saved = checkpoints(output)
+    monkeypatch.undo()
+    assert run_cli(train_main, [*train_argv(output, digits), 'DATA.BATCH_SIZE', '32']) == USAGE_EXIT_CODE
+    err = capsys.readouterr().err
+    assert err == (f"error: checkpoint {str(output / 'last.pth')!r} stopped in the middle of epoch 1 (batch 4) with "
+                   f"DATA.BATCH_SIZE 64 (this run: 32); expected the same values until that epoch ends\n")
+    assert checkpoints(output) == saved
+
+
+def test_resuming_a_finished_epoch_with_another_batch_size_keeps_its_record(tmp_path, digits, one_epoch):
+    output = tmp_path / 'run'
+    shutil.copytree(one_epoch, output)
+    first = (output / 'log.jsonl').read_text()
+    # 22 batches of 64 finished epoch 0; at 32 they would be 22 of its 44 batches
+    assert run_cli(train_main, [*train_argv(output, digits), 'DATA.BATCH_SIZE', '32']) == 0
+    assert (output / 'log.jsonl').read_text().startswith(first)
+    assert [(r['epoch'], r['step']) for r in records(output)] == [(0, 22), (1, 66)]
 
 
 @pytest.mark.parametrize('signum', [signal.SIGTERM, signal.SIGINT])
