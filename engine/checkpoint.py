@@ -4,15 +4,23 @@ A checkpoint holds `model`, `model_ema` (EMA on), `optimizer`, `scheduler`, `sca
 the state belongs to), `epoch_batches` (batches of that epoch already trained), `step` (optimizer updates so far),
 `max_accuracy`, `max_ema_accuracy`, `rng` (one entry per rank), `world_size`, `config` (the YAML text) and
 `metrics` (the last epoch's log record, None when saved mid-epoch). `TrainingCheckpoint` owns this format.
+
+`OutputLock` keeps one run at a time in an output folder; `remove_stale_temp_files` clears the temporary files of
+writes that were killed.
 """
+import fcntl
 import logging
 import os
 import random
+import re
+import shutil
+import socket
 import uuid
 from typing import Any, Dict, List, Mapping, Optional
 
 import numpy as np
 import torch
+import yaml
 from timm.scheduler.scheduler import Scheduler
 from timm.utils import ModelEmaV3
 from torch import nn
@@ -20,11 +28,15 @@ from torch import nn
 from models.checkpoint import CheckpointError, load_checkpoint_file, load_state_dict_checked
 
 from .distributed import DistInfo, all_gather_objects
+from .errors import UsageError
 from .loops import TrainState
 
-__all__ = ['LAST', 'BEST', 'TrainingCheckpoint', 'atomic_save', 'rng_state', 'set_rng_state']
+__all__ = ['LAST', 'BEST', 'LOCK', 'TrainingCheckpoint', 'OutputLock', 'atomic_save', 'remove_stale_temp_files',
+           'rng_state', 'set_rng_state']
 
-LAST, BEST = 'last.pth', 'best.pth'
+LAST, BEST, LOCK = 'last.pth', 'best.pth', '.train.lock'
+# the temporary name `atomic_save` gives: .<name>.<pid>.<8 hex digits>.tmp
+TEMP_NAME = re.compile(r'^\..+\.(\d+)\.[0-9a-f]{8}\.tmp$')
 logger = logging.getLogger('engine')
 
 
@@ -61,6 +73,122 @@ def atomic_save(obj: Any, path: str) -> None:
             os.remove(tmp)
         raise
     _fsync_folder(folder)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # a process of another user
+    return True
+
+
+def remove_stale_temp_files(folder: str) -> List[str]:
+    """Remove the temporary files of `atomic_save` calls whose process no longer runs on this host (killed
+    mid-write); return their names."""
+    removed = []
+    for name in sorted(os.listdir(folder)):
+        match = TEMP_NAME.match(name)
+        if match and not _pid_alive(int(match.group(1))):
+            try:
+                os.remove(os.path.join(folder, name))
+            except FileNotFoundError:
+                continue
+            removed.append(name)
+    return removed
+
+
+class OutputLock:
+    """An advisory lock (`fcntl.flock`) on `<output>/.train.lock`, which holds the holder's host and PID, so that
+    one run at a time writes into an output folder. The kernel drops the lock when its process dies, so a lock
+    file left by a killed run is simply taken over."""
+
+    def __init__(self, output: str):
+        self.output, self.path = output, os.path.join(output, LOCK)
+        self.fd: Optional[int] = None
+
+    def acquire(self) -> Optional[str]:
+        """Check that the output folder is a writable folder and lock it; return the holder written in a lock file
+        that a run which has ended left behind (None if there was none). Raise `UsageError` when the folder is
+        a file, cannot be created or written, or another run holds it."""
+        output = self.output
+        if os.path.exists(output) and not os.path.isdir(output):
+            raise UsageError(f"output folder {output!r} is a file; expected a folder (OUTPUT / --output)")
+        fd: Optional[int] = None
+        try:
+            os.makedirs(output, exist_ok=True)
+            fd = self._lock()
+            previous = os.read(fd, 256).decode(errors='replace').strip() or None
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"host {socket.gethostname()} pid {os.getpid()}\n".encode(), 0)
+            # the lock file may be a left-over one: only a new file proves that the folder takes new files
+            os.remove(self._probe())
+        except OSError as e:
+            self.fd = fd
+            self.release()
+            raise UsageError(f"output folder {output!r} is not writable ({e.strerror}); expected a folder this "
+                             f"user can write (OUTPUT / --output)") from None
+        self.fd = fd
+        return previous
+
+    def _lock(self) -> int:
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.read(fd, 256).decode(errors='replace').strip() or 'holder unknown'
+                os.close(fd)
+                raise UsageError(f"output folder {self.output!r} is in use by another run ({holder}, lock file "
+                                 f"{self.path}); expected one run per output folder: wait for it to end or choose "
+                                 f"another --output") from None
+            # a holder that ends unlinks the file before unlocking it: a lock on that old file locks nothing
+            if _same_file(fd, self.path):
+                return fd
+            os.close(fd)
+
+    def _probe(self) -> str:
+        path = os.path.join(self.output, f'.write-probe.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp')
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+        return path
+
+    def release(self) -> None:
+        """Remove the lock file, then unlock it."""
+        if self.fd is None:
+            return
+        try:
+            os.remove(self.path)
+        except OSError:
+            pass  # a read-only folder keeps it; the next run takes it over
+        os.close(self.fd)
+        self.fd = None
+
+
+def _same_file(fd: int, path: str) -> bool:
+    try:
+        return os.path.samestat(os.fstat(fd), os.stat(path))
+    except FileNotFoundError:
+        return False
+
+
+def _tensor_bytes(obj: Any) -> int:
+    """The bytes of the tensors in `obj`, about what `torch.save` writes."""
+    if isinstance(obj, torch.Tensor):
+        return obj.nelement() * obj.element_size()
+    if isinstance(obj, Mapping):
+        return sum(_tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in obj)
+    return 0
+
+
+def _free_bytes(folder: str) -> Optional[int]:
+    try:
+        return shutil.disk_usage(folder).free
+    except OSError:
+        return None
 
 
 def rng_state() -> Dict[str, Any]:
@@ -116,9 +244,18 @@ class TrainingCheckpoint:
             scaler=self.scaler.state_dict(), epoch=state.epoch, epoch_batches=state.epoch_batches, step=state.step,
             max_accuracy=state.max_accuracy, max_ema_accuracy=state.max_ema_accuracy, rng=rngs,
             world_size=self.info.world_size, config=self.config, metrics=metrics)
-        atomic_save(payload, self.last_path)
-        if best:
-            atomic_save(payload, self.best_path)
+        # best.pth first: a run killed between the two writes leaves a best.pth at least as new as the best epoch
+        # that last.pth records, never an older one
+        for path in ([self.best_path] if best else []) + [self.last_path]:
+            try:
+                atomic_save(payload, path)
+            except OSError as e:
+                free = _free_bytes(os.path.dirname(path))
+                space = f"about {_tensor_bytes(payload) / 1e6:.1f} MB needed"
+                if free is not None:
+                    space += f", {free / 1e6:.1f} MB free"
+                raise UsageError(f"cannot write checkpoint {path!r}: {e.strerror} ({space}); the checkpoints saved "
+                                 f"before are kept; expected a writable output folder with room for it") from None
 
     @classmethod
     def read(cls, path: str) -> Dict[str, Any]:
@@ -133,11 +270,30 @@ class TrainingCheckpoint:
                                   f"{', '.join(missing)}")
         return dict(checkpoint)
 
+    @staticmethod
+    def check_resumable(checkpoint: Mapping[str, Any], path: str, batch_size: int, accumulation: int,
+                        world_size: int) -> None:
+        """Raise `UsageError` when `checkpoint` stopped in the middle of an epoch and this run splits the data
+        otherwise (batch size, accumulation steps or process count): its batch count would point elsewhere in the
+        epoch. A checkpoint saved at the end of an epoch resumes under any of them."""
+        if checkpoint['metrics'] is not None or checkpoint['epoch_batches'] == 0:
+            return
+        stored = yaml.safe_load(checkpoint['config'])
+        pairs = [('DATA.BATCH_SIZE', stored['DATA']['BATCH_SIZE'], batch_size),
+                 ('TRAIN.ACCUMULATION_STEPS', stored['TRAIN']['ACCUMULATION_STEPS'], accumulation),
+                 ('processes', checkpoint['world_size'], world_size)]
+        changed = [f"{name} {then} (this run: {now})" for name, then, now in pairs if then != now]
+        if changed:
+            raise UsageError(f"checkpoint {path!r} stopped in the middle of epoch {checkpoint['epoch']} (batch "
+                             f"{checkpoint['epoch_batches']}) with {', '.join(changed)}; expected the same values "
+                             f"until that epoch ends")
+
     def restore(self, checkpoint: Mapping[str, Any], path: str, batches_per_epoch: int) -> None:
         """Load `checkpoint` (read from `path`) into the live objects, so training goes on where it stopped.
 
-        A checkpoint that finished its epoch under this run's `batches_per_epoch` goes on at the next epoch. The
-        random streams are restored only when the world size is the one that wrote them.
+        A checkpoint saved at the end of its epoch (with `metrics`), or whose batches fill this run's
+        `batches_per_epoch`, goes on at the next epoch, whatever batch size wrote it. The random streams are
+        restored only when the world size is the one that wrote them.
         """
         load_state_dict_checked(self.model, checkpoint['model'], f"checkpoint {path!r}")
         if self.ema is not None:
@@ -154,7 +310,7 @@ class TrainingCheckpoint:
         state.epoch, state.epoch_batches = checkpoint['epoch'], checkpoint['epoch_batches']
         state.step, state.max_accuracy = checkpoint['step'], checkpoint['max_accuracy']
         state.max_ema_accuracy = checkpoint.get('max_ema_accuracy', 0.0)
-        if state.epoch_batches >= batches_per_epoch:
+        if checkpoint['metrics'] is not None or state.epoch_batches >= batches_per_epoch:
             state.epoch, state.epoch_batches = state.epoch + 1, 0
         # the stored schedule is not loaded: the schedule follows this run's config at this step
         self.scheduler.step_update(num_updates=state.step)

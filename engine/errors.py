@@ -7,7 +7,7 @@ from typing import Callable, Optional, Sequence
 
 from models.checkpoint import CheckpointError
 
-__all__ = ['UsageError', 'NonFiniteLossError', 'StoppedAtOnce', 'USAGE_EXIT_CODE', 'run_cli']
+__all__ = ['UsageError', 'NonFiniteLossError', 'Stopped', 'StoppedAtOnce', 'USAGE_EXIT_CODE', 'run_cli']
 
 USAGE_EXIT_CODE = 2
 
@@ -18,6 +18,15 @@ class UsageError(ValueError):
 
 class NonFiniteLossError(FloatingPointError):
     """The training loss stayed non-finite for more updates than `TRAIN.MAX_NONFINITE_STEPS` allows."""
+
+
+class Stopped(KeyboardInterrupt):
+    """A SIGTERM / SIGINT stopped training after it saved: the exit status still says the run did not finish."""
+
+    def __init__(self, signum: int, checkpoint: str):
+        super().__init__(f"stopped by {signal.Signals(signum).name} after saving {checkpoint}; run the same command "
+                         f"again to resume")
+        self.signum = signum
 
 
 class StoppedAtOnce(KeyboardInterrupt):
@@ -35,7 +44,8 @@ def run_cli(main: Callable[[Sequence[str]], int], argv: Optional[Sequence[str]] 
 
     With `--debug` in `argv` the exception propagates with its traceback. Only rank 0 prints, since every rank
     meets the same bad input and all ranks agree on a non-finite loss. An interruption (Ctrl-C outside the
-    training loop, or a second signal inside it) exits with 128 + the signal's number, as a shell reports it.
+    training loop, a signal that stopped training after saving, or a second signal) exits with 128 + the signal's
+    number, as a shell reports it, so `train.py ... && eval.py ...` does not go on after a stopped run.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     try:

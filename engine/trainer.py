@@ -1,5 +1,6 @@
 """The training run: data, model, EMA, optimizer and schedule from a config; epochs with validation, logging,
-atomic `last.pth` / `best.pth` checkpoints, exact resumption, and a clean stop on SIGTERM / SIGINT."""
+atomic `last.pth` / `best.pth` checkpoints, exact resumption, one run at a time per output folder, and a stop on
+SIGTERM / SIGINT that saves, then exits with 128 + the signal."""
 import json
 import logging
 import os
@@ -18,12 +19,12 @@ from yacs.config import CfgNode as CN
 
 from .build import (autocast_dtype, check_model_name, create_criterion, create_model, create_optimizer,
                     create_scheduler, read_weights)
-from .checkpoint import LAST, TrainingCheckpoint
+from .checkpoint import LAST, OutputLock, TrainingCheckpoint, remove_stale_temp_files
 from .config import ema_decay, scaled_lrs, total_batch_size
 from .data import (build_eval_loader, build_mixup, build_train_loader, check_splits, eval_batch_size,
                    eval_transform, load_split, resolve_data_root, train_transform)
-from .distributed import DistInfo, any_rank, barrier
-from .errors import StoppedAtOnce, UsageError
+from .distributed import DistInfo, all_gather_objects, any_rank, barrier
+from .errors import Stopped, StoppedAtOnce, UsageError
 from .loops import EpochOptions, TrainState, evaluate, train_one_epoch
 
 __all__ = ['LOG', 'CONFIG', 'train', 'seed_everything', 'setup_logging', 'StopSignal']
@@ -61,11 +62,15 @@ class StopSignal:
 
     def __init__(self):
         self.received: Optional[int] = None
+        self.pid = os.getpid()
 
     def __call__(self) -> bool:
         return self.received is not None
 
     def _handle(self, signum, frame) -> None:
+        # DataLoader workers inherit the handler and get Ctrl-C too; their process stops them, once, itself
+        if os.getpid() != self.pid:
+            return
         if self.received is not None:
             raise StoppedAtOnce(signum)
         self.received = signum
@@ -74,6 +79,7 @@ class StopSignal:
 
     @contextmanager
     def installed(self) -> Iterator['StopSignal']:
+        self.pid = os.getpid()
         previous = {s: signal.signal(s, self._handle) for s in (signal.SIGTERM, signal.SIGINT)}
         try:
             yield self
@@ -109,8 +115,19 @@ def _drop_log_records(path: str, first_epoch: int) -> None:
 
 
 def train(cfg: CN, info: DistInfo) -> Dict[str, Any]:
-    """Train `cfg` on this process's share of the data; return the last epoch's log record (or {})."""
+    """Train `cfg` on this process's share of the data; return the last epoch's log record (or {}).
+
+    Rank 0 holds the output folder's lock for the whole run. A run stopped by SIGTERM / SIGINT saves, then raises
+    `Stopped`."""
     check_model_name(cfg.MODEL.NAME)
+    lock = OutputLock(cfg.OUTPUT)
+    try:
+        return _train(cfg, info, lock)
+    finally:
+        lock.release()
+
+
+def _train(cfg: CN, info: DistInfo, lock: OutputLock) -> Dict[str, Any]:
     root = resolve_data_root(cfg, info)
     check_splits(root, ('train', 'val'))
     train_set = load_split(root, 'train', train_transform(cfg), cfg.MODEL.NUM_CLASSES)
@@ -118,10 +135,16 @@ def train(cfg: CN, info: DistInfo) -> Dict[str, Any]:
     if train_set.classes != val_set.classes:
         raise UsageError(f"the class folders of {root}/train and {root}/val differ; expected the same classes")
     output = cfg.OUTPUT
-    if info.is_main:
-        os.makedirs(output, exist_ok=True)
+    stale_holder = lock.acquire() if info.is_main else None
     barrier()
     setup_logging(info, output)
+    if info.is_main:
+        if stale_holder is not None:
+            logger.warning(f"took over the lock of a run that has ended ({stale_holder}) in {output}")
+        removed = remove_stale_temp_files(output)
+        if removed:
+            logger.warning(f"removed {len(removed)} temporary file(s) of checkpoint writes killed before they "
+                           f"finished: {', '.join(removed)}")
     seed_everything(cfg.SEED + info.rank)
     train_loader = build_train_loader(cfg, train_set, info)
     val_loader = build_eval_loader(cfg, val_set, info, eval_batch_size(cfg))
@@ -132,6 +155,9 @@ def train(cfg: CN, info: DistInfo) -> Dict[str, Any]:
 
     resume = _resume_path(cfg)
     stored = TrainingCheckpoint.read(resume) if resume else None
+    if stored is not None:
+        TrainingCheckpoint.check_resumable(stored, resume, cfg.DATA.BATCH_SIZE, cfg.TRAIN.ACCUMULATION_STEPS,
+                                           info.world_size)
     pretrained = None
     if cfg.MODEL.PRETRAINED and stored is None:
         pretrained = read_weights(cfg.MODEL.PRETRAINED)
@@ -181,7 +207,7 @@ def train(cfg: CN, info: DistInfo) -> Dict[str, Any]:
                     f"per epoch, {num_epochs} epochs; output {output}")
 
     record: Dict[str, Any] = {}
-    epochs_run = 0
+    epochs_run, stopped = 0, False
     if state.epoch >= num_epochs:
         logger.info(f"{resume} already finished all {num_epochs} epochs; nothing to train")
     stop = StopSignal()
@@ -198,6 +224,7 @@ def train(cfg: CN, info: DistInfo) -> Dict[str, Any]:
                 checkpoint.save()
                 logger.info(f"stopped at epoch {epoch} batch {state.epoch_batches} (step {state.step}); "
                             f"{checkpoint.last_path} resumes it")
+                stopped = True
                 break
             val = evaluate(model, val_loader, info, amp=cfg.AMP.ENABLED and cfg.AMP.EVAL, amp_dtype=amp_dtype,
                            desc='val')
@@ -229,7 +256,12 @@ def train(cfg: CN, info: DistInfo) -> Dict[str, Any]:
                 break
             if any_rank(stop(), info.device):
                 checkpoint.save(record)
+                stopped = True
                 break
     barrier()
+    if stopped:
+        # ranks that got no signal themselves stopped with the others: all exit with the signal they got
+        signum = next(s for s in all_gather_objects(stop.received) if s is not None)
+        raise Stopped(signum, checkpoint.last_path)
     return record
 

@@ -1,13 +1,18 @@
 """Reliability of training: a non-finite loss skips the update or stops the run with a one-line error and the last
-checkpoint intact; SIGINT saves and stops, a second signal stops at once and saves nothing; a bad torchrun
-environment is one line; every attention trains under float16 autocast with the gradient scaler; a run killed
-with SIGKILL resumes to exactly the weights and metrics of an uninterrupted run; a rank that dies ends the
-others."""
+checkpoint intact; SIGTERM / SIGINT save and exit with 128 + the signal, a second signal stops at once and saves
+nothing; a bad torchrun environment is one line; every attention trains under float16 autocast with the gradient
+scaler; a run killed with SIGKILL resumes to exactly the weights and metrics of an uninterrupted run, keeps
+`best.pth` and leaves no temp files or lock behind; one run at a time per output folder; an unwritable or full
+output folder is one line; a resume with another batch split never retrains a finished epoch; a rank that dies
+ends the others."""
+import errno
 import json
 import math
 import os
+import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -18,9 +23,11 @@ import torch
 from timm.utils import ModelEmaV3
 from torch import nn
 
+import engine.checkpoint
 import engine.loops
 import engine.trainer
 from engine.build import create_criterion, create_model, create_optimizer, create_scheduler
+from engine.checkpoint import OutputLock, TrainingCheckpoint
 from engine.cli import train_main
 from engine.config import load_config, scaled_lrs
 from engine.data import build_train_loader, load_split, prepare_digits, train_transform
@@ -193,16 +200,39 @@ def checkpoints(output: Path):
     return {p.name: p.read_bytes() for p in output.iterdir() if p.suffix == '.pth' or p.name == 'log.jsonl'}
 
 
-def test_sigint_saves_after_the_current_step_and_exits_cleanly(tmp_path, digits, one_epoch, monkeypatch):
+def test_sigint_saves_after_the_current_step_and_exits_with_130(tmp_path, digits, one_epoch, monkeypatch, capsys):
     output = tmp_path / 'run'
     shutil.copytree(one_epoch, output)
     signals_at(monkeypatch, (3, signal.SIGINT))
     handler = signal.getsignal(signal.SIGINT)
-    assert run_cli(train_main, train_argv(output, digits)) == 0
+    capsys.readouterr()
+    assert run_cli(train_main, train_argv(output, digits)) == 128 + signal.SIGINT
     assert signal.getsignal(signal.SIGINT) is handler
+    assert capsys.readouterr().err.splitlines()[-1] == (f"error: stopped by SIGINT after saving {output / 'last.pth'}; "
+                                                        f"run the same command again to resume")
     stopped = torch.load(output / 'last.pth', weights_only=True)
     assert (stopped['epoch'], stopped['epoch_batches'], stopped['step']) == (1, 4, 26)
     assert 'received SIGINT: saving a checkpoint after this step' in (output / 'train.log').read_text()
+    assert not (output / '.train.lock').exists()
+
+    # in the middle of an epoch, another batch size would point elsewhere in it: refused before any training
+    saved = checkpoints(output)
+    monkeypatch.undo()
+    assert run_cli(train_main, [*train_argv(output, digits), 'DATA.BATCH_SIZE', '32']) == USAGE_EXIT_CODE
+    err = capsys.readouterr().err
+    assert err == (f"error: checkpoint {str(output / 'last.pth')!r} stopped in the middle of epoch 1 (batch 4) with "
+                   f"DATA.BATCH_SIZE 64 (this run: 32); expected the same values until that epoch ends\n")
+    assert checkpoints(output) == saved
+
+
+def test_resuming_a_finished_epoch_with_another_batch_size_keeps_its_record(tmp_path, digits, one_epoch):
+    output = tmp_path / 'run'
+    shutil.copytree(one_epoch, output)
+    first = (output / 'log.jsonl').read_text()
+    # 22 batches of 64 finished epoch 0; at 32 they would be 22 of its 44 batches
+    assert run_cli(train_main, [*train_argv(output, digits), 'DATA.BATCH_SIZE', '32']) == 0
+    assert (output / 'log.jsonl').read_text().startswith(first)
+    assert [(r['epoch'], r['step']) for r in records(output)] == [(0, 22), (1, 66)]
 
 
 @pytest.mark.parametrize('signum', [signal.SIGTERM, signal.SIGINT])
@@ -271,8 +301,8 @@ def test_every_attention_trains_50_steps_under_float16_autocast(attn, digits):
     assert sum(losses[-10:]) < sum(losses[:10])
 
 
-def start_training(output: Path, digits: Path) -> subprocess.Popen:
-    command = [sys.executable, str(REPO / 'train.py'), *train_argv(output, digits)]
+def start_training(output: Path, digits: Path, *opts: str) -> subprocess.Popen:
+    command = [sys.executable, str(REPO / 'train.py'), *train_argv(output, digits), *opts]
     # one thread each: the two runs share the machine, and the same thread count keeps their sums identical
     env = dict(os.environ, OMP_NUM_THREADS='1')
     return subprocess.Popen(command, cwd=output.parent, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
@@ -394,3 +424,170 @@ def test_a_non_finite_loss_on_one_rank_skips_then_stops_every_rank(tmp_path, dig
             in result.stderr), result.stdout[-3000:] + result.stderr[-3000:]
     assert 'exitcode  : 2' in result.stderr.split('Root Cause')[-1], result.stderr[-3000:]
     assert not (tmp_path / 'out' / 'last.pth').exists()
+
+
+def wait_for(process: subprocess.Popen, ready, seconds: float = 120) -> None:
+    deadline = time.monotonic() + seconds
+    while not ready():
+        assert process.poll() is None and time.monotonic() < deadline, process.stderr.read()[-3000:]
+        time.sleep(0.02)
+
+
+def log_text(output: Path) -> str:
+    path = output / 'train.log'
+    return path.read_text() if path.exists() else ''
+
+
+def test_sigterm_to_train_py_saves_exits_143_and_the_run_resumes(tmp_path, digits):
+    output = tmp_path / 'run'
+    process = start_training(output, digits, 'TRAIN.EPOCHS', '1')
+    wait_for(process, lambda: 'updates per epoch' in log_text(output))  # the next line installs the handler
+    time.sleep(0.5)
+    process.send_signal(signal.SIGTERM)
+    _, err = process.communicate(timeout=60)
+    assert process.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert err.splitlines()[-1] == (f"error: stopped by SIGTERM after saving {output / 'last.pth'}; run the same "
+                                    f"command again to resume")
+    assert log_text(output).count('received SIGTERM') == 1
+    assert TrainingCheckpoint.read(str(output / 'last.pth'))['step'] > 0
+    finish(start_training(output, digits, 'TRAIN.EPOCHS', '1'))
+    assert [(r['epoch'], r['step']) for r in records(output)] == [(0, 22)]
+
+
+def test_ctrl_c_with_dataloader_workers_is_one_line_and_exits_130(tmp_path, digits):
+    output = tmp_path / 'run'
+    command = [sys.executable, str(REPO / 'train.py'), *train_argv(output, digits), 'DATA.NUM_WORKERS', '2']
+    # a terminal's Ctrl-C signals the whole process group: the run and its DataLoader workers
+    process = subprocess.Popen(command, cwd=tmp_path, env=dict(os.environ, OMP_NUM_THREADS='1'),
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    wait_for(process, lambda: 'updates per epoch' in log_text(output))
+    time.sleep(1.0)  # the workers have started
+    os.killpg(process.pid, signal.SIGINT)
+    _, err = process.communicate(timeout=60)
+    assert process.returncode == 128 + signal.SIGINT, err[-3000:]
+    assert log_text(output).count('received SIGINT') == 1
+    assert err.splitlines()[-1].startswith('error: stopped by SIGINT after saving')
+
+
+class Died(BaseException):
+    """The process dies here: nothing after it runs."""
+
+
+def test_a_run_killed_between_the_checkpoint_writes_keeps_the_best_weights(tmp_path, digits, one_epoch,
+                                                                           monkeypatch):
+    output = tmp_path / 'run'
+    argv = [*train_argv(output, digits), 'TRAIN.EPOCHS_PER_RUN', '1']
+    real_save = engine.checkpoint.atomic_save
+
+    def save_then_die(obj, path):
+        real_save(obj, path)
+        raise Died
+
+    monkeypatch.setattr(engine.checkpoint, 'atomic_save', save_then_die)
+    with pytest.raises(Died):
+        run_cli(train_main, argv)  # dies after the first file of epoch 0's save, which is the best so far
+    monkeypatch.undo()
+    assert TrainingCheckpoint.read(str(output / 'best.pth'))['epoch'] == 0 and not (output / 'last.pth').exists()
+    assert run_cli(train_main, argv) == 0  # no last.pth: epoch 0 again
+    best = torch.load(output / 'best.pth', weights_only=True)
+    reference = torch.load(one_epoch / 'best.pth', weights_only=True)
+    assert best['metrics']['val_top1'] == max(r['val_top1'] for r in records(output))
+    for name in reference['model']:
+        assert torch.equal(best['model'][name], reference['model'][name]), name
+
+
+def dead_pid() -> int:
+    process = subprocess.Popen([sys.executable, '-c', ''])
+    process.wait()
+    return process.pid
+
+
+def test_a_lock_and_temp_files_left_by_a_killed_run_are_cleared(tmp_path, digits, one_epoch):
+    output = tmp_path / 'run'
+    shutil.copytree(one_epoch, output)
+    pid = dead_pid()
+    (output / '.train.lock').write_text(f"host {socket.gethostname()} pid {pid}\n")
+    stale, live = output / f'.last.pth.{pid}.0123abcd.tmp', output / f'.best.pth.{os.getpid()}.89abcdef.tmp'
+    stale.write_bytes(b'partial')
+    live.write_bytes(b'being written')
+    # one epoch in all is already done: the run checks the folder, then has nothing to train
+    assert run_cli(train_main, [*train_argv(output, digits), 'TRAIN.EPOCHS', '1']) == 0
+    log = log_text(output)
+    assert f"took over the lock of a run that has ended (host {socket.gethostname()} pid {pid})" in log
+    assert f"removed 1 temporary file(s) of checkpoint writes killed before they finished: {stale.name}" in log
+    assert not stale.exists() and live.exists() and not (output / '.train.lock').exists()
+
+
+def test_a_second_run_into_a_locked_output_folder_is_refused(tmp_path, digits, one_epoch, capsys):
+    output = tmp_path / 'run'
+    shutil.copytree(one_epoch, output)
+    saved = checkpoints(output)
+    lock = OutputLock(str(output))
+    assert lock.acquire() is None
+    try:
+        capsys.readouterr()
+        assert run_cli(train_main, train_argv(output, digits)) == USAGE_EXIT_CODE
+        assert (output / '.train.lock').read_text() == f"host {socket.gethostname()} pid {os.getpid()}\n"
+    finally:
+        lock.release()
+    assert capsys.readouterr().err == (
+        f"error: output folder {str(output)!r} is in use by another run (host {socket.gethostname()} pid "
+        f"{os.getpid()}, lock file {output / '.train.lock'}); expected one run per output folder: wait for it to end "
+        f"or choose another --output\n")
+    assert checkpoints(output) == saved and not (output / '.train.lock').exists()
+
+
+def test_an_output_path_that_is_a_file_or_read_only_is_one_line_before_training(tmp_path, digits, monkeypatch,
+                                                                                capsys):
+    file = tmp_path / 'file'
+    file.write_text('not a folder')
+    capsys.readouterr()
+    assert run_cli(train_main, train_argv(file, digits)) == USAGE_EXIT_CODE
+    assert capsys.readouterr().err == (f"error: output folder {str(file)!r} is a file; expected a folder "
+                                       f"(OUTPUT / --output)\n")
+
+    read_only = tmp_path / 'read_only'
+    read_only.mkdir()
+    read_only.chmod(0o555)
+    real_open = os.open
+
+    def open_without_privilege(path, flags, *args, **kwargs):
+        # what a user meets in a 0o555 folder, which the superuser running the tests would write into
+        if os.path.dirname(str(path)) == str(read_only) and flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, 'open', open_without_privilege)
+    try:
+        assert run_cli(train_main, train_argv(read_only, digits)) == USAGE_EXIT_CODE
+    finally:
+        monkeypatch.undo()
+        read_only.chmod(0o755)
+    assert capsys.readouterr().err == (f"error: output folder {str(read_only)!r} is not writable (Permission denied); "
+                                       f"expected a folder this user can write (OUTPUT / --output)\n")
+    assert list(read_only.iterdir()) == []
+
+
+def test_a_full_disk_at_a_save_keeps_the_checkpoints_and_names_the_space(tmp_path, digits, one_epoch, monkeypatch,
+                                                                         capsys):
+    output = tmp_path / 'run'
+    shutil.copytree(one_epoch, output)
+    saved = {name: data for name, data in checkpoints(output).items() if name.endswith('.pth')}
+    real_save = torch.save
+
+    def fill_the_disk(obj, f):
+        real_save(obj, f)
+        f.truncate(1000)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(torch, 'save', fill_the_disk)
+    capsys.readouterr()
+    assert run_cli(train_main, train_argv(output, digits)) == USAGE_EXIT_CODE
+    monkeypatch.undo()
+    err = capsys.readouterr().err
+    assert re.fullmatch(rf"error: cannot write checkpoint '{re.escape(str(output))}/(best|last)\.pth': No space left "
+                        rf"on device \(about \d+\.\d MB needed, \d+\.\d MB free\); the checkpoints saved before are "
+                        rf"kept; expected a writable output folder with room for it\n", err.split('\r')[-1]), err
+    assert {name: data for name, data in checkpoints(output).items() if name.endswith('.pth')} == saved
+    assert sorted(p.name for p in output.iterdir()) == ['best.pth', 'config.yaml', 'last.pth', 'log.jsonl',
+                                                        'train.log']

@@ -18,6 +18,7 @@ from engine.cli import eval_main, train_main
 from engine.config import load_config
 from engine.data import build_train_loader, load_split, prepare_digits, train_transform
 from engine.distributed import DistInfo
+from engine.errors import Stopped
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / 'configs' / 'demo' / 'digits_tiny.yaml')
@@ -102,7 +103,9 @@ def test_sigterm_saves_after_the_current_step_and_resumes_exactly(tmp_path, digi
 
     monkeypatch.setattr(engine.loops, 'any_rank', any_rank)
     handler = signal.getsignal(signal.SIGTERM)
-    train(tmp_path, digits, *RANDOM)
+    with pytest.raises(Stopped) as raised:
+        train(tmp_path, digits, *RANDOM)
+    assert raised.value.signum == signal.SIGTERM
     assert signal.getsignal(signal.SIGTERM) is handler  # restored
     stopped = torch.load(tmp_path / 'last.pth', weights_only=True)
     assert (stopped['epoch'], stopped['epoch_batches'], stopped['step']) == (0, 6, 6)
