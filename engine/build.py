@@ -1,7 +1,7 @@
 """Model, weights, optimizer, scheduler and loss from a config, through timm's factories."""
 import difflib
 import logging
-from typing import Any, Dict, Mapping, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import timm
 import torch
@@ -17,8 +17,8 @@ from models.checkpoint import CheckpointError, checkpoint_state_dict, load_check
 from .config import ConfigError, mixup_active, model_kwargs
 from .errors import UsageError
 
-__all__ = ['check_model_name', 'classifier_rows', 'read_weights', 'create_model', 'create_optimizer',
-           'create_scheduler', 'create_criterion', 'autocast_dtype']
+__all__ = ['check_model_name', 'classifier_rows', 'read_weights', 'create_model', 'weight_changes',
+           'create_optimizer', 'create_scheduler', 'create_criterion', 'autocast_dtype']
 
 MODEL_KEYS = ('model', 'state_dict')
 EMA_KEYS = ('model_ema', 'state_dict_ema')
@@ -91,7 +91,24 @@ def create_model(cfg: CN, weights: Optional[Dict[str, Tensor]] = None, source: s
         raise ConfigError(f"cannot build model {name!r} from MODEL.KWARGS {dict(cfg.MODEL.KWARGS)}: {e}") from e
     if weights is not None:
         model.pretrained_cfg.pop('state_dict', None)  # do not keep a second copy of the weights alive
+        for change in weight_changes(name, weights, model):
+            logger.info(f"{source}: {change}")
     return model
+
+
+def weight_changes(name: str, weights: Mapping[str, Tensor], model: nn.Module) -> List[str]:
+    """What loading `weights` into `model` changed, one sentence each: a classifier re-initialised for another
+    class count, and tensors resized to the model's resolution (position embeddings and tables)."""
+    own = model.state_dict()
+    classifier_keys = {f'{c}.{part}' for c in _classifier_names(name) for part in ('weight', 'bias')}
+    changes = []
+    rows = classifier_rows(name, weights)
+    if rows is not None and rows != getattr(model, 'num_classes', rows):
+        changes.append(f"re-initialised the classifier for {model.num_classes} classes (the weights have {rows})")
+    for key, value in weights.items():
+        if key in own and key not in classifier_keys and own[key].shape != value.shape:
+            changes.append(f"resized {key} from {tuple(value.shape)} to {tuple(own[key].shape)}")
+    return changes
 
 
 def create_optimizer(cfg: CN, model: nn.Module, lr: float) -> torch.optim.Optimizer:

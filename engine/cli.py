@@ -1,12 +1,13 @@
 """Command lines of `train.py` and `eval.py` (plain `python` on one device, or under `torchrun`)."""
 import argparse
 import json
+import sys
 from typing import Any, Dict, Sequence
 
 from .config import load_config
 from .distributed import cleanup_distributed, init_distributed
 from .evaluation import eval_config, evaluate_weights, released_checkpoint, throughput
-from .trainer import train
+from .trainer import setup_logging, train
 
 __all__ = ['train_main', 'eval_main']
 
@@ -70,21 +71,30 @@ def eval_main(argv: Sequence[str]) -> int:
     parser.add_argument('--crop-mode', help="'center' (shorter side) or 'squash' (square resize) (TEST.CROP_MODE)")
     parser.add_argument('--throughput', action='store_true',
                         help='print images/s at --batch-size (50 warm-up forwards, 30 timed) instead of accuracy')
+    parser.add_argument('--warmup-forwards', type=int, default=50, metavar='N',
+                        help='untimed forwards before --throughput measures (default 50, as the official scripts)')
+    parser.add_argument('--timed-forwards', type=int, default=30, metavar='N',
+                        help='forwards --throughput times (default 30, as the official scripts)')
     _common_arguments(parser)
     args = parser.parse_args(argv)
     if not args.checkpoint and not args.throughput and not args.model:
         parser.error('--checkpoint is required (except with --model or --throughput)')
+    if args.warmup_forwards < 0 or args.timed_forwards < 1:
+        parser.error(f'--warmup-forwards {args.warmup_forwards} --timed-forwards {args.timed_forwards}: expected '
+                     f'at least 0 warm-up and 1 timed forward')
     overrides = _overrides(args, dict(
         data_path='DATA.DATA_PATH', img_size='DATA.IMG_SIZE', crop_pct='TEST.CROP_PCT', crop_mode='TEST.CROP_MODE'))
     if args.batch_size is not None:
         overrides.setdefault('TEST', {})['BATCH_SIZE'] = args.batch_size
     cfg = eval_config(args.cfg, args.model, args.checkpoint, args.opts, overrides)
     info = init_distributed(cfg.DEVICE, cfg.DIST.BACKEND, cfg.DIST.TIMEOUT_MIN)
+    setup_logging(info, stream=sys.stderr)  # stdout keeps only the results
     try:
         if args.throughput:
             batch_size = args.batch_size or cfg.DATA.BATCH_SIZE
             result = throughput(cfg, info, batch_size, args.checkpoint, ema=args.ema, amp=args.amp,
-                                adopt_classes=bool(args.model))
+                                adopt_classes=bool(args.model), warmup=args.warmup_forwards,
+                                timed=args.timed_forwards)
             if info.is_main:
                 print(f"batch_size {batch_size} throughput {result['throughput']:.1f} images/s")
         else:

@@ -118,8 +118,9 @@ def evaluate_weights(cfg: CN, info: DistInfo, checkpoint: str, *, ema: bool = Fa
 
 
 def throughput(cfg: CN, info: DistInfo, batch_size: int, checkpoint: Optional[str] = None, *, ema: bool = False,
-               amp: bool = False, adopt_classes: bool = False) -> Dict[str, Any]:
-    """Images/s of one process on a batch of `batch_size` images at DATA.IMG_SIZE (50 warm-up forwards, 30 timed).
+               amp: bool = False, adopt_classes: bool = False, warmup: int = 50, timed: int = 30) -> Dict[str, Any]:
+    """Images/s of one process on a batch of `batch_size` images at DATA.IMG_SIZE (`warmup` forwards, then
+    `timed` forwards timed; 50 and 30 as the official scripts).
 
     The input is random: the time of a forward does not depend on the pixels.
     """
@@ -130,6 +131,7 @@ def throughput(cfg: CN, info: DistInfo, batch_size: int, checkpoint: Optional[st
     generator = torch.Generator().manual_seed(cfg.SEED)
     images = torch.randn(batch_size, 3, cfg.DATA.IMG_SIZE, cfg.DATA.IMG_SIZE, generator=generator)
     dtype = autocast_dtype(cfg, info.device, amp)
-    rate = measure_throughput(model, images, info, amp=amp, amp_dtype=dtype)
+    rate = measure_throughput(model, images, info, amp=amp, amp_dtype=dtype, warmup=warmup, timed=timed)
     return dict(model=cfg.MODEL.NAME, batch_size=batch_size, img_size=cfg.DATA.IMG_SIZE,
-                precision=dtype if amp else 'float32', device=str(info.device), throughput=rate)
+                precision=dtype if amp else 'float32', device=str(info.device), warmup=warmup, timed=timed,
+                throughput=rate)

@@ -17,7 +17,7 @@ from tqdm import tqdm
 from .distributed import DistInfo, all_reduce_sum, any_rank
 from .errors import NonFiniteLossError
 
-__all__ = ['TrainState', 'EpochOptions', 'EpochResult', 'autocast', 'train_one_epoch', 'evaluate',
+__all__ = ['TrainState', 'EpochOptions', 'EpochResult', 'Progress', 'autocast', 'train_one_epoch', 'evaluate',
            'measure_throughput']
 
 AMP_DTYPES = {'float16': torch.float16, 'bfloat16': torch.bfloat16}
@@ -60,9 +60,65 @@ class EpochResult:
     stopped: bool
 
 
-def _bar_interval() -> float:
-    """Seconds between progress-bar refreshes: live on a terminal, once a minute in a log file."""
-    return 0.5 if sys.stderr.isatty() else 60.0
+PLAIN_PROGRESS_SECONDS = 60.0
+
+
+class Progress:
+    """Progress over `total` steps: a live bar when stderr is a terminal, else a plain `engine` log line every
+    `interval` seconds (default `PLAIN_PROGRESS_SECONDS`), so a log file or a pipe gets whole lines instead of bar
+    fragments. `enabled=False` (ranks other than 0) shows nothing.
+    """
+
+    def __init__(self, total: int, desc: str, *, initial: int = 0, enabled: bool = True,
+                 interval: Optional[float] = None):
+        self.total, self.desc, self.count = total, desc, initial
+        self.interval = PLAIN_PROGRESS_SECONDS if interval is None else interval
+        self.live = enabled and sys.stderr.isatty()
+        self.plain = enabled and not self.live
+        self.postfix: Dict[str, str] = {}
+        self.start = self.last = time.perf_counter()
+        self.initial = initial
+        self.bar = tqdm(total=total, initial=initial, desc=desc, disable=not self.live, dynamic_ncols=True,
+                        leave=False, mininterval=0.5)
+
+    def update(self, n: int = 1) -> None:
+        self.count += n
+        self.bar.update(n)
+        now = time.perf_counter()
+        if self.plain and now - self.last >= self.interval:
+            self.last = now
+            logger.info(self.line(now))
+
+    def set_postfix(self, **values: str) -> None:
+        self.postfix = values
+        self.bar.set_postfix(values)
+
+    def line(self, now: float) -> str:
+        """`desc count/total (pct%), key value ..., elapsed / remaining time`."""
+        elapsed = now - self.start
+        done = self.count - self.initial
+        remaining = elapsed / done * (self.total - self.count) if done > 0 else float('nan')
+        values = ''.join(f', {k} {v}' for k, v in self.postfix.items())
+        percent = 100.0 * self.count / max(self.total, 1)
+        return (f"{self.desc} {self.count}/{self.total} ({percent:.0f}%){values}, {_duration(elapsed)} elapsed, "
+                f"{_duration(remaining)} left")
+
+    def close(self) -> None:
+        self.bar.close()
+
+    def __enter__(self) -> 'Progress':
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _duration(seconds: float) -> str:
+    if not math.isfinite(seconds):
+        return '?'
+    minutes, secs = divmod(int(round(seconds)), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f'{hours}:{minutes:02d}:{secs:02d}' if hours else f'{minutes}:{secs:02d}'
 
 
 def autocast(device: torch.device, enabled: bool, dtype: str):
@@ -99,8 +155,7 @@ def train_one_epoch(
     lr = optimizer.param_groups[0]['lr']
     stopped = update_skipped = False
     start, images = time.perf_counter(), 0
-    with tqdm(total=total, initial=state.epoch_batches, desc=options.desc, disable=not info.is_main,
-              dynamic_ncols=True, leave=False, mininterval=_bar_interval()) as bar:
+    with Progress(total, options.desc, initial=state.epoch_batches, enabled=info.is_main) as bar:
         for images_batch, targets in loader:
             if state.epoch_batches >= total:
                 break
@@ -156,10 +211,10 @@ def train_one_epoch(
                         ema.update(model.module if isinstance(model, DistributedDataParallel) else model)
                 if any_rank(stop_requested(), info.device):
                     stopped = True
-            bar.update(1)
             if state.epoch_batches % options.print_freq == 0:
                 rate = images / max(time.perf_counter() - start, 1e-9)
                 bar.set_postfix(loss=f'{loss_meter.avg:.4f}', lr=f'{lr:.3e}', img_s=f'{rate:.0f}')
+            bar.update(1)
             if stopped:
                 break
     loss_sum, count = all_reduce_sum([loss_meter.sum, loss_meter.count], info.device)
@@ -175,8 +230,8 @@ def evaluate(model: nn.Module, loader: DataLoader, info: DistInfo, *, amp: bool 
     model.eval()
     criterion = nn.CrossEntropyLoss(reduction='sum')
     correct1 = correct5 = loss_sum = count = 0.0
-    for images, targets in tqdm(loader, desc=desc, disable=not info.is_main, dynamic_ncols=True, leave=False,
-                                mininterval=_bar_interval()):
+    progress = Progress(len(loader), desc, enabled=info.is_main)
+    for images, targets in loader:
         images = images.to(info.device, non_blocking=True)
         targets = targets.to(info.device, non_blocking=True)
         with autocast(info.device, amp, amp_dtype):
@@ -188,6 +243,8 @@ def evaluate(model: nn.Module, loader: DataLoader, info: DistInfo, *, amp: bool 
         correct5 += round(top5.item() * n / 100)
         loss_sum += criterion(output, targets).item()
         count += n
+        progress.update()
+    progress.close()
     correct1, correct5, loss_sum, count = all_reduce_sum([correct1, correct5, loss_sum, count], info.device)
     count = max(count, 1)
     return dict(top1=100.0 * correct1 / count, top5=100.0 * correct5 / count, loss=loss_sum / count,
@@ -197,7 +254,11 @@ def evaluate(model: nn.Module, loader: DataLoader, info: DistInfo, *, amp: bool 
 @torch.no_grad()
 def measure_throughput(model: nn.Module, images: torch.Tensor, info: DistInfo, *, amp: bool = False,
                        amp_dtype: str = 'float16', warmup: int = 50, timed: int = 30) -> float:
-    """Images per second of `model` on one batch: `warmup` forwards, then `timed` forwards timed (official)."""
+    """Images per second of `model` on one batch: `warmup` forwards, then `timed` forwards timed (official).
+
+    The first warm-up forward is logged with its rate and the time the whole measurement will take, so a slow
+    device shows a first result within one forward.
+    """
     model.eval()
     images = images.to(info.device)
 
@@ -205,12 +266,23 @@ def measure_throughput(model: nn.Module, images: torch.Tensor, info: DistInfo, *
         if info.device.type == 'cuda':
             torch.cuda.synchronize(info.device)
 
-    with autocast(info.device, amp, amp_dtype):
-        for _ in range(warmup):
+    with autocast(info.device, amp, amp_dtype), Progress(warmup + timed, 'throughput', enabled=info.is_main,
+                                                         interval=10.0) as progress:
+        for i in range(warmup):
+            begin = time.perf_counter()
             model(images)
+            if i == 0:
+                sync()
+                first = time.perf_counter() - begin
+                if info.is_main:
+                    logger.info(f"first forward: {images.shape[0] / first:.1f} images/s; {warmup} warm-up and "
+                                f"{timed} timed forwards of {images.shape[0]} images take about "
+                                f"{_duration(first * (warmup + timed - 1))}")
+            progress.update()
         sync()
         start = time.perf_counter()
         for _ in range(timed):
             model(images)
+            progress.update()
         sync()
     return timed * images.shape[0] / (time.perf_counter() - start)

@@ -9,7 +9,7 @@ import signal
 import sys
 from contextlib import contextmanager
 from dataclasses import replace
-from typing import Any, Dict, Iterator, Optional
+from typing import Any, Dict, Iterator, Optional, TextIO
 
 import numpy as np
 import torch
@@ -33,15 +33,15 @@ LOG, CONFIG = 'log.jsonl', 'config.yaml'
 logger = logging.getLogger('engine')
 
 
-def setup_logging(info: DistInfo, output: Optional[str] = None) -> None:
-    """Rank 0 logs to stdout (and `output/train.log`); the other ranks only log warnings."""
+def setup_logging(info: DistInfo, output: Optional[str] = None, stream: Optional[TextIO] = None) -> None:
+    """Rank 0 logs to `stream`, stdout by default (and `output/train.log`); the other ranks only log warnings."""
     for old in list(logger.handlers):
         logger.removeHandler(old)
         old.close()
     logger.propagate = False
     logger.setLevel(logging.INFO if info.is_main else logging.WARNING)
     fmt = logging.Formatter('[%(asctime)s] %(message)s', datefmt='%H:%M:%S')
-    handler = logging.StreamHandler(sys.stdout)
+    handler = logging.StreamHandler(stream or sys.stdout)
     handler.setFormatter(fmt)
     logger.addHandler(handler)
     if output and info.is_main:
@@ -112,6 +112,20 @@ def _drop_log_records(path: str, first_epoch: int) -> None:
         lines = [line for line in f if line.strip() and json.loads(line)['epoch'] < first_epoch]
     with open(path, 'w') as f:
         f.writelines(lines)
+
+
+def _summary(log_path: str, checkpoint: TrainingCheckpoint) -> str:
+    """One line for the end of a finished run: its best and last epoch, from every record of `log.jsonl`."""
+    records = []
+    if os.path.isfile(log_path):
+        with open(log_path) as f:
+            records = [json.loads(line) for line in f if line.strip()]
+    if not records:
+        return f"finished; {checkpoint.last_path} holds the final weights"
+    best = max(records, key=lambda r: r['val_top1'])  # the first of equal maxima, as best.pth keeps it
+    last = records[-1]
+    return (f"finished {last['epoch'] + 1} epochs: best val top-1 {best['val_top1']:.2f} at epoch {best['epoch']} "
+            f"({checkpoint.best_path}), last {last['val_top1']:.2f} ({checkpoint.last_path}); log {log_path}")
 
 
 def train(cfg: CN, info: DistInfo) -> Dict[str, Any]:
@@ -259,6 +273,8 @@ def _train(cfg: CN, info: DistInfo, lock: OutputLock) -> Dict[str, Any]:
                 stopped = True
                 break
     barrier()
+    if info.is_main and not stopped and state.epoch >= num_epochs:
+        logger.info(_summary(os.path.join(output, LOG), checkpoint))
     if stopped:
         # ranks that got no signal themselves stopped with the others: all exit with the signal they got
         signum = next(s for s in all_gather_objects(stop.received) if s is not None)

@@ -1,0 +1,94 @@
+"""What a user sees of a run: whole progress lines when the output is not a terminal, an end-of-run summary, one
+line for each thing `--pretrained` changed, and a first throughput result after one forward."""
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+import engine.loops
+from engine.cli import eval_main, train_main
+from engine.config import load_config
+from engine.data import prepare_digits
+from engine.errors import USAGE_EXIT_CODE, run_cli
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = str(REPO / 'configs' / 'demo' / 'digits_tiny.yaml')
+TINY_MODEL_OPTS = [item for key, value in load_config(TINY).MODEL.KWARGS.items()
+                   for item in (f'MODEL.KWARGS.{key}', str(value))] + ['DATA.IMG_SIZE', '16', 'TEST.CROP_PCT', '1.0']
+
+
+@pytest.fixture(scope='module')
+def finished_run(tmp_path_factory) -> Path:
+    """The tiny demo trained for its two epochs, with a plain progress line after every batch."""
+    root = tmp_path_factory.mktemp('run')
+    digits = prepare_digits(str(root / 'digits'))
+    patch = pytest.MonkeyPatch()
+    patch.setattr(engine.loops, 'PLAIN_PROGRESS_SECONDS', 0.0)
+    try:
+        assert train_main(['--cfg', TINY, '--output', str(root / 'out'), '--data-path', digits]) == 0
+    finally:
+        patch.undo()
+    return root / 'out'
+
+
+def test_progress_is_whole_log_lines_when_the_output_is_not_a_terminal(finished_run):
+    log = (finished_run / 'train.log').read_text()
+    assert '\r' not in log
+    lines = log.splitlines()
+    epoch0 = [line for line in lines if re.search(r'\] epoch 0/2 \d+/89 ', line)]
+    assert len(epoch0) == 89  # 1,437 images in full batches of 16, one line per batch at interval 0
+    assert re.search(r'\] epoch 0/2 89/89 \(100%\), loss \d\.\d{4}, lr \d\.\d{3}e-\d\d, img_s \d+, '
+                     r'\d+:\d\d elapsed, 0:00 left$', epoch0[-1])
+    assert any(re.search(r'\] val 15/15 \(100%\), \d+:\d\d elapsed, 0:00 left$', line) for line in lines)
+
+
+def test_a_finished_run_ends_with_its_best_and_last_epoch(finished_run):
+    records = [json.loads(line) for line in (finished_run / 'log.jsonl').read_text().splitlines()]
+    best = max(records, key=lambda r: r['val_top1'])
+    last_line = (finished_run / 'train.log').read_text().splitlines()[-1]
+    assert last_line.endswith(
+        f"] finished 2 epochs: best val top-1 {best['val_top1']:.2f} at epoch {best['epoch']} "
+        f"({finished_run / 'best.pth'}), last {records[-1]['val_top1']:.2f} ({finished_run / 'last.pth'}); "
+        f"log {finished_run / 'log.jsonl'}")
+
+
+def test_pretrained_weights_say_what_they_changed(finished_run, tmp_path):
+    rng = np.random.default_rng(0)
+    for split in ('train', 'val'):
+        for label in range(3):
+            folder = tmp_path / 'data' / split / str(label)
+            folder.mkdir(parents=True)
+            for i in range(4):
+                Image.fromarray(rng.integers(0, 256, (8, 8), dtype=np.uint8), mode='L').save(folder / f'{i}.png')
+    best = finished_run / 'best.pth'
+    assert train_main(['--cfg', TINY, '--output', str(tmp_path / 'out'), '--data-path', str(tmp_path / 'data'),
+                       '--pretrained', str(best), '--opts', 'DATA.DATASET', 'imagefolder', 'MODEL.NUM_CLASSES', '3',
+                       'DATA.IMG_SIZE', '32', 'DATA.BATCH_SIZE', '4', 'TRAIN.EPOCHS', '1']) == 0
+    said = [line.split('] ', 1)[1] for line in (tmp_path / 'out' / 'train.log').read_text().splitlines()
+            if line.split('] ', 1)[1].startswith(str(best))]
+    assert said == [f"{best}: re-initialised the classifier for 3 classes (the weights have 10)",
+                    f"{best}: resized pos_embed from (1, 17, 64) to (1, 65, 64)"]
+
+
+def test_throughput_shows_a_first_result_after_one_forward_and_keeps_stdout_for_results(capsys):
+    code = run_cli(eval_main, ['--model', 'inline_deit_tiny', '--throughput', '--batch-size', '4',
+                               '--warmup-forwards', '2', '--timed-forwards', '3', '--opts'] + TINY_MODEL_OPTS)
+    out, err = capsys.readouterr()
+    assert code == 0
+    assert re.search(r'\] first forward: \d+\.\d images/s; 2 warm-up and 3 timed forwards of 4 images take about '
+                     r'\d+:\d\d$', err, re.M)
+    text, result = out.strip().splitlines()
+    assert re.fullmatch(r'batch_size 4 throughput \d+\.\d images/s', text)
+    assert {k: json.loads(result)[k] for k in ('batch_size', 'warmup', 'timed')} == dict(batch_size=4, warmup=2,
+                                                                                          timed=3)
+
+
+def test_throughput_needs_a_timed_forward(capsys):
+    with pytest.raises(SystemExit) as exited:
+        eval_main(['--model', 'inline_deit_tiny', '--throughput', '--timed-forwards', '0'])
+    assert exited.value.code == USAGE_EXIT_CODE
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        'eval.py: error: --warmup-forwards 50 --timed-forwards 0: expected at least 0 warm-up and 1 timed forward')
