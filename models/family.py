@@ -4,7 +4,6 @@ import contextlib
 import inspect
 import os
 import sys
-import urllib.parse
 from typing import Any, Callable, ClassVar, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Type, Union
 
 import torch
@@ -315,7 +314,7 @@ def create_variant(
                 f"pretrained_cfg_overlay=dict(file=...)")
         kwargs['pretrained_cfg_overlay'] = {'url': '', 'hf_hub_id': None, 'file': None, **overlay}
     if pretrained:
-        _download_nameless_url(variant, kwargs)
+        _download_released_url(variant, kwargs)
     device, dtype = kwargs.pop('device', None), kwargs.pop('dtype', None)
     # timm's factory keywords: parameters are created on `device` (the meta device allocates nothing)
     with torch.device(device) if device is not None else contextlib.nullcontext():
@@ -323,21 +322,17 @@ def create_variant(
     return model if dtype is None else model.to(dtype=dtype)
 
 
-def _download_nameless_url(variant: str, kwargs: Dict[str, Any]) -> None:
-    """Download the weights of a URL without a file name in its path (the InLine / FLatten releases' `/f/<id>/?dl=1`)
-    into the cache and point `pretrained_cfg_overlay['file']` at them.
-
-    timm hands such a URL to torch.hub, which names the cached file after the URL's path and so takes the cache
-    folder itself for the file; URLs with a file name stay with timm.
-    """
+def _download_released_url(variant: str, kwargs: Dict[str, Any]) -> None:
+    """Download the weights URL of `variant`'s pretrained cfg into the cache and point
+    `pretrained_cfg_overlay['file']` at the file, so every release downloads atomically, fails on one line, and
+    works for URLs without a file name in their path (the InLine / FLatten releases' `/f/<id>/?dl=1`, which
+    torch.hub would save as the cache folder itself). A URL's own file name is kept, so a file torch.hub or timm
+    downloaded before is reused."""
     overlay = dict(kwargs.get('pretrained_cfg_overlay') or {})
     cfg = resolve_pretrained_cfg(variant, kwargs.get('pretrained_cfg'), overlay)
     if cfg.state_dict is not None or cfg.file or cfg.hf_hub_id or not cfg.url:
         return
-    if os.path.basename(urllib.parse.urlparse(cfg.url).path):
-        return
-    name = cached_file_name(variant, cfg.url)
-    overlay['file'] = download_checkpoint(cfg.url, name, kwargs.get('cache_dir'))
+    overlay['file'] = download_checkpoint(cfg.url, cached_file_name(variant, cfg.url), kwargs.get('cache_dir'))
     kwargs['pretrained_cfg_overlay'] = overlay
 
 
