@@ -2,11 +2,13 @@
 from typing import Tuple
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 __all__ = [
     'Grid', 'split_heads', 'merge_heads', 'tokens_to_image', 'image_to_tokens', 'window_partition',
-    'window_reverse', 'roll_tokens', 'relative_position_index', 'shifted_window_mask',
+    'window_reverse', 'roll_tokens', 'relative_position_index', 'shifted_window_mask', 'padded_grid', 'pad_tokens',
+    'crop_tokens',
 ]
 
 Grid = Tuple[int, int]
@@ -49,6 +51,24 @@ def window_reverse(x: Tensor, grid: Grid, window: Grid) -> Tensor:
     C = x.shape[-1]
     x = x.view(-1, H // wh, W // ww, wh, ww, C).permute(0, 1, 3, 2, 4, 5)
     return x.reshape(-1, H * W, C)
+
+
+def padded_grid(grid: Grid, window: Grid) -> Grid:
+    """`grid` rounded up to whole windows."""
+    return (-(-grid[0] // window[0]) * window[0], -(-grid[1] // window[1]) * window[1])
+
+
+def pad_tokens(x: Tensor, grid: Grid, padded: Grid) -> Tensor:
+    """(B, H*W, C) on `grid` -> (B, H'*W', C) on the larger `padded` grid, zeros below and right of the map."""
+    B, N, C = x.shape
+    x = F.pad(x.view(B, grid[0], grid[1], C), (0, 0, 0, padded[1] - grid[1], 0, padded[0] - grid[0]))
+    return x.view(B, padded[0] * padded[1], C)
+
+
+def crop_tokens(x: Tensor, padded: Grid, grid: Grid) -> Tensor:
+    """Inverse of `pad_tokens`: (B, H'*W', C) on `padded` -> (B, H*W, C), the top-left `grid`."""
+    B, N, C = x.shape
+    return x.view(B, padded[0], padded[1], C)[:, :grid[0], :grid[1]].reshape(B, grid[0] * grid[1], C)
 
 
 def relative_position_index(window: Grid) -> Tensor:
