@@ -88,6 +88,15 @@ def test_dynamic_model_equals_the_fixed_one_and_a_model_built_at_the_new_size(fa
             resized(images(size))
 
 
+@pytest.mark.parametrize('family', list(FAMILIES))
+def test_set_input_size_keeps_frozen_parameters_frozen_and_the_dtype(family):
+    model = build(family, ['flatten'] * 4 if family in ('swin', 'cswin') else 'flatten')
+    model.requires_grad_(False)
+    model.set_input_size(FAMILIES[family][2][0])
+    assert not [n for n, p in model.named_parameters() if p.requires_grad]
+    assert {p.dtype for p in model.parameters()} == {torch.float64}
+
+
 def test_window_attention_pads_to_whole_windows_and_masks_the_padded_grid():
     """On a 5x5 grid, shifted 3x3 windows equal the same attention on the zero-padded 6x6 map, cropped."""
     torch.manual_seed(0)
