@@ -316,7 +316,7 @@ class WindowAttention(GroupedAttention):
         """The shifted-window mask of the `padded` grid: the built one, or one made for another grid."""
         if not self.masked or padded == self.mask_grid:
             return self.attn_mask
-        return shifted_window_mask(padded, self.window, self.shift_size).to(device=x.device, dtype=x.dtype)
+        return shifted_window_mask(padded, self.window, self.shift_size, x.device).to(x.dtype)
 
     def set_grid(self, grid: Grid) -> None:
         grid = (grid[0], grid[1])

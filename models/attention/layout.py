@@ -1,5 +1,5 @@
 """Tensor layouts the groupings and mixers share: heads, token maps and images, windows, relative positions."""
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -79,19 +79,19 @@ def relative_position_index(window: Grid) -> Tensor:
     return (rel[..., 0] + wh - 1) * (2 * ww - 1) + rel[..., 1] + ww - 1
 
 
-def shifted_window_mask(grid: Grid, window: Grid, shift: int) -> Tensor:
-    """(nW, n, n) additive mask, -100 between tokens that come from different regions of the rolled map."""
+def shifted_window_mask(grid: Grid, window: Grid, shift: int, device: Optional[torch.device] = None) -> Tensor:
+    """(nW, n, n) additive mask, -100 between tokens that come from different regions of the rolled map.
+
+    Rows (columns) fall into three regions: before the last window, in it before the last `shift` ones, and those.
+    """
     H, W = grid
-    wh, ww = window
-    region = torch.zeros(1, H, W, 1)
-    label = 0
-    for hs in (slice(0, -wh), slice(-wh, -shift), slice(-shift, None)):
-        for ws in (slice(0, -ww), slice(-ww, -shift), slice(-shift, None)):
-            region[:, hs, ws, :] = label
-            label += 1
-    region = window_partition(region.view(1, H * W, 1), grid, window).squeeze(-1)
+    rows, cols = torch.arange(H, device=device), torch.arange(W, device=device)
+    row_region = (rows >= H - window[0]).long() + (rows >= H - shift).long()
+    col_region = (cols >= W - window[1]).long() + (cols >= W - shift).long()
+    region = (row_region[:, None] * 3 + col_region[None, :]).view(1, H * W, 1)
+    region = window_partition(region, grid, window).squeeze(-1)
     diff = region[:, None, :] - region[:, :, None]
-    return diff.masked_fill(diff != 0, -100.0).masked_fill(diff == 0, 0.0)
+    return torch.zeros(diff.shape, device=device).masked_fill(diff != 0, -100.0)
 
 
 def roll_tokens(x: Tensor, grid: Grid, shift: int) -> Tensor:
