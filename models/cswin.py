@@ -149,8 +149,7 @@ class CSWinTransformer(ZooModel):
 
     Args:
         img_size: input size (int or (H, W)), sides multiples of 4; the model takes only this size unless
-            `dynamic_img_size`. Stage
-            grids: the stem's stride-4 output, then halved (rounding up) by every merge.
+            `dynamic_img_size`. Stage grids: the stem's stride-4 output, then halved (rounding up) by every merge.
         patch_size: must be 4, the stride of the convolutional stem (accepted for the official signature).
         in_chans, num_classes: input channels and classes (0: no head).
         global_pool: 'avg' (mean over tokens) or '' (no pooling).

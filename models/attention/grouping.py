@@ -374,6 +374,12 @@ class WindowAttention(GroupedAttention):
         return crop_tokens(x, padded, size) if padded != size else x
 
 
+def _stripe(grid: Grid, split_size: int, vertical: bool) -> Grid:
+    """(wh, ww) of the vertical (full height) or horizontal (full width) stripes `split_size` wide on `grid`."""
+    H, W = grid
+    return (H, min(split_size, W)) if vertical else (min(split_size, H), W)
+
+
 class StripeBranch(MixerHost):
     """One branch of cross-shaped attention: the mixer within stripes of already projected q, k, v, plus LePE, a
     depthwise 3x3 convolution `get_v` of V inside each stripe.
@@ -396,9 +402,8 @@ class StripeBranch(MixerHost):
         """(wh, ww) of the stripes on `grid`, None for one group over the whole grid."""
         if self.split_size is None:
             return None
-        H, W = grid
-        window = (H, min(self.split_size, W)) if self.vertical else (min(self.split_size, H), W)
-        return None if window == (H, W) else window
+        window = _stripe(grid, self.split_size, self.vertical)
+        return None if window == (grid[0], grid[1]) else window
 
     def set_grid(self, grid: Grid) -> None:
         """Make `grid` the grid of every call, the mixer's grid-tied parameters resampled for its stripes."""
@@ -462,9 +467,8 @@ class CrossShapedAttention(GroupedAttention):
                 raise ValueError(f"two stripe branches need an even dim and num_heads, got {dim} and {num_heads}")
             branches = []
             for vertical in (True, False):
-                window = (H, min(split_size, W)) if vertical else (min(split_size, H), W)
-                branches.append(StripeBranch(mixer_cls(dim // 2, num_heads // 2, window, **options), grid,
-                                             split_size, vertical))
+                mixer = mixer_cls(dim // 2, num_heads // 2, _stripe(grid, split_size, vertical), **options)
+                branches.append(StripeBranch(mixer, grid, split_size, vertical))
         self.attns = nn.ModuleList(branches)
         self.needs_tokens = mixer_cls.needs_tokens
         self.proj = nn.Linear(dim, dim)
