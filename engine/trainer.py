@@ -9,7 +9,7 @@ import signal
 import sys
 from contextlib import contextmanager
 from dataclasses import replace
-from typing import Any, Dict, Iterator, Optional
+from typing import Any, Dict, Iterator, List, Optional
 
 import numpy as np
 import torch
@@ -21,9 +21,9 @@ from .build import (autocast_dtype, check_model_name, create_criterion, create_m
                     create_scheduler, read_weights)
 from .checkpoint import LAST, OutputLock, TrainingCheckpoint, remove_stale_temp_files
 from .config import ema_decay, scaled_lrs, total_batch_size
-from .data import (build_eval_loader, build_mixup, build_train_loader, check_splits, eval_batch_size,
-                   eval_transform, load_split, resolve_data_root, train_transform)
-from .distributed import DistInfo, all_gather_objects, any_rank, barrier
+from .data import (build_eval_loader, build_mixup, build_train_loader, check_images, check_splits, eval_batch_size,
+                   eval_transform, load_split, report_scan, resolve_data_root, train_transform)
+from .distributed import DistInfo, all_gather_objects, all_reduce_sum, any_rank, barrier
 from .errors import Stopped, StoppedAtOnce, UsageError
 from .loops import EpochOptions, TrainState, evaluate, train_one_epoch
 
@@ -114,26 +114,35 @@ def _drop_log_records(path: str, first_epoch: int) -> None:
         f.writelines(lines)
 
 
-def train(cfg: CN, info: DistInfo) -> Dict[str, Any]:
+def train(cfg: CN, info: DistInfo, check_data: bool = False) -> Dict[str, Any]:
     """Train `cfg` on this process's share of the data; return the last epoch's log record (or {}).
 
-    Rank 0 holds the output folder's lock for the whole run. A run stopped by SIGTERM / SIGINT saves, then raises
-    `Stopped`."""
+    With `check_data`, every image is decoded before training. Rank 0 holds the output folder's lock for the whole
+    run. A run stopped by SIGTERM / SIGINT saves, then raises `Stopped`."""
     check_model_name(cfg.MODEL.NAME)
     lock = OutputLock(cfg.OUTPUT)
     try:
-        return _train(cfg, info, lock)
+        return _train(cfg, info, lock, check_data)
     finally:
         lock.release()
 
 
-def _train(cfg: CN, info: DistInfo, lock: OutputLock) -> Dict[str, Any]:
+def _class_difference(train: List[str], val: List[str]) -> str:
+    only_train, only_val = sorted(set(train) - set(val)), sorted(set(val) - set(train))
+    return '; '.join(f"only in {split}/: {', '.join(names)}" for split, names in
+                     (('train', only_train), ('val', only_val)) if names)
+
+
+def _train(cfg: CN, info: DistInfo, lock: OutputLock, check_data: bool) -> Dict[str, Any]:
     root = resolve_data_root(cfg, info)
     check_splits(root, ('train', 'val'))
-    train_set = load_split(root, 'train', train_transform(cfg), cfg.MODEL.NUM_CLASSES)
-    val_set = load_split(root, 'val', eval_transform(cfg), cfg.MODEL.NUM_CLASSES)
+    bad_images = cfg.DATA.BAD_IMAGES
+    # a bad training image is replaced by the next readable one, so batches stay full and mixup keeps its pairs
+    train_set = load_split(root, 'train', train_transform(cfg), cfg.MODEL.NUM_CLASSES, bad_images, replace_bad=True)
+    val_set = load_split(root, 'val', eval_transform(cfg), cfg.MODEL.NUM_CLASSES, bad_images)
     if train_set.classes != val_set.classes:
-        raise UsageError(f"the class folders of {root}/train and {root}/val differ; expected the same classes")
+        raise UsageError(f"the class folders of {root}/train and {root}/val differ "
+                         f"({_class_difference(train_set.classes, val_set.classes)}); expected the same classes")
     output = cfg.OUTPUT
     stale_holder = lock.acquire() if info.is_main else None
     barrier()
@@ -145,6 +154,11 @@ def _train(cfg: CN, info: DistInfo, lock: OutputLock) -> Dict[str, Any]:
         if removed:
             logger.warning(f"removed {len(removed)} temporary file(s) of checkpoint writes killed before they "
                            f"finished: {', '.join(removed)}")
+        report_scan(train_set)
+        report_scan(val_set)
+    if check_data:
+        check_images(train_set, cfg, info)
+        check_images(val_set, cfg, info)
     seed_everything(cfg.SEED + info.rank)
     train_loader = build_train_loader(cfg, train_set, info)
     val_loader = build_eval_loader(cfg, val_set, info, eval_batch_size(cfg))
@@ -237,8 +251,9 @@ def _train(cfg: CN, info: DistInfo, lock: OutputLock) -> Dict[str, Any]:
                                    amp_dtype=amp_dtype, desc='val ema')
                 state.max_ema_accuracy = max(state.max_ema_accuracy, ema_val['top1'])
                 record.update(ema_val_top1=ema_val['top1'], ema_val_top5=ema_val['top5'])
+            skipped = all_reduce_sum([len(train_loader.skipped), len(val_loader.skipped)], info.device)
             record.update(max_val_top1=state.max_accuracy, epoch_seconds=result.seconds,
-                          images_per_second=result.images / max(result.seconds, 1e-9))
+                          images_per_second=result.images / max(result.seconds, 1e-9), skipped_images=int(sum(skipped)))
             epochs_run += 1
             last_epoch = epoch + 1 == num_epochs
             pause = cfg.TRAIN.EPOCHS_PER_RUN > 0 and epochs_run >= cfg.TRAIN.EPOCHS_PER_RUN
@@ -248,6 +263,9 @@ def _train(cfg: CN, info: DistInfo, lock: OutputLock) -> Dict[str, Any]:
                 logger.info(f"epoch {epoch}: train loss {result.loss:.4f}, lr {result.lr:.3e}, val top-1 "
                             f"{val['top1']:.2f} top-5 {val['top5']:.2f}{ema_text} (max {state.max_accuracy:.2f}), "
                             f"{record['images_per_second']:.0f} img/s")
+                if record['skipped_images']:
+                    logger.warning(f"epoch {epoch}: skipped {int(skipped[0])} training and {int(skipped[1])} "
+                                   f"validation image(s) that could not be read (DATA.BAD_IMAGES 'skip')")
             if is_best or last_epoch or pause or (epoch + 1) % cfg.SAVE_FREQ == 0:
                 checkpoint.save(record, best=is_best)
             state.epoch, state.epoch_batches = epoch + 1, 0
