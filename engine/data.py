@@ -111,8 +111,15 @@ def resolve_data_root(cfg: CN, info: DistInfo) -> str:
     return cfg.DATA.DATA_PATH
 
 
+def _is_folder(entry: os.DirEntry) -> bool:
+    try:
+        return entry.is_dir()
+    except OSError:  # a link loop: not a folder, and as a file name it is judged like any other
+        return False
+
+
 def _class_folders(folder: str) -> List[str]:
-    return sorted(e.name for e in os.scandir(folder) if e.is_dir())
+    return sorted(e.name for e in os.scandir(folder) if _is_folder(e))
 
 
 def check_splits(root: str, splits: Sequence[str]) -> None:
@@ -182,13 +189,6 @@ def _bad_files_error(bad: Sequence[BadImage], where: str) -> UsageError:
                       f"such files out)")
 
 
-def _is_folder(entry: os.DirEntry) -> bool:
-    try:
-        return entry.is_dir()
-    except OSError:  # a link loop: not a folder, and as a file name it is judged like any other
-        return False
-
-
 class ImageFolderSplit(ImageFolder):
     """torchvision's `ImageFolder` with a scan that enters each folder once (links are followed, loops are not),
     counts each file once (the first path in scan order keeps it), and checks each file cheaply (a regular,
@@ -205,6 +205,10 @@ class ImageFolderSplit(ImageFolder):
         self.skipped: List[BadImage] = []
         self.notes: List[str] = []
         super().__init__(folder, transform=transform, loader=read_image, allow_empty=True)
+
+    def find_classes(self, directory: str) -> Tuple[List[str], Dict[str, int]]:
+        classes = _class_folders(directory)
+        return classes, {name: index for index, name in enumerate(classes)}
 
     def make_dataset(self, directory: str, class_to_idx: Dict[str, int], extensions=None, is_valid_file=None,
                      allow_empty: bool = True) -> List[Tuple[str, int]]:

@@ -111,6 +111,7 @@ def test_a_directory_symlink_loop_is_followed_once_and_each_file_counted_once(da
     assert len(looped) > 20 * len(plain)
     assert sum(target == 6 for _, target in looped.samples) > 0.9 * len(looped)
 
+    (train / 'loop').symlink_to('loop')  # neither a class folder nor an image
     dataset = load_split(str(data), 'train', None, 10)
     assert dataset.samples == plain
     assert dataset.notes == [
