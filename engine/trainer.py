@@ -222,27 +222,46 @@ def _train(cfg: CN, info: DistInfo, lock: OutputLock, check_data: bool) -> Dict[
 
     record: Dict[str, Any] = {}
     epochs_run, stopped = 0, False
+    # a run that stopped, or whose validation failed, after an epoch's training resumes with that validation
+    trained = stored.get('train_record') if stored is not None and stored['metrics'] is None else None
     if state.epoch >= num_epochs:
         logger.info(f"{resume} already finished all {num_epochs} epochs; nothing to train")
     stop = StopSignal()
     with stop.installed():
         while state.epoch < num_epochs:
             epoch = state.epoch
-            train_loader.sampler.set_epoch(epoch, skip=state.epoch_batches * cfg.DATA.BATCH_SIZE)
-            # worker seeds depend only on (seed, epoch, rank), so a resumed epoch draws the same augmentations
-            train_loader.generator.manual_seed(cfg.SEED * 1_000_003 + epoch * 1009 + info.rank)
-            result = train_one_epoch(
-                train_model, train_loader, criterion, optimizer, scheduler, scaler, state, info,
-                replace(epoch_options, desc=f'epoch {epoch}/{num_epochs}'), mixup=mixup, ema=ema, stop_requested=stop)
-            if result.stopped:
-                checkpoint.save()
-                logger.info(f"stopped at epoch {epoch} batch {state.epoch_batches} (step {state.step}); "
-                            f"{checkpoint.last_path} resumes it")
-                stopped = True
-                break
+            last_epoch = epoch + 1 == num_epochs
+            pause = cfg.TRAIN.EPOCHS_PER_RUN > 0 and epochs_run + 1 >= cfg.TRAIN.EPOCHS_PER_RUN
+            due = last_epoch or pause or (epoch + 1) % cfg.SAVE_FREQ == 0
+            if trained is None:
+                train_loader.sampler.set_epoch(epoch, skip=state.epoch_batches * cfg.DATA.BATCH_SIZE)
+                # worker seeds depend only on (seed, epoch, rank), so a resumed epoch draws the same augmentations
+                train_loader.generator.manual_seed(cfg.SEED * 1_000_003 + epoch * 1009 + info.rank)
+                result = train_one_epoch(
+                    train_model, train_loader, criterion, optimizer, scheduler, scaler, state, info,
+                    replace(epoch_options, desc=f'epoch {epoch}/{num_epochs}'), mixup=mixup, ema=ema,
+                    stop_requested=stop)
+                finished = state.epoch_batches >= epoch_options.updates * epoch_options.accumulation
+                if result.stopped and not finished:
+                    checkpoint.save()
+                    logger.info(f"stopped at epoch {epoch} batch {state.epoch_batches} (step {state.step}); "
+                                f"{checkpoint.last_path} resumes it")
+                    stopped = True
+                    break
+                trained = dict(train_loss=result.loss, lr=result.lr, epoch_seconds=result.seconds,
+                               images_per_second=result.images / max(result.seconds, 1e-9))
+                # the epoch's training is saved before validation reads a single image, so a bad validation image
+                # or a stop costs the validation only
+                if due or result.stopped:
+                    checkpoint.save(train_record=trained)
+                if result.stopped:
+                    logger.info(f"stopped after the training of epoch {epoch} (step {state.step}); "
+                                f"{checkpoint.last_path} resumes with its validation")
+                    stopped = True
+                    break
             val = evaluate(model, val_loader, info, amp=cfg.AMP.ENABLED and cfg.AMP.EVAL, amp_dtype=amp_dtype,
                            desc='val')
-            record = dict(epoch=epoch, step=state.step, train_loss=result.loss, lr=result.lr,
+            record = dict(epoch=epoch, step=state.step, train_loss=trained['train_loss'], lr=trained['lr'],
                           val_loss=val['loss'], val_top1=val['top1'], val_top5=val['top5'])
             is_best = val['top1'] > state.max_accuracy or epoch == 0
             state.max_accuracy = max(state.max_accuracy, val['top1'])
@@ -252,21 +271,20 @@ def _train(cfg: CN, info: DistInfo, lock: OutputLock, check_data: bool) -> Dict[
                 state.max_ema_accuracy = max(state.max_ema_accuracy, ema_val['top1'])
                 record.update(ema_val_top1=ema_val['top1'], ema_val_top5=ema_val['top5'])
             skipped = all_reduce_sum([len(train_loader.skipped), len(val_loader.skipped)], info.device)
-            record.update(max_val_top1=state.max_accuracy, epoch_seconds=result.seconds,
-                          images_per_second=result.images / max(result.seconds, 1e-9), skipped_images=int(sum(skipped)))
+            record.update(max_val_top1=state.max_accuracy, epoch_seconds=trained['epoch_seconds'],
+                          images_per_second=trained['images_per_second'], skipped_images=int(sum(skipped)))
+            trained = None
             epochs_run += 1
-            last_epoch = epoch + 1 == num_epochs
-            pause = cfg.TRAIN.EPOCHS_PER_RUN > 0 and epochs_run >= cfg.TRAIN.EPOCHS_PER_RUN
             if info.is_main:
                 _append_log(os.path.join(output, LOG), record)
                 ema_text = f", ema top-1 {record['ema_val_top1']:.2f}" if 'ema_val_top1' in record else ''
-                logger.info(f"epoch {epoch}: train loss {result.loss:.4f}, lr {result.lr:.3e}, val top-1 "
+                logger.info(f"epoch {epoch}: train loss {record['train_loss']:.4f}, lr {record['lr']:.3e}, val top-1 "
                             f"{val['top1']:.2f} top-5 {val['top5']:.2f}{ema_text} (max {state.max_accuracy:.2f}), "
                             f"{record['images_per_second']:.0f} img/s")
                 if record['skipped_images']:
                     logger.warning(f"epoch {epoch}: skipped {int(skipped[0])} training and {int(skipped[1])} "
                                    f"validation image(s) that could not be read (DATA.BAD_IMAGES 'skip')")
-            if is_best or last_epoch or pause or (epoch + 1) % cfg.SAVE_FREQ == 0:
+            if is_best or due:
                 checkpoint.save(record, best=is_best)
             state.epoch, state.epoch_batches = epoch + 1, 0
             if pause and not last_epoch:

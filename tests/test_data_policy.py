@@ -1,7 +1,7 @@
 """Dataset scan and bad files: a symlink loop is followed once and each file counted once; broken links, link loops,
 FIFOs, empty, unreadable, non-image and truncated files follow DATA.BAD_IMAGES ('error': one line naming the file
 and exit status 2, before training where the scan or --check-data can tell; 'skip': logged and counted); class
-folders that do not match are named."""
+folders that do not match are named; a bad validation image after an epoch's training leaves that epoch saved."""
 import io
 import json
 import os
@@ -284,6 +284,35 @@ def test_check_data_finds_a_truncated_image_before_training(tmp_path, data, caps
     assert run_cli(eval_main, ['--check-data', *argv]) == USAGE_EXIT_CODE
     assert re.fullmatch(rf"error: image {re.escape(repr(str(val_bad)))} {DECODE_BAD['truncated jpeg'][2]}{EXPECTED}\)",
                         error_line(capsys))
+
+
+def test_a_corrupt_validation_image_after_an_epoch_leaves_its_checkpoint_and_the_run_resumes_exactly(
+        tmp_path, data, capsys):
+    reference = tmp_path / 'reference'
+    assert run_cli(train_main, train_argv(reference, data, 'TRAIN.EPOCHS', '2')) == 0
+
+    output = tmp_path / 'run'
+    val_image = sorted((data / 'val' / '7').iterdir())[0]
+    good = val_image.read_bytes()
+    val_image.write_bytes(good[:len(good) // 2])
+    assert run_cli(train_main, train_argv(output, data, 'TRAIN.EPOCHS', '2')) == USAGE_EXIT_CODE
+    assert error_line(capsys).startswith(f"error: image {str(val_image)!r} cannot be decoded (OSError: image file is "
+                                         f"truncated)")
+    saved = torch.load(output / 'last.pth', weights_only=True)
+    assert (saved['epoch'], saved['epoch_batches'], saved['step'], saved['metrics']) == (0, 7, 7, None)
+    assert saved['train_record'].keys() == {'train_loss', 'lr', 'epoch_seconds', 'images_per_second'}
+    assert not (output / 'log.jsonl').exists()
+
+    val_image.write_bytes(good)
+    assert run_cli(train_main, train_argv(output, data, 'TRAIN.EPOCHS', '2')) == 0  # validates epoch 0, then on
+    assert 'resumed from' in (output / 'train.log').read_text()
+    assert records(output) == records(reference)
+    for name in ('last.pth', 'best.pth'):
+        resumed, uninterrupted = (torch.load(folder / name, weights_only=True) for folder in (output, reference))
+        assert resumed['step'] == uninterrupted['step']
+        for key in ('model', 'model_ema'):
+            for tensor in uninterrupted[key]:
+                assert torch.equal(resumed[key][tensor], uninterrupted[key][tensor]), (name, key, tensor)
 
 
 def test_class_folders_that_differ_are_named(tmp_path, data, capsys):
