@@ -263,6 +263,13 @@ def test_skip_logs_each_bad_file_and_counts_them_per_epoch(tmp_path, data):
                 f"(DATA.BAD_IMAGES 'skip')") in log
     assert [(r['epoch'], r['step'], r['skipped_images']) for r in records(output)] == [(0, 11, 2), (1, 22, 2)]
 
+    # the replacements are the same in every run
+    again = tmp_path / 'again'
+    assert run_cli(train_main, train_argv(again, data, *argv[argv.index('--opts') + 3:])) == 0
+    assert records(again) == records(output)
+    first, second = (torch.load(folder / 'last.pth', weights_only=True)['model'] for folder in (output, again))
+    assert all(torch.equal(first[name], second[name]) for name in first)
+
 
 def test_check_data_finds_a_truncated_image_before_training(tmp_path, data, capsys):
     bad = make_bad(data / 'train' / '9', 'truncated jpeg')
