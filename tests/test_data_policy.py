@@ -8,6 +8,8 @@ import os
 import re
 import shutil
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -346,3 +348,23 @@ def test_read_image_decodes_fully(data):
     cut = truncated_jpeg(data / 'cut.jpg')
     assert re.fullmatch(rf"image {re.escape(repr(str(cut)))} {DECODE_BAD['truncated jpeg'][2]}",
                         str(read_image(str(cut))))
+
+
+def torchrun(*args: str, cwd: Path):
+    command = [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
+               str(REPO / 'train.py'), *args]
+    return subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=300)
+
+
+def test_two_processes_check_the_data_together(tmp_path, data):
+    make_bad(data / 'train' / '2', 'truncated jpeg')
+    make_bad(data / 'val' / '3', 'truncated jpeg')
+    output = tmp_path / 'checked'
+    # each process decodes half of the files; both leave out what either found
+    result = torchrun('--check-data', *train_argv(output, data, 'DATA.BAD_IMAGES', 'skip'), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    log = (output / 'train.log').read_text()
+    assert re.search(rf"--check-data: decoded the 121 images of {re.escape(str(data / 'train'))} in [\d.]+ s, 1 bad",
+                     log)
+    assert '120 training and 40 validation images' in log
+    assert [(r['epoch'], r['step'], r['skipped_images']) for r in records(output)] == [(0, 3, 0)]
