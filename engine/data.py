@@ -194,15 +194,16 @@ class ImageFolderSplit(ImageFolder):
     counts each file once (the first path in scan order keeps it), and checks each file cheaply (a regular,
     non-empty, readable file), and a `__getitem__` that reports the files it cannot read instead of raising.
 
-    Under `bad_images` 'error' the scan raises `UsageError` on the first bad file; under 'skip' it leaves bad files
-    out and lists them in `skipped`. `notes` holds the links the scan did not follow again. `__getitem__` returns
-    `(image, target, bad)`: `bad` the unreadable files it met, and `image` None when the sample is one of them; with
-    `replace_bad` under 'skip', the next readable file in folder order stands in for it, so batches stay full.
+    Under `bad_images` 'error' the scan raises `UsageError` naming the first bad file (and counting the others);
+    under 'skip' it leaves bad files out and lists them in `left_out`. `notes` holds the links the scan did not
+    follow again. `__getitem__` returns `(image, target, bad)`: `bad` the unreadable files it met, and `image` None
+    when the sample is one of them; with `replace_bad` under 'skip', the next readable file in folder order stands
+    in for it, so batches stay full.
     """
 
     def __init__(self, folder: str, transform=None, bad_images: str = 'error', replace_bad: bool = False):
         self.bad_images, self.replace_bad = bad_images, replace_bad
-        self.skipped: List[BadImage] = []
+        self.left_out: List[BadImage] = []
         self.notes: List[str] = []
         super().__init__(folder, transform=transform, loader=read_image, allow_empty=True)
 
@@ -226,7 +227,7 @@ class ImageFolderSplit(ImageFolder):
             for path in self._walk(os.path.join(directory, name), claimed):
                 status = _stat_image(path)
                 if isinstance(status, BadImage):
-                    self.skipped.append(status)
+                    self.left_out.append(status)
                     continue
                 first = files.setdefault((status.st_dev, status.st_ino), path)
                 if first != path:
@@ -238,11 +239,11 @@ class ImageFolderSplit(ImageFolder):
         if again:
             self.notes.append(f"{len(again)} file(s) reached a second time through links were counted once "
                               f"({again[0]}{', ...' if len(again) > 1 else ''})")
-        if self.skipped and self.bad_images == 'error':
-            raise _bad_files_error(self.skipped, directory)
+        if self.left_out and self.bad_images == 'error':
+            raise _bad_files_error(self.left_out, directory)
         if empty:
-            left_out = f" once {len(self.skipped)} bad file(s) are left out" if self.skipped else ''
-            raise UsageError(f"dataset folder {directory!r} has a class folder without images{left_out} "
+            after = f" once {len(self.left_out)} bad file(s) are left out" if self.left_out else ''
+            raise UsageError(f"dataset folder {directory!r} has a class folder without images{after} "
                              f"({', '.join(empty)}); expected files ending in {', '.join(IMAGE_EXTENSIONS)}")
         return samples
 
@@ -295,7 +296,7 @@ class ImageFolderSplit(ImageFolder):
         paths = {b.path for b in bad}
         self.samples = [s for s in self.samples if s[0] not in paths]
         self.imgs, self.targets = self.samples, [s[1] for s in self.samples]
-        self.skipped.extend(bad)
+        self.left_out.extend(bad)
 
 
 def load_split(root: str, split: str, transform, num_classes: Optional[int] = None, bad_images: str = 'error',
@@ -319,10 +320,10 @@ def report_scan(dataset: ImageFolderSplit) -> None:
     """Log the files the scan left out and the links it did not follow again."""
     for note in dataset.notes:
         logger.warning(note)
-    for bad in dataset.skipped:
+    for bad in dataset.left_out:
         logger.warning(bad.skip_message())
-    if dataset.skipped:
-        logger.warning(f"{dataset.root}: {len(dataset.skipped)} bad file(s) left out, {len(dataset)} images kept")
+    if dataset.left_out:
+        logger.warning(f"{dataset.root}: {len(dataset.left_out)} bad file(s) left out, {len(dataset)} images kept")
 
 
 class _Decode(Dataset):
