@@ -248,8 +248,10 @@ def _train(cfg: CN, info: DistInfo, lock: OutputLock, check_data: bool) -> Dict[
                                 f"{checkpoint.last_path} resumes it")
                     stopped = True
                     break
+                skipped = all_reduce_sum([len(train_loader.skipped)], info.device)[0]
                 trained = dict(train_loss=result.loss, lr=result.lr, epoch_seconds=result.seconds,
-                               images_per_second=result.images / max(result.seconds, 1e-9))
+                               images_per_second=result.images / max(result.seconds, 1e-9),
+                               skipped_train_images=int(skipped))
                 # the epoch's training is saved before validation reads a single image, so a bad validation image
                 # or a stop costs the validation only
                 if due or result.stopped:
@@ -270,9 +272,10 @@ def _train(cfg: CN, info: DistInfo, lock: OutputLock, check_data: bool) -> Dict[
                                    amp_dtype=amp_dtype, desc='val ema')
                 state.max_ema_accuracy = max(state.max_ema_accuracy, ema_val['top1'])
                 record.update(ema_val_top1=ema_val['top1'], ema_val_top5=ema_val['top5'])
-            skipped = all_reduce_sum([len(train_loader.skipped), len(val_loader.skipped)], info.device)
+            skipped_train = trained['skipped_train_images']
+            skipped_val = int(all_reduce_sum([len(val_loader.skipped)], info.device)[0])
             record.update(max_val_top1=state.max_accuracy, epoch_seconds=trained['epoch_seconds'],
-                          images_per_second=trained['images_per_second'], skipped_images=int(sum(skipped)))
+                          images_per_second=trained['images_per_second'], skipped_images=skipped_train + skipped_val)
             trained = None
             epochs_run += 1
             if info.is_main:
@@ -282,8 +285,8 @@ def _train(cfg: CN, info: DistInfo, lock: OutputLock, check_data: bool) -> Dict[
                             f"{val['top1']:.2f} top-5 {val['top5']:.2f}{ema_text} (max {state.max_accuracy:.2f}), "
                             f"{record['images_per_second']:.0f} img/s")
                 if record['skipped_images']:
-                    logger.warning(f"epoch {epoch}: skipped {int(skipped[0])} training and {int(skipped[1])} "
-                                   f"validation image(s) that could not be read (DATA.BAD_IMAGES 'skip')")
+                    logger.warning(f"epoch {epoch}: skipped {skipped_train} training and {skipped_val} validation "
+                                   f"image(s) that could not be read (DATA.BAD_IMAGES 'skip')")
             if is_best or due:
                 checkpoint.save(record, best=is_best)
             state.epoch, state.epoch_batches = epoch + 1, 0

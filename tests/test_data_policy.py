@@ -309,7 +309,8 @@ def test_a_corrupt_validation_image_after_an_epoch_leaves_its_checkpoint_and_the
                                          f"truncated)")
     saved = torch.load(output / 'last.pth', weights_only=True)
     assert (saved['epoch'], saved['epoch_batches'], saved['step'], saved['metrics']) == (0, 7, 7, None)
-    assert saved['train_record'].keys() == {'train_loss', 'lr', 'epoch_seconds', 'images_per_second'}
+    assert saved['train_record'].keys() == {'train_loss', 'lr', 'epoch_seconds', 'images_per_second',
+                                            'skipped_train_images'}
     assert not (output / 'log.jsonl').exists()
 
     val_image.write_bytes(good)
