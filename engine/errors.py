@@ -18,8 +18,8 @@ class UsageError(ValueError):
 
 
 class BadImageError(UsageError):
-    """An image that could not be read during a pass over the data: only the process that read it knows, so
-    every process reports it."""
+    """An image that could not be read during a pass over the data. Only the process that read it knows, so that
+    process reports it, whatever its rank."""
 
 
 class NonFiniteLossError(FloatingPointError):

@@ -107,12 +107,12 @@ def evaluate_weights(cfg: CN, info: DistInfo, checkpoint: str, *, ema: bool = Fa
     source = f"checkpoint {checkpoint!r}"
     root = resolve_data_root(cfg, info)
     val_set = load_split(root, 'val', eval_transform(cfg), bad_images=cfg.DATA.BAD_IMAGES)
-    report_scan(val_set)
-    if check_data:
-        check_images(val_set, cfg, info)
     if len(val_set.classes) != cfg.MODEL.NUM_CLASSES:
         raise UsageError(f"{source} is for {cfg.MODEL.NUM_CLASSES} classes but {root}/val has "
                          f"{len(val_set.classes)} class folders; expected the dataset the checkpoint was trained on")
+    report_scan(val_set)
+    if check_data:
+        check_images(val_set, cfg, info)
     model = create_model(cfg, weights, source=source).to(info.device)
     del weights
     loader = build_eval_loader(cfg, val_set, info, eval_batch_size(cfg))
