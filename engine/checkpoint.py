@@ -2,8 +2,10 @@
 
 A checkpoint holds `model`, `model_ema` (EMA on), `optimizer`, `scheduler`, `scaler`, `epoch` (the epoch index
 the state belongs to), `epoch_batches` (batches of that epoch already trained), `step` (optimizer updates so far),
-`max_accuracy`, `max_ema_accuracy`, `rng` (one entry per rank), `world_size`, `config` (the YAML text) and
-`metrics` (the last epoch's log record, None when saved mid-epoch). `TrainingCheckpoint` owns this format.
+`max_accuracy`, `max_ema_accuracy`, `rng` (one entry per rank), `world_size`, `config` (the YAML text),
+`metrics` (the last epoch's log record, None when saved before the epoch's validation) and `train_record` (the
+training part of that record when the epoch's training finished but its validation did not, else None).
+`TrainingCheckpoint` owns this format.
 
 `OutputLock` keeps one run at a time in an output folder; `remove_stale_temp_files` clears the temporary files of
 writes that were killed.
@@ -230,9 +232,11 @@ class TrainingCheckpoint:
         self.optimizer, self.scheduler, self.scaler = optimizer, scheduler, scaler
         self.config = config
 
-    def save(self, metrics: Optional[Dict[str, Any]] = None, best: bool = False) -> None:
-        """Write `last.pth`, and `best.pth` too when `best`. Every process calls it, since each one's random state
-        goes in; rank 0 writes."""
+    def save(self, metrics: Optional[Dict[str, Any]] = None, best: bool = False,
+             train_record: Optional[Dict[str, Any]] = None) -> None:
+        """Write `last.pth`, and `best.pth` too when `best`; `train_record` marks a checkpoint saved after an
+        epoch's training and before its validation. Every process calls it, since each one's random state goes in;
+        rank 0 writes."""
         rngs = all_gather_objects(rng_state())
         if not self.info.is_main:
             return
@@ -243,7 +247,7 @@ class TrainingCheckpoint:
             optimizer=self.optimizer.state_dict(), scheduler=self.scheduler.state_dict(),
             scaler=self.scaler.state_dict(), epoch=state.epoch, epoch_batches=state.epoch_batches, step=state.step,
             max_accuracy=state.max_accuracy, max_ema_accuracy=state.max_ema_accuracy, rng=rngs,
-            world_size=self.info.world_size, config=self.config, metrics=metrics)
+            world_size=self.info.world_size, config=self.config, metrics=metrics, train_record=train_record)
         # best.pth first: a run killed between the two writes leaves a best.pth at least as new as the best epoch
         # that last.pth records, never an older one
         for path in ([self.best_path] if best else []) + [self.last_path]:
@@ -275,8 +279,9 @@ class TrainingCheckpoint:
                         world_size: int) -> None:
         """Raise `UsageError` when `checkpoint` stopped in the middle of an epoch and this run splits the data
         otherwise (batch size, accumulation steps or process count): its batch count would point elsewhere in the
-        epoch. A checkpoint saved at the end of an epoch resumes under any of them."""
-        if checkpoint['metrics'] is not None or checkpoint['epoch_batches'] == 0:
+        epoch. A checkpoint saved at the end of an epoch, or of its training, resumes under any of them."""
+        if (checkpoint['metrics'] is not None or checkpoint.get('train_record') is not None
+                or checkpoint['epoch_batches'] == 0):
             return
         stored = yaml.safe_load(checkpoint['config'])
         pairs = [('DATA.BATCH_SIZE', stored['DATA']['BATCH_SIZE'], batch_size),
@@ -292,8 +297,9 @@ class TrainingCheckpoint:
         """Load `checkpoint` (read from `path`) into the live objects, so training goes on where it stopped.
 
         A checkpoint saved at the end of its epoch (with `metrics`), or whose batches fill this run's
-        `batches_per_epoch`, goes on at the next epoch, whatever batch size wrote it. The random streams are
-        restored only when the world size is the one that wrote them.
+        `batches_per_epoch`, goes on at the next epoch, whatever batch size wrote it; one saved after its epoch's
+        training (with `train_record`) stays at that epoch with all `batches_per_epoch` trained, to be validated.
+        The random streams are restored only when the world size is the one that wrote them.
         """
         load_state_dict_checked(self.model, checkpoint['model'], f"checkpoint {path!r}")
         if self.ema is not None:
@@ -310,7 +316,9 @@ class TrainingCheckpoint:
         state.epoch, state.epoch_batches = checkpoint['epoch'], checkpoint['epoch_batches']
         state.step, state.max_accuracy = checkpoint['step'], checkpoint['max_accuracy']
         state.max_ema_accuracy = checkpoint.get('max_ema_accuracy', 0.0)
-        if checkpoint['metrics'] is not None or state.epoch_batches >= batches_per_epoch:
+        if checkpoint.get('train_record') is not None and checkpoint['metrics'] is None:
+            state.epoch_batches = batches_per_epoch
+        elif checkpoint['metrics'] is not None or state.epoch_batches >= batches_per_epoch:
             state.epoch, state.epoch_batches = state.epoch + 1, 0
         # the stored schedule is not loaded: the schedule follows this run's config at this step
         self.scheduler.step_update(num_updates=state.step)

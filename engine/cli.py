@@ -15,6 +15,8 @@ __all__ = ['train_main', 'eval_main']
 def _common_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument('--data-path', help='dataset folder with train/ and val/ (DATA.DATA_PATH)')
     parser.add_argument('--batch-size', type=int, help='images per process (DATA.BATCH_SIZE)')
+    parser.add_argument('--check-data', action='store_true',
+                        help='decode every image before starting; bad files follow DATA.BAD_IMAGES (error or skip)')
     parser.add_argument('--debug', action='store_true', help='show tracebacks instead of one-line errors')
     parser.add_argument('--opts', nargs=argparse.REMAINDER, default=[], metavar='KEY VALUE',
                         help='config overrides, e.g. --opts TRAIN.EPOCHS 100 MODEL.KWARGS.depth 6')
@@ -50,7 +52,7 @@ def train_main(argv: Sequence[str]) -> int:
         pretrained='MODEL.PRETRAINED')))
     info = init_distributed(cfg.DEVICE, cfg.DIST.BACKEND, cfg.DIST.TIMEOUT_MIN)
     try:
-        train(cfg, info)
+        train(cfg, info, check_data=args.check_data)
     finally:
         cleanup_distributed()
     return 0
@@ -100,7 +102,7 @@ def eval_main(argv: Sequence[str]) -> int:
         else:
             checkpoint = args.checkpoint or released_checkpoint(args.model, info)
             result = evaluate_weights(cfg, info, checkpoint, ema=args.ema, amp=args.amp,
-                                      adopt_classes=bool(args.model))
+                                      adopt_classes=bool(args.model), check_data=args.check_data)
             if info.is_main:
                 print(f"{result['model']} ({result['weights']} weights, {result['precision']}): top-1 "
                       f"{result['top1']:.3f} top-5 {result['top5']:.3f} on {result['count']} images")

@@ -41,6 +41,9 @@ _C.DATA.MEAN = [0.485, 0.456, 0.406]
 _C.DATA.STD = [0.229, 0.224, 0.225]
 _C.DATA.NUM_WORKERS = 8
 _C.DATA.PIN_MEMORY = True
+# Files that are not images that can be read (broken links, FIFOs, empty, truncated, non-image): 'error' stops with
+# one line naming the file (before training where the scan can tell), 'skip' leaves them out and logs each one.
+_C.DATA.BAD_IMAGES = 'error'
 
 _C.MODEL = CN()
 _C.MODEL.NAME = 'softmax_deit_tiny'
@@ -125,6 +128,7 @@ _CHOICES = {
     'DEVICE': ('auto', 'cuda', 'cpu'),
     'DATA.DATASET': ('imagefolder', 'digits'),
     'DATA.INTERPOLATION': ('bicubic', 'bilinear', 'nearest', 'random'),
+    'DATA.BAD_IMAGES': ('error', 'skip'),
     'TRAIN.LR_SCALING': ('base', 'all', 'none'),
     'TRAIN.LR_SCHEDULER.NAME': ('cosine', 'tanh', 'step', 'multistep', 'poly', 'constant'),
     'TEST.CROP_MODE': ('center', 'squash', 'border'),

@@ -1,31 +1,41 @@
 """Image-folder datasets (ImageNet layout or the embedded digits demo), timm transforms, samplers and loaders.
 
 Both datasets go through the same path: `<root>/train/<class>/*` and `<root>/val/<class>/*` read by torchvision's
-`ImageFolder`. The digits set (scikit-learn's 1,797 real 8x8 images) is written once as such a folder.
+`ImageFolder`, with a scan that follows each folder once (no symlink loop) and counts each file once. Files that are
+not images that can be read (broken links, FIFOs, empty, truncated or non-image files) follow `DATA.BAD_IMAGES`:
+'error' stops with one line naming the file, 'skip' leaves them out and says so. The digits set (scikit-learn's
+1,797 real 8x8 images) is written once as such a folder.
 """
+import errno
 import json
+import logging
 import os
 import shutil
+import stat
 import tempfile
-from typing import Iterator, List, Optional, Sequence
+import time
+from typing import Any, Dict, Iterator, List, NamedTuple, Optional, Sequence, Set, Tuple, Union
 
 import numpy as np
 import torch
-from PIL import Image, ImageOps
+from PIL import Image, ImageOps, UnidentifiedImageError
 from timm.data import Mixup, create_transform
 from timm.data.auto_augment import AugmentOp
 from timm.data.distributed_sampler import RepeatAugSampler
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, default_collate
 from torchvision.datasets import ImageFolder
+from torchvision.datasets.folder import has_file_allowed_extension
+from tqdm import tqdm
 from yacs.config import CfgNode as CN
 
 from .config import mixup_active
-from .distributed import DistInfo, barrier
-from .errors import UsageError
+from .distributed import DistInfo, all_gather_objects, barrier
+from .errors import BadImageError, UsageError
 
 __all__ = [
     'DIGITS_STAMP', 'default_digits_root', 'prepare_digits', 'resolve_data_root', 'check_splits', 'load_split',
-    'posterize', 'train_transform', 'eval_transform', 'build_mixup', 'ShardSampler', 'SkipSampler',
+    'BadImage', 'ImageFolderSplit', 'ImageLoader', 'read_image', 'check_images', 'report_scan', 'posterize',
+    'train_transform', 'eval_transform', 'build_mixup', 'ShardSampler', 'SkipSampler',
     'build_train_loader', 'build_eval_loader', 'eval_batch_size',
 ]
 
@@ -33,6 +43,7 @@ DIGITS_STAMP = 'digits.json'
 DIGITS_VAL_FRACTION = 0.2
 DIGITS_SPLIT_SEED = 0
 IMAGE_EXTENSIONS = ('.jpg', '.jpeg', '.png', '.ppm', '.bmp', '.pgm', '.tif', '.tiff', '.webp')
+logger = logging.getLogger('engine')
 
 
 def default_digits_root() -> str:
@@ -100,8 +111,15 @@ def resolve_data_root(cfg: CN, info: DistInfo) -> str:
     return cfg.DATA.DATA_PATH
 
 
+def _is_folder(entry: os.DirEntry) -> bool:
+    try:
+        return entry.is_dir()
+    except OSError:  # a link loop: not a folder, and as a file name it is judged like any other
+        return False
+
+
 def _class_folders(folder: str) -> List[str]:
-    return sorted(e.name for e in os.scandir(folder) if e.is_dir())
+    return sorted(e.name for e in os.scandir(folder) if _is_folder(e))
 
 
 def check_splits(root: str, splits: Sequence[str]) -> None:
@@ -113,8 +131,177 @@ def check_splits(root: str, splits: Sequence[str]) -> None:
             raise UsageError(f"data path {root!r} has no {split}/ folder; expected {split}/<class>/<images>")
 
 
-def load_split(root: str, split: str, transform, num_classes: Optional[int] = None) -> ImageFolder:
-    """`ImageFolder(root/split)` after checking the folder exists, has class folders with images, and
+class BadImage(NamedTuple):
+    """A file that is not an image that can be read, and why."""
+    path: str
+    reason: str
+
+    def __str__(self) -> str:
+        return f"image {self.path!r} {self.reason}"
+
+    def skip_message(self) -> str:
+        return f"skipped image {self.path!r}, which {self.reason} (DATA.BAD_IMAGES 'skip')"
+
+
+_FILE_KINDS = ((stat.S_ISDIR, 'a folder'), (stat.S_ISFIFO, 'a FIFO'), (stat.S_ISSOCK, 'a socket'),
+               (stat.S_ISCHR, 'a character device'), (stat.S_ISBLK, 'a block device'))
+
+
+def _stat_image(path: str) -> Union[os.stat_result, BadImage]:
+    """The status of the file `path` leads to, or why it cannot be an image: a broken link, a link loop, not a
+    regular file (reading a FIFO would block), empty, or unreadable. Never opens the file."""
+    try:
+        status = os.stat(path)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            return BadImage(path, 'is a symbolic link loop')
+        if e.errno == errno.ENOENT and os.path.islink(path):
+            return BadImage(path, f'is a broken symbolic link (to {os.readlink(path)!r})')
+        return BadImage(path, f'cannot be read ({e.strerror})')
+    if not stat.S_ISREG(status.st_mode):
+        kind = next((name for test, name in _FILE_KINDS if test(status.st_mode)), 'a special file')
+        return BadImage(path, f'is {kind}, not a regular file')
+    if status.st_size == 0:
+        return BadImage(path, 'is empty (0 bytes)')
+    if not os.access(path, os.R_OK):
+        return BadImage(path, 'cannot be read (Permission denied)')
+    return status
+
+
+def read_image(path: str) -> Union[Image.Image, BadImage]:
+    """The RGB image at `path` (fully decoded), or a `BadImage` saying why there is none."""
+    status = _stat_image(path)
+    if isinstance(status, BadImage):
+        return status
+    try:
+        with Image.open(path) as image:
+            return image.convert('RGB')
+    except UnidentifiedImageError:
+        return BadImage(path, 'is not an image (Pillow cannot identify its format)')
+    except Exception as e:  # Pillow's decoders raise many types on corrupt data (OSError, SyntaxError, ValueError, ...)
+        detail = str(e).splitlines()[0] if str(e) else ''
+        return BadImage(path, f"cannot be decoded ({type(e).__name__}{': ' + detail if detail else ''})")
+
+
+def _bad_files_error(bad: Sequence[BadImage], where: str) -> UsageError:
+    more = f" (and {len(bad) - 1} more bad file(s) in {where})" if len(bad) > 1 else ''
+    return UsageError(f"{bad[0]}{more}; expected images that can be read (DATA.BAD_IMAGES 'error'; 'skip' leaves "
+                      f"such files out)")
+
+
+class ImageFolderSplit(ImageFolder):
+    """torchvision's `ImageFolder` with a scan that enters each folder once (links are followed, loops are not),
+    counts each file once (the first path in scan order keeps it), and checks each file cheaply (a regular,
+    non-empty, readable file), and a `__getitem__` that reports the files it cannot read instead of raising.
+
+    Under `bad_images` 'error' the scan raises `UsageError` naming the first bad file (and counting the others);
+    under 'skip' it leaves bad files out and lists them in `left_out`. `notes` holds the links the scan did not
+    follow again. `__getitem__` returns `(image, target, bad)`: `bad` the unreadable files it met, and `image` None
+    when the sample is one of them; with `replace_bad` under 'skip', the next readable file in folder order stands
+    in for it, so batches stay full.
+    """
+
+    def __init__(self, folder: str, transform=None, bad_images: str = 'error', replace_bad: bool = False):
+        self.bad_images, self.replace_bad = bad_images, replace_bad
+        self.left_out: List[BadImage] = []
+        self.notes: List[str] = []
+        super().__init__(folder, transform=transform, loader=read_image, allow_empty=True)
+
+    def find_classes(self, directory: str) -> Tuple[List[str], Dict[str, int]]:
+        classes = _class_folders(directory)
+        return classes, {name: index for index, name in enumerate(classes)}
+
+    def make_dataset(self, directory: str, class_to_idx: Dict[str, int], extensions=None, is_valid_file=None,
+                     allow_empty: bool = True) -> List[Tuple[str, int]]:
+        """(path, class index) of every image file, in torchvision's order (classes, then folders by path, then
+        names); raise `UsageError` for a class folder without images."""
+        claimed = {self._key(directory): directory}
+        # class folders are claimed first, so a link from one class into another never relabels its images
+        for name in class_to_idx:
+            path = os.path.join(directory, name)
+            claimed.setdefault(self._key(path), path)
+        files: Dict[Tuple[int, int], str] = {}
+        samples, empty, again = [], [], []
+        for name in sorted(class_to_idx):
+            count = len(samples)
+            for path in self._walk(os.path.join(directory, name), claimed):
+                status = _stat_image(path)
+                if isinstance(status, BadImage):
+                    self.left_out.append(status)
+                    continue
+                first = files.setdefault((status.st_dev, status.st_ino), path)
+                if first != path:
+                    again.append(f"{path} is {first}")
+                    continue
+                samples.append((path, class_to_idx[name]))
+            if len(samples) == count:
+                empty.append(name)
+        if again:
+            self.notes.append(f"{len(again)} file(s) reached a second time through links were counted once "
+                              f"({again[0]}{', ...' if len(again) > 1 else ''})")
+        if self.left_out and self.bad_images == 'error':
+            raise _bad_files_error(self.left_out, directory)
+        if empty:
+            after = f" once {len(self.left_out)} bad file(s) are left out" if self.left_out else ''
+            raise UsageError(f"dataset folder {directory!r} has a class folder without images{after} "
+                             f"({', '.join(empty)}); expected files ending in {', '.join(IMAGE_EXTENSIONS)}")
+        return samples
+
+    @staticmethod
+    def _key(path: str) -> Tuple[int, int]:
+        status = os.stat(path)
+        return status.st_dev, status.st_ino
+
+    def _walk(self, top: str, claimed: Dict[Tuple[int, int], str]) -> Iterator[str]:
+        """Paths of the files with an image extension under `top`, folder by folder in path order; a folder
+        reached again through a link is left out and noted."""
+        found: Dict[str, List[str]] = {}
+        pending = [top]
+        while pending:
+            folder = pending.pop()
+            try:
+                entries = sorted(os.scandir(folder), key=lambda e: e.name)
+            except OSError as e:
+                raise UsageError(f"dataset folder {folder!r} cannot be listed ({e.strerror}); expected a readable "
+                                 f"folder") from None
+            names = []
+            for entry in entries:
+                if _is_folder(entry):
+                    key = self._key(entry.path)
+                    if key in claimed:
+                        self.notes.append(f"{entry.path} leads to {claimed[key]}, scanned once: not followed")
+                        continue
+                    claimed[key] = entry.path
+                    pending.append(entry.path)
+                elif has_file_allowed_extension(entry.name, IMAGE_EXTENSIONS):
+                    names.append(entry.name)
+            found[folder] = names
+        for folder in sorted(found):
+            for name in found[folder]:
+                yield os.path.join(folder, name)
+
+    def __getitem__(self, index: int) -> Tuple[Any, int, Tuple[BadImage, ...]]:
+        bad: List[BadImage] = []
+        attempts = len(self.samples) if self.replace_bad and self.bad_images == 'skip' else 1
+        for offset in range(attempts):
+            path, target = self.samples[(index + offset) % len(self.samples)]
+            image = self.loader(path)
+            if not isinstance(image, BadImage):
+                return (self.transform(image) if self.transform is not None else image), target, tuple(bad)
+            bad.append(image)
+        return None, self.targets[index], tuple(bad)
+
+    def remove(self, bad: Sequence[BadImage]) -> None:
+        """Leave the files of `bad` out of the samples."""
+        paths = {b.path for b in bad}
+        self.samples = [s for s in self.samples if s[0] not in paths]
+        self.imgs, self.targets = self.samples, [s[1] for s in self.samples]
+        self.left_out.extend(bad)
+
+
+def load_split(root: str, split: str, transform, num_classes: Optional[int] = None, bad_images: str = 'error',
+               replace_bad: bool = False) -> ImageFolderSplit:
+    """`ImageFolderSplit(root/split)` after checking the folder exists, has class folders with images, and
     (when given) `num_classes` of them."""
     check_splits(root, [split])
     folder = os.path.join(root, split)
@@ -122,13 +309,96 @@ def load_split(root: str, split: str, transform, num_classes: Optional[int] = No
     if not classes:
         raise UsageError(f"dataset folder {folder!r} is empty; expected one folder of images per class")
     if num_classes is not None and len(classes) != num_classes:
-        raise UsageError(f"dataset folder {folder!r} has {len(classes)} class folders but the model has "
+        hidden = [c for c in classes if c.startswith('.')]
+        among = f", among them the hidden {', '.join(hidden)}" if hidden else ''
+        raise UsageError(f"dataset folder {folder!r} has {len(classes)} class folders{among} but the model has "
                          f"{num_classes} classes (MODEL.NUM_CLASSES)")
-    try:
-        return ImageFolder(folder, transform=transform, allow_empty=False)
-    except FileNotFoundError:
-        raise UsageError(f"dataset folder {folder!r} has a class folder without images; expected files ending in "
-                         f"{', '.join(IMAGE_EXTENSIONS)}") from None
+    return ImageFolderSplit(folder, transform, bad_images, replace_bad)
+
+
+def report_scan(dataset: ImageFolderSplit) -> None:
+    """Log the files the scan left out and the links it did not follow again."""
+    for note in dataset.notes:
+        logger.warning(note)
+    for bad in dataset.left_out:
+        logger.warning(bad.skip_message())
+    if dataset.left_out:
+        logger.warning(f"{dataset.root}: {len(dataset.left_out)} bad file(s) left out, {len(dataset)} images kept")
+
+
+class _Decode(Dataset):
+    """Decodes the given files: `BadImage` for those that fail, None for the others."""
+
+    def __init__(self, paths: Sequence[str]):
+        self.paths = paths
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, index: int) -> Optional[BadImage]:
+        image = read_image(self.paths[index])
+        return image if isinstance(image, BadImage) else None
+
+
+def check_images(dataset: ImageFolderSplit, cfg: CN, info: DistInfo) -> None:
+    """Decode every image of `dataset` (`--check-data`), each process its share; under 'error' raise `UsageError`
+    naming the first file that fails, under 'skip' leave those files out on every process."""
+    paths = [path for path, _ in dataset.samples[info.rank::info.world_size]]
+    loader = DataLoader(_Decode(paths), batch_size=64, num_workers=_workers(cfg), collate_fn=list)
+    start = time.perf_counter()
+    found = [bad for batch in tqdm(loader, desc=f'check {os.path.basename(dataset.root)}', disable=not info.is_main,
+                                   dynamic_ncols=True, leave=False) for bad in batch if bad is not None]
+    bad = sorted({b for found_by_rank in all_gather_objects(found) for b in found_by_rank})
+    logger.info(f"--check-data: decoded the {len(dataset)} images of {dataset.root} in "
+                f"{time.perf_counter() - start:.1f} s, {len(bad)} bad")
+    if not bad:
+        return
+    if dataset.bad_images == 'error':
+        raise _bad_files_error(bad, dataset.root)
+    for b in bad:
+        logger.warning(b.skip_message())
+    dataset.remove(bad)
+
+
+class _Batch(NamedTuple):
+    images: Optional[torch.Tensor]
+    targets: Optional[torch.Tensor]
+    bad: Tuple[BadImage, ...]
+
+
+def _collate(samples: Sequence[Tuple[Any, int, Tuple[BadImage, ...]]]) -> _Batch:
+    """The readable samples collated, with the bad files met on the way."""
+    bad = tuple(b for _, _, found in samples for b in found)
+    good = [(image, target) for image, target, _ in samples if image is not None]
+    if not good:
+        return _Batch(None, None, bad)
+    images, targets = default_collate(good)
+    return _Batch(images, targets, bad)
+
+
+class ImageLoader(DataLoader):
+    """A `DataLoader` over an `ImageFolderSplit` that yields `(images, targets)` and applies `DATA.BAD_IMAGES` to
+    the files its workers could not read: 'error' raises `BadImageError` naming the file; 'skip' logs each file
+    the first time and keeps the files skipped in the current pass in `skipped`."""
+
+    def __init__(self, dataset: ImageFolderSplit, **kwargs):
+        super().__init__(dataset, collate_fn=_collate, **kwargs)
+        self.skipped: Set[str] = set()
+        self._logged: Set[str] = set()
+
+    def __iter__(self) -> Iterator[Tuple[torch.Tensor, torch.Tensor]]:
+        self.skipped = set()
+        for batch in super().__iter__():
+            for bad in batch.bad:
+                if self.dataset.bad_images == 'error':
+                    raise BadImageError(f"{bad}; expected images that can be read (DATA.BAD_IMAGES 'error'; 'skip' "
+                                        f"leaves such files out, --check-data finds them before training)")
+                self.skipped.add(bad.path)
+                if bad.path not in self._logged:
+                    self._logged.add(bad.path)
+                    logger.warning(bad.skip_message())
+            if batch.images is not None:
+                yield batch.images, batch.targets
 
 
 def _eval_interpolation(cfg: CN) -> str:
@@ -231,7 +501,7 @@ def _workers(cfg: CN) -> int:
     return min(cfg.DATA.NUM_WORKERS, os.cpu_count() or 1)  # more workers than CPUs only adds start-up time
 
 
-def build_train_loader(cfg: CN, dataset: Dataset, info: DistInfo) -> DataLoader:
+def build_train_loader(cfg: CN, dataset: ImageFolderSplit, info: DistInfo) -> ImageLoader:
     """Shuffled per epoch (DistributedSampler seeded by SEED, or repeated augmentation with several processes);
     full batches only. Workers start afresh each epoch from the loader's generator, which the training loop
     re-seeds per epoch, so their augmentation is reproducible after a resume."""
@@ -244,14 +514,14 @@ def build_train_loader(cfg: CN, dataset: Dataset, info: DistInfo) -> DataLoader:
     if len(base) < cfg.DATA.BATCH_SIZE:
         raise UsageError(f"DATA.BATCH_SIZE {cfg.DATA.BATCH_SIZE} is larger than the {len(base)} training images "
                          f"each of the {info.world_size} processes gets; expected a smaller batch")
-    return DataLoader(
+    return ImageLoader(
         dataset, batch_size=cfg.DATA.BATCH_SIZE, sampler=SkipSampler(base), num_workers=_workers(cfg),
         pin_memory=cfg.DATA.PIN_MEMORY and info.device.type == 'cuda', drop_last=True,
         generator=torch.Generator())
 
 
-def build_eval_loader(cfg: CN, dataset: Dataset, info: DistInfo, batch_size: int) -> DataLoader:
-    return DataLoader(
+def build_eval_loader(cfg: CN, dataset: ImageFolderSplit, info: DistInfo, batch_size: int) -> ImageLoader:
+    return ImageLoader(
         dataset, batch_size=batch_size, sampler=ShardSampler(len(dataset), info.rank, info.world_size),
         num_workers=_workers(cfg), pin_memory=cfg.DATA.PIN_MEMORY and info.device.type == 'cuda', drop_last=False)
 

@@ -7,13 +7,19 @@ from typing import Callable, Optional, Sequence
 
 from models.checkpoint import CheckpointError
 
-__all__ = ['UsageError', 'NonFiniteLossError', 'Stopped', 'StoppedAtOnce', 'USAGE_EXIT_CODE', 'run_cli']
+__all__ = ['UsageError', 'BadImageError', 'NonFiniteLossError', 'Stopped', 'StoppedAtOnce', 'USAGE_EXIT_CODE',
+           'run_cli']
 
 USAGE_EXIT_CODE = 2
 
 
 class UsageError(ValueError):
     """Input the user can fix: a bad config, model name, data folder or checkpoint."""
+
+
+class BadImageError(UsageError):
+    """An image that could not be read during a pass over the data. Only the process that read it knows, so that
+    process reports it, whatever its rank."""
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -53,7 +59,7 @@ def run_cli(main: Callable[[Sequence[str]], int], argv: Optional[Sequence[str]] 
     except (UsageError, CheckpointError, NonFiniteLossError) as e:
         if '--debug' in argv:
             raise
-        if _reports():
+        if _reports() or isinstance(e, BadImageError):
             print(f"error: {e}", file=sys.stderr)
         return USAGE_EXIT_CODE
     except KeyboardInterrupt as e:

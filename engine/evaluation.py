@@ -10,7 +10,8 @@ from models.checkpoint import CheckpointError, load_checkpoint_file, released_we
 
 from .build import autocast_dtype, check_model_name, classifier_rows, create_model, read_weights
 from .config import config_from_yaml_string, get_default_config, load_config, merge_dict, merge_opts, validate_config
-from .data import build_eval_loader, eval_batch_size, eval_transform, load_split, resolve_data_root
+from .data import (build_eval_loader, check_images, eval_batch_size, eval_transform, load_split, report_scan,
+                   resolve_data_root)
 from .distributed import DistInfo, any_rank
 from .errors import UsageError
 from .loops import evaluate, measure_throughput
@@ -98,15 +99,20 @@ def _load_weights(cfg: CN, checkpoint: str, ema: bool, adopt_classes: bool) -> T
 
 
 def evaluate_weights(cfg: CN, info: DistInfo, checkpoint: str, *, ema: bool = False, amp: bool = False,
-                     adopt_classes: bool = False) -> Dict[str, Any]:
-    """Top-1 / top-5 of the weights in `checkpoint` on the validation folder, exact over processes."""
+                     adopt_classes: bool = False, check_data: bool = False) -> Dict[str, Any]:
+    """Top-1 / top-5 of the weights in `checkpoint` on the validation folder, exact over processes; with
+    `check_data`, every image is decoded first. Under DATA.BAD_IMAGES 'skip' the bad files are left out of the
+    counts."""
     cfg, weights = _load_weights(cfg, checkpoint, ema, adopt_classes)
     source = f"checkpoint {checkpoint!r}"
     root = resolve_data_root(cfg, info)
-    val_set = load_split(root, 'val', eval_transform(cfg))
+    val_set = load_split(root, 'val', eval_transform(cfg), bad_images=cfg.DATA.BAD_IMAGES)
     if len(val_set.classes) != cfg.MODEL.NUM_CLASSES:
         raise UsageError(f"{source} is for {cfg.MODEL.NUM_CLASSES} classes but {root}/val has "
                          f"{len(val_set.classes)} class folders; expected the dataset the checkpoint was trained on")
+    report_scan(val_set)
+    if check_data:
+        check_images(val_set, cfg, info)
     model = create_model(cfg, weights, source=source).to(info.device)
     del weights
     loader = build_eval_loader(cfg, val_set, info, eval_batch_size(cfg))

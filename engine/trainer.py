@@ -9,7 +9,7 @@ import signal
 import sys
 from contextlib import contextmanager
 from dataclasses import replace
-from typing import Any, Dict, Iterator, Optional, TextIO
+from typing import Any, Dict, Iterator, List, Optional, TextIO
 
 import numpy as np
 import torch
@@ -21,9 +21,9 @@ from .build import (autocast_dtype, check_model_name, create_criterion, create_m
                     create_scheduler, read_weights)
 from .checkpoint import LAST, OutputLock, TrainingCheckpoint, remove_stale_temp_files
 from .config import ema_decay, scaled_lrs, total_batch_size
-from .data import (build_eval_loader, build_mixup, build_train_loader, check_splits, eval_batch_size,
-                   eval_transform, load_split, resolve_data_root, train_transform)
-from .distributed import DistInfo, all_gather_objects, any_rank, barrier
+from .data import (build_eval_loader, build_mixup, build_train_loader, check_images, check_splits, eval_batch_size,
+                   eval_transform, load_split, report_scan, resolve_data_root, train_transform)
+from .distributed import DistInfo, all_gather_objects, all_reduce_sum, any_rank, barrier
 from .errors import Stopped, StoppedAtOnce, UsageError
 from .loops import EpochOptions, TrainState, evaluate, train_one_epoch
 
@@ -128,26 +128,35 @@ def _summary(log_path: str, checkpoint: TrainingCheckpoint) -> str:
             f"({checkpoint.best_path}), last {last['val_top1']:.2f} ({checkpoint.last_path}); log {log_path}")
 
 
-def train(cfg: CN, info: DistInfo) -> Dict[str, Any]:
+def train(cfg: CN, info: DistInfo, check_data: bool = False) -> Dict[str, Any]:
     """Train `cfg` on this process's share of the data; return the last epoch's log record (or {}).
 
-    Rank 0 holds the output folder's lock for the whole run. A run stopped by SIGTERM / SIGINT saves, then raises
-    `Stopped`."""
+    With `check_data`, every image is decoded before training. Rank 0 holds the output folder's lock for the whole
+    run. A run stopped by SIGTERM / SIGINT saves, then raises `Stopped`."""
     check_model_name(cfg.MODEL.NAME)
     lock = OutputLock(cfg.OUTPUT)
     try:
-        return _train(cfg, info, lock)
+        return _train(cfg, info, lock, check_data)
     finally:
         lock.release()
 
 
-def _train(cfg: CN, info: DistInfo, lock: OutputLock) -> Dict[str, Any]:
+def _class_difference(train: List[str], val: List[str]) -> str:
+    only_train, only_val = sorted(set(train) - set(val)), sorted(set(val) - set(train))
+    return '; '.join(f"only in {split}/: {', '.join(names)}" for split, names in
+                     (('train', only_train), ('val', only_val)) if names)
+
+
+def _train(cfg: CN, info: DistInfo, lock: OutputLock, check_data: bool) -> Dict[str, Any]:
     root = resolve_data_root(cfg, info)
     check_splits(root, ('train', 'val'))
-    train_set = load_split(root, 'train', train_transform(cfg), cfg.MODEL.NUM_CLASSES)
-    val_set = load_split(root, 'val', eval_transform(cfg), cfg.MODEL.NUM_CLASSES)
+    bad_images = cfg.DATA.BAD_IMAGES
+    # a bad training image is replaced by the next readable one, so batches stay full and mixup keeps its pairs
+    train_set = load_split(root, 'train', train_transform(cfg), cfg.MODEL.NUM_CLASSES, bad_images, replace_bad=True)
+    val_set = load_split(root, 'val', eval_transform(cfg), cfg.MODEL.NUM_CLASSES, bad_images)
     if train_set.classes != val_set.classes:
-        raise UsageError(f"the class folders of {root}/train and {root}/val differ; expected the same classes")
+        raise UsageError(f"the class folders of {root}/train and {root}/val differ "
+                         f"({_class_difference(train_set.classes, val_set.classes)}); expected the same classes")
     output = cfg.OUTPUT
     stale_holder = lock.acquire() if info.is_main else None
     barrier()
@@ -159,6 +168,11 @@ def _train(cfg: CN, info: DistInfo, lock: OutputLock) -> Dict[str, Any]:
         if removed:
             logger.warning(f"removed {len(removed)} temporary file(s) of checkpoint writes killed before they "
                            f"finished: {', '.join(removed)}")
+        report_scan(train_set)
+        report_scan(val_set)
+    if check_data:
+        check_images(train_set, cfg, info)
+        check_images(val_set, cfg, info)
     seed_everything(cfg.SEED + info.rank)
     train_loader = build_train_loader(cfg, train_set, info)
     val_loader = build_eval_loader(cfg, val_set, info, eval_batch_size(cfg))
@@ -222,27 +236,48 @@ def _train(cfg: CN, info: DistInfo, lock: OutputLock) -> Dict[str, Any]:
 
     record: Dict[str, Any] = {}
     epochs_run, stopped = 0, False
+    # a run that stopped, or whose validation failed, after an epoch's training resumes with that validation
+    trained = stored.get('train_record') if stored is not None and stored['metrics'] is None else None
     if state.epoch >= num_epochs:
         logger.info(f"{resume} already finished all {num_epochs} epochs; nothing to train")
     stop = StopSignal()
     with stop.installed():
         while state.epoch < num_epochs:
             epoch = state.epoch
-            train_loader.sampler.set_epoch(epoch, skip=state.epoch_batches * cfg.DATA.BATCH_SIZE)
-            # worker seeds depend only on (seed, epoch, rank), so a resumed epoch draws the same augmentations
-            train_loader.generator.manual_seed(cfg.SEED * 1_000_003 + epoch * 1009 + info.rank)
-            result = train_one_epoch(
-                train_model, train_loader, criterion, optimizer, scheduler, scaler, state, info,
-                replace(epoch_options, desc=f'epoch {epoch}/{num_epochs}'), mixup=mixup, ema=ema, stop_requested=stop)
-            if result.stopped:
-                checkpoint.save()
-                logger.info(f"stopped at epoch {epoch} batch {state.epoch_batches} (step {state.step}); "
-                            f"{checkpoint.last_path} resumes it")
-                stopped = True
-                break
+            last_epoch = epoch + 1 == num_epochs
+            pause = cfg.TRAIN.EPOCHS_PER_RUN > 0 and epochs_run + 1 >= cfg.TRAIN.EPOCHS_PER_RUN
+            due = last_epoch or pause or (epoch + 1) % cfg.SAVE_FREQ == 0
+            if trained is None:
+                train_loader.sampler.set_epoch(epoch, skip=state.epoch_batches * cfg.DATA.BATCH_SIZE)
+                # worker seeds depend only on (seed, epoch, rank), so a resumed epoch draws the same augmentations
+                train_loader.generator.manual_seed(cfg.SEED * 1_000_003 + epoch * 1009 + info.rank)
+                result = train_one_epoch(
+                    train_model, train_loader, criterion, optimizer, scheduler, scaler, state, info,
+                    replace(epoch_options, desc=f'epoch {epoch}/{num_epochs}'), mixup=mixup, ema=ema,
+                    stop_requested=stop)
+                finished = state.epoch_batches >= epoch_options.updates * epoch_options.accumulation
+                if result.stopped and not finished:
+                    checkpoint.save()
+                    logger.info(f"stopped at epoch {epoch} batch {state.epoch_batches} (step {state.step}); "
+                                f"{checkpoint.last_path} resumes it")
+                    stopped = True
+                    break
+                skipped = all_reduce_sum([len(train_loader.skipped)], info.device)[0]
+                trained = dict(train_loss=result.loss, lr=result.lr, epoch_seconds=result.seconds,
+                               images_per_second=result.images / max(result.seconds, 1e-9),
+                               skipped_train_images=int(skipped))
+                # the epoch's training is saved before validation reads a single image, so a bad validation image
+                # or a stop costs the validation only
+                if due or result.stopped:
+                    checkpoint.save(train_record=trained)
+                if result.stopped:
+                    logger.info(f"stopped after the training of epoch {epoch} (step {state.step}); "
+                                f"{checkpoint.last_path} resumes with its validation")
+                    stopped = True
+                    break
             val = evaluate(model, val_loader, info, amp=cfg.AMP.ENABLED and cfg.AMP.EVAL, amp_dtype=amp_dtype,
                            desc='val')
-            record = dict(epoch=epoch, step=state.step, train_loss=result.loss, lr=result.lr,
+            record = dict(epoch=epoch, step=state.step, train_loss=trained['train_loss'], lr=trained['lr'],
                           val_loss=val['loss'], val_top1=val['top1'], val_top5=val['top5'])
             is_best = val['top1'] > state.max_accuracy or epoch == 0
             state.max_accuracy = max(state.max_accuracy, val['top1'])
@@ -251,18 +286,22 @@ def _train(cfg: CN, info: DistInfo, lock: OutputLock) -> Dict[str, Any]:
                                    amp_dtype=amp_dtype, desc='val ema')
                 state.max_ema_accuracy = max(state.max_ema_accuracy, ema_val['top1'])
                 record.update(ema_val_top1=ema_val['top1'], ema_val_top5=ema_val['top5'])
-            record.update(max_val_top1=state.max_accuracy, epoch_seconds=result.seconds,
-                          images_per_second=result.images / max(result.seconds, 1e-9))
+            skipped_train = trained['skipped_train_images']
+            skipped_val = int(all_reduce_sum([len(val_loader.skipped)], info.device)[0])
+            record.update(max_val_top1=state.max_accuracy, epoch_seconds=trained['epoch_seconds'],
+                          images_per_second=trained['images_per_second'], skipped_images=skipped_train + skipped_val)
+            trained = None
             epochs_run += 1
-            last_epoch = epoch + 1 == num_epochs
-            pause = cfg.TRAIN.EPOCHS_PER_RUN > 0 and epochs_run >= cfg.TRAIN.EPOCHS_PER_RUN
             if info.is_main:
                 _append_log(os.path.join(output, LOG), record)
                 ema_text = f", ema top-1 {record['ema_val_top1']:.2f}" if 'ema_val_top1' in record else ''
-                logger.info(f"epoch {epoch}: train loss {result.loss:.4f}, lr {result.lr:.3e}, val top-1 "
+                logger.info(f"epoch {epoch}: train loss {record['train_loss']:.4f}, lr {record['lr']:.3e}, val top-1 "
                             f"{val['top1']:.2f} top-5 {val['top5']:.2f}{ema_text} (max {state.max_accuracy:.2f}), "
                             f"{record['images_per_second']:.0f} img/s")
-            if is_best or last_epoch or pause or (epoch + 1) % cfg.SAVE_FREQ == 0:
+                if record['skipped_images']:
+                    logger.warning(f"epoch {epoch}: skipped {skipped_train} training and {skipped_val} validation "
+                                   f"image(s) that could not be read (DATA.BAD_IMAGES 'skip')")
+            if is_best or due:
                 checkpoint.save(record, best=is_best)
             state.epoch, state.epoch_batches = epoch + 1, 0
             if pause and not last_epoch:

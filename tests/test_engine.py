@@ -304,9 +304,10 @@ def test_a_training_checkpoint_restores_every_field(tmp_path):
     saved.save(best=True)  # mid-epoch: no metrics
     draws = (random.random(), np.random.rand(3), torch.rand(3))
     stored = TrainingCheckpoint.read(saved.last_path)
-    # the keys (and their order) of the format that earlier checkpoints were written in
+    # the keys (and their order) of the format that earlier checkpoints were written in, then `train_record`
     assert list(stored) == ['model', 'model_ema', 'optimizer', 'scheduler', 'scaler', 'epoch', 'epoch_batches',
-                            'step', 'max_accuracy', 'max_ema_accuracy', 'rng', 'world_size', 'config', 'metrics']
+                            'step', 'max_accuracy', 'max_ema_accuracy', 'rng', 'world_size', 'config', 'metrics',
+                            'train_record']
     _assert_same(TrainingCheckpoint.read(saved.best_path), stored)
 
     restored = _training_objects(tmp_path / 'restored', TrainState(), seed=1)
@@ -337,6 +338,14 @@ def test_a_training_checkpoint_restores_every_field(tmp_path):
     assert (two.state.epoch, two.state.epoch_batches, two.state.step) == (2, 0, 3)
     assert two.optimizer.param_groups[0]['lr'] == saved.optimizer.param_groups[0]['lr'] < 1.0
     assert f"{saved.last_path} was written by 1 processes, not 2: random streams restart from the seed" in warnings
+
+    # an epoch saved after its training, before its validation, stays at that epoch, fully trained, under any split
+    saved.save(train_record=dict(train_loss=1.5, lr=1e-3, epoch_seconds=2.0, images_per_second=4.0))
+    trained = TrainingCheckpoint.read(saved.last_path)
+    TrainingCheckpoint.check_resumable(trained, saved.last_path, batch_size=7, accumulation=3, world_size=2)
+    validating = _training_objects(tmp_path / 'validating', TrainState())
+    validating.restore(trained, saved.last_path, batches_per_epoch=9)
+    assert (validating.state.epoch, validating.state.epoch_batches, validating.state.step) == (1, 9, 3)
 
 
 def test_a_training_checkpoint_missing_keys_fails_with_one_line(tmp_path):

@@ -477,18 +477,24 @@ def test_a_run_killed_between_the_checkpoint_writes_keeps_the_best_weights(tmp_p
                                                                            monkeypatch):
     output = tmp_path / 'run'
     argv = [*train_argv(output, digits), 'TRAIN.EPOCHS_PER_RUN', '1']
-    real_save = engine.checkpoint.atomic_save
+    real_save, saves = engine.checkpoint.atomic_save, []
 
     def save_then_die(obj, path):
         real_save(obj, path)
-        raise Died
+        saves.append(path)
+        if len(saves) == 2:
+            raise Died
 
     monkeypatch.setattr(engine.checkpoint, 'atomic_save', save_then_die)
     with pytest.raises(Died):
-        run_cli(train_main, argv)  # dies after the first file of epoch 0's save, which is the best so far
+        # the training state of epoch 0 is saved before validation; the run dies after the first file of the save
+        # after it, which is the best so far
+        run_cli(train_main, argv)
     monkeypatch.undo()
-    assert TrainingCheckpoint.read(str(output / 'best.pth'))['epoch'] == 0 and not (output / 'last.pth').exists()
-    assert run_cli(train_main, argv) == 0  # no last.pth: epoch 0 again
+    assert [Path(p).name for p in saves] == ['last.pth', 'best.pth']
+    assert TrainingCheckpoint.read(str(output / 'best.pth'))['epoch'] == 0
+    assert TrainingCheckpoint.read(str(output / 'last.pth'))['metrics'] is None
+    assert run_cli(train_main, argv) == 0  # last.pth without metrics: epoch 0's validation again
     best = torch.load(output / 'best.pth', weights_only=True)
     reference = torch.load(one_epoch / 'best.pth', weights_only=True)
     assert best['metrics']['val_top1'] == max(r['val_top1'] for r in records(output))

@@ -1,0 +1,371 @@
+"""Dataset scan and bad files: a symlink loop is followed once and each file counted once; broken links, link loops,
+FIFOs, empty, unreadable, non-image and truncated files follow DATA.BAD_IMAGES ('error': one line naming the file
+and exit status 2, before training where the scan or --check-data can tell; 'skip': logged and counted); class
+folders that do not match are named; a bad validation image after an epoch's training leaves that epoch saved."""
+import io
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from torchvision.datasets import ImageFolder
+
+from engine.cli import eval_main, train_main
+from engine.config import ConfigError, load_config
+from engine.data import (build_eval_loader, build_train_loader, eval_transform, load_split, prepare_digits,
+                         read_image, train_transform)
+from engine.distributed import DistInfo
+from engine.errors import USAGE_EXIT_CODE, BadImageError, UsageError, run_cli
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = str(REPO / 'configs' / 'demo' / 'digits_tiny.yaml')
+CPU = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device('cpu'))
+TRAIN_PER_CLASS, VAL_PER_CLASS = 12, 4  # 120 training images: 7 updates of 16 per epoch
+# with one more file, batches of 11 use every image: a bad one is met in every epoch
+ELEVENS = ['DATA.BATCH_SIZE', '11']
+TIMING = ('epoch_seconds', 'images_per_second')
+NOBODY = 65534
+
+
+@pytest.fixture(scope='module')
+def digits(tmp_path_factory) -> Path:
+    return Path(prepare_digits(str(tmp_path_factory.getbasetemp() / 'digits')))
+
+
+@pytest.fixture
+def data(tmp_path, digits) -> Path:
+    """A small copy of the digits folder: 12 training and 4 validation images per class."""
+    root = tmp_path / 'data'
+    for split, count in (('train', TRAIN_PER_CLASS), ('val', VAL_PER_CLASS)):
+        for folder in sorted((digits / split).iterdir()):
+            (root / split / folder.name).mkdir(parents=True)
+            for image in sorted(folder.iterdir())[:count]:
+                shutil.copy(image, root / split / folder.name / image.name)
+    return root
+
+
+def truncated_jpeg(path: Path) -> Path:
+    buffer = io.BytesIO()
+    noise = np.random.default_rng(0).integers(0, 256, (64, 64, 3), dtype=np.uint8)
+    Image.fromarray(noise).save(buffer, 'JPEG')
+    path.write_bytes(buffer.getvalue()[:len(buffer.getvalue()) // 2])
+    return path
+
+
+# files the scan can judge without opening them: (name, how to make it, the reason named, as a pattern)
+SCAN_BAD = {
+    'broken link': ('broken.png', lambda p: p.symlink_to('nowhere.png'),
+                    re.escape("is a broken symbolic link (to 'nowhere.png')")),
+    'link loop': ('loop.png', lambda p: p.symlink_to(p.name), 'is a symbolic link loop'),
+    'empty': ('empty.png', lambda p: p.write_bytes(b''), re.escape('is empty (0 bytes)')),
+    'fifo': ('fifo.png', os.mkfifo, 'is a FIFO, not a regular file'),
+}
+# files only a decode can judge
+DECODE_BAD = {
+    'non-image': ('notes.png', lambda p: p.write_text('not an image'),
+                  re.escape('is not an image (Pillow cannot identify its format)')),
+    'truncated jpeg': ('truncated.jpg', truncated_jpeg,
+                       r'cannot be decoded \(OSError: image file is truncated \(\d+ bytes not processed\)\)'),
+}
+EXPECTED = re.escape("; expected images that can be read (DATA.BAD_IMAGES 'error'; 'skip' leaves such files out")
+
+
+def make_bad(folder: Path, kind: str) -> Path:
+    name, make, _ = {**SCAN_BAD, **DECODE_BAD}[kind]
+    make(folder / name)
+    return folder / name
+
+
+def train_argv(output: Path, data: Path, *opts: str):
+    return ['--cfg', TINY, '--output', str(output), '--data-path', str(data), '--opts', 'DATA.DATASET', 'imagefolder',
+            'TRAIN.EPOCHS', '1', *opts]
+
+
+def error_line(capsys) -> str:
+    """The last line on stderr (a progress bar before it ends with a carriage return); no traceback before it."""
+    err = capsys.readouterr().err
+    assert 'Traceback' not in err, err
+    return err.replace('\r', '\n').rstrip('\n').split('\n')[-1]
+
+
+def records(output: Path):
+    with open(output / 'log.jsonl') as f:
+        return [{k: v for k, v in json.loads(line).items() if k not in TIMING} for line in f]
+
+
+def test_a_directory_symlink_loop_is_followed_once_and_each_file_counted_once(data):
+    train = data / 'train'
+    plain = load_split(str(data), 'train', None, 10).samples
+    (train / '6' / 'loopdir').symlink_to('..')
+    (train / '4' / 'fives').symlink_to('../5')
+    first_seven = sorted((train / '7').iterdir())[0]
+    (train / '7' / 'again.png').symlink_to(first_seven.name)
+    # torchvision's scan follows the loop until the links nest too deep, labelling every copy 6
+    looped = ImageFolder(str(train))
+    assert len(looped) > 20 * len(plain)
+    assert sum(target == 6 for _, target in looped.samples) > 0.9 * len(looped)
+
+    (train / 'loop').symlink_to('loop')  # neither a class folder nor an image
+    dataset = load_split(str(data), 'train', None, 10)
+    assert dataset.samples == plain
+    assert dataset.notes == [
+        f"{train / '4' / 'fives'} leads to {train / '5'}, scanned once: not followed",
+        f"{train / '6' / 'loopdir'} leads to {train}, scanned once: not followed",
+        f"1 file(s) reached a second time through links were counted once ({train / '7' / 'again.png'} is "
+        f"{first_seven})",
+    ]
+
+
+@pytest.mark.parametrize('kind', SCAN_BAD)
+def test_a_bad_file_the_scan_finds_stops_the_run_before_anything_with_one_line(tmp_path, data, capsys, kind):
+    bad = make_bad(data / 'train' / '3', kind)
+    output = tmp_path / 'run'
+    assert run_cli(train_main, train_argv(output, data)) == USAGE_EXIT_CODE
+    assert re.fullmatch(rf"error: image {re.escape(repr(str(bad)))} {SCAN_BAD[kind][2]}{EXPECTED}\)",
+                        error_line(capsys))
+    assert not output.exists()
+
+
+def test_several_bad_files_are_counted_in_the_one_line(data):
+    for kind in SCAN_BAD:
+        make_bad(data / 'val' / '8', kind)
+    with pytest.raises(UsageError, match=rf"^image '{data}/val/8/broken.png' is a broken symbolic link \(to "
+                                         rf"'nowhere.png'\) \(and 3 more bad file\(s\) in {data}/val\){EXPECTED}"):
+        load_split(str(data), 'val', None, 10)
+
+
+def test_an_unreadable_file_is_named_by_the_scan(data):
+    bad = data / 'train' / '2' / 'secret.png'
+    shutil.copy(next((data / 'train' / '2').iterdir()), bad)
+    bad.chmod(0)
+    if os.geteuid() != 0:
+        with pytest.raises(UsageError, match=rf"^image '{bad}' cannot be read \(Permission denied\); expected"):
+            load_split(str(data), 'train', None, 10)
+        return
+    # the superuser reads every file: scan as an unprivileged user, from inside the data folder (its parents are
+    # private to the superuser)
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.chdir(data)
+            os.setgid(NOBODY)
+            os.setuid(NOBODY)
+            try:
+                load_split('.', 'train', None, 10)
+                os.write(write_end, b'no error')
+            except UsageError as e:
+                os.write(write_end, str(e).encode())
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    os.waitpid(pid, 0)
+    with os.fdopen(read_end) as f:
+        assert f.read().startswith("image './train/2/secret.png' cannot be read (Permission denied); expected")
+
+
+def test_a_fifo_that_appears_after_the_scan_is_reported_without_blocking(data):
+    dataset = load_split(str(data), 'train', None, 10)
+    path, target = dataset.samples[5]
+    os.remove(path)
+    os.mkfifo(path)
+    def waited(signum, frame):
+        raise TimeoutError(f"reading {path} blocked")
+
+    # a read of the FIFO would wait for a writer forever: fail instead
+    previous = signal.signal(signal.SIGALRM, waited)
+    signal.alarm(10)
+    try:
+        image, got_target, bad = dataset[5]
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    assert (image, got_target) == (None, target)
+    assert [str(b) for b in bad] == [f"image {path!r} is a FIFO, not a regular file"]
+
+
+@pytest.mark.parametrize('kind', DECODE_BAD)
+def test_a_file_that_does_not_decode_stops_the_run_in_a_worker_with_one_line(tmp_path, data, capsys, kind):
+    bad = make_bad(data / 'train' / '3', kind)
+    output = tmp_path / 'run'
+    assert run_cli(train_main, train_argv(output, data, 'DATA.NUM_WORKERS', '1')) == USAGE_EXIT_CODE
+    assert re.fullmatch(rf"error: image {re.escape(repr(str(bad)))} {DECODE_BAD[kind][2]}{EXPECTED}"
+                        rf", --check-data finds them before training\)", error_line(capsys))
+    assert not (output / 'last.pth').exists()
+
+
+def test_a_bad_image_error_is_printed_by_the_rank_that_met_it(monkeypatch, capsys):
+    monkeypatch.setenv('RANK', '1')
+    monkeypatch.setenv('WORLD_SIZE', '2')
+
+    def raises(error):
+        def main(argv):
+            raise error
+        return main
+
+    assert run_cli(raises(UsageError('every rank says this')), []) == USAGE_EXIT_CODE
+    assert capsys.readouterr().err == ''  # rank 0 says it
+    assert run_cli(raises(BadImageError("image 'x.png' is empty (0 bytes)")), []) == USAGE_EXIT_CODE
+    assert capsys.readouterr().err == "error: image 'x.png' is empty (0 bytes)\n"
+
+
+def test_skip_replaces_a_bad_training_image_with_the_next_and_drops_a_bad_validation_image(data):
+    cfg = load_config(TINY, ['DATA.DATASET', 'imagefolder', 'DATA.DATA_PATH', str(data), 'DATA.BAD_IMAGES', 'skip',
+                             *ELEVENS])
+    bad = truncated_jpeg(data / 'train' / '0' / '00.jpg')  # the first file of class 0
+    train_set = load_split(str(data), 'train', None, 10, 'skip', replace_bad=True)
+    assert train_set.samples[0] == (str(bad), 0) and len(train_set) == 121
+    image, target, met = train_set[0]
+    next_image, next_target, _ = train_set[1]
+    assert target == next_target == 0 and np.array_equal(np.asarray(image), np.asarray(next_image))
+    assert [b.path for b in met] == [str(bad)]
+
+    train_set.transform = train_transform(cfg)
+    loader = build_train_loader(cfg, train_set, CPU)
+    loader.sampler.set_epoch(0)
+    sizes = [images.shape[0] for images, _ in loader]
+    assert sizes == [11] * 11 and loader.skipped == {str(bad)}
+
+    val_bad = make_bad(data / 'val' / '4', 'non-image')
+    val_set = load_split(str(data), 'val', eval_transform(cfg), 10, 'skip')
+    loader = build_eval_loader(cfg, val_set, CPU, 24)
+    assert sum(targets.shape[0] for _, targets in loader) == len(val_set) - 1 == 40
+    assert loader.skipped == {str(val_bad)}
+
+
+def test_skip_logs_each_bad_file_and_counts_them_per_epoch(tmp_path, data):
+    scan_bad = [make_bad(data / 'train' / '3', kind) for kind in SCAN_BAD]
+    train_bad = make_bad(data / 'train' / '5', 'truncated jpeg')
+    val_bad = make_bad(data / 'val' / '1', 'non-image')
+    output = tmp_path / 'run'
+    argv = train_argv(output, data, 'DATA.BAD_IMAGES', 'skip', 'TRAIN.EPOCHS', '2', *ELEVENS)
+    assert run_cli(train_main, argv) == 0
+    log = (output / 'train.log').read_text()
+
+    def skipped(path: Path, reason: str) -> int:
+        return len(re.findall(rf"skipped image {re.escape(repr(str(path)))}, which {reason} \(DATA.BAD_IMAGES "
+                              rf"'skip'\)\n", log))
+
+    for path, kind in zip(scan_bad, SCAN_BAD):
+        assert skipped(path, SCAN_BAD[kind][2]) == 1
+    assert f"{data / 'train'}: 4 bad file(s) left out, 121 images kept" in log
+    # the files only a decode finds: named once, counted in every epoch
+    assert skipped(train_bad, DECODE_BAD['truncated jpeg'][2]) == 1
+    assert skipped(val_bad, DECODE_BAD['non-image'][2]) == 1
+    for epoch in (0, 1):
+        assert (f"epoch {epoch}: skipped 1 training and 1 validation image(s) that could not be read "
+                f"(DATA.BAD_IMAGES 'skip')") in log
+    assert [(r['epoch'], r['step'], r['skipped_images']) for r in records(output)] == [(0, 11, 2), (1, 22, 2)]
+
+    # the replacements are the same in every run
+    again = tmp_path / 'again'
+    assert run_cli(train_main, train_argv(again, data, *argv[argv.index('--opts') + 3:])) == 0
+    assert records(again) == records(output)
+    first, second = (torch.load(folder / 'last.pth', weights_only=True)['model'] for folder in (output, again))
+    assert all(torch.equal(first[name], second[name]) for name in first)
+
+
+def test_check_data_finds_a_truncated_image_before_training(tmp_path, data, capsys):
+    bad = make_bad(data / 'train' / '9', 'truncated jpeg')
+    output = tmp_path / 'run'
+    assert run_cli(train_main, ['--check-data', *train_argv(output, data)]) == USAGE_EXIT_CODE
+    assert re.fullmatch(rf"error: image {re.escape(repr(str(bad)))} {DECODE_BAD['truncated jpeg'][2]}{EXPECTED}\)",
+                        error_line(capsys))
+    log = (output / 'train.log').read_text()
+    assert 'updates per epoch' not in log and not (output / 'last.pth').exists()
+
+    assert run_cli(train_main, ['--check-data', *train_argv(output, data, 'DATA.BAD_IMAGES', 'skip')]) == 0
+    log = (output / 'train.log').read_text()
+    assert re.search(rf"skipped image {re.escape(repr(str(bad)))}, which {DECODE_BAD['truncated jpeg'][2]}", log)
+    assert '120 training and 40 validation images' in log
+    assert records(output)[0]['skipped_images'] == 0  # left out before training: no pass met it
+
+    val_bad = make_bad(data / 'val' / '6', 'truncated jpeg')
+    argv = ['--checkpoint', str(output / 'last.pth'), '--data-path', str(data), '--opts', 'DATA.BAD_IMAGES', 'error']
+    assert run_cli(eval_main, ['--check-data', *argv]) == USAGE_EXIT_CODE
+    assert re.fullmatch(rf"error: image {re.escape(repr(str(val_bad)))} {DECODE_BAD['truncated jpeg'][2]}{EXPECTED}\)",
+                        error_line(capsys))
+
+
+def test_a_corrupt_validation_image_after_an_epoch_leaves_its_checkpoint_and_the_run_resumes_exactly(
+        tmp_path, data, capsys):
+    reference = tmp_path / 'reference'
+    assert run_cli(train_main, train_argv(reference, data, 'TRAIN.EPOCHS', '2')) == 0
+
+    output = tmp_path / 'run'
+    val_image = sorted((data / 'val' / '7').iterdir())[0]
+    good = val_image.read_bytes()
+    val_image.write_bytes(good[:len(good) // 2])
+    assert run_cli(train_main, train_argv(output, data, 'TRAIN.EPOCHS', '2')) == USAGE_EXIT_CODE
+    assert error_line(capsys).startswith(f"error: image {str(val_image)!r} cannot be decoded (OSError: image file is "
+                                         f"truncated)")
+    saved = torch.load(output / 'last.pth', weights_only=True)
+    assert (saved['epoch'], saved['epoch_batches'], saved['step'], saved['metrics']) == (0, 7, 7, None)
+    assert saved['train_record'].keys() == {'train_loss', 'lr', 'epoch_seconds', 'images_per_second',
+                                            'skipped_train_images'}
+    assert not (output / 'log.jsonl').exists()
+
+    val_image.write_bytes(good)
+    assert run_cli(train_main, train_argv(output, data, 'TRAIN.EPOCHS', '2')) == 0  # validates epoch 0, then on
+    assert 'resumed from' in (output / 'train.log').read_text()
+    assert records(output) == records(reference)
+    for name in ('last.pth', 'best.pth'):
+        resumed, uninterrupted = (torch.load(folder / name, weights_only=True) for folder in (output, reference))
+        assert resumed['step'] == uninterrupted['step']
+        for key in ('model', 'model_ema'):
+            for tensor in uninterrupted[key]:
+                assert torch.equal(resumed[key][tensor], uninterrupted[key][tensor]), (name, key, tensor)
+
+
+def test_class_folders_that_differ_are_named(tmp_path, data, capsys):
+    (data / 'val' / '9').rename(data / 'val' / 'nine')
+    assert run_cli(train_main, train_argv(tmp_path / 'run', data)) == USAGE_EXIT_CODE
+    assert error_line(capsys) == (f"error: the class folders of {data}/train and {data}/val differ (only in "
+                                  f"train/: 9; only in val/: nine); expected the same classes")
+    (data / 'train' / '.ipynb_checkpoints').mkdir()
+    with pytest.raises(UsageError, match=r"has 11 class folders, among them the hidden \.ipynb_checkpoints but the "
+                                         r"model has 10 classes"):
+        load_split(str(data), 'train', None, 10)
+
+
+def test_the_bad_image_policy_is_a_checked_choice():
+    assert load_config(TINY).DATA.BAD_IMAGES == 'error'
+    with pytest.raises(ConfigError, match=r"^config key DATA.BAD_IMAGES is 'ignore'; expected one of 'error', "
+                                          r"'skip'$"):
+        load_config(TINY, ['DATA.BAD_IMAGES', 'ignore'])
+
+
+def test_read_image_decodes_fully(data):
+    good = next((data / 'train' / '1').iterdir())
+    assert read_image(str(good)).mode == 'RGB'
+    cut = truncated_jpeg(data / 'cut.jpg')
+    assert re.fullmatch(rf"image {re.escape(repr(str(cut)))} {DECODE_BAD['truncated jpeg'][2]}",
+                        str(read_image(str(cut))))
+
+
+def torchrun(*args: str, cwd: Path):
+    command = [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
+               str(REPO / 'train.py'), *args]
+    return subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=300)
+
+
+def test_two_processes_check_the_data_together(tmp_path, data):
+    make_bad(data / 'train' / '2', 'truncated jpeg')
+    make_bad(data / 'val' / '3', 'truncated jpeg')
+    output = tmp_path / 'checked'
+    # each process decodes half of the files; both leave out what either found
+    result = torchrun('--check-data', *train_argv(output, data, 'DATA.BAD_IMAGES', 'skip'), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    log = (output / 'train.log').read_text()
+    assert re.search(rf"--check-data: decoded the 121 images of {re.escape(str(data / 'train'))} in [\d.]+ s, 1 bad",
+                     log)
+    assert '120 training and 40 validation images' in log
+    assert [(r['epoch'], r['step'], r['skipped_images']) for r in records(output)] == [(0, 3, 0)]
