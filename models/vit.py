@@ -4,7 +4,8 @@ The models keep the original key names (`patch_embed.proj`, `cls_token`, `pos_em
 `blocks.{i}.{norm1,attn.qkv,attn.proj,norm2,mlp.fc1,mlp.fc2}`, `norm`, `head`), so DeiT checkpoints load strictly.
 Each attention sees the class token as a prefix token and the patch grid as `size` = (H, W). Registered: every
 attention of the registry at the DeiT sizes (`{attention}_deit_{tiny,small,base}`), except that the names of the
-official models with their own widths and input sizes (`_OFFICIAL`) are theirs.
+official models with their own widths and input sizes (`_OFFICIAL`) and of the MultiMax models (`_MULTIMAX`) are
+theirs.
 
 The official MultiMax models (`multimax_deit_{tiny,small,base}`, the DeiT body of the MultiMax code) have no class
 token (`pos_embed` of the patches only, the mean of the normalised tokens pooled), `qkv` without bias, and the
@@ -187,6 +188,13 @@ def _create_deit(variant: str, pretrained: bool, model_args: Dict[str, Any], kwa
                           feature_cfg=dict(out_indices=out_indices, feature_cls='getter'))
 
 
+def _create_multimax_deit(variant: str, pretrained: bool, model_args: Dict[str, Any], kwargs: Dict[str, Any]) -> DeiT:
+    """The MultiMax code hard-codes `qkv` without bias, taking the `qkv_bias=True` of DeiT's factory without
+    effect; so do these entrypoints, so that the official constructor arguments build the official model."""
+    kwargs.pop('qkv_bias', None)
+    return _create_deit(variant, pretrained, model_args, kwargs)
+
+
 _cfg = partial(imagenet_cfg, fixed_input_size=True, first_conv='patch_embed.proj')
 
 _DEIT_META = dict(paper_ids='arXiv:2012.12877', origin_url='https://github.com/facebookresearch/deit',
@@ -208,11 +216,13 @@ _OFFICIAL: Dict[str, Tuple[Dict[str, Any], str]] = {
                           'InLine-DeiT-S: 320 wide, 10 heads, 288.'),
     'inline_deit_base': (dict(_COMMON, embed_dim=384, num_heads=12, img_size=448, attn_type='I'),
                          'InLine-DeiT-B: 384 wide, 12 heads, 448.'),
-    **{f'multimax_deit_{size}': (
+}
+_MULTIMAX: Dict[str, Tuple[Dict[str, Any], str]] = {
+    f'multimax_deit_{size}': (
         dict(_COMMON, **args, qkv_bias=False, attn_type='multimax', class_token=False, multimax_logits=True),
         f'MultiMax-DeiT-{size} as the MultiMax code builds it: no class token, mean pooling after the final norm, '
-        f'qkv without bias, σ in every block and on the logits.')
-       for size, args in _SIZES.items()},
+        f'qkv without bias (a qkv_bias keyword has no effect, as there), σ in every block and on the logits.')
+    for size, args in _SIZES.items()
 }
 _VARIANTS: Dict[str, Tuple[Dict[str, Any], str]] = {
     **{f'{attn}_deit_{size}': (dict(_COMMON, **args, attn_type=attn),
@@ -220,6 +230,7 @@ _VARIANTS: Dict[str, Tuple[Dict[str, Any], str]] = {
                                f'attention in every block.')
        for attn in list_attentions() for size, args in _SIZES.items()},
     **_OFFICIAL,
+    **_MULTIMAX,
 }
 
 default_cfgs = generate_default_cfgs({
@@ -233,4 +244,5 @@ default_cfgs = generate_default_cfgs({
     'inline_deit_base': _cfg(tsinghua_url('10bdd726d4b0435eb34e'), input_size=(3, 448, 448), **INLINE_META),
 })
 
-register_variants(__name__, _VARIANTS, _create_deit)
+register_variants(__name__, {name: v for name, v in _VARIANTS.items() if name not in _MULTIMAX}, _create_deit)
+register_variants(__name__, _MULTIMAX, _create_multimax_deit)

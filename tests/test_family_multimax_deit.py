@@ -50,8 +50,9 @@ def official_keys(dim: int, depth: int = 12, patches: int = 196, classes: int = 
 # ------------------------------------------------------------------------------------------------ architecture
 
 def test_small_built_from_the_official_arguments_has_165_keys_and_22036176_parameters():
-    # The official file hard-codes qkv without bias, whatever qkv_bias the DeiT factory passes.
-    model = meta_model('multimax_deit_small', patch_size=16, embed_dim=384, depth=12, num_heads=6, mlp_ratio=4)
+    # DeiT's factory passes qkv_bias=True, which the MultiMax file ignores: its qkv has no bias.
+    model = meta_model('multimax_deit_small', patch_size=16, embed_dim=384, depth=12, num_heads=6, mlp_ratio=4,
+                       qkv_bias=True)
     state = model.state_dict()
     assert len(state) == 165 and count(model) == SMALL_PARAMS
     assert [(k, tuple(v.shape)) for k, v in state.items()] == list(official_keys(384).items())
