@@ -188,3 +188,16 @@ def test_training_reaches_every_parameter():
     model(torch.randn(2, 3, 32, 32)).logsumexp(-1).mean().backward()
     assert all(p.grad is not None and bool(p.grad.abs().sum() > 0) for p in model.parameters())
     assert model.no_weight_decay() == {'pos_embed', 'cls_token'}
+
+
+def test_fullgraph_compile_matches_eager():
+    torch.compiler.reset()
+    torch.manual_seed(0)
+    model = randomised(timm.create_model('multimax_deit_small', **TINY)).eval()
+    x = torch.randn(2, 3, 32, 32)
+    compiled = torch.compile(model, fullgraph=True, backend='eager')
+    try:
+        with torch.no_grad():
+            assert (compiled(x) - model(x)).abs().max() < 1e-5
+    finally:
+        torch.compiler.reset()

@@ -371,3 +371,15 @@ def test_features_only_and_intermediates():
         assert torch.allclose(final, model.forward_features(x))
         assert [t.shape for t in intermediates] == [(2, 64, 32), (2, 4, 64)]
         assert torch.allclose(intermediates[1], final)
+
+
+def test_fullgraph_compile_matches_eager_with_four_attentions():
+    torch.compiler.reset()
+    torch.manual_seed(0)
+    model = timm.create_model('softmax_pvt_v2_b0', **dict(TINY, attn_type=['flatten', 'inline', 'multimax', 'sima']))
+    x = torch.randn(2, 3, 64, 64)
+    compiled = torch.compile(model, fullgraph=True, backend='eager')
+    try:
+        assert (compiled(x) - model(x)).abs().max() < 1e-5
+    finally:
+        torch.compiler.reset()
