@@ -6,5 +6,5 @@ from . import checkpoint
 from .attention import (
     build_attention, forms_score_matrix, get_mixer_class, list_attentions, register_attention, stage_attentions,
 )
-from . import vit, pvt
+from . import vit, pvt, pvt_v2
 from . import swin, cswin

@@ -4,7 +4,14 @@ The models keep the original key names (`patch_embed.proj`, `cls_token`, `pos_em
 `blocks.{i}.{norm1,attn.qkv,attn.proj,norm2,mlp.fc1,mlp.fc2}`, `norm`, `head`), so DeiT checkpoints load strictly.
 Each attention sees the class token as a prefix token and the patch grid as `size` = (H, W). Registered: every
 attention of the registry at the DeiT sizes (`{attention}_deit_{tiny,small,base}`), except that the names of the
-official models with their own widths and input sizes (`_OFFICIAL`) are theirs.
+official models with their own widths and input sizes (`_OFFICIAL`) and of the MultiMax models (`_MULTIMAX`) are
+theirs.
+
+The official MultiMax models (`multimax_deit_{tiny,small,base}`, the DeiT body of the MultiMax code) have no class
+token (`pos_embed` of the patches only, the mean of the normalised tokens pooled), `qkv` without bias, and the
+MultiMax σ on the class logits too, with the model's own `ranges` and `ts`; the class-token DeiT with MultiMax
+blocks is `create_model('softmax_deit_small', attn_type='multimax')`, and the paper's softmax baseline, the same body
+without σ, `create_model('multimax_deit_small', attn_type='softmax', multimax_logits=False)`.
 
 `forward_features` returns the tokens (B, 1 + H*W, C), class token first, as timm's DeiT does. The model runs at
 the input size it was built for; with `dynamic_img_size=True` at any size whose sides are multiples of
@@ -17,11 +24,12 @@ from typing import Any, Dict, Optional, Sequence, Set, Tuple, Union
 import torch
 from torch import Tensor, nn
 
-from timm.layers import PatchEmbed, calculate_drop_path_rates, to_2tuple, trunc_normal_
+from timm.layers import PatchEmbed, calculate_drop_path_rates, global_pool_nlc, to_2tuple, trunc_normal_
 from timm.models import generate_default_cfgs
 
 from .attention import build_attention, check_attn_kwargs, list_attentions, stage_attentions
 from .attention.layout import Grid
+from .attention.multimax import multimax_modulation
 from .checkpoint import CheckpointError, filter_checkpoint, resample_grid_embedding, resize_grid_embedding
 from .family import (
     INLINE_META, Block, ZooModel, create_variant, imagenet_cfg, init_weights, register_variants, run_blocks,
@@ -32,8 +40,8 @@ __all__ = ['DeiT', 'checkpoint_filter_fn']
 
 
 class DeiT(ZooModel):
-    """Vision transformer with a class token and a learned absolute position embedding (DeiT and the papers'
-    DeiT-style models).
+    """Vision transformer with a learned absolute position embedding and (by default) a class token: DeiT and
+    the papers' DeiT-style models.
 
     Args:
         img_size: input image size the model is built for (int or (H, W)); other sizes raise ValueError unless
@@ -41,7 +49,11 @@ class DeiT(ZooModel):
         patch_size: side of the square patches.
         in_chans: input image channels.
         num_classes: classifier outputs; 0 for none.
-        global_pool: 'token' (class token), 'avg' (mean of the patch tokens) or '' (no pooling).
+        global_pool: 'token' (class token), 'avg' (mean of the patch tokens) or '' (no pooling); default 'token'
+            with a class token, else 'avg'.
+        class_token: a class token before the patch tokens (with its own `pos_embed` row).
+        multimax_logits: the MultiMax σ on the class logits, with the model's own `ranges` and `ts` (4,) each;
+            the logits are σ(head(pooled features)).
         embed_dim, depth, num_heads, mlp_ratio, qkv_bias: transformer width, blocks, heads, MLP ratio, qkv bias.
         attn_type: the attention of every block: a registered name, a one-element list of names, or a one-letter
             pattern ('I', 'L', 'S'; 'M' with a block count gives that many linear blocks, then softmax).
@@ -61,7 +73,7 @@ class DeiT(ZooModel):
             patch_size: int = 16,
             in_chans: int = 3,
             num_classes: int = 1000,
-            global_pool: str = 'token',
+            global_pool: Optional[str] = None,
             embed_dim: int = 192,
             depth: int = 12,
             num_heads: int = 3,
@@ -73,13 +85,16 @@ class DeiT(ZooModel):
             attn_drop_rate: float = 0.,
             drop_path_rate: float = 0.,
             dynamic_img_size: bool = False,
+            class_token: bool = True,
+            multimax_logits: bool = False,
     ):
         super().__init__()
         self.in_chans = in_chans
         self.num_classes = num_classes
+        self.num_prefix_tokens = 1 if class_token else 0
+        global_pool = ('token' if class_token else 'avg') if global_pool is None else global_pool
         self.global_pool = self._check_pool(global_pool)
         self.num_features = self.head_hidden_size = self.embed_dim = embed_dim
-        self.num_prefix_tokens = 1
         self.grad_checkpointing = False
         self.img_size: Grid = tuple(to_2tuple(img_size))
         self.img_divisor = patch_size
@@ -90,8 +105,10 @@ class DeiT(ZooModel):
 
         self.patch_embed = PatchEmbed(self.img_size, patch_size, in_chans, embed_dim, strict_img_size=False)
         self.grid_size: Grid = tuple(self.patch_embed.grid_size)
-        self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim))
-        self.pos_embed = nn.Parameter(torch.zeros(1, 1 + self.patch_embed.num_patches, embed_dim))
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim)) if class_token else None
+        self.pos_embed = nn.Parameter(torch.zeros(1, self.num_prefix_tokens + self.patch_embed.num_patches, embed_dim))
+        self.ranges = nn.Parameter(torch.zeros(4)) if multimax_logits else None
+        self.ts = nn.Parameter(torch.zeros(4)) if multimax_logits else None
         self.pos_drop = nn.Dropout(drop_rate)
 
         names = stage_attentions(attn_type, [depth])[0]
@@ -111,8 +128,17 @@ class DeiT(ZooModel):
             dict(module=f'blocks.{i}', num_chs=embed_dim, reduction=patch_size) for i in range(depth)]
 
         trunc_normal_(self.pos_embed, std=.02)
-        trunc_normal_(self.cls_token, std=.02)
+        if self.cls_token is not None:
+            trunc_normal_(self.cls_token, std=.02)
         self.apply(init_weights)
+        if self.ranges is not None and self.ts is not None:
+            trunc_normal_(self.ranges, std=.02)
+            trunc_normal_(self.ts, std=.02)
+
+    def _check_pool(self, global_pool: str) -> str:
+        if super()._check_pool(global_pool) == 'token' and not self.num_prefix_tokens:
+            raise ValueError("global_pool 'token' needs the class token (class_token=True); use 'avg'")
+        return global_pool
 
     @torch.jit.ignore
     def no_weight_decay(self) -> Set[str]:
@@ -121,7 +147,7 @@ class DeiT(ZooModel):
     @torch.jit.ignore
     def group_matcher(self, coarse: bool = False) -> Dict[str, Any]:
         return dict(stem=r'^cls_token|^pos_embed|^patch_embed',
-                    blocks=[(r'^blocks\.(\d+)', None), (r'^norm', (99999,))])
+                    blocks=[(r'^blocks\.(\d+)', None), (r'^norm|^ranges|^ts', (99999,))])
 
     def adapt_loaded_tensor(self, name: str, tensor: Tensor) -> Tensor:
         """A checkpoint's `pos_embed` of another square grid, resized bicubically with its class-token row kept."""
@@ -154,13 +180,26 @@ class DeiT(ZooModel):
         if i == 0:
             x = self.patch_embed(x)
             grid = (grid[0] // self.img_divisor, grid[1] // self.img_divisor)
-            x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)
+            if self.cls_token is not None:
+                x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)
             x = self.pos_drop(x + self._position_embedding(grid))
         x = run_blocks(self.blocks[i:i + 1], x, grid, grad_checkpointing=self.grad_checkpointing)
         return x, grid
 
     def _prune_stages(self, num_stages: int) -> None:
         self.blocks = self.blocks[:num_stages]
+
+    def forward_head(self, x: Tensor, pre_logits: bool = False) -> Tensor:
+        """Pool the tokens of `forward_features` (class token or mean of the patch tokens), then classify; with
+        `multimax_logits` the logits pass through σ (in float32 at least: its squares overflow float16)."""
+        x = global_pool_nlc(x, self.global_pool, self.num_prefix_tokens)
+        if pre_logits:
+            return x
+        x = self.head(x)
+        if self.ranges is not None and self.ts is not None and self.num_classes > 0:
+            work = torch.promote_types(x.dtype, torch.float32)
+            x = multimax_modulation(x.to(work), self.ranges.to(work), self.ts.to(work))
+        return x
 
 
 def checkpoint_filter_fn(state_dict: Dict[str, Tensor], model: DeiT) -> Dict[str, Tensor]:
@@ -174,11 +213,19 @@ def _create_deit(variant: str, pretrained: bool, model_args: Dict[str, Any], kwa
                           feature_cfg=dict(out_indices=out_indices, feature_cls='getter'))
 
 
+def _create_multimax_deit(variant: str, pretrained: bool, model_args: Dict[str, Any], kwargs: Dict[str, Any]) -> DeiT:
+    """The MultiMax code hard-codes `qkv` without bias, taking the `qkv_bias=True` of DeiT's factory without
+    effect; so do these entrypoints, so that the official constructor arguments build the official model."""
+    kwargs.pop('qkv_bias', None)
+    return _create_deit(variant, pretrained, model_args, kwargs)
+
+
 _cfg = partial(imagenet_cfg, fixed_input_size=True, first_conv='patch_embed.proj')
 
 _DEIT_META = dict(paper_ids='arXiv:2012.12877', origin_url='https://github.com/facebookresearch/deit',
                   license='apache-2.0')
 _DEIT_URL = 'https://dl.fbaipublicfiles.com/deit/deit_{}_patch16_224-{}.pth'
+_MULTIMAX_META = dict(paper_ids='arXiv:2406.01189', origin_url='https://github.com/ZhouYuxuanYX/MultiMax')
 
 _COMMON = dict(patch_size=16, depth=12, mlp_ratio=4., qkv_bias=True)
 _SIZES: Dict[str, Dict[str, Any]] = {
@@ -195,12 +242,20 @@ _OFFICIAL: Dict[str, Tuple[Dict[str, Any], str]] = {
     'inline_deit_base': (dict(_COMMON, embed_dim=384, num_heads=12, img_size=448, attn_type='I'),
                          'InLine-DeiT-B: 384 wide, 12 heads, 448.'),
 }
+_MULTIMAX: Dict[str, Tuple[Dict[str, Any], str]] = {
+    f'multimax_deit_{size}': (
+        dict(_COMMON, **args, qkv_bias=False, attn_type='multimax', class_token=False, multimax_logits=True),
+        f'MultiMax-DeiT-{size} as the MultiMax code builds it: no class token, mean pooling after the final norm, '
+        f'qkv without bias (a qkv_bias keyword has no effect, as there), σ in every block and on the logits.')
+    for size, args in _SIZES.items()
+}
 _VARIANTS: Dict[str, Tuple[Dict[str, Any], str]] = {
     **{f'{attn}_deit_{size}': (dict(_COMMON, **args, attn_type=attn),
                                f'DeiT-{size} ({args["embed_dim"]} wide, {args["num_heads"]} heads) with {attn} '
                                f'attention in every block.')
        for attn in list_attentions() for size, args in _SIZES.items()},
     **_OFFICIAL,
+    **_MULTIMAX,
 }
 
 default_cfgs = generate_default_cfgs({
@@ -208,9 +263,11 @@ default_cfgs = generate_default_cfgs({
     'softmax_deit_tiny': _cfg(_DEIT_URL.format('tiny', 'a1311bcf'), **_DEIT_META),
     'softmax_deit_small': _cfg(_DEIT_URL.format('small', 'cd65a155'), **_DEIT_META),
     'softmax_deit_base': _cfg(_DEIT_URL.format('base', 'b5f2ef4d'), **_DEIT_META),
+    **{f'multimax_deit_{size}': _cfg(**_MULTIMAX_META) for size in _SIZES},
     'inline_deit_tiny': _cfg(tsinghua_url('1d6b8191ad6d4114b291'), **INLINE_META),
     'inline_deit_small': _cfg(tsinghua_url('2f3898b07e9247f3beb3'), input_size=(3, 288, 288), **INLINE_META),
     'inline_deit_base': _cfg(tsinghua_url('10bdd726d4b0435eb34e'), input_size=(3, 448, 448), **INLINE_META),
 })
 
-register_variants(__name__, _VARIANTS, _create_deit)
+register_variants(__name__, {name: v for name, v in _VARIANTS.items() if name not in _MULTIMAX}, _create_deit)
+register_variants(__name__, _MULTIMAX, _create_multimax_deit)

@@ -8,6 +8,7 @@ measured with `torch.utils.flop_counter` on the meta device, so no weights are a
 """
 import functools
 import os
+import re
 import sys
 from typing import Collection, List, Optional, Tuple
 
@@ -20,18 +21,24 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import models  # noqa: E402,F401  (registers the families)
 from models.attention import list_attentions  # noqa: E402
 
-# ImageNet-1k top-1 reported by the papers / official READMEs (None: no released weights or figure).
+# ImageNet-1k top-1 reported by the papers / official READMEs (None: no released weights or figure, or a figure
+# only in a paper table not checked here: MultiMax-DeiT).
 OFFICIAL_TOP1 = {
     'inline_deit_tiny': 74.5, 'inline_deit_small': 80.2, 'inline_deit_base': 82.3,
     'inline_pvt_tiny': 78.2, 'inline_pvt_small': 82.0, 'inline_pvt_medium': 83.2, 'inline_pvt_large': 83.6,
     'inline_swin_tiny': 82.4, 'inline_swin_small': 83.6, 'inline_swin_base': 84.1, 'inline_swin_base_384': None,
     'inline_cswin_tiny': 83.2, 'inline_cswin_small': 83.8, 'inline_cswin_base': 84.5, 'inline_cswin_base_384': None,
     'flatten_pvt_tiny': 77.8, 'flatten_pvt_small': None, 'flatten_pvt_medium': None, 'flatten_pvt_large': None,
+    'flatten_pvt_v2_b0': 71.1, 'flatten_pvt_v2_b1': None, 'flatten_pvt_v2_b2': None, 'flatten_pvt_v2_b3': None,
+    'flatten_pvt_v2_b4': None,
     'flatten_swin_tiny': 82.1, 'flatten_swin_small': 83.5, 'flatten_swin_base': 83.8, 'flatten_swin_base_384': 85.0,
     'flatten_cswin_tiny': 83.1, 'flatten_cswin_small': None, 'flatten_cswin_base': None,
     'flatten_cswin_base_384': None,
+    'multimax_deit_tiny': None, 'multimax_deit_small': None, 'multimax_deit_base': None,
     'softmax_deit_tiny': 72.2, 'softmax_deit_small': 79.9, 'softmax_deit_base': 81.8,
     'softmax_pvt_tiny': 75.1, 'softmax_pvt_small': 79.8, 'softmax_pvt_medium': 81.2, 'softmax_pvt_large': 81.7,
+    'softmax_pvt_v2_b0': 70.5, 'softmax_pvt_v2_b1': 78.7, 'softmax_pvt_v2_b2': 82.0, 'softmax_pvt_v2_b3': 83.1,
+    'softmax_pvt_v2_b4': 83.6, 'softmax_pvt_v2_b5': 83.8,
     'softmax_swin_tiny': 81.2, 'softmax_swin_small': 83.2, 'softmax_swin_base': 83.5, 'softmax_swin_base_384': 84.5,
     'softmax_cswin_tiny': 82.8, 'softmax_cswin_small': 83.6, 'softmax_cswin_base': 84.2,
     'softmax_cswin_base_384': 85.5,
@@ -70,6 +77,11 @@ def official_table() -> List[str]:
     return lines
 
 
+def family_of(family_size: str) -> str:
+    """The family of a family size: 'pvt_v2_b0' -> 'pvt_v2', 'swin_base_384' -> 'swin'."""
+    return re.match(r'(.+?)_(?:tiny|small|medium|large|base|b\d+)(?:_\d+)?$', family_size).group(1)
+
+
 def registry_table(families: Optional[Collection[str]] = None) -> List[str]:
     """Every registered attention (columns) on every family size of `families` (rows; default all), each cell the
     parameters and FLOPs of `{attention}_{family}_{size}` (markdown, with its legend)."""
@@ -78,7 +90,7 @@ def registry_table(families: Optional[Collection[str]] = None) -> List[str]:
     rows = []
     for softmax_name in timm.list_models('softmax_*'):
         family_size = softmax_name[len('softmax_'):]
-        family = family_size.split('_', 1)[0]
+        family = family_of(family_size)
         if families is None or family in families:
             resolution, params, _ = measure(softmax_name)
             rows.append((family, params, resolution, family_size))

@@ -140,7 +140,8 @@ def test_every_shipped_config_loads_and_names_a_registered_model(path):
 OFFICIAL = ['inline_deit_' + s for s in ('tiny', 'small', 'base')] + [
     f'{a}_pvt_{s}' for a in ('inline', 'flatten') for s in ('tiny', 'small', 'medium', 'large')] + [
     f'{a}_{f}_{s}' for a in ('inline', 'flatten') for f in ('swin', 'cswin') for s in ('tiny', 'small', 'base',
-                                                                                        'base_384')]
+                                                                                        'base_384')] + [
+    f'flatten_pvt_v2_b{i}' for i in range(5)] + [f'multimax_deit_{s}' for s in ('tiny', 'small', 'base')]
 
 
 @pytest.mark.parametrize('name', OFFICIAL)
@@ -174,6 +175,11 @@ RECIPES = {
     'flatten/pvt_small': (64, 224, 300, 5, 10, 5e-4, 1e-6, 1e-5, 0.05, None, 0.1, None, 0.875),
     'flatten/pvt_medium': (64, 224, 300, 5, 10, 5e-4, 1e-6, 1e-5, 0.05, 1.0, 0.3, None, 0.875),
     'flatten/pvt_large': (32, 224, 300, 5, 10, 2.5e-4, 5e-7, 5e-6, 0.05, 1.0, 0.3, None, 0.875),
+    'flatten/pvt_v2_b0': (128, 224, 300, 5, 10, 1e-3, 2e-6, 2e-5, 0.05, None, 0.1, None, 0.875),
+    'flatten/pvt_v2_b1': (128, 224, 300, 5, 10, 1e-3, 2e-6, 2e-5, 0.05, None, 0.1, None, 0.875),
+    'flatten/pvt_v2_b2': (128, 224, 300, 5, 10, 1e-3, 2e-6, 2e-5, 0.05, None, 0.1, None, 0.875),
+    'flatten/pvt_v2_b3': (128, 224, 300, 5, 10, 1e-3, 2e-6, 2e-5, 0.05, 1.0, 0.3, None, 0.875),
+    'flatten/pvt_v2_b4': (64, 224, 300, 5, 10, 5e-4, 1e-6, 1e-5, 0.05, 1.0, 0.3, None, 0.875),
     'flatten/swin_tiny': (128, 224, 300, 20, 0, 1e-3, 1e-6, 1e-5, 0.05, 5.0, 0.2, None, 0.875),
     'flatten/swin_small': (128, 224, 300, 20, 0, 1e-3, 1e-6, 1e-5, 0.05, 5.0, 0.3, None, 0.875),
     'flatten/swin_base': (64, 224, 300, 20, 0, 5e-4, 5e-7, 5e-6, 0.05, 5.0, 0.5, None, 0.875),

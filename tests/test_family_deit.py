@@ -98,9 +98,10 @@ def test_softmax_deit_parameter_counts_equal_timm(size):
 
 @pytest.mark.parametrize('size', SIZES)
 def test_variants_share_the_deit_architecture(size):
-    """MultiMax adds its 8 scalars per block, SimA nothing; every variant keeps the DeiT width and depth."""
+    """MultiMax adds its 8 scalars per block, SimA nothing; every variant keeps the DeiT width and depth (the
+    official MultiMax-DeiT drops the class token and qkv bias: test_family_multimax_deit.py)."""
     base = meta_model(f'softmax_deit_{size}')
-    assert count(meta_model(f'multimax_deit_{size}')) == count(base) + 12 * 8
+    assert count(meta_model(f'softmax_deit_{size}', attn_type='multimax')) == count(base) + 12 * 8
     assert count(meta_model(f'sima_deit_{size}')) == count(base)
     for attn in ('multimax', 'sima', 'additive'):
         model = meta_model(f'{attn}_deit_{size}')

@@ -18,6 +18,8 @@ FAMILIES = {
              (40, 48, 56)),
     'pvt': ('{}_pvt_tiny', dict(img_size=64, embed_dims=[8, 16, 16, 16], num_heads=[1, 2, 2, 2],
                                 mlp_ratios=[2, 2, 2, 2], depths=[1, 1, 1, 1], num_classes=5), (96, 128, 160)),
+    'pvt_v2': ('{}_pvt_v2_b0', dict(img_size=64, embed_dims=[8, 16, 16, 16], num_heads=[1, 2, 2, 2],
+                                   mlp_ratios=[2, 2, 2, 2], depths=[1, 1, 1, 1], num_classes=5), (72, 96, 100)),
     'swin': ('{}_swin_tiny', dict(img_size=32, embed_dim=8, depths=[2, 2, 1, 1], num_heads=[1, 2, 2, 2],
                                   window_size=2, num_classes=5), (40, 48, 64)),
     'cswin': ('{}_cswin_tiny', dict(img_size=32, embed_dim=8, depth=[1, 2, 1, 1], num_heads=[2, 2, 2, 2],
@@ -26,6 +28,7 @@ FAMILIES = {
 ATTENTIONS = {
     'deit': ['softmax', 'flatten', 'inline'],
     'pvt': ['softmax', 'flatten', 'inline'],
+    'pvt_v2': ['softmax', 'flatten', 'inline'],
     'swin': [['softmax', 'softmax', 'flatten', 'inline'], ['multimax', 'softmax', 'inline', 'flatten']],
     'cswin': [['softmax', 'softmax', 'flatten', 'inline'], ['multimax', 'flatten', 'softmax', 'inline']],
 }

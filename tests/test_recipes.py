@@ -125,6 +125,8 @@ SCHEDULES = {
     'base/deit': (*DEIT, 16), 'softmax/deit_tiny': (*DEIT, 4), 'softmax/deit_small': (*DEIT, 4),
     'softmax/deit_base': (*DEIT, 16),  # README: Ti/S 256 x 4 GPUs, B 64 x 16 GPUs
     'base/pvt': (*PVT, 8), **{f'softmax/pvt_{s}': (*PVT, 8) for s in ('tiny', 'small', 'medium', 'large')},
+    'base/pvt_v2': (*PVT, 8), **{f'softmax/pvt_v2_{s}': (*PVT, 8) for s in ('b0', 'b1', 'b2', 'b3', 'b4', 'b5')},
+    **{f'multimax/deit_{s}': (*DEIT, g) for s, g in (('tiny', 4), ('small', 4), ('base', 16))},
     'base/cswin': (*CSWIN, 8), **{f'softmax/cswin_{s}': (*CSWIN, 8) for s in ('tiny', 'small', 'base')},
     'base/swin': (*SWIN, 8), **{f'softmax/swin_{s}': (*SWIN, 8) for s in ('tiny', 'small', 'base')},
     'softmax/swin_base_384': (*SWIN_384, 8),
@@ -138,6 +140,8 @@ SCHEDULES = {
                                                         ('large', 64))},
     **{f'flatten/pvt_{s}': (*PVT_FORK[b], 8) for s, b in (('tiny', 128), ('small', 64), ('medium', 64),
                                                          ('large', 32))},
+    **{f'flatten/pvt_v2_{s}': (*PVT_FORK[b], 8) for s, b in (('b0', 128), ('b1', 128), ('b2', 128), ('b3', 128),
+                                                            ('b4', 64))},
     **{f'inline/cswin_{s}': (*CSWIN_FORK[b], 8) for s, b in (('tiny', 128), ('small', 128), ('base', 64))},
     **{f'flatten/cswin_{s}': (*CSWIN_FORK[b], 8) for s, b in (('tiny', 256), ('small', 128), ('base', 64))},
     **{f'{a}/cswin_base_384': (*CSWIN_FORK_384, 8) for a in ('inline', 'flatten')},

@@ -1,0 +1,330 @@
+"""PVT v2: a four-stage pyramid of overlapping patch embeddings, pre-norm blocks whose MLP holds a depthwise
+convolution, and a LayerNorm closing every stage.
+
+Every block takes its attention from the registry in the spatial-reduction grouping (separate `q` / `kv`
+projections), PVT v2's `linear=False` path: score-forming attentions reduce their keys and values by `sr_ratios`
+(a strided convolution `attn.sr` and LayerNorm `attn.norm`), the others by `la_sr_ratios` (1 in every stage by
+default, i.e. global attention over the stage), as FLatten-PVTv2 does. There is no absolute position embedding:
+the overlapping patch embeddings and the MLP's depthwise convolution carry the position.
+
+The official key names are kept (`patch_embed{i}.proj/norm`, `block{i}.{j}.{norm1,attn.*,norm2,mlp.fc1,
+mlp.dwconv.dwconv,mlp.fc2}`, `norm{i}`, `head`), so checkpoints of the official PVT v2 and FLatten-PVTv2 code load
+strictly; timm's own `pvt_v2_b*` layout (`stages.{i}.…`) is renamed to them on loading.
+
+`forward_features` returns the last stage's normed map as (B, C, H, W) (`output_fmt` 'NCHW'), as timm's PVT v2
+does. The model runs at the input size it was built for; with `dynamic_img_size=True` at any size (stage grids
+ceil(H / 4), then halved with rounding up, as the overlapping convolutions give them), FLatten's positional
+encodings resampled on the fly, and `set_input_size` makes such a size the model's own.
+
+Registered: every attention of the registry at the PVT v2 sizes (`{attention}_pvt_v2_b{0..5}`, heads 1-2-5-8),
+except that the names of the official FLatten-PVTv2 models (`_OFFICIAL`) carry their pattern and release.
+"""
+import math
+import re
+from functools import partial
+from typing import Any, Dict, Optional, Sequence, Set, Tuple, Union
+
+import torch
+from torch import Tensor, nn
+
+from timm.layers import DropPath, calculate_drop_path_rates, to_2tuple, trunc_normal_
+from timm.models import generate_default_cfgs
+
+from .attention import build_attention, check_attn_kwargs, forms_score_matrix, list_attentions, stage_attentions
+from .attention.layout import Grid, image_to_tokens, tokens_to_image
+from .checkpoint import filter_checkpoint
+from .family import FLATTEN_META, ZooModel, create_variant, imagenet_cfg, register_variants, run_blocks, tsinghua_url
+
+__all__ = ['PyramidVisionTransformerV2', 'OverlapPatchEmbed', 'DepthwiseConvMlp', 'PvtV2Block',
+           'checkpoint_filter_fn']
+
+NUM_STAGES = 4
+
+
+class OverlapPatchEmbed(nn.Module):
+    """Strided convolution with overlapping windows (kernel > stride, padding kernel // 2), then a LayerNorm.
+
+    (B, C_in, H, W) -> (B, ceil(H / stride) * ceil(W / stride), C) tokens.
+    """
+
+    def __init__(self, patch_size: int, stride: int, in_chans: int, embed_dim: int):
+        super().__init__()
+        self.patch_size = to_2tuple(patch_size)
+        self.stride = stride
+        self.proj = nn.Conv2d(in_chans, embed_dim, self.patch_size, stride=stride,
+                              padding=(self.patch_size[0] // 2, self.patch_size[1] // 2))
+        self.norm = nn.LayerNorm(embed_dim)
+
+    def output_grid(self, grid: Grid) -> Grid:
+        """The token grid of images (or maps) of size `grid`."""
+        return -(-grid[0] // self.stride), -(-grid[1] // self.stride)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.norm(image_to_tokens(self.proj(x)))
+
+
+class DepthwiseConv(nn.Module):
+    """3×3 depthwise convolution (with bias) of tokens imaged on their grid: (B, H*W, C) -> (B, H*W, C)."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.dwconv = nn.Conv2d(dim, dim, 3, 1, 1, bias=True, groups=dim)
+
+    def forward(self, x: Tensor, size: Grid) -> Tensor:
+        return image_to_tokens(self.dwconv(tokens_to_image(x, size)))
+
+
+class DepthwiseConvMlp(nn.Module):
+    """PVT v2's MLP: fc1 -> 3×3 depthwise convolution on the hidden map -> GELU -> fc2 (dropout after each)."""
+
+    def __init__(self, dim: int, hidden_dim: int, drop: float = 0.):
+        super().__init__()
+        self.fc1 = nn.Linear(dim, hidden_dim)
+        self.dwconv = DepthwiseConv(hidden_dim)
+        self.act = nn.GELU()
+        self.fc2 = nn.Linear(hidden_dim, dim)
+        self.drop = nn.Dropout(drop)
+
+    def forward(self, x: Tensor, size: Grid) -> Tensor:
+        """x: (B, H*W, C) over the grid `size` -> (B, H*W, C)."""
+        x = self.drop(self.act(self.dwconv(self.fc1(x), size)))
+        return self.drop(self.fc2(x))
+
+
+class PvtV2Block(nn.Module):
+    """Pre-norm block around a given attention: x + attn(norm1(x)), then x + mlp(norm2(x)) with the depthwise
+    convolution MLP."""
+
+    def __init__(self, dim: int, attn: nn.Module, mlp_ratio: float = 4., drop: float = 0., drop_path: float = 0.):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim, eps=1e-6)
+        self.attn = attn
+        self.drop_path = DropPath(drop_path) if drop_path > 0. else nn.Identity()
+        self.norm2 = nn.LayerNorm(dim, eps=1e-6)
+        self.mlp = DepthwiseConvMlp(dim, int(dim * mlp_ratio), drop=drop)
+
+    def forward(self, x: Tensor, size: Grid) -> Tensor:
+        """x: (B, H*W, C) over the grid `size` = (H, W) -> (B, H*W, C)."""
+        x = x + self.drop_path(self.attn(self.norm1(x), size))
+        return x + self.drop_path(self.mlp(self.norm2(x), size))
+
+
+def init_weights_pvt_v2(module: nn.Module) -> None:
+    """The official initialisation: Linear trunc-normal(.02) with zero bias, LayerNorm 1 and 0, Conv2d
+    normal(0, sqrt(2 / fan_out)) with fan_out = k·k·out / groups, zero bias."""
+    if isinstance(module, nn.Linear):
+        trunc_normal_(module.weight, std=.02)
+        if module.bias is not None:
+            nn.init.zeros_(module.bias)
+    elif isinstance(module, nn.LayerNorm):
+        nn.init.ones_(module.weight)
+        nn.init.zeros_(module.bias)
+    elif isinstance(module, nn.Conv2d):
+        fan_out = module.kernel_size[0] * module.kernel_size[1] * module.out_channels // module.groups
+        nn.init.normal_(module.weight, 0., math.sqrt(2. / fan_out))
+        if module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+
+class PyramidVisionTransformerV2(ZooModel):
+    """PVT v2 with swappable attention.
+
+    Args:
+        img_size: input size the model is built for (int or (H, W)); it sizes grid-tied attention parameters.
+            The model takes only this size unless `dynamic_img_size`.
+        in_chans: input image channels.
+        num_classes: classifier outputs; 0 for none.
+        embed_dims, num_heads, mlp_ratios, depths: per stage width, heads, MLP ratio and number of blocks.
+        qkv_bias: bias of the `q` and `kv` projections.
+        sr_ratios: spatial reduction of keys and values per stage for score-forming attentions.
+        la_sr_ratios: the same for attentions that form no score matrix, a string of digits ('1111') or a
+            sequence of ints.
+        attn_type: a registered name for every block, a list of names per stage, or an official pattern ('LLLL').
+        attn_kwargs: method options of the attentions (`models.attention.list_attention_options()`).
+        global_pool: 'avg' (mean of the last stage's normalised tokens) or ''.
+        drop_rate: dropout after the attention projections and the MLP layers.
+        attn_drop_rate: dropout on attention weights (score-forming attentions).
+        drop_path_rate: stochastic depth, rising linearly over all blocks to this rate.
+        dynamic_img_size: take any input size, the grids following it.
+    """
+
+    def __init__(
+            self,
+            img_size: Union[int, Grid] = 224,
+            in_chans: int = 3,
+            num_classes: int = 1000,
+            embed_dims: Sequence[int] = (64, 128, 320, 512),
+            num_heads: Sequence[int] = (1, 2, 5, 8),
+            mlp_ratios: Sequence[float] = (8, 8, 4, 4),
+            qkv_bias: bool = True,
+            depths: Sequence[int] = (3, 4, 6, 3),
+            sr_ratios: Sequence[int] = (8, 4, 2, 1),
+            la_sr_ratios: Union[str, Sequence[int]] = '1111',
+            attn_type: Union[str, Sequence[str]] = 'softmax',
+            attn_kwargs: Optional[Dict[str, Any]] = None,
+            global_pool: str = 'avg',
+            drop_rate: float = 0.,
+            attn_drop_rate: float = 0.,
+            drop_path_rate: float = 0.,
+            dynamic_img_size: bool = False,
+    ):
+        super().__init__()
+        for what, values in (('embed_dims', embed_dims), ('num_heads', num_heads), ('mlp_ratios', mlp_ratios),
+                             ('depths', depths), ('sr_ratios', sr_ratios), ('la_sr_ratios', la_sr_ratios)):
+            if len(values) != NUM_STAGES:
+                raise ValueError(f"{what} {values!r} must have {NUM_STAGES} entries, one per stage")
+        if not all(str(r).isdigit() for r in la_sr_ratios):
+            raise ValueError(f"la_sr_ratios {la_sr_ratios!r} must be {NUM_STAGES} non-negative integers, e.g. '1111'")
+        la_sr_ratios = [int(r) for r in la_sr_ratios]
+        self.num_stages = NUM_STAGES
+        self.img_divisor = 1
+        self.dynamic_img_size = dynamic_img_size
+        self.img_size: Grid = tuple(to_2tuple(img_size))
+        self._check_size(self.img_size, 'img_size')
+        self._init_output_fmt('NCHW')
+        self.in_chans = in_chans
+        self.num_classes = num_classes
+        self.num_features = self.head_hidden_size = embed_dims[-1]
+        self.num_prefix_tokens = 0
+        self.global_pool = self._check_pool(global_pool)
+        self.grad_checkpointing = False
+
+        names = stage_attentions(attn_type, depths)
+        attn_kwargs = check_attn_kwargs([name for stage in names for name in stage], attn_kwargs)
+        rates = iter(calculate_drop_path_rates(drop_path_rate, sum(depths)))
+        grid = self.img_size
+        for i in range(NUM_STAGES):
+            patch_size, stride = (7, 4) if i == 0 else (3, 2)
+            dim = embed_dims[i]
+            patch_embed = OverlapPatchEmbed(patch_size, stride, in_chans if i == 0 else embed_dims[i - 1], dim)
+            setattr(self, f'patch_embed{i + 1}', patch_embed)
+            grid = patch_embed.output_grid(grid)
+            setattr(self, f'block{i + 1}', nn.ModuleList([
+                PvtV2Block(
+                    dim,
+                    build_attention(
+                        name, dim, num_heads[i], grid, qkv_bias, grouping='reduction', attn_kwargs=attn_kwargs,
+                        sr_ratio=sr_ratios[i] if forms_score_matrix(name) else la_sr_ratios[i],
+                        attn_drop=attn_drop_rate, proj_drop=drop_rate),
+                    mlp_ratio=mlp_ratios[i], drop=drop_rate, drop_path=next(rates))
+                for name in names[i]]))
+            setattr(self, f'norm{i + 1}', nn.LayerNorm(dim, eps=1e-6))
+        self.head = nn.Linear(embed_dims[-1], num_classes) if num_classes > 0 else nn.Identity()
+        self.feature_info = [dict(module=f'norm{i + 1}', num_chs=embed_dims[i], reduction=4 * 2 ** i)
+                             for i in range(NUM_STAGES)]
+        self.apply(init_weights_pvt_v2)
+
+    @torch.jit.ignore
+    def no_weight_decay(self) -> Set[str]:
+        # The official model names position embeddings it does not have: every parameter is decayed.
+        return set()
+
+    @torch.jit.ignore
+    def group_matcher(self, coarse: bool = False) -> Dict[str, Any]:
+        stem = r'^patch_embed1\.'
+        if coarse:
+            return dict(stem=stem, blocks=[(r'^(?:block|patch_embed|norm)(\d+)', None)])
+        return dict(stem=stem, blocks=[(r'^block(\d+)\.(\d+)', None), (r'^(?:patch_embed|norm)(\d+)', (0,))])
+
+    def _set_grids(self, img_size: Grid) -> None:
+        grid = img_size
+        for i in range(self.num_stages):
+            grid = getattr(self, f'patch_embed{i + 1}').output_grid(grid)
+            for block in getattr(self, f'block{i + 1}'):
+                block.attn.set_grid(grid)
+
+    def _final_norm(self, x: Tensor) -> Tensor:
+        # every stage ends in its own norm{i}, the last one included
+        return x
+
+    def _run_stage(self, i: int, x: Tensor, grid: Grid) -> Tuple[Tensor, Grid]:
+        """Stage i on images (i = 0) or the previous stage's tokens: (B, h*w, C_i) after the stage's norm."""
+        if i:
+            x = tokens_to_image(x, grid)
+        patch_embed = getattr(self, f'patch_embed{i + 1}')
+        grid = patch_embed.output_grid(grid)
+        x = patch_embed(x)
+        x = run_blocks(getattr(self, f'block{i + 1}'), x, grid, grad_checkpointing=self.grad_checkpointing)
+        return getattr(self, f'norm{i + 1}')(x), grid
+
+    def _prune_stages(self, num_stages: int) -> None:
+        for i in range(num_stages, self.num_stages):
+            for name in (f'patch_embed{i + 1}', f'block{i + 1}', f'norm{i + 1}'):
+                delattr(self, name)
+
+
+_TIMM_STAGE_KEY = re.compile(r'^stages\.(\d+)\.(blocks|downsample|norm)')
+
+
+def _official_key(key: str) -> str:
+    """A key of timm's `pvt_v2_b*` layout under its official name (timm's `stages.{i}` nesting undone)."""
+    if key.startswith('patch_embed.'):
+        return 'patch_embed1.' + key[len('patch_embed.'):]
+
+    def stage(match: 're.Match') -> str:
+        i, part = int(match.group(1)), match.group(2)
+        return {'blocks': f'block{i + 1}', 'downsample': f'patch_embed{i + 1}', 'norm': f'norm{i + 1}'}[part]
+
+    key = _TIMM_STAGE_KEY.sub(stage, key)
+    return re.sub(r'\.mlp\.dwconv\.(weight|bias)$', r'.mlp.dwconv.dwconv.\1', key)
+
+
+def _from_timm_layout(state_dict: Dict[str, Tensor]) -> Dict[str, Tensor]:
+    if 'patch_embed.proj.weight' not in state_dict:
+        return state_dict
+    return {_official_key(k): v for k, v in state_dict.items()}
+
+
+def checkpoint_filter_fn(state_dict: Dict[str, Tensor], model: PyramidVisionTransformerV2) -> Dict[str, Tensor]:
+    """Adapt a PVT v2 checkpoint (any attention; the official layout or timm's `pvt_v2_b*`) to `model`: unwrap,
+    rename timm's keys to the official ones, resize grid-sized tensors to the model's grids, check the keys."""
+    return filter_checkpoint(state_dict, model, _from_timm_layout)
+
+
+def _create_pvt_v2(variant: str, pretrained: bool, model_args: Dict[str, Any],
+                   kwargs: Dict[str, Any]) -> PyramidVisionTransformerV2:
+    out_indices = kwargs.pop('out_indices', (0, 1, 2, 3))
+    return create_variant(PyramidVisionTransformerV2, variant, pretrained, model_args, kwargs,
+                          pretrained_filter_fn=checkpoint_filter_fn,
+                          feature_cfg=dict(out_indices=out_indices, feature_cls='getter'))
+
+
+_cfg = partial(imagenet_cfg, fixed_input_size=True, pool_size=(7, 7), first_conv='patch_embed1.proj')
+
+_SIZES = ('b0', 'b1', 'b2', 'b3', 'b4', 'b5')
+_WIDE = (64, 128, 320, 512)
+_SIZE_ARGS: Dict[str, Dict[str, Any]] = {
+    'b0': dict(embed_dims=(32, 64, 160, 256), depths=(2, 2, 2, 2)),
+    'b1': dict(embed_dims=_WIDE, depths=(2, 2, 2, 2)),
+    'b2': dict(embed_dims=_WIDE, depths=(3, 4, 6, 3)),
+    'b3': dict(embed_dims=_WIDE, depths=(3, 4, 18, 3)),
+    'b4': dict(embed_dims=_WIDE, depths=(3, 8, 27, 3)),
+    'b5': dict(embed_dims=_WIDE, depths=(3, 6, 40, 3), mlp_ratios=(4, 4, 4, 4)),
+}
+_COMMON = dict(num_heads=(1, 2, 5, 8), mlp_ratios=(8, 8, 4, 4), qkv_bias=True, sr_ratios=(8, 4, 2, 1),
+               la_sr_ratios='1111')
+# The FLatten-PVTv2 models as released (B0) or configured (B1-B4): focused linear attention in every stage.
+_OFFICIAL: Dict[str, Tuple[Dict[str, Any], str]] = {
+    f'flatten_pvt_v2_{size}': (dict(_COMMON, **_SIZE_ARGS[size], attn_type='LLLL'),
+                               f'FLatten-PVTv2-{size.upper()}: focused linear attention in every stage (LLLL).')
+    for size in _SIZES[:5]
+}
+_VARIANTS: Dict[str, Tuple[Dict[str, Any], str]] = {
+    **{f'{attn}_pvt_v2_{size}': (dict(_COMMON, **_SIZE_ARGS[size], attn_type=attn),
+                                 f'PVT v2-{size} with {attn} attention in every block.')
+       for attn in list_attentions() for size in _SIZES},
+    **_OFFICIAL,
+}
+
+_PVT_V2_META = dict(paper_ids='arXiv:2106.13797', origin_url='https://github.com/whai362/PVT', license='apache-2.0')
+
+default_cfgs = generate_default_cfgs({
+    **{name: _cfg() for name in _VARIANTS},
+    **{f'softmax_pvt_v2_{size}': _cfg(f'https://github.com/whai362/PVT/releases/download/v2/pvt_v2_{size}.pth',
+                                      **_PVT_V2_META)
+       for size in _SIZES},
+    'flatten_pvt_v2_b0': _cfg(tsinghua_url('5d1f01532b104da28e7b'), **FLATTEN_META),
+    **{f'flatten_pvt_v2_{size}': _cfg(**FLATTEN_META) for size in _SIZES[1:5]},
+})
+
+register_variants(__name__, _VARIANTS, _create_pvt_v2)
