@@ -215,8 +215,6 @@ def _train(cfg: CN, info: DistInfo, lock: OutputLock) -> Dict[str, Any]:
         while state.epoch < num_epochs:
             epoch = state.epoch
             train_loader.sampler.set_epoch(epoch, skip=state.epoch_batches * cfg.DATA.BATCH_SIZE)
-            # worker seeds depend only on (seed, epoch, rank), so a resumed epoch draws the same augmentations
-            train_loader.generator.manual_seed(cfg.SEED * 1_000_003 + epoch * 1009 + info.rank)
             result = train_one_epoch(
                 train_model, train_loader, criterion, optimizer, scheduler, scaler, state, info,
                 replace(epoch_options, desc=f'epoch {epoch}/{num_epochs}'), mixup=mixup, ema=ema, stop_requested=stop)

@@ -75,6 +75,7 @@ def test_none_turns_clipping_off():
     ('TRAIN: 3\n', ['TRAIN is a group of keys']),
     ('AMP:\n  DTYPE: float8\n', ['AMP.DTYPE', "'float8'", "'bfloat16'"]),
     ('DATA:\n  BATCH_SIZE: 0\n', ['DATA.BATCH_SIZE', '> 0']),
+    ('SEED: -1\n', ['config key SEED is -1; expected a value >= 0']),
     ('DATA:\n  BATCH_SIZE: 7\n', ['DATA.BATCH_SIZE', 'even batch size while mixup']),
     ('TRAIN:\n  CLIP_GRAD: -1.0\n', ['TRAIN.CLIP_GRAD', 'None or a value > 0']),
     ('MODEL:\n  KWARGS:\n    Depth: 3\n', ['MODEL.KWARGS', 'lower-case']),

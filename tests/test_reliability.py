@@ -1,10 +1,10 @@
 """Reliability of training: a non-finite loss skips the update or stops the run with a one-line error and the last
-checkpoint intact; SIGTERM / SIGINT save and exit with 128 + the signal, a second signal stops at once and saves
-nothing; a bad torchrun environment is one line; every attention trains under float16 autocast with the gradient
-scaler; a run killed with SIGKILL resumes to exactly the weights and metrics of an uninterrupted run, keeps
-`best.pth` and leaves no temp files or lock behind; one run at a time per output folder; an unwritable or full
-output folder is one line; a resume with another batch split never retrains a finished epoch; a rank that dies
-ends the others."""
+checkpoint intact; SIGTERM / SIGINT save and exit with 128 + the signal (and resume exactly with DataLoader workers),
+a second signal stops at once and saves nothing; a bad torchrun environment is one line; every attention trains under
+float16 autocast with the gradient scaler; a run killed with SIGKILL resumes to exactly the weights and metrics of an
+uninterrupted run, keeps `best.pth` and leaves no temp files or lock behind; one run at a time per output folder; an
+unwritable or full output folder is one line; a resume with another batch split never retrains a finished epoch; a
+rank that dies ends the others."""
 import errno
 import json
 import math
@@ -233,6 +233,35 @@ def test_resuming_a_finished_epoch_with_another_batch_size_keeps_its_record(tmp_
     assert run_cli(train_main, [*train_argv(output, digits), 'DATA.BATCH_SIZE', '32']) == 0
     assert (output / 'log.jsonl').read_text().startswith(first)
     assert [(r['epoch'], r['step']) for r in records(output)] == [(0, 22), (1, 66)]
+
+
+# The ImageNet recipes' random augmentation (RandAugment, random erasing), loaded by 2 DataLoader workers.
+WORKERS = ['DATA.NUM_WORKERS', '2', 'AUG.AUTO_AUGMENT', 'rand-m9-mstd0.5-inc1', 'AUG.REPROB', '0.25']
+
+
+def test_sigterm_with_dataloader_workers_resumes_to_the_uninterrupted_weights(tmp_path, digits, monkeypatch):
+    reference = tmp_path / 'uninterrupted'
+    assert run_cli(train_main, [*train_argv(reference, digits), *WORKERS]) == 0
+    output = tmp_path / 'stopped'
+    signals_at(monkeypatch, (27, signal.SIGTERM))
+    assert run_cli(train_main, [*train_argv(output, digits), *WORKERS]) == 128 + signal.SIGTERM
+    stopped = torch.load(output / 'last.pth', weights_only=True)
+    # the workers had loaded batches beyond this one, which the resumed run loads again
+    assert (stopped['epoch'], stopped['epoch_batches'], stopped['step']) == (1, 6, 28)
+    monkeypatch.undo()
+    assert run_cli(train_main, [*train_argv(output, digits), *WORKERS]) == 0
+    resumed, uninterrupted = records(output), records(reference)
+    del resumed[1]['train_loss'], uninterrupted[1]['train_loss']  # epoch 1's mean covers only its last 16 batches
+    assert resumed == uninterrupted
+    resumed = torch.load(output / 'last.pth', weights_only=True)
+    reference = torch.load(reference / 'last.pth', weights_only=True)
+    assert resumed['step'] == reference['step'] == 44
+    for key in ('model', 'model_ema'):
+        for name, value in reference[key].items():
+            assert torch.equal(resumed[key][name], value), (key, name)
+    for index, state in reference['optimizer']['state'].items():
+        for name, value in state.items():
+            assert torch.equal(resumed['optimizer']['state'][index][name], value), (index, name)
 
 
 @pytest.mark.parametrize('signum', [signal.SIGTERM, signal.SIGINT])
