@@ -17,7 +17,7 @@ from timm.utils import ModelEmaV3
 from torch.nn.parallel import DistributedDataParallel
 from yacs.config import CfgNode as CN
 
-from .build import (autocast_dtype, check_model_name, create_criterion, create_model, create_optimizer,
+from .build import (autocast_dtype, check_model_config, create_criterion, create_model, create_optimizer,
                     create_scheduler, read_weights)
 from .checkpoint import LAST, OutputLock, TrainingCheckpoint, remove_stale_temp_files
 from .config import ema_decay, scaled_lrs, total_batch_size
@@ -119,7 +119,7 @@ def train(cfg: CN, info: DistInfo) -> Dict[str, Any]:
 
     Rank 0 holds the output folder's lock for the whole run. A run stopped by SIGTERM / SIGINT saves, then raises
     `Stopped`."""
-    check_model_name(cfg.MODEL.NAME)
+    check_model_config(cfg)
     lock = OutputLock(cfg.OUTPUT)
     try:
         return _train(cfg, info, lock)
