@@ -92,6 +92,24 @@ def test_bad_files_name_the_key_and_the_expectation(tmp_path, text, words):
         assert word in message
 
 
+def test_a_yaml_error_names_its_line_and_a_non_utf8_file_its_byte(tmp_path):
+    path = write(tmp_path / 'bad.yaml', 'TRAIN:\n  EPOCHS: 3\n BASE_LR: [1\n')
+    with pytest.raises(ConfigError) as error:
+        load_config(str(path))
+    assert str(error.value) == (f"config file {str(path)!r} is not valid YAML at line 3, column 2: expected <block "
+                                f"end>, but found '<block mapping start>' (while parsing a block mapping from line 1)")
+    with pytest.raises(ConfigError) as error:
+        config_from_yaml_string('TRAIN: [1\n', "checkpoint 'last.pth'")
+    assert str(error.value) == ("the config stored in checkpoint 'last.pth' is not valid YAML at line 2, column 1: "
+                                "expected ',' or ']', but got '<stream end>' (while parsing a flow sequence from "
+                                "line 1)")
+    path.write_bytes('TRAIN:\n  EPOCHS: 3  # résumé\n'.encode('latin-1'))
+    with pytest.raises(ConfigError) as error:
+        load_config(str(path))
+    assert str(error.value) == (f"config file {str(path)!r} is not UTF-8 text: byte 0xe9 on line 2 is not valid "
+                                f"UTF-8; expected a UTF-8 YAML file")
+
+
 def test_bad_opts_name_the_key():
     with pytest.raises(ConfigError, match=r'unknown config key DATA\.IMGSIZE in --opts; did you mean DATA\.IMG_SIZE'):
         load_config(None, ['DATA.IMGSIZE', '32'])
