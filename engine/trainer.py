@@ -202,6 +202,9 @@ def _train(cfg: CN, info: DistInfo, lock: OutputLock) -> Dict[str, Any]:
         n_params = sum(p.numel() for p in model.parameters())
         logger.info(f"model {cfg.MODEL.NAME}: {n_params / 1e6:.2f}M parameters; {len(train_set)} training and "
                     f"{len(val_set)} validation images in {len(train_set.classes)} classes")
+        if len(train_set.classes) == 1:
+            logger.warning(f"the dataset has 1 class ({train_set.classes[0]}): every prediction is that class, so "
+                           f"top-1 is trivially 100 %; expected 2 or more classes for a meaningful accuracy")
         logger.info(f"{info.world_size} process(es) on {info.device.type}, total batch "
                     f"{total_batch_size(cfg, info.world_size)}, lr {lrs['lr']:.3e}, {updates_per_epoch} updates "
                     f"per epoch, {num_epochs} epochs; output {output}")
