@@ -7,6 +7,7 @@ import os
 import random
 import signal
 import sys
+import time
 from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any, Dict, Iterator, Optional
@@ -24,12 +25,15 @@ from .config import ema_decay, scaled_lrs, total_batch_size
 from .data import (build_eval_loader, build_mixup, build_train_loader, check_splits, eval_batch_size,
                    eval_transform, load_split, resolve_data_root, train_transform)
 from .distributed import DistInfo, all_gather_objects, any_rank, barrier
-from .errors import Stopped, StoppedAtOnce, UsageError
+from .errors import Stopped, UsageError, exit_at_once
 from .loops import EpochOptions, TrainState, evaluate, train_one_epoch
 
 __all__ = ['LOG', 'CONFIG', 'train', 'seed_everything', 'setup_logging', 'StopSignal']
 
 LOG, CONFIG = 'log.jsonl', 'config.yaml'
+# torchrun passes the signals it gets on to every rank, which a terminal's Ctrl-C has already reached: a repeat of
+# the first signal this soon after it is that copy, not a second signal
+FORWARDED_WITHIN_S = 1.0
 logger = logging.getLogger('engine')
 
 
@@ -57,32 +61,53 @@ def seed_everything(seed: int) -> None:
 
 
 class StopSignal:
-    """Remembers a SIGTERM / SIGINT so training can save and stop after the current step; a second one
-    stops at once."""
+    """Remembers a SIGTERM / SIGINT so training can save and stop after the current step; a second one ends the
+    process at once, without saving. Under torchrun, the copy of the first signal that torchrun passes on is not
+    a second one."""
 
     def __init__(self):
         self.received: Optional[int] = None
+        self.received_at = 0.0
+        self.copy_seen = False
         self.pid = os.getpid()
 
     def __call__(self) -> bool:
         return self.received is not None
+
+    def _is_torchrun_copy(self, signum: int) -> bool:
+        copy = (signum == self.received and not self.copy_seen and 'TORCHELASTIC_RUN_ID' in os.environ
+                and time.monotonic() - self.received_at < FORWARDED_WITHIN_S)
+        self.copy_seen = self.copy_seen or copy
+        return copy
 
     def _handle(self, signum, frame) -> None:
         # DataLoader workers inherit the handler and get Ctrl-C too; their process stops them, once, itself
         if os.getpid() != self.pid:
             return
         if self.received is not None:
-            raise StoppedAtOnce(signum)
-        self.received = signum
+            if self._is_torchrun_copy(signum):
+                return
+            exit_at_once(signum, f"stopped at once by a second {signal.Signals(signum).name}, without saving; the "
+                                 f"checkpoints saved before are unchanged")
+        self.received, self.received_at = signum, time.monotonic()
         logger.warning(f"received {signal.Signals(signum).name}: saving a checkpoint after this step, then stopping "
                        f"(send it again to stop at once)")
 
     @contextmanager
     def installed(self) -> Iterator['StopSignal']:
+        """The handler for SIGTERM and SIGINT while the block runs; after a signal, a collective that fails because
+        another process ended at once ends this one at once too, on one line."""
         self.pid = os.getpid()
         previous = {s: signal.signal(s, self._handle) for s in (signal.SIGTERM, signal.SIGINT)}
         try:
             yield self
+        except RuntimeError as e:
+            if self.received is None or not torch.distributed.is_initialized():
+                raise
+            detail = (str(e).splitlines() or ['no detail'])[0]
+            exit_at_once(self.received, f"stopped at once after {signal.Signals(self.received).name}: a collective "
+                                        f"with the other processes failed ({detail}), as one of them stopped at "
+                                        f"once; the checkpoints saved before are unchanged")
         finally:
             for s, handler in previous.items():
                 signal.signal(s, handler)
@@ -259,10 +284,10 @@ def _train(cfg: CN, info: DistInfo, lock: OutputLock) -> Dict[str, Any]:
                 checkpoint.save(record)
                 stopped = True
                 break
-    barrier()
-    if stopped:
+        barrier()
         # ranks that got no signal themselves stopped with the others: all exit with the signal they got
-        signum = next(s for s in all_gather_objects(stop.received) if s is not None)
-        raise Stopped(signum, checkpoint.last_path)
+        signums = all_gather_objects(stop.received) if stopped else []
+    if stopped:
+        raise Stopped(next(s for s in signums if s is not None), checkpoint.last_path)
     return record
 

@@ -264,21 +264,60 @@ def test_sigterm_with_dataloader_workers_resumes_to_the_uninterrupted_weights(tm
             assert torch.equal(resumed['optimizer']['state'][index][name], value), (index, name)
 
 
+# Sends the given (update, signal) pairs to itself, as `signals_at` does, then trains: a second signal ends the
+# process itself, so the run cannot share the test's.
+SIGNALS_AT = '''
+import os
+import sys
+
+import engine.loops
+from engine.cli import train_main
+from engine.errors import run_cli
+
+any_rank, calls = engine.loops.any_rank, []
+
+
+def any_rank_sending(flag, device):
+    calls.append(flag)
+    for call, signum in {sends}:
+        if len(calls) == call:
+            os.kill(os.getpid(), signum)
+    return any_rank(flag, device)
+
+
+engine.loops.any_rank = any_rank_sending
+sys.exit(run_cli(train_main))
+'''
+
+
 @pytest.mark.parametrize('signum', [signal.SIGTERM, signal.SIGINT])
-def test_a_second_signal_stops_at_once_without_saving(tmp_path, digits, one_epoch, monkeypatch, capsys, signum):
+def test_a_second_signal_stops_at_once_without_saving(tmp_path, digits, one_epoch, signum):
     output = tmp_path / 'run'
     shutil.copytree(one_epoch, output)
     saved = checkpoints(output)
-    signals_at(monkeypatch, (3, signum), (4, signum))
-    handler = signal.getsignal(signum)
-    capsys.readouterr()
-    assert run_cli(train_main, train_argv(output, digits)) == 128 + signum
-    assert signal.getsignal(signum) is handler
-    err = capsys.readouterr().err
-    assert 'Traceback' not in err
-    assert err.splitlines()[-1] == (f"error: stopped at once by a second {signal.Signals(signum).name}, without "
-                                    f"saving; the checkpoints saved before are unchanged")
+    script = tmp_path / 'script.py'
+    script.write_text(SIGNALS_AT.format(sends=[(3, int(signum)), (4, int(signum))]))
+    result = subprocess.run([sys.executable, str(script), *train_argv(output, digits)], cwd=tmp_path, text=True,
+                            capture_output=True, timeout=120, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert result.returncode == 128 + signum, result.stderr[-3000:]
+    assert 'Traceback' not in result.stderr
+    assert result.stderr.splitlines()[-1] == (f"error: stopped at once by a second {signal.Signals(signum).name}, "
+                                              f"without saving; the checkpoints saved before are unchanged")
     assert checkpoints(output) == saved
+    assert run_cli(train_main, train_argv(output, digits)) == 0  # the lock of the ended run is taken over
+
+
+def test_the_copy_of_a_signal_that_torchrun_passes_on_is_not_a_second_one(tmp_path, digits, one_epoch, monkeypatch,
+                                                                           capsys):
+    output = tmp_path / 'run'
+    shutil.copytree(one_epoch, output)
+    monkeypatch.setenv('TORCHELASTIC_RUN_ID', 'none')
+    signals_at(monkeypatch, (3, signal.SIGINT), (3, signal.SIGINT))  # from the terminal, then from torchrun
+    capsys.readouterr()
+    assert run_cli(train_main, train_argv(output, digits)) == 128 + signal.SIGINT
+    assert capsys.readouterr().err.splitlines()[-1] == (f"error: stopped by SIGINT after saving "
+                                                        f"{output / 'last.pth'}; run the same command again to resume")
+    assert TrainingCheckpoint.read(str(output / 'last.pth'))['epoch_batches'] == 4
 
 
 @pytest.mark.parametrize('env, message', [
@@ -496,6 +535,42 @@ def test_ctrl_c_with_dataloader_workers_is_one_line_and_exits_130(tmp_path, digi
     assert process.returncode == 128 + signal.SIGINT, err[-3000:]
     assert log_text(output).count('received SIGINT') == 1
     assert err.splitlines()[-1].startswith('error: stopped by SIGINT after saving')
+
+
+def torchrun_training(output: Path, digits: Path) -> subprocess.Popen:
+    command = [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
+               str(REPO / 'train.py'), *train_argv(output, digits), 'DATA.BATCH_SIZE', '16', 'DATA.NUM_WORKERS', '2']
+    return subprocess.Popen(command, cwd=output.parent, env=dict(os.environ, OMP_NUM_THREADS='1'),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def test_ctrl_c_under_torchrun_is_one_line_per_rank_and_a_second_one_no_rank_traceback(tmp_path, digits):
+    output = tmp_path / 'run'
+    process = torchrun_training(output, digits)
+    wait_for(process, lambda: 'updates per epoch' in log_text(output))
+    time.sleep(2.0)  # both ranks and their DataLoader workers run
+    os.killpg(process.pid, signal.SIGINT)  # a terminal's Ctrl-C: torchrun, the ranks and their workers
+    out, err = process.communicate(timeout=120)
+    # torchrun passes the signal on to the ranks, and reports it itself with a traceback and exit status 1
+    assert 'SignalException' in err and process.returncode == 1
+    assert out.count('received SIGINT') == 2  # one line per rank, none from the 4 workers
+    assert [line for line in err.splitlines() if line.startswith('error: ')] == [
+        f"error: stopped by SIGINT after saving {output / 'last.pth'}; run the same command again to resume"]
+    assert '[rank' not in err
+    saved = checkpoints(output)
+    assert TrainingCheckpoint.read(str(output / 'last.pth'))['epoch_batches'] > 0
+
+    process = torchrun_training(output, digits)
+    wait_for(process, lambda: log_text(output).count('updates per epoch') == 2)
+    time.sleep(2.0)
+    os.killpg(process.pid, signal.SIGINT)
+    time.sleep(0.3)
+    os.killpg(process.pid, signal.SIGINT)
+    out, err = process.communicate(timeout=120)
+    errors = [line for line in err.splitlines() if line.startswith('error: ')]
+    assert len(errors) == 1 and errors[0].startswith('error: stopped at once'), err[-3000:]
+    assert '[rank' not in err
+    assert checkpoints(output) == saved
 
 
 class Died(BaseException):
