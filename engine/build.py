@@ -17,8 +17,8 @@ from models.checkpoint import CheckpointError, checkpoint_state_dict, load_check
 from .config import ConfigError, mixup_active, model_kwargs
 from .errors import UsageError
 
-__all__ = ['check_model_name', 'classifier_rows', 'read_weights', 'create_model', 'weight_changes',
-           'create_optimizer', 'create_scheduler', 'create_criterion', 'autocast_dtype']
+__all__ = ['check_model_name', 'check_model_config', 'classifier_rows', 'read_weights', 'create_model',
+           'weight_changes', 'create_optimizer', 'create_scheduler', 'create_criterion', 'autocast_dtype']
 
 MODEL_KEYS = ('model', 'state_dict')
 EMA_KEYS = ('model_ema', 'state_dict_ema')
@@ -63,8 +63,10 @@ def read_weights(path: str, ema: bool = False) -> Dict[str, Tensor]:
     return checkpoint_state_dict(checkpoint, MODEL_KEYS)
 
 
-def create_model(cfg: CN, weights: Optional[Dict[str, Tensor]] = None, source: str = 'checkpoint') -> nn.Module:
-    """`timm.create_model(MODEL.NAME, num_classes, img_size, drop_path_rate, **MODEL.KWARGS)`.
+def create_model(cfg: CN, weights: Optional[Dict[str, Tensor]] = None, source: str = 'checkpoint',
+                 device: Optional[str] = None) -> nn.Module:
+    """`timm.create_model(MODEL.NAME, num_classes, img_size, drop_path_rate, **MODEL.KWARGS)`, its parameters
+    created on `device` (None: the default device).
 
     `weights` go through the family's checkpoint filter (official layouts, derived buffers, resizing), so our
     checkpoints and official releases load alike. A classifier for another class count is re-initialised (for
@@ -73,6 +75,8 @@ def create_model(cfg: CN, weights: Optional[Dict[str, Tensor]] = None, source: s
     name = cfg.MODEL.NAME
     check_model_name(name)
     kwargs: Dict[str, Any] = model_kwargs(cfg)
+    if device is not None:
+        kwargs['device'] = device
     if weights is not None:
         classes = classifier_rows(name, weights) or cfg.MODEL.NUM_CLASSES
         kwargs.update(pretrained=True, pretrained_cfg_overlay=dict(state_dict=weights, num_classes=classes))
@@ -109,6 +113,12 @@ def weight_changes(name: str, weights: Mapping[str, Tensor], model: nn.Module) -
         if key in own and key not in classifier_keys and own[key].shape != value.shape:
             changes.append(f"resized {key} from {tuple(value.shape)} to {tuple(own[key].shape)}")
     return changes
+
+
+def check_model_config(cfg: CN) -> None:
+    """Build the model on the meta device, which allocates nothing, so that a name, keyword or value it refuses fails
+    on one line before any data is read."""
+    create_model(cfg, device='meta')
 
 
 def create_optimizer(cfg: CN, model: nn.Module, lr: float) -> torch.optim.Optimizer:

@@ -18,17 +18,18 @@ import re
 import shutil
 import socket
 import uuid
-from typing import Any, Dict, List, Mapping, Optional
+from contextlib import contextmanager
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple
 
 import numpy as np
 import torch
-import yaml
 from timm.scheduler.scheduler import Scheduler
 from timm.utils import ModelEmaV3
 from torch import nn
 
 from models.checkpoint import CheckpointError, load_checkpoint_file, load_state_dict_checked
 
+from .config import config_from_yaml_string
 from .distributed import DistInfo, all_gather_objects
 from .errors import UsageError
 from .loops import TrainState
@@ -216,6 +217,59 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
     random.setstate((state['python_version'], tuple(state['python_internal'].tolist()), state['python_gauss']))
 
 
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _is_optimizer_state(value: Any) -> bool:
+    if not isinstance(value, Mapping) or not isinstance(value.get('state'), Mapping):
+        return False
+    groups = value.get('param_groups')
+    return (isinstance(groups, list) and bool(groups)
+            and all(isinstance(g, Mapping) and isinstance(g.get('params'), list) for g in groups))
+
+
+# what each field of a training checkpoint must be, checked before anything is built from it
+FIELDS: Tuple[Tuple[str, Callable[[Any], bool], str], ...] = (
+    ('model', lambda v: isinstance(v, Mapping) and bool(v) and all(isinstance(t, torch.Tensor) for t in v.values()),
+     'a state dict of tensors'),
+    ('optimizer', _is_optimizer_state, "an optimizer state dict: 'state' and a non-empty list of 'param_groups'"),
+    ('scheduler', lambda v: isinstance(v, Mapping), 'a state dict'),
+    ('scaler', lambda v: isinstance(v, Mapping), 'a state dict'),
+    ('epoch', _is_count, 'an integer >= 0'),
+    ('epoch_batches', _is_count, 'an integer >= 0'),
+    ('step', _is_count, 'an integer >= 0'),
+    ('max_accuracy', lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), 'a number'),
+    ('world_size', lambda v: _is_count(v) and v > 0, 'an integer > 0'),
+    ('rng', lambda v: isinstance(v, list) and bool(v) and all(isinstance(r, Mapping) for r in v),
+     'a list of random states, one per process'),
+    ('config', lambda v: isinstance(v, str), 'the config as YAML text'),
+    ('metrics', lambda v: v is None or isinstance(v, Mapping), "None or the epoch's log record"),
+)
+
+
+def _describe(value: Any) -> str:
+    """`value` in a few words: small values as they are, containers by their size and keys."""
+    if isinstance(value, Mapping):
+        keys = ', '.join(map(str, list(value)[:6]))
+        return f"a mapping with the keys {keys}" if value else '{}'
+    if isinstance(value, (list, tuple)):
+        return f"a {type(value).__name__} of {len(value)}" if value else repr(value)
+    text = repr(value)
+    return text if len(text) <= 40 else f"a {type(value).__name__}"
+
+
+@contextmanager
+def _loading(path: str, what: str, expected: str) -> Iterator[None]:
+    """A stored state that the live object refuses becomes one line naming the checkpoint and the part."""
+    try:
+        yield
+    except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as e:
+        detail = str(e).splitlines()[0] if str(e) else 'no detail'
+        raise CheckpointError(f"checkpoint {path!r} has {what} that this run cannot load ({type(e).__name__}: "
+                              f"{detail}); expected {expected}") from None
+
+
 class TrainingCheckpoint:
     """The checkpoint of one training run: what it holds, the atomic writing of `last.pth` / `best.pth`, reading
     one back checked, and restoring one into the live model, EMA, optimizer, scaler, schedule, state and RNG."""
@@ -272,7 +326,16 @@ class TrainingCheckpoint:
         if missing:
             raise CheckpointError(f"checkpoint {path!r} is not a training checkpoint of this engine: it lacks "
                                   f"{', '.join(missing)}")
-        return dict(checkpoint)
+        checkpoint = dict(checkpoint)
+        checkpoint.setdefault('metrics', None)
+        for key, valid, expected in FIELDS:
+            if not valid(checkpoint[key]):
+                raise CheckpointError(f"checkpoint {path!r} is malformed: {key} is {_describe(checkpoint[key])}; "
+                                      f"expected {expected}")
+        if len(checkpoint['rng']) != checkpoint['world_size']:
+            raise CheckpointError(f"checkpoint {path!r} is malformed: rng holds {len(checkpoint['rng'])} random "
+                                  f"state(s) but world_size is {checkpoint['world_size']}; expected one per process")
+        return checkpoint
 
     @staticmethod
     def check_resumable(checkpoint: Mapping[str, Any], path: str, batch_size: int, accumulation: int,
@@ -283,9 +346,9 @@ class TrainingCheckpoint:
         if (checkpoint['metrics'] is not None or checkpoint.get('train_record') is not None
                 or checkpoint['epoch_batches'] == 0):
             return
-        stored = yaml.safe_load(checkpoint['config'])
-        pairs = [('DATA.BATCH_SIZE', stored['DATA']['BATCH_SIZE'], batch_size),
-                 ('TRAIN.ACCUMULATION_STEPS', stored['TRAIN']['ACCUMULATION_STEPS'], accumulation),
+        stored = config_from_yaml_string(checkpoint['config'], f"checkpoint {path!r}")
+        pairs = [('DATA.BATCH_SIZE', stored.DATA.BATCH_SIZE, batch_size),
+                 ('TRAIN.ACCUMULATION_STEPS', stored.TRAIN.ACCUMULATION_STEPS, accumulation),
                  ('processes', checkpoint['world_size'], world_size)]
         changed = [f"{name} {then} (this run: {now})" for name, then, now in pairs if then != now]
         if changed:
@@ -308,10 +371,12 @@ class TrainingCheckpoint:
                 logger.warning(f"{path} has no EMA weights; the EMA starts from the model")
             else:
                 load_state_dict_checked(self.ema.module, checkpoint['model_ema'], f"EMA of checkpoint {path!r}")
-        self.optimizer.load_state_dict(checkpoint['optimizer'])
+        with _loading(path, 'an optimizer state', 'one of the same model and TRAIN.OPTIMIZER.NAME'):
+            self.optimizer.load_state_dict(checkpoint['optimizer'])
         # a disabled scaler saves an empty state, which an enabled one refuses
         if self.scaler.is_enabled() and checkpoint['scaler']:
-            self.scaler.load_state_dict(checkpoint['scaler'])
+            with _loading(path, 'a gradient scaler state', "the state of torch's GradScaler"):
+                self.scaler.load_state_dict(checkpoint['scaler'])
         state = self.state
         state.epoch, state.epoch_batches = checkpoint['epoch'], checkpoint['epoch_batches']
         state.step, state.max_accuracy = checkpoint['step'], checkpoint['max_accuracy']
@@ -323,7 +388,8 @@ class TrainingCheckpoint:
         # the stored schedule is not loaded: the schedule follows this run's config at this step
         self.scheduler.step_update(num_updates=state.step)
         if checkpoint['world_size'] == self.info.world_size:
-            set_rng_state(checkpoint['rng'][self.info.rank])
+            with _loading(path, 'a random state', 'the states of torch, CUDA, NumPy and random that this engine saves'):
+                set_rng_state(checkpoint['rng'][self.info.rank])
         else:
             logger.warning(f"{path} was written by {checkpoint['world_size']} processes, not "
                            f"{self.info.world_size}: random streams restart from the seed")

@@ -140,7 +140,7 @@ _CHOICES = {
 
 _POSITIVE = ('DATA.BATCH_SIZE', 'DATA.IMG_SIZE', 'MODEL.NUM_CLASSES', 'TRAIN.EPOCHS', 'TRAIN.ACCUMULATION_STEPS',
              'TRAIN.BASE_LR', 'PRINT_FREQ', 'SAVE_FREQ', 'DIST.TIMEOUT_MIN', 'AUG.REPEATED_AUG')
-_NON_NEGATIVE = ('DATA.NUM_WORKERS', 'TRAIN.WARMUP_EPOCHS', 'TRAIN.COOLDOWN_EPOCHS', 'TRAIN.EPOCHS_PER_RUN',
+_NON_NEGATIVE = ('SEED', 'DATA.NUM_WORKERS', 'TRAIN.WARMUP_EPOCHS', 'TRAIN.COOLDOWN_EPOCHS', 'TRAIN.EPOCHS_PER_RUN',
                  'TRAIN.MAX_NONFINITE_STEPS', 'TRAIN.WARMUP_LR', 'TRAIN.MIN_LR', 'TRAIN.WEIGHT_DECAY',
                  'TEST.BATCH_SIZE', 'EMA.REFERENCE_BATCH', 'MODEL.DROP_PATH_RATE', 'MODEL.LABEL_SMOOTHING', 'AUG.MIXUP',
                  'AUG.CUTMIX', 'AUG.REPROB')
@@ -217,14 +217,39 @@ def merge_opts(cfg: CN, opts: Sequence[str]) -> None:
         merge_dict(cfg, nested, '--opts')
 
 
+def _yaml_problem(error: yaml.YAMLError) -> str:
+    """Where a YAML error is and what it is: 'at line L, column C: <problem> (<context> from line K)'."""
+    mark, problem = getattr(error, 'problem_mark', None), getattr(error, 'problem', None)
+    if mark is None or problem is None:
+        return f"({str(error).splitlines()[0]})"
+    context, context_mark = getattr(error, 'context', None), getattr(error, 'context_mark', None)
+    within = f" ({context} from line {context_mark.line + 1})" if context and context_mark else ''
+    return f"at line {mark.line + 1}, column {mark.column + 1}: {problem}{within}"
+
+
+def _parse_yaml(text: str, source: str) -> Any:
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{source} is not valid YAML {_yaml_problem(e)}") from None
+
+
 def _read_yaml(path: str) -> Dict[str, Any]:
     if not os.path.isfile(path):
         raise ConfigError(f"config file {path!r} does not exist")
     try:
-        with open(path) as f:
-            data = yaml.safe_load(f)
-    except yaml.YAMLError as e:
-        raise ConfigError(f"config file {path!r} is not valid YAML ({str(e).splitlines()[0]})") from None
+        with open(path, 'rb') as f:
+            raw = f.read()
+    except OSError as e:
+        raise ConfigError(f"config file {path!r} cannot be read ({e.strerror}); expected a readable YAML "
+                          f"file") from None
+    try:
+        text = raw.decode('utf-8')
+    except UnicodeDecodeError as e:
+        line = raw.count(b'\n', 0, e.start) + 1
+        raise ConfigError(f"config file {path!r} is not UTF-8 text: byte 0x{raw[e.start]:02x} on line {line} is "
+                          f"not valid UTF-8; expected a UTF-8 YAML file") from None
+    data = _parse_yaml(text, f"config file {path!r}")
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -324,10 +349,7 @@ def load_config(
 def config_from_yaml_string(text: str, source: str = 'the checkpoint') -> CN:
     """Rebuild a config from the YAML text `cfg.dump()` wrote (as stored in checkpoints)."""
     cfg = get_default_config()
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        raise ConfigError(f"the config stored in {source} is not valid YAML ({str(e).splitlines()[0]})") from None
+    data = _parse_yaml(text, f"the config stored in {source}")
     merge_dict(cfg, data or {}, source)
     validate_config(cfg)
     cfg.freeze()

@@ -10,6 +10,7 @@ import errno
 import json
 import logging
 import os
+import random
 import shutil
 import stat
 import tempfile
@@ -22,7 +23,7 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 from timm.data import Mixup, create_transform
 from timm.data.auto_augment import AugmentOp
 from timm.data.distributed_sampler import RepeatAugSampler
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, default_collate
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, default_collate, get_worker_info
 from torchvision.datasets import ImageFolder
 from torchvision.datasets.folder import has_file_allowed_extension
 from tqdm import tqdm
@@ -35,7 +36,7 @@ from .errors import BadImageError, UsageError
 __all__ = [
     'DIGITS_STAMP', 'default_digits_root', 'prepare_digits', 'resolve_data_root', 'check_splits', 'load_split',
     'BadImage', 'ImageFolderSplit', 'ImageLoader', 'read_image', 'check_images', 'report_scan', 'posterize',
-    'train_transform', 'eval_transform', 'build_mixup', 'ShardSampler', 'SkipSampler',
+    'train_transform', 'eval_transform', 'build_mixup', 'ShardSampler', 'SkipSampler', 'SeededSamples',
     'build_train_loader', 'build_eval_loader', 'eval_batch_size',
 ]
 
@@ -379,10 +380,12 @@ def _collate(samples: Sequence[Tuple[Any, int, Tuple[BadImage, ...]]]) -> _Batch
 class ImageLoader(DataLoader):
     """A `DataLoader` over an `ImageFolderSplit` that yields `(images, targets)` and applies `DATA.BAD_IMAGES` to
     the files its workers could not read: 'error' raises `BadImageError` naming the file; 'skip' logs each file
-    the first time and keeps the files skipped in the current pass in `skipped`."""
+    the first time and keeps the files skipped in the current pass in `skipped`. `seeded` takes the
+    `(index, sample_seed)` keys of `SkipSampler` (`SeededSamples`)."""
 
-    def __init__(self, dataset: ImageFolderSplit, **kwargs):
-        super().__init__(dataset, collate_fn=_collate, **kwargs)
+    def __init__(self, dataset: ImageFolderSplit, seeded: bool = False, **kwargs):
+        super().__init__(SeededSamples(dataset) if seeded else dataset, collate_fn=_collate, **kwargs)
+        self.bad_images = dataset.bad_images
         self.skipped: Set[str] = set()
         self._logged: Set[str] = set()
 
@@ -390,7 +393,7 @@ class ImageLoader(DataLoader):
         self.skipped = set()
         for batch in super().__iter__():
             for bad in batch.bad:
-                if self.dataset.bad_images == 'error':
+                if self.bad_images == 'error':
                     raise BadImageError(f"{bad}; expected images that can be read (DATA.BAD_IMAGES 'error'; 'skip' "
                                         f"leaves such files out, --check-data finds them before training)")
                 self.skipped.add(bad.path)
@@ -474,27 +477,54 @@ class ShardSampler(Sampler[int]):
         return len(self.indices)
 
 
-class SkipSampler(Sampler[int]):
-    """Wraps an epoch-seeded sampler; `set_epoch(epoch, skip)` drops that epoch's first `skip` indices.
+class SkipSampler(Sampler[Tuple[int, int]]):
+    """Wraps an epoch-seeded sampler and yields `(index, sample_seed)`; `set_epoch(epoch, skip)` drops that epoch's
+    first `skip` samples.
 
-    Resuming in the middle of an epoch continues with the batches that were not yet trained.
+    A sample's seed depends only on (`seed`, `rank`, epoch, position in the epoch), so resuming in the middle of an
+    epoch continues with the samples not yet trained, drawn with the seeds they had.
     """
 
-    def __init__(self, sampler: Sampler):
-        self.sampler = sampler
-        self.skip = 0
+    def __init__(self, sampler: Sampler, seed: int, rank: int):
+        self.sampler, self.seed, self.rank = sampler, seed, rank
+        self.epoch = self.skip = 0
 
     def set_epoch(self, epoch: int, skip: int = 0) -> None:
         self.sampler.set_epoch(epoch)
-        self.skip = skip
+        self.epoch, self.skip = epoch, skip
 
-    def __iter__(self) -> Iterator[int]:
-        for i, index in enumerate(self.sampler):
-            if i >= self.skip:
-                yield index
+    def __iter__(self) -> Iterator[Tuple[int, int]]:
+        seeds = np.random.default_rng([self.seed, self.rank, self.epoch]).integers(2 ** 63, size=len(self.sampler))
+        for position, index in enumerate(self.sampler):
+            if position >= self.skip:
+                yield index, int(seeds[position])
 
     def __len__(self) -> int:
         return max(0, len(self.sampler) - self.skip)
+
+
+class SeededSamples(Dataset):
+    """`dataset[index]` for the keys `(index, sample_seed)` of `SkipSampler`.
+
+    In a DataLoader worker, `random`, NumPy and torch are seeded with the sample's seed first: a worker's streams
+    would otherwise depend on what it drew before, which neither a resumed run (whose workers start at another
+    batch) nor another worker count repeats. In the main process (no workers) the streams are the run's own,
+    which checkpoints restore.
+    """
+
+    def __init__(self, dataset: Dataset):
+        self.dataset = dataset
+
+    def __getitem__(self, key: Tuple[int, int]):
+        index, seed = key
+        if get_worker_info() is not None:
+            random.seed(seed)
+            np.random.seed([seed & 0xFFFFFFFF, seed >> 32])
+            torch.default_generator.manual_seed(seed)  # torch.manual_seed also seeds every accelerator: slower
+        return self.dataset[index]
+
+    def __len__(self) -> int:
+        return len(self.dataset)
 
 
 def _workers(cfg: CN) -> int:
@@ -503,8 +533,8 @@ def _workers(cfg: CN) -> int:
 
 def build_train_loader(cfg: CN, dataset: ImageFolderSplit, info: DistInfo) -> ImageLoader:
     """Shuffled per epoch (DistributedSampler seeded by SEED, or repeated augmentation with several processes);
-    full batches only. Workers start afresh each epoch from the loader's generator, which the training loop
-    re-seeds per epoch, so their augmentation is reproducible after a resume."""
+    full batches only. Each sample's augmentation is drawn from its own seed (`SkipSampler`, `SeededSamples`),
+    so a resumed run repeats it with any number of workers."""
     if info.distributed and cfg.AUG.REPEATED_AUG > 1:
         base = RepeatAugSampler(dataset, num_replicas=info.world_size, rank=info.rank, shuffle=True,
                                 num_repeats=cfg.AUG.REPEATED_AUG)
@@ -515,8 +545,9 @@ def build_train_loader(cfg: CN, dataset: ImageFolderSplit, info: DistInfo) -> Im
         raise UsageError(f"DATA.BATCH_SIZE {cfg.DATA.BATCH_SIZE} is larger than the {len(base)} training images "
                          f"each of the {info.world_size} processes gets; expected a smaller batch")
     return ImageLoader(
-        dataset, batch_size=cfg.DATA.BATCH_SIZE, sampler=SkipSampler(base), num_workers=_workers(cfg),
-        pin_memory=cfg.DATA.PIN_MEMORY and info.device.type == 'cuda', drop_last=True,
+        dataset, seeded=True, batch_size=cfg.DATA.BATCH_SIZE, sampler=SkipSampler(base, cfg.SEED, info.rank),
+        num_workers=_workers(cfg), pin_memory=cfg.DATA.PIN_MEMORY and info.device.type == 'cuda', drop_last=True,
+        # each new iterator draws the workers' base seed: from a generator of its own, not the run's torch stream
         generator=torch.Generator())
 
 

@@ -1,14 +1,14 @@
 """Bad input and a diverged training run are reported on one line with exit status 2, an interruption on one
-line with status 128 + the signal's number; `--debug` shows the traceback instead."""
+line with status 128 + the signal's number; `--debug` shows the traceback instead (except for `exit_at_once`)."""
 import os
 import signal
 import sys
-from typing import Callable, Optional, Sequence
+from typing import Callable, NoReturn, Optional, Sequence
 
 from models.checkpoint import CheckpointError
 
-__all__ = ['UsageError', 'BadImageError', 'NonFiniteLossError', 'Stopped', 'StoppedAtOnce', 'USAGE_EXIT_CODE',
-           'run_cli']
+__all__ = ['UsageError', 'BadImageError', 'NonFiniteLossError', 'Stopped', 'USAGE_EXIT_CODE', 'run_cli',
+           'exit_at_once']
 
 USAGE_EXIT_CODE = 2
 
@@ -35,13 +35,17 @@ class Stopped(KeyboardInterrupt):
         self.signum = signum
 
 
-class StoppedAtOnce(KeyboardInterrupt):
-    """A second SIGTERM / SIGINT during training: stop without saving, leaving the saved checkpoints as they are."""
+def exit_at_once(signum: int, message: str) -> NoReturn:
+    """End the process now with status 128 + `signum`, after `error: <message>` from the reporting rank.
 
-    def __init__(self, signum: int):
-        super().__init__(f"stopped at once by a second {signal.Signals(signum).name}, without saving; the "
-                         f"checkpoints saved before are unchanged")
-        self.signum = signum
+    For a second signal: an exception raised from a signal handler can land in a clean-up (a DataLoader's
+    `__del__`, where Python prints and ignores it) or chain onto the first stop's, while an exit at once cannot.
+    Nothing half-written stays: checkpoints are replaced atomically, and the lock and temporary files of a
+    process that ended are taken over by the next run.
+    """
+    if _reports():
+        os.write(sys.stderr.fileno(), f"\nerror: {message}\n".encode())  # a handler must not re-enter buffered io
+    os._exit(128 + signum)
 
 
 def run_cli(main: Callable[[Sequence[str]], int], argv: Optional[Sequence[str]] = None) -> int:
@@ -50,8 +54,9 @@ def run_cli(main: Callable[[Sequence[str]], int], argv: Optional[Sequence[str]] 
 
     With `--debug` in `argv` the exception propagates with its traceback. Only rank 0 prints, since every rank
     meets the same bad input and all ranks agree on a non-finite loss. An interruption (Ctrl-C outside the
-    training loop, a signal that stopped training after saving, or a second signal) exits with 128 + the signal's
-    number, as a shell reports it, so `train.py ... && eval.py ...` does not go on after a stopped run.
+    training loop, or a signal that stopped training after saving) exits with 128 + the signal's number, as a shell
+    reports it, so `train.py ... && eval.py ...` does not go on after a stopped run; so does a second signal,
+    through `exit_at_once`.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     try:

@@ -7,6 +7,7 @@ import os
 import random
 import signal
 import sys
+import time
 from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any, Dict, Iterator, List, Optional, TextIO
@@ -17,19 +18,22 @@ from timm.utils import ModelEmaV3
 from torch.nn.parallel import DistributedDataParallel
 from yacs.config import CfgNode as CN
 
-from .build import (autocast_dtype, check_model_name, create_criterion, create_model, create_optimizer,
+from .build import (autocast_dtype, check_model_config, create_criterion, create_model, create_optimizer,
                     create_scheduler, read_weights)
 from .checkpoint import LAST, OutputLock, TrainingCheckpoint, remove_stale_temp_files
 from .config import ema_decay, scaled_lrs, total_batch_size
 from .data import (build_eval_loader, build_mixup, build_train_loader, check_images, check_splits, eval_batch_size,
                    eval_transform, load_split, report_scan, resolve_data_root, train_transform)
 from .distributed import DistInfo, all_gather_objects, all_reduce_sum, any_rank, barrier
-from .errors import Stopped, StoppedAtOnce, UsageError
+from .errors import Stopped, UsageError, exit_at_once
 from .loops import EpochOptions, TrainState, evaluate, train_one_epoch
 
 __all__ = ['LOG', 'CONFIG', 'train', 'seed_everything', 'setup_logging', 'StopSignal']
 
 LOG, CONFIG = 'log.jsonl', 'config.yaml'
+# torchrun passes the signals it gets on to every rank, which a terminal's Ctrl-C has already reached: a repeat of
+# the first signal this soon after it is that copy, not a second signal
+FORWARDED_WITHIN_S = 1.0
 logger = logging.getLogger('engine')
 
 
@@ -57,32 +61,53 @@ def seed_everything(seed: int) -> None:
 
 
 class StopSignal:
-    """Remembers a SIGTERM / SIGINT so training can save and stop after the current step; a second one
-    stops at once."""
+    """Remembers a SIGTERM / SIGINT so training can save and stop after the current step; a second one ends the
+    process at once, without saving. Under torchrun, the copy of the first signal that torchrun passes on is not
+    a second one."""
 
     def __init__(self):
         self.received: Optional[int] = None
+        self.received_at = 0.0
+        self.copy_seen = False
         self.pid = os.getpid()
 
     def __call__(self) -> bool:
         return self.received is not None
+
+    def _is_torchrun_copy(self, signum: int) -> bool:
+        copy = (signum == self.received and not self.copy_seen and 'TORCHELASTIC_RUN_ID' in os.environ
+                and time.monotonic() - self.received_at < FORWARDED_WITHIN_S)
+        self.copy_seen = self.copy_seen or copy
+        return copy
 
     def _handle(self, signum, frame) -> None:
         # DataLoader workers inherit the handler and get Ctrl-C too; their process stops them, once, itself
         if os.getpid() != self.pid:
             return
         if self.received is not None:
-            raise StoppedAtOnce(signum)
-        self.received = signum
+            if self._is_torchrun_copy(signum):
+                return
+            exit_at_once(signum, f"stopped at once by a second {signal.Signals(signum).name}, without saving; the "
+                                 f"checkpoints saved before are unchanged")
+        self.received, self.received_at = signum, time.monotonic()
         logger.warning(f"received {signal.Signals(signum).name}: saving a checkpoint after this step, then stopping "
                        f"(send it again to stop at once)")
 
     @contextmanager
     def installed(self) -> Iterator['StopSignal']:
+        """The handler for SIGTERM and SIGINT while the block runs; after a signal, a collective that fails because
+        another process ended at once ends this one at once too, on one line."""
         self.pid = os.getpid()
         previous = {s: signal.signal(s, self._handle) for s in (signal.SIGTERM, signal.SIGINT)}
         try:
             yield self
+        except RuntimeError as e:
+            if self.received is None or not torch.distributed.is_initialized():
+                raise
+            detail = (str(e).splitlines() or ['no detail'])[0]
+            exit_at_once(self.received, f"stopped at once after {signal.Signals(self.received).name}: a collective "
+                                        f"with the other processes failed ({detail}), as one of them stopped at "
+                                        f"once; the checkpoints saved before are unchanged")
         finally:
             for s, handler in previous.items():
                 signal.signal(s, handler)
@@ -133,7 +158,7 @@ def train(cfg: CN, info: DistInfo, check_data: bool = False) -> Dict[str, Any]:
 
     With `check_data`, every image is decoded before training. Rank 0 holds the output folder's lock for the whole
     run. A run stopped by SIGTERM / SIGINT saves, then raises `Stopped`."""
-    check_model_name(cfg.MODEL.NAME)
+    check_model_config(cfg)
     lock = OutputLock(cfg.OUTPUT)
     try:
         return _train(cfg, info, lock, check_data)
@@ -230,6 +255,9 @@ def _train(cfg: CN, info: DistInfo, lock: OutputLock, check_data: bool) -> Dict[
         n_params = sum(p.numel() for p in model.parameters())
         logger.info(f"model {cfg.MODEL.NAME}: {n_params / 1e6:.2f}M parameters; {len(train_set)} training and "
                     f"{len(val_set)} validation images in {len(train_set.classes)} classes")
+        if len(train_set.classes) == 1:
+            logger.warning(f"the dataset has 1 class ({train_set.classes[0]}): every prediction is that class, so "
+                           f"top-1 is trivially 100 %; expected 2 or more classes for a meaningful accuracy")
         logger.info(f"{info.world_size} process(es) on {info.device.type}, total batch "
                     f"{total_batch_size(cfg, info.world_size)}, lr {lrs['lr']:.3e}, {updates_per_epoch} updates "
                     f"per epoch, {num_epochs} epochs; output {output}")
@@ -249,8 +277,6 @@ def _train(cfg: CN, info: DistInfo, lock: OutputLock, check_data: bool) -> Dict[
             due = last_epoch or pause or (epoch + 1) % cfg.SAVE_FREQ == 0
             if trained is None:
                 train_loader.sampler.set_epoch(epoch, skip=state.epoch_batches * cfg.DATA.BATCH_SIZE)
-                # worker seeds depend only on (seed, epoch, rank), so a resumed epoch draws the same augmentations
-                train_loader.generator.manual_seed(cfg.SEED * 1_000_003 + epoch * 1009 + info.rank)
                 result = train_one_epoch(
                     train_model, train_loader, criterion, optimizer, scheduler, scaler, state, info,
                     replace(epoch_options, desc=f'epoch {epoch}/{num_epochs}'), mixup=mixup, ema=ema,
@@ -311,12 +337,12 @@ def _train(cfg: CN, info: DistInfo, lock: OutputLock, check_data: bool) -> Dict[
                 checkpoint.save(record)
                 stopped = True
                 break
-    barrier()
+        barrier()
+        # ranks that got no signal themselves stopped with the others: all exit with the signal they got
+        signums = all_gather_objects(stop.received) if stopped else []
     if info.is_main and not stopped and state.epoch >= num_epochs:
         logger.info(_summary(os.path.join(output, LOG), checkpoint))
     if stopped:
-        # ranks that got no signal themselves stopped with the others: all exit with the signal they got
-        signum = next(s for s in all_gather_objects(stop.received) if s is not None)
-        raise Stopped(signum, checkpoint.last_path)
+        raise Stopped(next(s for s in signums if s is not None), checkpoint.last_path)
     return record
 

@@ -22,6 +22,7 @@ import tempfile
 import urllib.error
 import urllib.parse
 import urllib.request
+import warnings
 import zipfile
 from collections import OrderedDict
 from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
@@ -51,6 +52,8 @@ WRAPPER_PREFIXES = ('module.', '_orig_mod.')
 # Seconds a connection attempt or a read may stall before the download is given up.
 DOWNLOAD_TIMEOUT_S = 60.
 DOWNLOAD_CHUNK = 1 << 20
+# How a torch checkpoint begins: a zip archive, or (before torch 1.6) a pickle of protocol 2 or higher.
+CHECKPOINT_MAGIC = (b'PK\x03\x04', b'\x80')
 
 
 class CheckpointError(ValueError):
@@ -126,8 +129,7 @@ def download_checkpoint(url: str, file_name: str, cache_dir: Optional[str] = Non
                                 f"bytes; {hint}")
         with open(partial, 'rb') as f:
             head = f.read(4)
-        # A torch checkpoint is a zip archive (or, from before torch 1.6, a pickle); anything else is a web page.
-        if not (head.startswith(b'PK\x03\x04') or head[:1] == b'\x80'):
+        if not head.startswith(CHECKPOINT_MAGIC):  # a web page
             raise DownloadError(f"cannot download {url}: the server sent {received} bytes that are not a torch "
                                 f"checkpoint (starting {head!r}); {hint}")
         os.replace(partial, path)
@@ -156,20 +158,43 @@ def released_weights_file(name: str, cache_dir: Optional[str] = None, progress: 
     return download_checkpoint(cfg.url, cached_file_name(name, cfg.url), cache_dir, progress)
 
 
+def _refusal(error: pickle.UnpicklingError) -> str:
+    """What torch's weights-only unpickler refused, without its advice: allow-listing the global or loading with
+    `weights_only=False` would run the file's code."""
+    detail = str(error).split('WeightsUnpickler error:')[-1].strip()
+    detail = detail.splitlines()[0] if detail else 'no detail'
+    return detail.split(' Please ')[0].rstrip('.')
+
+
 def load_checkpoint_file(path: str, map_location: Any = 'cpu') -> Any:
-    """Load a checkpoint file, refusing pickled objects outside the allow-list without running them."""
+    """Load a checkpoint file, refusing pickled objects outside the allow-list without running them.
+
+    A file that does not begin as a torch checkpoint does (an image, a text file) is named as such before any
+    unpickling.
+    """
     if not os.path.isfile(path):
         raise CheckpointError(f"checkpoint {path!r} does not exist or is not a file")
+    try:
+        with open(path, 'rb') as f:
+            head = f.read(8)
+    except OSError as e:
+        raise CheckpointError(f"checkpoint {path!r} cannot be read ({e.strerror})") from None
+    if not head.startswith(CHECKPOINT_MAGIC):
+        start = f"starts with {head!r}" if head else "is empty"
+        raise CheckpointError(f"{path!r} is not a checkpoint: it {start}; expected a file written by torch.save "
+                              f"(a zip archive or a pickle)")
     # Registered again rather than through the `safe_globals` context manager, whose exit would also remove the
     # process-wide registration that timm's own loader relies on.
     torch.serialization.add_safe_globals(SAFE_GLOBALS)
     try:
-        return torch.load(path, map_location=map_location, weights_only=True)
+        with warnings.catch_warnings():
+            # a pickle of another protocol than torch writes: refused below, on one line
+            warnings.filterwarnings('ignore', message='Detected pickle protocol')
+            return torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as e:
-        detail = str(e).split('WeightsUnpickler error:')[-1].strip().splitlines()[0] if str(e) else ''
         raise CheckpointError(
             f"checkpoint {path!r} is refused: it pickles objects outside the allow-list of tensors and plain "
-            f"containers ({detail})") from None
+            f"containers ({_refusal(e)}); nothing of it ran") from None
     except (RuntimeError, EOFError, zipfile.BadZipFile, OSError, ValueError) as e:
         raise CheckpointError(f"checkpoint {path!r} is truncated or corrupt ({type(e).__name__}: "
                               f"{str(e).splitlines()[0] if str(e) else 'no detail'})") from None

@@ -33,8 +33,8 @@ from .attention import build_attention, check_attn_kwargs, forms_score_matrix, l
 from .attention.layout import Grid, image_to_tokens, tokens_to_image
 from .checkpoint import filter_checkpoint
 from .family import (
-    FLATTEN_META, INLINE_META, ZooModel, create_variant, imagenet_cfg, init_weights, register_variants, run_blocks,
-    tsinghua_url,
+    FLATTEN_META, INLINE_META, ZooModel, check_arguments, create_variant, imagenet_cfg, init_weights,
+    register_variants, run_blocks, tsinghua_url,
 )
 
 __all__ = ['CSWinTransformer', 'checkpoint_filter_fn']
@@ -193,6 +193,10 @@ class CSWinTransformer(ZooModel):
             dynamic_img_size: bool = False,
     ):
         super().__init__()
+        check_arguments(
+            sizes=dict(img_size=img_size, in_chans=in_chans, embed_dim=embed_dim, num_heads=num_heads),
+            counts=dict(num_classes=num_classes, depth=depth), ratios=dict(mlp_ratio=mlp_ratio),
+            rates=dict(drop_rate=drop_rate, attn_drop_rate=attn_drop_rate, drop_path_rate=drop_path_rate))
         if patch_size != 4:
             raise ValueError(f"patch_size {patch_size} is not supported: the CSwin stem has stride 4 (expected 4)")
         if len(depth) != NUM_STAGES or len(num_heads) != NUM_STAGES:

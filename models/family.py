@@ -22,8 +22,8 @@ from .checkpoint import cached_file_name, download_checkpoint
 
 __all__ = [
     'ZooModel', 'create_variant', 'register_variants', 'Block', 'init_weights', 'run_blocks', 'new_classifier',
-    'check_global_pool', 'check_input', 'check_output_fmt', 'imagenet_cfg', 'tsinghua_url', 'INLINE_META',
-    'FLATTEN_META',
+    'check_arguments', 'check_global_pool', 'check_input', 'check_output_fmt', 'imagenet_cfg', 'tsinghua_url',
+    'INLINE_META', 'FLATTEN_META',
 ]
 
 # Pretrained-cfg entries of the InLine and FLatten releases, which several families ship. Their evaluation resizes
@@ -93,6 +93,43 @@ def new_classifier(model: nn.Module, num_features: int, num_classes: int) -> nn.
     head = (nn.Linear(num_features, num_classes, device=ref.device, dtype=ref.dtype)
             if num_classes > 0 else nn.Identity())
     return head.train(model.training)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+_ARGUMENT_KINDS = (
+    ('sizes', 'an integer > 0', lambda v: _is_int(v) and v > 0),
+    ('counts', 'an integer >= 0', lambda v: _is_int(v) and v >= 0),
+    ('ratios', 'a number > 0', lambda v: _is_number(v) and v > 0),
+    ('rates', 'a number in [0, 1]', lambda v: _is_number(v) and 0 <= v <= 1),
+)
+
+
+def check_arguments(
+        sizes: Optional[Mapping[str, Any]] = None,
+        counts: Optional[Mapping[str, Any]] = None,
+        ratios: Optional[Mapping[str, Any]] = None,
+        rates: Optional[Mapping[str, Any]] = None,
+) -> None:
+    """A ValueError naming the first constructor argument out of range, before any layer is built (a layer would
+    fail later with a message about tensors): `sizes` (widths, heads, patch and window sizes) take integers > 0,
+    `counts` (depths, classes) integers >= 0, `ratios` numbers > 0 and `rates` (dropout, drop path) numbers in
+    [0, 1]; each argument is one value or one per stage (None: not used)."""
+    given = dict(sizes=sizes, counts=counts, ratios=ratios, rates=rates)
+    for kind, expected, valid in _ARGUMENT_KINDS:
+        for name, value in (given[kind] or {}).items():
+            if value is None:
+                continue
+            entries = list(value) if isinstance(value, (list, tuple)) else [value]
+            if not entries or not all(valid(v) for v in entries):
+                each = ' each' if isinstance(value, (list, tuple)) else ''
+                raise ValueError(f"{name} {value!r} is out of range; expected {expected}{each}")
 
 
 def check_global_pool(global_pool: str, supported: Sequence[str]) -> str:

@@ -39,8 +39,8 @@ from .attention import build_attention, check_attn_kwargs, forms_score_matrix, l
 from .attention.layout import Grid, tokens_to_image
 from .checkpoint import CheckpointError, filter_checkpoint, resample_grid_embedding, resize_grid_embedding
 from .family import (
-    FLATTEN_META, INLINE_META, Block, ZooModel, create_variant, imagenet_cfg, init_weights, register_variants,
-    run_blocks, tsinghua_url,
+    FLATTEN_META, INLINE_META, Block, ZooModel, check_arguments, create_variant, imagenet_cfg, init_weights,
+    register_variants, run_blocks, tsinghua_url,
 )
 
 __all__ = ['PyramidVisionTransformer', 'checkpoint_filter_fn']
@@ -99,6 +99,11 @@ class PyramidVisionTransformer(ZooModel):
             dynamic_img_size: bool = False,
     ):
         super().__init__()
+        check_arguments(
+            sizes=dict(img_size=img_size, patch_size=patch_size, in_chans=in_chans, embed_dims=embed_dims,
+                       num_heads=num_heads, sr_ratios=sr_ratios),
+            counts=dict(num_classes=num_classes, depths=depths), ratios=dict(mlp_ratios=mlp_ratios),
+            rates=dict(drop_rate=drop_rate, attn_drop_rate=attn_drop_rate, drop_path_rate=drop_path_rate))
         for what, values in (('embed_dims', embed_dims), ('num_heads', num_heads), ('mlp_ratios', mlp_ratios),
                              ('depths', depths), ('sr_ratios', sr_ratios), ('la_sr_ratios', la_sr_ratios)):
             if len(values) != NUM_STAGES:

@@ -32,8 +32,8 @@ from .attention import build_attention, check_attn_kwargs, forms_score_matrix, l
 from .attention.layout import Grid
 from .checkpoint import filter_checkpoint
 from .family import (
-    FLATTEN_META, INLINE_META, Block, ZooModel, create_variant, imagenet_cfg, init_weights, register_variants,
-    run_blocks, tsinghua_url,
+    FLATTEN_META, INLINE_META, Block, ZooModel, check_arguments, create_variant, imagenet_cfg, init_weights,
+    register_variants, run_blocks, tsinghua_url,
 )
 
 __all__ = ['SwinTransformer', 'checkpoint_filter_fn']
@@ -148,6 +148,11 @@ class SwinTransformer(ZooModel):
             dynamic_img_size: bool = False,
     ):
         super().__init__()
+        check_arguments(
+            sizes=dict(img_size=img_size, patch_size=patch_size, in_chans=in_chans, embed_dim=embed_dim,
+                       num_heads=num_heads, window_size=window_size, la_window_size=la_window_size),
+            counts=dict(num_classes=num_classes, depths=depths), ratios=dict(mlp_ratio=mlp_ratio),
+            rates=dict(drop_rate=drop_rate, attn_drop_rate=attn_drop_rate, drop_path_rate=drop_path_rate))
         self.img_size: Grid = tuple(to_2tuple(img_size))
         self.img_divisor = patch_size
         self.dynamic_img_size = dynamic_img_size

@@ -32,8 +32,8 @@ from .attention.layout import Grid
 from .attention.multimax import multimax_modulation
 from .checkpoint import CheckpointError, filter_checkpoint, resample_grid_embedding, resize_grid_embedding
 from .family import (
-    INLINE_META, Block, ZooModel, create_variant, imagenet_cfg, init_weights, register_variants, run_blocks,
-    tsinghua_url,
+    INLINE_META, Block, ZooModel, check_arguments, create_variant, imagenet_cfg, init_weights, register_variants,
+    run_blocks, tsinghua_url,
 )
 
 __all__ = ['DeiT', 'checkpoint_filter_fn']
@@ -89,6 +89,11 @@ class DeiT(ZooModel):
             multimax_logits: bool = False,
     ):
         super().__init__()
+        check_arguments(
+            sizes=dict(img_size=img_size, patch_size=patch_size, in_chans=in_chans, embed_dim=embed_dim,
+                       num_heads=num_heads),
+            counts=dict(num_classes=num_classes, depth=depth), ratios=dict(mlp_ratio=mlp_ratio),
+            rates=dict(drop_rate=drop_rate, attn_drop_rate=attn_drop_rate, drop_path_rate=drop_path_rate))
         self.in_chans = in_chans
         self.num_classes = num_classes
         self.num_prefix_tokens = 1 if class_token else 0

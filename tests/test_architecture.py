@@ -70,6 +70,25 @@ def test_an_option_no_attention_of_the_model_takes_is_one_line(family):
         timm.create_model(f'flatten_{family}_tiny', kernel_size=3, attn_kwargs=dict(kernel_size=5), **TINY[family])
 
 
+@pytest.mark.parametrize('name, kwargs, message', [
+    ('inline_deit_tiny', dict(embed_dim=-8), "embed_dim -8 is out of range; expected an integer > 0"),
+    ('inline_deit_tiny', dict(num_heads=0), "num_heads 0 is out of range; expected an integer > 0"),
+    ('inline_deit_tiny', dict(depth=-1), "depth -1 is out of range; expected an integer >= 0"),
+    ('inline_deit_tiny', dict(mlp_ratio=-1.0), "mlp_ratio -1.0 is out of range; expected a number > 0"),
+    ('inline_deit_tiny', dict(patch_size=0), "patch_size 0 is out of range; expected an integer > 0"),
+    ('inline_deit_tiny', dict(drop_path_rate=1.5), "drop_path_rate 1.5 is out of range; expected a number in [0, 1]"),
+    ('inline_pvt_tiny', dict(embed_dims=[64, -1, 320, 512]),
+     "embed_dims [64, -1, 320, 512] is out of range; expected an integer > 0 each"),
+    ('inline_swin_tiny', dict(depths=[2, 2, -6, 2]), "depths [2, 2, -6, 2] is out of range; expected an integer >= 0 "
+                                                     "each"),
+    ('inline_cswin_tiny', dict(embed_dim=0.5), "embed_dim 0.5 is out of range; expected an integer > 0"),
+])
+def test_an_argument_out_of_range_is_named_before_any_layer_is_built(name, kwargs, message):
+    with pytest.raises(ValueError) as error:
+        timm.create_model(name, **kwargs)
+    assert str(error.value) == message
+
+
 def test_mixed_attentions_share_one_attn_kwargs():
     model = timm.create_model('inline_swin_tiny', attn_type='LLSS', mixed_linear='flatten',
                               attn_kwargs=dict(focusing_factor=2), **TINY['swin'])

@@ -1,11 +1,13 @@
 """Engine parts: the digits cache, data checks, evaluation preprocessing and exact counts, schedule, optimizer
 groups, atomic checkpoints, RNG state, the training checkpoint's round trip, and one-line errors with exit status 2
 from the command lines."""
+import datetime
 import json
 import logging
 import math
 import os
 import random
+import shutil
 import stat
 import subprocess
 import sys
@@ -363,6 +365,68 @@ def test_a_training_checkpoint_missing_keys_fails_with_one_line(tmp_path):
         TrainingCheckpoint.read(path)
 
 
+@pytest.mark.parametrize('change, message', [
+    (dict(epoch='3'), "epoch is '3'; expected an integer >= 0"),
+    (dict(step=-1), "step is -1; expected an integer >= 0"),
+    (dict(rng=[]), "rng is []; expected a list of random states, one per process"),
+    (dict(optimizer={'state': {}, 'param_groups': []}),
+     "optimizer is a mapping with the keys state, param_groups; expected an optimizer state dict: 'state' and a "
+     "non-empty list of 'param_groups'"),
+    (dict(model={'weight': 'w'}), "model is a mapping with the keys weight; expected a state dict of tensors"),
+    (dict(world_size=2), "rng holds 1 random state(s) but world_size is 2; expected one per process"),
+])
+def test_a_malformed_training_checkpoint_field_fails_with_one_line(tmp_path, change, message):
+    saved = _training_objects(tmp_path, TrainState())
+    saved.save()
+    stored = torch.load(saved.last_path, weights_only=True)
+    stored.update(change)
+    path = str(tmp_path / 'malformed.pth')
+    torch.save(stored, path)
+    with pytest.raises(CheckpointError) as error:
+        TrainingCheckpoint.read(path)
+    assert str(error.value) == f"checkpoint {path!r} is malformed: {message}"
+
+
+def test_a_stored_state_the_live_objects_refuse_fails_with_one_line(tmp_path):
+    saved = _training_objects(tmp_path / 'saved', TrainState())
+    saved.save()
+    stored = TrainingCheckpoint.read(saved.last_path)
+    stored['optimizer']['param_groups'].append(dict(stored['optimizer']['param_groups'][0], params=[7]))
+    with pytest.raises(CheckpointError) as error:
+        _training_objects(tmp_path / 'restored', TrainState()).restore(stored, 'two_groups.pth', 5)
+    assert str(error.value) == ("checkpoint 'two_groups.pth' has an optimizer state that this run cannot load "
+                                "(ValueError: loaded state dict has a different number of parameter groups); "
+                                "expected one of the same model and TRAIN.OPTIMIZER.NAME")
+    stored = TrainingCheckpoint.read(saved.last_path)
+    del stored['rng'][0]['torch']
+    with pytest.raises(CheckpointError) as error:
+        _training_objects(tmp_path / 'restored', TrainState()).restore(stored, 'no_torch_rng.pth', 5)
+    assert str(error.value) == ("checkpoint 'no_torch_rng.pth' has a random state that this run cannot load "
+                                "(KeyError: 'torch'); expected the states of torch, CUDA, NumPy and random that this "
+                                "engine saves")
+
+
+def test_a_file_that_is_no_checkpoint_is_named_so_before_unpickling(tmp_path):
+    image = tmp_path / 'digit.png'
+    Image.new('L', (8, 8)).save(image)
+    with pytest.raises(CheckpointError) as error:
+        read_weights(str(image))
+    assert str(error.value) == (f"{str(image)!r} is not a checkpoint: it starts with b'\\x89PNG\\r\\n\\x1a\\n'; "
+                                f"expected a file written by torch.save (a zip archive or a pickle)")
+    empty = tmp_path / 'empty.pth'
+    empty.write_bytes(b'')
+    with pytest.raises(CheckpointError, match=r"empty.pth' is not a checkpoint: it is empty; expected"):
+        TrainingCheckpoint.read(str(empty))
+    # a real checkpoint holding an object outside the allow-list: refused without torch's advice to load it anyway
+    dated = tmp_path / 'dated.pth'
+    torch.save({'model': {'w': torch.ones(1)}, 'date': datetime.date(2020, 1, 1)}, dated)
+    with pytest.raises(CheckpointError) as error:
+        read_weights(str(dated))
+    assert str(error.value) == (f"checkpoint {str(dated)!r} is refused: it pickles objects outside the allow-list of "
+                                f"tensors and plain containers (Unsupported global: GLOBAL datetime.date was not an "
+                                f"allowed global by default); nothing of it ran")
+
+
 def _tiny_checkpoint(tmp_path, cfg, num_classes=10, official=False) -> str:
     cfg = cfg.clone()
     cfg.defrost()
@@ -392,6 +456,14 @@ def test_command_line_errors_are_one_line_with_exit_status_2(tmp_path, digits, t
     (only_train / 'train' / 'a').mkdir(parents=True)
     empty = tmp_path / 'empty'
     empty.mkdir()
+    image = tmp_path / 'digit.png'
+    Image.new('L', (8, 8)).save(image)
+    malformed = tmp_path / 'malformed.pth'
+    saved = _training_objects(tmp_path, TrainState())
+    saved.save()
+    torch.save(dict(torch.load(saved.last_path, weights_only=True), epoch='1'), malformed)
+    latin1 = tmp_path / 'latin1.yaml'
+    latin1.write_bytes(f'BASE: [{TINY}]\nTRAIN:\n  EPOCHS: 3  # résumé\n'.encode('latin-1'))
     base = ['--cfg', TINY, '--output', str(tmp_path / 'out')]
     deit = ['--cfg', str(REPO / 'configs' / 'base' / 'deit.yaml'), '--output', str(tmp_path / 'out')]
     cases = [
@@ -412,6 +484,13 @@ def test_command_line_errors_are_one_line_with_exit_status_2(tmp_path, digits, t
                      '--data-path', str(digits), '--opts'] + TINY_MODEL_OPTS,
          'is for 7 classes but'),
         (eval_main, ['--checkpoint', _tiny_checkpoint(tmp_path, tiny_cfg)], 'stores no config of this engine'),
+        (eval_main, ['--cfg', TINY, '--checkpoint', str(image), '--data-path', str(digits)],
+         f"{str(image)!r} is not a checkpoint: it starts with b'\\x89PNG"),
+        (train_main, base + ['--resume', str(image), '--data-path', str(digits)], 'is not a checkpoint'),
+        (train_main, base + ['--resume', str(malformed), '--data-path', str(digits)],
+         "is malformed: epoch is '1'; expected an integer >= 0"),
+        (train_main, ['--cfg', str(latin1), '--output', str(tmp_path / 'out')], 'is not UTF-8 text: byte 0xe9 on '
+                                                                              'line 3'),
     ]
     for main, argv, expected in cases:
         code, out, err = _run(main, argv, capsys)
@@ -420,6 +499,29 @@ def test_command_line_errors_are_one_line_with_exit_status_2(tmp_path, digits, t
         assert 'Traceback' not in err + out
     with pytest.raises(UsageError):
         run_cli(train_main, base + ['--debug', '--opts', 'MODEL.NAME', 'nope', 'DATA.DATA_PATH', str(digits)])
+
+
+def test_a_model_keyword_out_of_range_fails_before_any_data_is_read(tmp_path, capsys):
+    data = tmp_path / 'digits'  # the digits demo would write its data here first
+    code, _, err = _run(train_main, ['--cfg', TINY, '--output', str(tmp_path / 'out'), '--opts', 'DATA.DATA_PATH',
+                                     str(data), 'MODEL.KWARGS.embed_dim', '-8'], capsys)
+    assert code == USAGE_EXIT_CODE
+    assert err == ("error: cannot build model 'inline_deit_tiny' from MODEL.KWARGS {'patch_size': 4, 'embed_dim': -8, "
+                   "'depth': 2, 'num_heads': 4}: embed_dim -8 is out of range; expected an integer > 0\n")
+    assert not data.exists() and not (tmp_path / 'out').exists()
+
+
+def test_a_one_class_run_warns_that_top1_is_trivial(tmp_path, digits, capsys):
+    data = tmp_path / 'one_class'
+    for split in ('train', 'val'):
+        shutil.copytree(digits / split / '0', data / split / '0')
+    code, out, _ = _run(train_main, ['--cfg', TINY, '--output', str(tmp_path / 'out'), '--data-path', str(data),
+                                     '--opts', 'DATA.DATASET', 'imagefolder', 'MODEL.NUM_CLASSES', '1', 'TRAIN.EPOCHS',
+                                     '1', 'DATA.BATCH_SIZE', '32'], capsys)
+    assert code == 0
+    assert ("the dataset has 1 class (0): every prediction is that class, so top-1 is trivially 100 %; expected 2 or "
+            "more classes for a meaningful accuracy") in out
+    assert json.loads((tmp_path / 'out' / 'log.jsonl').read_text())['val_top1'] == 100.0
 
 
 def test_corrupt_checkpoint_through_eval(tmp_path, digits, capsys):

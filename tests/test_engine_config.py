@@ -75,6 +75,7 @@ def test_none_turns_clipping_off():
     ('TRAIN: 3\n', ['TRAIN is a group of keys']),
     ('AMP:\n  DTYPE: float8\n', ['AMP.DTYPE', "'float8'", "'bfloat16'"]),
     ('DATA:\n  BATCH_SIZE: 0\n', ['DATA.BATCH_SIZE', '> 0']),
+    ('SEED: -1\n', ['config key SEED is -1; expected a value >= 0']),
     ('DATA:\n  BATCH_SIZE: 7\n', ['DATA.BATCH_SIZE', 'even batch size while mixup']),
     ('TRAIN:\n  CLIP_GRAD: -1.0\n', ['TRAIN.CLIP_GRAD', 'None or a value > 0']),
     ('MODEL:\n  KWARGS:\n    Depth: 3\n', ['MODEL.KWARGS', 'lower-case']),
@@ -89,6 +90,24 @@ def test_bad_files_name_the_key_and_the_expectation(tmp_path, text, words):
     assert '\n' not in message
     for word in words:
         assert word in message
+
+
+def test_a_yaml_error_names_its_line_and_a_non_utf8_file_its_byte(tmp_path):
+    path = write(tmp_path / 'bad.yaml', 'TRAIN:\n  EPOCHS: 3\n BASE_LR: [1\n')
+    with pytest.raises(ConfigError) as error:
+        load_config(str(path))
+    assert str(error.value) == (f"config file {str(path)!r} is not valid YAML at line 3, column 2: expected <block "
+                                f"end>, but found '<block mapping start>' (while parsing a block mapping from line 1)")
+    with pytest.raises(ConfigError) as error:
+        config_from_yaml_string('TRAIN: [1\n', "checkpoint 'last.pth'")
+    assert str(error.value) == ("the config stored in checkpoint 'last.pth' is not valid YAML at line 2, column 1: "
+                                "expected ',' or ']', but got '<stream end>' (while parsing a flow sequence from "
+                                "line 1)")
+    path.write_bytes('TRAIN:\n  EPOCHS: 3  # résumé\n'.encode('latin-1'))
+    with pytest.raises(ConfigError) as error:
+        load_config(str(path))
+    assert str(error.value) == (f"config file {str(path)!r} is not UTF-8 text: byte 0xe9 on line 2 is not valid "
+                                f"UTF-8; expected a UTF-8 YAML file")
 
 
 def test_bad_opts_name_the_key():

@@ -1,10 +1,10 @@
 """Reliability of training: a non-finite loss skips the update or stops the run with a one-line error and the last
-checkpoint intact; SIGTERM / SIGINT save and exit with 128 + the signal, a second signal stops at once and saves
-nothing; a bad torchrun environment is one line; every attention trains under float16 autocast with the gradient
-scaler; a run killed with SIGKILL resumes to exactly the weights and metrics of an uninterrupted run, keeps
-`best.pth` and leaves no temp files or lock behind; one run at a time per output folder; an unwritable or full
-output folder is one line; a resume with another batch split never retrains a finished epoch; a rank that dies
-ends the others."""
+checkpoint intact; SIGTERM / SIGINT save and exit with 128 + the signal (and resume exactly with DataLoader workers),
+a second signal stops at once and saves nothing; a bad torchrun environment is one line; every attention trains under
+float16 autocast with the gradient scaler; a run killed with SIGKILL resumes to exactly the weights and metrics of an
+uninterrupted run, keeps `best.pth` and leaves no temp files or lock behind; one run at a time per output folder; an
+unwritable or full output folder is one line; a resume with another batch split never retrains a finished epoch; a
+rank that dies ends the others."""
 import errno
 import json
 import math
@@ -235,21 +235,89 @@ def test_resuming_a_finished_epoch_with_another_batch_size_keeps_its_record(tmp_
     assert [(r['epoch'], r['step']) for r in records(output)] == [(0, 22), (1, 66)]
 
 
+# The ImageNet recipes' random augmentation (RandAugment, random erasing), loaded by 2 DataLoader workers.
+WORKERS = ['DATA.NUM_WORKERS', '2', 'AUG.AUTO_AUGMENT', 'rand-m9-mstd0.5-inc1', 'AUG.REPROB', '0.25']
+
+
+def test_sigterm_with_dataloader_workers_resumes_to_the_uninterrupted_weights(tmp_path, digits, monkeypatch):
+    reference = tmp_path / 'uninterrupted'
+    assert run_cli(train_main, [*train_argv(reference, digits), *WORKERS]) == 0
+    output = tmp_path / 'stopped'
+    signals_at(monkeypatch, (27, signal.SIGTERM))
+    assert run_cli(train_main, [*train_argv(output, digits), *WORKERS]) == 128 + signal.SIGTERM
+    stopped = torch.load(output / 'last.pth', weights_only=True)
+    # the workers had loaded batches beyond this one, which the resumed run loads again
+    assert (stopped['epoch'], stopped['epoch_batches'], stopped['step']) == (1, 6, 28)
+    monkeypatch.undo()
+    assert run_cli(train_main, [*train_argv(output, digits), *WORKERS]) == 0
+    resumed, uninterrupted = records(output), records(reference)
+    del resumed[1]['train_loss'], uninterrupted[1]['train_loss']  # epoch 1's mean covers only its last 16 batches
+    assert resumed == uninterrupted
+    resumed = torch.load(output / 'last.pth', weights_only=True)
+    reference = torch.load(reference / 'last.pth', weights_only=True)
+    assert resumed['step'] == reference['step'] == 44
+    for key in ('model', 'model_ema'):
+        for name, value in reference[key].items():
+            assert torch.equal(resumed[key][name], value), (key, name)
+    for index, state in reference['optimizer']['state'].items():
+        for name, value in state.items():
+            assert torch.equal(resumed['optimizer']['state'][index][name], value), (index, name)
+
+
+# Sends the given (update, signal) pairs to itself, as `signals_at` does, then trains: a second signal ends the
+# process itself, so the run cannot share the test's.
+SIGNALS_AT = '''
+import os
+import sys
+
+import engine.loops
+from engine.cli import train_main
+from engine.errors import run_cli
+
+any_rank, calls = engine.loops.any_rank, []
+
+
+def any_rank_sending(flag, device):
+    calls.append(flag)
+    for call, signum in {sends}:
+        if len(calls) == call:
+            os.kill(os.getpid(), signum)
+    return any_rank(flag, device)
+
+
+engine.loops.any_rank = any_rank_sending
+sys.exit(run_cli(train_main))
+'''
+
+
 @pytest.mark.parametrize('signum', [signal.SIGTERM, signal.SIGINT])
-def test_a_second_signal_stops_at_once_without_saving(tmp_path, digits, one_epoch, monkeypatch, capsys, signum):
+def test_a_second_signal_stops_at_once_without_saving(tmp_path, digits, one_epoch, signum):
     output = tmp_path / 'run'
     shutil.copytree(one_epoch, output)
     saved = checkpoints(output)
-    signals_at(monkeypatch, (3, signum), (4, signum))
-    handler = signal.getsignal(signum)
-    capsys.readouterr()
-    assert run_cli(train_main, train_argv(output, digits)) == 128 + signum
-    assert signal.getsignal(signum) is handler
-    err = capsys.readouterr().err
-    assert 'Traceback' not in err
-    assert err.splitlines()[-1] == (f"error: stopped at once by a second {signal.Signals(signum).name}, without "
-                                    f"saving; the checkpoints saved before are unchanged")
+    script = tmp_path / 'script.py'
+    script.write_text(SIGNALS_AT.format(sends=[(3, int(signum)), (4, int(signum))]))
+    result = subprocess.run([sys.executable, str(script), *train_argv(output, digits)], cwd=tmp_path, text=True,
+                            capture_output=True, timeout=120, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert result.returncode == 128 + signum, result.stderr[-3000:]
+    assert 'Traceback' not in result.stderr
+    assert result.stderr.splitlines()[-1] == (f"error: stopped at once by a second {signal.Signals(signum).name}, "
+                                              f"without saving; the checkpoints saved before are unchanged")
     assert checkpoints(output) == saved
+    assert run_cli(train_main, train_argv(output, digits)) == 0  # the lock of the ended run is taken over
+
+
+def test_the_copy_of_a_signal_that_torchrun_passes_on_is_not_a_second_one(tmp_path, digits, one_epoch, monkeypatch,
+                                                                           capsys):
+    output = tmp_path / 'run'
+    shutil.copytree(one_epoch, output)
+    monkeypatch.setenv('TORCHELASTIC_RUN_ID', 'none')
+    signals_at(monkeypatch, (3, signal.SIGINT), (3, signal.SIGINT))  # from the terminal, then from torchrun
+    capsys.readouterr()
+    assert run_cli(train_main, train_argv(output, digits)) == 128 + signal.SIGINT
+    assert capsys.readouterr().err.splitlines()[-1] == (f"error: stopped by SIGINT after saving "
+                                                        f"{output / 'last.pth'}; run the same command again to resume")
+    assert TrainingCheckpoint.read(str(output / 'last.pth'))['epoch_batches'] == 4
 
 
 @pytest.mark.parametrize('env, message', [
@@ -467,6 +535,49 @@ def test_ctrl_c_with_dataloader_workers_is_one_line_and_exits_130(tmp_path, digi
     assert process.returncode == 128 + signal.SIGINT, err[-3000:]
     assert log_text(output).count('received SIGINT') == 1
     assert err.splitlines()[-1].startswith('error: stopped by SIGINT after saving')
+
+
+def torchrun_training(output: Path, digits: Path) -> subprocess.Popen:
+    command = [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
+               str(REPO / 'train.py'), *train_argv(output, digits), 'DATA.BATCH_SIZE', '16', 'DATA.NUM_WORKERS', '2']
+    return subprocess.Popen(command, cwd=output.parent, env=dict(os.environ, OMP_NUM_THREADS='1'),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def test_ctrl_c_under_torchrun_is_one_line_per_rank_and_a_second_one_no_rank_traceback(tmp_path, digits):
+    output = tmp_path / 'run'
+    process = torchrun_training(output, digits)
+    wait_for(process, lambda: 'updates per epoch' in log_text(output))
+    time.sleep(2.0)  # both ranks and their DataLoader workers run
+    os.killpg(process.pid, signal.SIGINT)  # a terminal's Ctrl-C: torchrun, the ranks and their workers
+    out, err = process.communicate(timeout=120)
+    # torchrun passes the signal on to the ranks, and reports it itself with a traceback and exit status 1
+    assert 'SignalException' in err and process.returncode == 1
+    assert out.count('received SIGINT') == 2  # one line per rank, none from the 4 workers
+    assert [line for line in err.splitlines() if line.startswith('error: ')] == [
+        f"error: stopped by SIGINT after saving {output / 'last.pth'}; run the same command again to resume"]
+    assert '[rank' not in err
+    assert TrainingCheckpoint.read(str(output / 'last.pth'))['epoch_batches'] > 0
+    shutil.copyfile(output / 'last.pth', tmp_path / 'first_last.pth')
+
+    process = torchrun_training(output, digits)
+    wait_for(process, lambda: log_text(output).count('updates per epoch') == 2)
+    time.sleep(2.0)
+    os.killpg(process.pid, signal.SIGINT)
+    time.sleep(0.3)
+    os.killpg(process.pid, signal.SIGINT)
+    out, err = process.communicate(timeout=120)
+    errors = [line for line in err.splitlines() if line.startswith('error: ')]
+    # one line either way: the second signal stops the ranks at once, or comes after they saved and stopped
+    assert len(errors) == 1 and errors[0].startswith(('error: stopped at once', 'error: stopped by SIGINT after '
+                                                                                'saving')), err[-3000:]
+    assert '[rank' not in err
+    # the resumed run may have finished its epoch, or saved after the first signal, before the second one: every
+    # checkpoint is then whole and at least as far as before; none is half written
+    assert not [p.name for p in output.iterdir() if p.name.endswith('.tmp')]
+    for name in checkpoints(output).keys() - {'log.jsonl'}:
+        assert TrainingCheckpoint.read(str(output / name))['step'] >= TrainingCheckpoint.read(
+            str(tmp_path / 'first_last.pth'))['step'], name
 
 
 class Died(BaseException):
