@@ -12,7 +12,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
-from timm.layers import DropPath, Mlp, global_pool_nlc, trunc_normal_
+from timm.layers import DropPath, Mlp, global_pool_nlc, register_notrace_function, trunc_normal_
 from timm.models import build_model_with_cfg, register_model, resolve_pretrained_cfg
 from timm.models._features import feature_take_indices
 
@@ -103,13 +103,13 @@ def check_global_pool(global_pool: str, supported: Sequence[str]) -> str:
     return global_pool
 
 
+@register_notrace_function  # a run-time check: FX keeps the call instead of tracing the comparison
 def check_img_size(x: Tensor, img_size: Grid) -> None:
     """A ValueError unless the images `x` (B, C, H, W) have the (H, W) `img_size` the model was built for."""
-    size = tuple(x.shape[-2:])
-    if size != tuple(img_size):
-        raise ValueError(f"input image size {size[0]}x{size[1]} does not match the model's img_size "
-                         f"{img_size[0]}x{img_size[1]}; build the model with img_size={size} instead of "
-                         f"{tuple(img_size)}")
+    H, W = x.shape[-2], x.shape[-1]
+    if H != img_size[0] or W != img_size[1]:
+        raise ValueError(f"input image size {H}x{W} does not match the model's img_size {img_size[0]}x{img_size[1]}; "
+                         f"build the model with img_size=({H}, {W}) instead of ({img_size[0]}, {img_size[1]})")
 
 
 def check_output_fmt(output_fmt: str) -> None:

@@ -45,6 +45,8 @@ __all__ = ['PyramidVisionTransformer', 'checkpoint_filter_fn']
 NUM_STAGES = 4
 
 
+# FX keeps the call (the grids are Proxies when it traces); wrapped here, since the traced forward is family.py's
+@torch.fx.wrap
 def resize_position_embedding(embedding: Tensor, grid: Grid, new_grid: Grid, num_prefix_tokens: int = 0) -> Tensor:
     """(1, prefix + H*W, C) embedding over `grid` -> (1, prefix + H'*W', C) over `new_grid`, bilinearly.
 
@@ -57,6 +59,21 @@ def resize_position_embedding(embedding: Tensor, grid: Grid, new_grid: Grid, num
     image = tokens_to_image(tokens, grid)
     image = F.interpolate(image, size=new_grid, mode='bilinear', align_corners=False)
     return torch.cat([prefix, image_to_tokens(image)], dim=1)
+
+
+def check_size_multiple(size: Grid, stride: int, img_size: Grid, what: str) -> None:
+    """A ValueError unless both sides of `size` are positive multiples of `stride`; `img_size` is the example."""
+    if size[0] % stride or size[1] % stride or min(size[0], size[1]) <= 0:
+        raise ValueError(f"{what} {size[0]}x{size[1]} must have sides that are positive multiples of "
+                         f"{stride} (patch_size x 8), e.g. {img_size[0]}x{img_size[1]}")
+
+
+@torch.fx.wrap  # FX keeps the call: it can't trace checks on the input's shape
+def check_input_images(x: Tensor, stride: int, img_size: Grid) -> None:
+    """A ValueError unless `x` is (B, C, H, W) images whose sides are positive multiples of `stride`."""
+    if x.dim() != 4:
+        raise ValueError(f"expected images (B, C, H, W), got a tensor of shape {list(x.shape)}")
+    check_size_multiple((x.shape[-2], x.shape[-1]), stride, img_size, 'input image size')
 
 
 class PyramidVisionTransformer(ZooModel):
@@ -165,9 +182,7 @@ class PyramidVisionTransformer(ZooModel):
         self.apply(init_weights)
 
     def _check_size(self, size: Grid, what: str) -> None:
-        if size[0] % self.stride or size[1] % self.stride or min(size) <= 0:
-            raise ValueError(f"{what} {size[0]}x{size[1]} must have sides that are positive multiples of "
-                             f"{self.stride} (patch_size x 8), e.g. {self.img_size[0]}x{self.img_size[1]}")
+        check_size_multiple(size, self.stride, self.img_size, what)
 
     def _check_pool(self, global_pool: str) -> str:
         if super()._check_pool(global_pool) == 'token' and not self.num_prefix_tokens:
@@ -199,9 +214,7 @@ class PyramidVisionTransformer(ZooModel):
         return tensor
 
     def _check_input(self, x: Tensor) -> None:
-        if x.ndim != 4:
-            raise ValueError(f"expected images (B, C, H, W), got a tensor of shape {tuple(x.shape)}")
-        self._check_size((x.shape[-2], x.shape[-1]), 'input image size')
+        check_input_images(x, self.stride, self.img_size)
 
     def _stage_prefix_tokens(self, i: int) -> int:
         return self.num_prefix_tokens if i == NUM_STAGES - 1 else 0

@@ -19,7 +19,7 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple, Type, Union
 import torch
 from torch import Tensor, nn
 
-from timm.layers import trunc_normal_
+from timm.layers import register_notrace_module, trunc_normal_
 
 from ..checkpoint import resize_rel_pos_bias_table
 from .layout import (
@@ -81,6 +81,8 @@ class MixerHost(nn.Module):
         self.register_load_state_dict_pre_hook(_sink_mixer_keys)
 
 
+# reason: FX can't trace the control flow on the token count and grid (prefix tokens, windows, MultiMax's path)
+@register_notrace_module
 class GroupedAttention(MixerHost):
     """What every grouping shares: its mixer's name and heads, the output projection, the token-count check."""
 
