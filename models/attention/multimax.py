@@ -202,7 +202,10 @@ def multimax_attention(
     if use_flex is None:
         use_flex = flex_attention is not None and q.is_cuda and not dropout_p
     B, h, n, _ = q.shape
-    row_bytes = B * h * k.shape[-2] * 4
+    # torch.export keeps the batch symbolic: the path and the block size then follow one image's scores, which
+    # are static, so that one graph serves every batch size
+    images = 1 if torch.compiler.is_exporting() else B
+    row_bytes = images * h * k.shape[-2] * 4
     training = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, ranges, ts, bias))
     if use_flex:
         if dropout_p:
