@@ -42,6 +42,12 @@ def inline_local_residual(v: Tensor, kernels: Tensor) -> Tensor:
     B·C channels, since every sample has its own kernels.
     """
     B, C, H, W = v.shape
+    if torch.compiler.is_exporting():
+        # a convolution's group count must be static in ONNX, and B is symbolic under torch.export: the nine
+        # taps are summed instead
+        padded = F.pad(v, (1, 1, 1, 1))
+        taps = [kernels[:, :, u, w, None, None] * padded[:, :, u:u + H, w:w + W] for u in range(3) for w in range(3)]
+        return torch.stack(taps).sum(dim=0)
     out = F.conv2d(v.reshape(1, B * C, H, W), kernels.reshape(B * C, 1, 3, 3), padding=1, groups=B * C)
     return out.view(B, C, H, W)
 
