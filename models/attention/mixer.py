@@ -89,9 +89,9 @@ class Mixer(nn.Module):
         names = cls.option_names()
         return {key: value for key, value in (attn_kwargs or {}).items() if key in names}
 
-    def heads(self, *tensors: Tensor) -> List[Tensor]:
-        """Each (B', n, C) tensor as (B', heads, n, C / heads), the layout of the pure attention functions."""
-        return [split_heads(t, self.num_heads) for t in tensors]
+    def heads(self, q: Tensor, k: Tensor, v: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+        """q, k, v: (B', n, C) each as (B', heads, n, C / heads), the layout of the pure attention functions."""
+        return split_heads(q, self.num_heads), split_heads(k, self.num_heads), split_heads(v, self.num_heads)
 
     def require_group_grid(self, what: str) -> Grid:
         """The fixed grid of the groups, or a ValueError saying that `what` needs one."""

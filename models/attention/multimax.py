@@ -199,6 +199,8 @@ def multimax_attention(
     CUDA without dropout and the plain path otherwise; True forces FlexAttention (compiled on CUDA, its unfused
     reference elsewhere) for the forward pass, with the backward pass in row blocks.
     """
+    if torch.jit.is_scripting():  # the plain path without the custom autograd functions
+        return _multimax_plain(q, k, v, ranges, ts, bias, mask, dropout_p)
     if use_flex is None:
         use_flex = flex_attention is not None and q.is_cuda and not dropout_p
     B, h, n, _ = q.shape
@@ -228,8 +230,12 @@ def _multimax_plain(q: Tensor, k: Tensor, v: Tensor, ranges: Tensor, ts: Tensor,
     scores = torch.matmul(q * q.shape[-1] ** -0.5, k.transpose(-2, -1)).to(work)
     if bias is not None:
         scores = scores + bias.to(work)
+    if torch.jit.is_scripting():
+        modulated = multimax_modulation(scores, ranges.to(work), ts.to(work))
+    else:
+        modulated = _Modulation.apply(scores, ranges.to(work), ts.to(work))
     # σ's backward needs its input only, so its output may take the mask in place
-    logits = _masked(_Modulation.apply(scores, ranges.to(work), ts.to(work)), mask)
+    logits = _masked(modulated, mask)
     weights = logits.softmax(dim=-1)
     if dropout_p:
         weights = F.dropout(weights, dropout_p)
@@ -340,6 +346,7 @@ class MultiMaxMixer(SoftmaxMixer):
         trunc_normal_(self.ts, std=.02)
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, ctx: MixContext) -> Tensor:
-        out = multimax_attention(*self.heads(q, k, v), self.ranges, self.ts, ctx.pos_bias, ctx.mask,
+        q, k, v = self.heads(q, k, v)
+        out = multimax_attention(q, k, v, self.ranges, self.ts, ctx.pos_bias, ctx.mask,
                                  self.attn_drop if self.training else 0.)
         return merge_heads(out)

@@ -62,9 +62,10 @@ class SoftmaxMixer(Mixer):
         h = self.num_heads
         q, k, v = self.heads(q, k, v)
         dropout_p = self.attn_drop if self.training else 0.
-        if ctx.mask is None:
+        mask = ctx.mask
+        if mask is None:
             return merge_heads(softmax_attention(q, k, v, ctx.pos_bias, dropout_p))
-        nW = ctx.mask.shape[0]
+        nW = mask.shape[0]
         out = softmax_attention(fold_windows(q, nW), fold_windows(k, nW), fold_windows(v, nW),
-                                window_bias(ctx.pos_bias, ctx.mask, h), dropout_p)
+                                window_bias(ctx.pos_bias, mask, h), dropout_p)
         return merge_heads(unfold_windows(out, h))
