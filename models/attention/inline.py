@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .layout import Grid, image_to_tokens, merge_heads
-from .mixer import Mixer, MixContext
+from .mixer import Mixer, MixContext, is_exporting
 from .registry import register_attention
 
 __all__ = ['inline_attention', 'inline_local_residual', 'InLineMixer']
@@ -43,7 +43,7 @@ def inline_local_residual(v: Tensor, kernels: Tensor) -> Tensor:
     """
     B, C, H, W = v.shape
     if not torch.jit.is_scripting():
-        if torch.compiler.is_exporting():
+        if is_exporting():
             # a convolution's group count must be static in ONNX, and B is symbolic under torch.export: the nine
             # taps are summed instead
             padded = F.pad(v, (1, 1, 1, 1))

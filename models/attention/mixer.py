@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from .layout import Grid, split_heads
 
-__all__ = ['Mixer', 'MixContext', 'autocast_off']
+__all__ = ['Mixer', 'MixContext', 'autocast_off', 'is_exporting']
 
 # Device types with an autocast mode; others (the meta device used to count parameters and FLOPs) have none to turn off.
 _AUTOCAST_DEVICES = frozenset(d for d in ('cpu', 'cuda', 'xpu', 'mps', 'hpu') if torch.amp.is_autocast_available(d))
@@ -32,6 +32,12 @@ _AUTOCAST_DEVICES = frozenset(d for d in ('cpu', 'cuda', 'xpu', 'mps', 'hpu') if
 def autocast_off(device: torch.device) -> ContextManager:
     """Autocast disabled on `device`'s type, for math that chooses its own precision."""
     return torch.autocast(device.type, enabled=False) if device.type in _AUTOCAST_DEVICES else contextlib.nullcontext()
+
+
+def is_exporting() -> bool:
+    """True while torch.export traces the model (torch 2.6 and later; earlier versions do not say)."""
+    exporting = getattr(torch.compiler, 'is_exporting', None)
+    return exporting is not None and exporting()
 
 
 class MixContext(NamedTuple):

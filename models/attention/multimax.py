@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from timm.layers import trunc_normal_
 
 from .layout import Grid, merge_heads
-from .mixer import MixContext, autocast_off
+from .mixer import MixContext, autocast_off, is_exporting
 from .registry import register_attention
 from .softmax import SoftmaxMixer
 
@@ -206,7 +206,7 @@ def multimax_attention(
     B, h, n, _ = q.shape
     # torch.export keeps the batch symbolic: the path and the block size then follow one image's scores, which
     # are static, so that one graph serves every batch size
-    images = 1 if torch.compiler.is_exporting() else B
+    images = 1 if is_exporting() else B
     row_bytes = images * h * k.shape[-2] * 4
     training = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, ranges, ts, bias))
     if use_flex:
