@@ -199,7 +199,7 @@ class SpatialReductionAttention(GroupedAttention):
         num_prefix = _prefix_tokens(size, x.shape[1])
         ctx = MixContext(size, num_prefix, tokens=_tokens(self.needs_tokens, x, block_input))
         q = self.q(x)
-        if self.sr is not None and self.norm is not None:
+        if self.sr is not None:
             if num_prefix:
                 raise ValueError(f"spatial reduction does not support prefix tokens, got {num_prefix} before the "
                                  f"{size[0]}x{size[1]} grid")
