@@ -2,7 +2,8 @@
 
 - FX: every registered model traces with timm's tracer settings (its leaf modules and wrapped functions, as
   timm's feature extraction uses them) and the traced module gives the eager outputs;
-- TorchScript: every attention scripts in every grouping and gives the eager outputs;
+- TorchScript: every attention scripts in every grouping, and the FX graph of every family with every attention
+  scripts; both give the eager outputs;
 - torch.export with a dynamic batch, for every family with every attention: one exported program runs at two
   batch sizes and gives the eager outputs; MultiMax's row-block path exports too;
 - ONNX (torch.onnx dynamo export) of the same programs, run in onnxruntime within 1e-4 of eager.
@@ -78,12 +79,15 @@ def test_fx_trace_matches_eager(name):
 
 
 # Every grouping with the tokens its family gives it: a class token (global), reduced keys, shifted windows on a
-# grid of four windows, two stripe branches.
+# grid of four windows and one window covering the grid (a position bias without mask), two stripe branches and
+# one global branch.
 GROUPINGS = {
     'global': (dict(grid_size=(4, 4)), 1),
     'reduction': (dict(grid_size=(4, 4), grouping='reduction', sr_ratio=2), 0),
     'window': (dict(grid_size=(8, 8), grouping='window', window_size=4, shift_size=2), 0),
+    'one_window': (dict(grid_size=(4, 4), grouping='window', window_size=4), 0),
     'stripes': (dict(grid_size=(8, 8), grouping='stripes', split_size=2), 0),
+    'one_stripe': (dict(grid_size=(4, 4), grouping='stripes', split_size=4), 0),
 }
 
 
@@ -169,3 +173,13 @@ def test_multimax_row_blocks_export_with_dynamic_batch(monkeypatch, grad_enabled
         for batch_size in (1, 3):
             x = images(model, batch_size)
             torch.testing.assert_close(exported(x), model(x), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize('family, attn_type', export_cases())
+def test_torchscript_of_the_fx_graph_matches_eager(family, attn_type):
+    # timm's FX + TorchScript contract: the traced graph of the model scripts, with its attentions as submodules
+    model = tiny_model(f'softmax_{family}_tiny', attn_type=attn_type, **EXPORT_SIZES.get(family, {}))
+    scripted = torch.jit.script(torch.fx.GraphModule(model, TimmTracer().trace(model)))
+    x = images(model, 2)
+    with torch.no_grad():
+        torch.testing.assert_close(scripted(x), model(x), rtol=1e-5, atol=1e-6)

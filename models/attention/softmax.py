@@ -27,8 +27,8 @@ def softmax_attention(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor] = 
     if bias.requires_grad and torch.is_grad_enabled() and q.device.type == 'cpu':
         weights = (torch.matmul(q * q.shape[-1] ** -0.5, k.transpose(-2, -1)) + bias).softmax(dim=-1)
         return torch.matmul(F.dropout(weights, dropout_p) if dropout_p else weights, v)
-    if bias.dim() < 4:  # the fused kernels reject a bias of fewer dimensions
-        bias = bias[(None,) * (4 - bias.dim())]
+    while bias.dim() < 4:  # the fused kernels reject a bias of fewer dimensions
+        bias = bias.unsqueeze(0)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout_p)
 
 
