@@ -25,13 +25,21 @@ from .registry import register_attention
 
 __all__ = ['focused_feature_map', 'focused_linear_attention', 'FocusedLinearMixer']
 
+
 def focused_feature_map(x: Tensor, scale: Tensor, focusing_factor: float = 3.) -> Tensor:
     """x: (..., C), scale broadcastable to x -> (..., C) non-negative features φ(x), in float32 at least."""
+    if not torch.jit.is_scripting():  # TorchScript has no autocast to turn off
+        with autocast_off(x.device):
+            return _focused_feature_map(x, scale, focusing_factor)
+    return _focused_feature_map(x, scale, focusing_factor)
+
+
+def _focused_feature_map(x: Tensor, scale: Tensor, focusing_factor: float) -> Tensor:
     dtype = torch.promote_types(x.dtype, torch.float32)
-    with autocast_off(x.device):
-        x = (F.relu(x.to(dtype)) + 1e-6) / F.softplus(scale.to(dtype))
-        powered = x ** focusing_factor
-        return powered * (x.norm(dim=-1, keepdim=True) / powered.norm(dim=-1, keepdim=True))
+    x = (F.relu(x.to(dtype)) + 1e-6) / F.softplus(scale.to(dtype))
+    powered = x ** focusing_factor
+    return powered * (torch.linalg.vector_norm(x, dim=-1, keepdim=True)
+                      / torch.linalg.vector_norm(powered, dim=-1, keepdim=True))
 
 
 def focused_linear_attention(phi_q: Tensor, phi_k: Tensor, v: Tensor, eps: float = 1e-6) -> Tensor:
@@ -40,13 +48,19 @@ def focused_linear_attention(phi_q: Tensor, phi_k: Tensor, v: Tensor, eps: float
     Σ_j (φq_i·φk_j) v_j / (Σ_j φq_i·φk_j + n·eps); keys and values are scaled by n^-½ each so that KᵀV is an
     average rather than a sum over the tokens.
     """
+    if not torch.jit.is_scripting():  # TorchScript has no autocast to turn off
+        with autocast_off(v.device):
+            return _focused_linear_attention(phi_q, phi_k, v, eps)
+    return _focused_linear_attention(phi_q, phi_k, v, eps)
+
+
+def _focused_linear_attention(phi_q: Tensor, phi_k: Tensor, v: Tensor, eps: float) -> Tensor:
     dtype = torch.promote_types(torch.promote_types(phi_q.dtype, v.dtype), torch.float32)
     n = phi_k.shape[-2]
-    with autocast_off(v.device):
-        phi_q, phi_k, values = phi_q.to(dtype), phi_k.to(dtype), v.to(dtype)
-        z = 1 / (phi_q @ phi_k.mean(dim=-2, keepdim=True).transpose(-2, -1) + eps)
-        kv = (phi_k.transpose(-2, -1) * n ** -0.5) @ (values * n ** -0.5)
-        return ((phi_q @ kv) * z).to(v.dtype)
+    phi_q, phi_k, values = phi_q.to(dtype), phi_k.to(dtype), v.to(dtype)
+    z = 1 / (phi_q @ phi_k.mean(dim=-2, keepdim=True).transpose(-2, -1) + eps)
+    kv = (phi_k.transpose(-2, -1) * n ** -0.5) @ (values * n ** -0.5)
+    return ((phi_q @ kv) * z).to(v.dtype)
 
 
 @register_attention('flatten')
@@ -101,9 +115,11 @@ class FocusedLinearMixer(Mixer):
             encoding = resample_grid_embedding(encoding, self.group_grid, grid)
         h = self.num_heads
         k = k + F.pad(encoding, (0, 0, num_prefix, 0))
-        phi_q = focused_feature_map(q, self.scale, self.focusing_factor)
-        phi_k = focused_feature_map(k, self.scale, self.focusing_factor)
-        out = merge_heads(focused_linear_attention(*self.heads(phi_q, phi_k, v)))
+        power = float(self.focusing_factor)  # an int option is the same power; TorchScript wants the float
+        phi_q = focused_feature_map(q, self.scale, power)
+        phi_k = focused_feature_map(k, self.scale, power)
+        phi_q, phi_k, vh = self.heads(phi_q, phi_k, v)
+        out = merge_heads(focused_linear_attention(phi_q, phi_k, vh))
         B, n, C = v.shape
         v_image = tokens_to_image(v[:, num_prefix:], grid).reshape(B * h, self.head_dim, grid[0], grid[1])
         local = image_to_tokens(self.dwc(v_image).reshape(B, C, grid[0], grid[1]))

@@ -19,7 +19,7 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple, Type, Union
 import torch
 from torch import Tensor, nn
 
-from timm.layers import trunc_normal_
+from timm.layers import register_notrace_module, trunc_normal_
 
 from ..checkpoint import resize_rel_pos_bias_table
 from .layout import (
@@ -63,6 +63,8 @@ def _sink_mixer_keys(module: 'MixerHost', state_dict: Dict[str, Any], prefix: st
 
 class MixerHost(nn.Module):
     """A module holding a `mixer` whose state-dict entries stand at this module's level."""
+    # read from Python only; TorchScript sees no class attributes of the mixer
+    __jit_unused_properties__ = ['attention_name']
 
     @property
     def attention_name(self) -> str:
@@ -81,6 +83,8 @@ class MixerHost(nn.Module):
         self.register_load_state_dict_pre_hook(_sink_mixer_keys)
 
 
+# reason: FX can't trace the control flow on the token count and grid (prefix tokens, windows, MultiMax's path)
+@register_notrace_module
 class GroupedAttention(MixerHost):
     """What every grouping shares: its mixer's name and heads, the output projection, the token-count check."""
 
@@ -190,6 +194,8 @@ class SpatialReductionAttention(GroupedAttention):
             self._require_grid('sr_ratio')
             self.sr = nn.Conv2d(dim, dim, kernel_size=sr_ratio, stride=sr_ratio)
             self.norm = nn.LayerNorm(dim)
+        else:
+            self.sr = self.norm = None
         self._finish(mixer_cls(dim, num_heads, self.grid_size, attn_drop=attn_drop, **(mixer_options or {})),
                      proj_drop)
 
@@ -200,7 +206,7 @@ class SpatialReductionAttention(GroupedAttention):
         num_prefix = _prefix_tokens(size, x.shape[1])
         ctx = MixContext(size, num_prefix, tokens=_tokens(self.needs_tokens, x, block_input))
         q = self.q(x)
-        if self.sr_ratio > 1:
+        if self.sr is not None:
             if num_prefix:
                 raise ValueError(f"spatial reduction does not support prefix tokens, got {num_prefix} before the "
                                  f"{size[0]}x{size[1]} grid")
@@ -473,6 +479,8 @@ class CrossShapedAttention(GroupedAttention):
         self.needs_tokens = mixer_cls.needs_tokens
         self.proj = nn.Linear(dim, dim)
         self.proj_drop = nn.Dropout(proj_drop)
+
+    __jit_unused_properties__ = ['attention_name', 'mixer']
 
     @property
     def mixer(self) -> Mixer:

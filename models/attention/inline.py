@@ -8,14 +8,14 @@ attention matrix sums to one while distinct queries keep distinct weights:
 It is computed in Q(KᵀV) order, never forming A. The local residual is a 3×3 depthwise convolution of V imaged on
 the grid whose kernel is predicted, per sample and channel, from the mean token of the group.
 """
-from typing import Optional
+from typing import List, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .layout import Grid, image_to_tokens, merge_heads
-from .mixer import Mixer, MixContext
+from .mixer import Mixer, MixContext, is_exporting
 from .registry import register_attention
 
 __all__ = ['inline_attention', 'inline_local_residual', 'InLineMixer']
@@ -42,6 +42,16 @@ def inline_local_residual(v: Tensor, kernels: Tensor) -> Tensor:
     B·C channels, since every sample has its own kernels.
     """
     B, C, H, W = v.shape
+    if not torch.jit.is_scripting():
+        if is_exporting():
+            # a convolution's group count must be static in ONNX, and B is symbolic under torch.export: the nine
+            # taps are summed instead
+            padded = F.pad(v, (1, 1, 1, 1))
+            taps: List[Tensor] = []
+            for u in range(3):
+                for w in range(3):
+                    taps.append(kernels[:, :, u, w, None, None] * padded[:, :, u:u + H, w:w + W])
+            return torch.stack(taps).sum(dim=0)
     out = F.conv2d(v.reshape(1, B * C, H, W), kernels.reshape(B * C, 1, 3, 3), padding=1, groups=B * C)
     return out.view(B, C, H, W)
 
@@ -72,7 +82,8 @@ class InLineMixer(Mixer):
         tokens = ctx.tokens
         if tokens is None:
             raise ValueError("inline attention needs the grouped attention input (MixContext.tokens), got None")
-        out = merge_heads(inline_attention(*self.heads(q, k, v), self.head_dim ** -0.5))
+        qh, kh, vh = self.heads(q, k, v)
+        out = merge_heads(inline_attention(qh, kh, vh, self.head_dim ** -0.5))
         # v is a view into the projection output: one explicit copy to a dense NCHW image is cheaper than
         # convolving the strided view or a channels-last copy
         B, n, C = v.shape

@@ -30,13 +30,19 @@ def linear_attention(q: Tensor, k: Tensor, v: Tensor, eps: float = 1e-6) -> Tens
 
     Σⱼ (φqᵢ·φkⱼ) vⱼ / (Σⱼ φqᵢ·φkⱼ + eps), both sums divided by m before the division.
     """
+    if not torch.jit.is_scripting():  # TorchScript has no autocast to turn off
+        with autocast_off(v.device):
+            return _linear_attention(q, k, v, eps)
+    return _linear_attention(q, k, v, eps)
+
+
+def _linear_attention(q: Tensor, k: Tensor, v: Tensor, eps: float) -> Tensor:
     work = torch.promote_types(torch.promote_types(q.dtype, v.dtype), torch.float32)
     m = k.shape[-2]
-    with autocast_off(v.device):
-        phi_q, phi_k = elu_feature_map(q.to(work)), elu_feature_map(k.to(work))
-        state = phi_k.transpose(-2, -1) @ (v.to(work) / m)
-        normaliser = phi_q @ phi_k.mean(dim=-2, keepdim=True).transpose(-2, -1) + eps / m
-        return ((phi_q @ state) / normaliser).to(v.dtype)
+    phi_q, phi_k = elu_feature_map(q.to(work)), elu_feature_map(k.to(work))
+    state = phi_k.transpose(-2, -1) @ (v.to(work) / m)
+    normaliser = phi_q @ phi_k.mean(dim=-2, keepdim=True).transpose(-2, -1) + eps / m
+    return ((phi_q @ state) / normaliser).to(v.dtype)
 
 
 @register_attention('linear')
@@ -45,4 +51,5 @@ class LinearMixer(Mixer):
     reduces_keys = True
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, ctx: MixContext) -> Tensor:
-        return merge_heads(linear_attention(*self.heads(q, k, v)))
+        q, k, v = self.heads(q, k, v)
+        return merge_heads(linear_attention(q, k, v))

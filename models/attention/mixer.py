@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from .layout import Grid, split_heads
 
-__all__ = ['Mixer', 'MixContext', 'autocast_off']
+__all__ = ['Mixer', 'MixContext', 'autocast_off', 'is_exporting']
 
 # Device types with an autocast mode; others (the meta device used to count parameters and FLOPs) have none to turn off.
 _AUTOCAST_DEVICES = frozenset(d for d in ('cpu', 'cuda', 'xpu', 'mps', 'hpu') if torch.amp.is_autocast_available(d))
@@ -32,6 +32,12 @@ _AUTOCAST_DEVICES = frozenset(d for d in ('cpu', 'cuda', 'xpu', 'mps', 'hpu') if
 def autocast_off(device: torch.device) -> ContextManager:
     """Autocast disabled on `device`'s type, for math that chooses its own precision."""
     return torch.autocast(device.type, enabled=False) if device.type in _AUTOCAST_DEVICES else contextlib.nullcontext()
+
+
+def is_exporting() -> bool:
+    """True while torch.export traces the model (torch 2.6 and later; earlier versions do not say)."""
+    exporting = getattr(torch.compiler, 'is_exporting', None)
+    return exporting is not None and exporting()
 
 
 class MixContext(NamedTuple):
@@ -89,9 +95,9 @@ class Mixer(nn.Module):
         names = cls.option_names()
         return {key: value for key, value in (attn_kwargs or {}).items() if key in names}
 
-    def heads(self, *tensors: Tensor) -> List[Tensor]:
-        """Each (B', n, C) tensor as (B', heads, n, C / heads), the layout of the pure attention functions."""
-        return [split_heads(t, self.num_heads) for t in tensors]
+    def heads(self, q: Tensor, k: Tensor, v: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+        """q, k, v: (B', n, C) each as (B', heads, n, C / heads), the layout of the pure attention functions."""
+        return split_heads(q, self.num_heads), split_heads(k, self.num_heads), split_heads(v, self.num_heads)
 
     def require_group_grid(self, what: str) -> Grid:
         """The fixed grid of the groups, or a ValueError saying that `what` needs one."""

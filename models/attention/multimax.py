@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from timm.layers import trunc_normal_
 
 from .layout import Grid, merge_heads
-from .mixer import MixContext, autocast_off
+from .mixer import MixContext, autocast_off, is_exporting
 from .registry import register_attention
 from .softmax import SoftmaxMixer
 
@@ -199,10 +199,15 @@ def multimax_attention(
     CUDA without dropout and the plain path otherwise; True forces FlexAttention (compiled on CUDA, its unfused
     reference elsewhere) for the forward pass, with the backward pass in row blocks.
     """
+    if torch.jit.is_scripting():  # the plain path without the custom autograd functions
+        return _multimax_plain(q, k, v, ranges, ts, bias, mask, dropout_p)
     if use_flex is None:
         use_flex = flex_attention is not None and q.is_cuda and not dropout_p
     B, h, n, _ = q.shape
-    row_bytes = B * h * k.shape[-2] * 4
+    # torch.export keeps the batch symbolic: the path and the block size then follow one image's scores, which
+    # are static, so that one graph serves every batch size
+    images = 1 if is_exporting() else B
+    row_bytes = images * h * k.shape[-2] * 4
     training = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, ranges, ts, bias))
     if use_flex:
         if dropout_p:
@@ -225,8 +230,12 @@ def _multimax_plain(q: Tensor, k: Tensor, v: Tensor, ranges: Tensor, ts: Tensor,
     scores = torch.matmul(q * q.shape[-1] ** -0.5, k.transpose(-2, -1)).to(work)
     if bias is not None:
         scores = scores + bias.to(work)
+    if torch.jit.is_scripting():
+        modulated = multimax_modulation(scores, ranges.to(work), ts.to(work))
+    else:
+        modulated = _Modulation.apply(scores, ranges.to(work), ts.to(work))
     # σ's backward needs its input only, so its output may take the mask in place
-    logits = _masked(_Modulation.apply(scores, ranges.to(work), ts.to(work)), mask)
+    logits = _masked(modulated, mask)
     weights = logits.softmax(dim=-1)
     if dropout_p:
         weights = F.dropout(weights, dropout_p)
@@ -337,6 +346,7 @@ class MultiMaxMixer(SoftmaxMixer):
         trunc_normal_(self.ts, std=.02)
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, ctx: MixContext) -> Tensor:
-        out = multimax_attention(*self.heads(q, k, v), self.ranges, self.ts, ctx.pos_bias, ctx.mask,
+        q, k, v = self.heads(q, k, v)
+        out = multimax_attention(q, k, v, self.ranges, self.ts, ctx.pos_bias, ctx.mask,
                                  self.attn_drop if self.training else 0.)
         return merge_heads(out)

@@ -39,4 +39,5 @@ class SimAMixer(Mixer):
     reduces_keys = True
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, ctx: MixContext) -> Tensor:
-        return merge_heads(sima_attention(*self.heads(q, k, v)))
+        q, k, v = self.heads(q, k, v)
+        return merge_heads(sima_attention(q, k, v))

@@ -27,8 +27,8 @@ def softmax_attention(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor] = 
     if bias.requires_grad and torch.is_grad_enabled() and q.device.type == 'cpu':
         weights = (torch.matmul(q * q.shape[-1] ** -0.5, k.transpose(-2, -1)) + bias).softmax(dim=-1)
         return torch.matmul(F.dropout(weights, dropout_p) if dropout_p else weights, v)
-    if bias.dim() < 4:  # the fused kernels reject a bias of fewer dimensions
-        bias = bias[(None,) * (4 - bias.dim())]
+    while bias.dim() < 4:  # the fused kernels reject a bias of fewer dimensions
+        bias = bias.unsqueeze(0)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout_p)
 
 
@@ -62,9 +62,10 @@ class SoftmaxMixer(Mixer):
         h = self.num_heads
         q, k, v = self.heads(q, k, v)
         dropout_p = self.attn_drop if self.training else 0.
-        if ctx.mask is None:
+        mask = ctx.mask
+        if mask is None:
             return merge_heads(softmax_attention(q, k, v, ctx.pos_bias, dropout_p))
-        nW = ctx.mask.shape[0]
+        nW = mask.shape[0]
         out = softmax_attention(fold_windows(q, nW), fold_windows(k, nW), fold_windows(v, nW),
-                                window_bias(ctx.pos_bias, ctx.mask, h), dropout_p)
+                                window_bias(ctx.pos_bias, mask, h), dropout_p)
         return merge_heads(unfold_windows(out, h))

@@ -1,0 +1,185 @@
+"""timm's model contracts for tracing and export, on tiny configurations of the zoo.
+
+- FX: every registered model traces with timm's tracer settings (its leaf modules and wrapped functions, as
+  timm's feature extraction uses them) and the traced module gives the eager outputs;
+- TorchScript: every attention scripts in every grouping, and the FX graph of every family with every attention
+  scripts; both give the eager outputs;
+- torch.export with a dynamic batch, for every family with every attention: one exported program runs at two
+  batch sizes and gives the eager outputs; MultiMax's row-block path exports too;
+- ONNX (torch.onnx dynamo export) of the same programs, run in onnxruntime within 1e-4 of eager.
+"""
+import warnings
+from typing import Any, Dict, List
+
+import numpy as np
+import onnxruntime
+import pytest
+import torch
+
+import timm
+from timm.layers import get_notrace_functions, get_notrace_modules
+
+import models  # noqa: F401  (registers the families)
+from models.attention import build_attention, get_mixer_class, list_attentions
+from models.attention import multimax
+
+FAMILIES = ('deit', 'pvt', 'swin', 'cswin')
+ALL_MODELS = timm.list_models(module=['vit', 'pvt', 'swin', 'cswin'])
+
+# Tiny sizes that every registered model of a family accepts. Swin's official linear-attention models derive a
+# softmax window of at least 7 from `window_size`, so its grids are multiples of 7 (56, 28, 14, 7).
+TINY: Dict[str, Dict[str, Any]] = {
+    'deit': dict(img_size=32, patch_size=8, embed_dim=16, depth=2, num_heads=2),
+    'pvt': dict(img_size=32, patch_size=2, embed_dims=(8, 8, 16, 16), num_heads=(1, 1, 2, 2), depths=(1, 1, 1, 1)),
+    'swin': dict(img_size=112, patch_size=2, embed_dim=8, depths=(2, 2, 2, 2), num_heads=(1, 1, 2, 2),
+                 window_size=7),
+    'cswin': dict(img_size=32, embed_dim=8, depth=(1, 1, 1, 1), num_heads=(2, 2, 2, 2)),
+}
+
+
+def family_of(name: str) -> str:
+    return next(family for family in FAMILIES if f'_{family}_' in f'{name}_')
+
+
+def tiny_model(name: str, **kwargs: Any) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = timm.create_model(name, num_classes=5, **{**TINY[family_of(name)], **kwargs})
+    return model.eval()
+
+
+def images(model: torch.nn.Module, batch_size: int) -> torch.Tensor:
+    return torch.randn(batch_size, 3, *model.img_size)
+
+
+def test_every_model_is_covered():
+    assert len(ALL_MODELS) >= 100
+    assert {family_of(name) for name in ALL_MODELS} == set(FAMILIES)
+
+
+class TimmTracer(torch.fx.Tracer):
+    """FX tracing with the settings of timm's feature extraction: its leaf modules and wrapped functions."""
+
+    def __init__(self):
+        super().__init__(autowrap_functions=tuple(get_notrace_functions()), param_shapes_constant=True)
+
+    def is_leaf_module(self, module: torch.nn.Module, qualified_name: str) -> bool:
+        return isinstance(module, tuple(get_notrace_modules())) or super().is_leaf_module(module, qualified_name)
+
+
+@pytest.mark.parametrize('name', ALL_MODELS)
+def test_fx_trace_matches_eager(name):
+    model = tiny_model(name)
+    traced = torch.fx.GraphModule(model, TimmTracer().trace(model))
+    x = images(model, 2)
+    with torch.no_grad():
+        expected = model(x)
+        out = traced(x)
+    assert out.shape == (2, 5)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+
+
+# Every grouping with the tokens its family gives it: a class token (global), reduced keys, shifted windows on a
+# grid of four windows and one window covering the grid (a position bias without mask), two stripe branches and
+# one global branch.
+GROUPINGS = {
+    'global': (dict(grid_size=(4, 4)), 1),
+    'reduction': (dict(grid_size=(4, 4), grouping='reduction', sr_ratio=2), 0),
+    'window': (dict(grid_size=(8, 8), grouping='window', window_size=4, shift_size=2), 0),
+    'one_window': (dict(grid_size=(4, 4), grouping='window', window_size=4), 0),
+    'stripes': (dict(grid_size=(8, 8), grouping='stripes', split_size=2), 0),
+    'one_stripe': (dict(grid_size=(4, 4), grouping='stripes', split_size=4), 0),
+}
+
+
+@pytest.mark.parametrize('grouping', list(GROUPINGS))
+@pytest.mark.parametrize('attention', list_attentions())
+def test_torchscript_attention_matches_eager(grouping, attention):
+    kwargs, num_prefix = GROUPINGS[grouping]
+    if grouping == 'reduction' and not get_mixer_class(attention).reduces_keys:
+        kwargs = dict(kwargs, sr_ratio=1)  # PVT gives attentions that take no reduced keys the whole map
+    torch.manual_seed(0)
+    attn = build_attention(attention, 8, 2, **kwargs).eval()
+    grid = kwargs['grid_size']
+    x = torch.randn(2, num_prefix + grid[0] * grid[1], 8)
+    scripted = torch.jit.script(attn)
+    with torch.no_grad():
+        torch.testing.assert_close(scripted(x, grid), attn(x, grid), rtol=1e-6, atol=1e-7)
+
+
+def export_cases() -> List[Any]:
+    """Models that together hold every attention in every family: one per attention for DeiT (one attention per
+    model), two per hierarchical family (one attention per stage)."""
+    names = list_attentions()
+    cases = [pytest.param('deit', name, id=f'deit-{name}') for name in names]
+    stages = [names[:4], (names[4:] + names)[:4]]
+    for family in FAMILIES[1:]:
+        cases += [pytest.param(family, attn_type, id=f'{family}-{"-".join(attn_type)}') for attn_type in stages]
+    return cases
+
+
+def export_dynamic_batch(model: torch.nn.Module, x: torch.Tensor) -> torch.export.ExportedProgram:
+    batch = torch.export.Dim('batch', min=1, max=1024)
+    return torch.export.export(model, (x,), dynamic_shapes=({0: batch},))
+
+
+# Smaller still for export, which takes seconds per block: one DeiT block; Swin's generic models on a 16x16
+# grid of 4x4 windows, shifted in the first two stages.
+EXPORT_SIZES = {
+    'deit': dict(depth=1),
+    'swin': dict(img_size=32, window_size=4, depths=(2, 2, 1, 1)),
+}
+
+
+@pytest.mark.parametrize('family, attn_type', export_cases())
+def test_export_dynamic_batch_and_onnx_match_eager(family, attn_type, tmp_path):
+    model = tiny_model(f'softmax_{family}_tiny', attn_type=attn_type, **EXPORT_SIZES.get(family, {}))
+    program = export_dynamic_batch(model, images(model, 2))
+    exported = program.module()
+    batches = [images(model, 1), images(model, 3)]
+    with torch.no_grad():
+        expected = [model(x) for x in batches]
+        for x, y in zip(batches, expected):
+            torch.testing.assert_close(exported(x), y, rtol=1e-5, atol=1e-6)
+
+    path = tmp_path / 'model.onnx'
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')
+        torch.onnx.export(program, (images(model, 2),), str(path), dynamo=True, verbose=False)
+    session = onnxruntime.InferenceSession(str(path), providers=['CPUExecutionProvider'])
+    (input_name,) = [i.name for i in session.get_inputs()]
+    for x, y in zip(batches, expected):
+        (out,) = session.run(None, {input_name: x.numpy()})
+        np.testing.assert_allclose(out, y.numpy(), rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize('grad_enabled', [False, True], ids=['no_grad', 'grad'])
+def test_multimax_row_blocks_export_with_dynamic_batch(monkeypatch, grad_enabled):
+    # blocks of half the query rows: the row-block path that large inputs take, here on a tiny model (with
+    # gradients enabled, the autograd function around it)
+    model = tiny_model('multimax_deit_tiny', depth=1)
+    n, heads = model.patch_embed.num_patches + 1, model.blocks[0].attn.num_heads
+    rows = (n + 1) // 2
+    monkeypatch.setattr(multimax, '_ROW_BLOCK_BYTES', rows * heads * n * 4)
+    monkeypatch.setattr(multimax, '_PLAIN_TRAINING_BYTES', 0)
+    rows_taken = []
+    row_blocks = multimax._row_blocks_forward
+    monkeypatch.setattr(multimax, '_row_blocks_forward',
+                        lambda *args, **kwargs: rows_taken.append(args[7]) or row_blocks(*args, **kwargs))
+    with torch.set_grad_enabled(grad_enabled):
+        program = export_dynamic_batch(model, images(model, 2))
+    assert rows_taken and set(rows_taken) == {rows}
+    exported = program.module()
+    with torch.no_grad():
+        for batch_size in (1, 3):
+            x = images(model, batch_size)
+            torch.testing.assert_close(exported(x), model(x), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize('family, attn_type', export_cases())
+def test_torchscript_of_the_fx_graph_matches_eager(family, attn_type):
+    # timm's FX + TorchScript contract: the traced graph of the model scripts, with its attentions as submodules
+    model = tiny_model(f'softmax_{family}_tiny', attn_type=attn_type, **EXPORT_SIZES.get(family, {}))
+    scripted = torch.jit.script(torch.fx.GraphModule(model, TimmTracer().trace(model)))
+    x = images(model, 2)
+    with torch.no_grad():
+        torch.testing.assert_close(scripted(x), model(x), rtol=1e-5, atol=1e-6)
