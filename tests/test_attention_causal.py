@@ -361,3 +361,21 @@ def test_create_model_passes_causal_to_every_block(name):
         assert [block.attn.mixer.causal for block in model.blocks] == [True, True]
         assert 'causal=True' in repr(model.blocks[0].attn.mixer)
         assert model(torch.randn(1, 3, 32, 32)).shape == (1, 3)
+
+
+def test_an_attention_without_the_option_refuses_causal_instead_of_ignoring_it(monkeypatch):
+    """One attn_kwargs dict serves every attention of a model; one that does not declare `causal` would silently
+    mix later tokens into a model built as causal."""
+    from models.attention import Mixer, registry
+
+    class NoOptions(Mixer):
+        attention_name = 'no_options'
+
+        def forward(self, q, k, v, ctx):
+            return v
+
+    monkeypatch.setitem(registry._MIXERS, 'no_options', NoOptions)
+    build_attention('no_options', DIM, HEADS, (3, 4), attn_kwargs=dict(causal=False))
+    with pytest.raises(ValueError) as info:
+        build_attention('no_options', DIM, HEADS, (3, 4), attn_kwargs=dict(causal=True))
+    assert str(info.value) == "no_options attention takes no causal option, so it cannot serve causal=True"

@@ -117,7 +117,9 @@ def build_attention(
             keywords = [p for p in params if params[p].kind is inspect.Parameter.KEYWORD_ONLY and p != 'mixer_options']
             raise ValueError(f"grouping {grouping!r} takes no keyword {key!r}; expected one of {', '.join(keywords)}")
     options = cls.take_options(attn_kwargs)
-    if options.get('causal'):
+    if (attn_kwargs or {}).get('causal'):
+        if 'causal' not in options:  # one dict serves several attentions, but a model is causal only if all are
+            raise ValueError(f"{name} attention takes no causal option, so it cannot serve causal=True")
         check_causal_grouping(grouping, grouping_kwargs)
     return grouping_cls(cls, dim, num_heads, grid_size, qkv_bias, mixer_options=options,
                         attn_drop=attn_drop, proj_drop=proj_drop, **grouping_kwargs)
