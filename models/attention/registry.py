@@ -6,10 +6,10 @@ benchmark, the zoo table and the tests iterate it.
 import inspect
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Type, TypeVar
 
+from .causal import check_causal_grouping
 from .grouping import (
     CrossShapedAttention, GlobalAttention, GroupedAttention, SpatialReductionAttention, WindowAttention,
 )
-from .causal import check_causal_grouping
 from .layout import Grid
 from .mixer import Mixer
 
