@@ -153,6 +153,7 @@ def row_blocks(monkeypatch, rows):
     monkeypatch.setattr('models.attention.multimax._PLAIN_TRAINING_BYTES', 0)
 
 
+@pytest.mark.filterwarnings('ignore:flex_attention called without torch.compile')  # its CPU reference, on purpose
 @pytest.mark.parametrize('path', ['plain', 'row_blocks', 'flex'])
 def test_causal_multimax_masks_after_sigma_on_every_path(monkeypatch, path):
     """σ of the spec's parameters maps very negative scores to large positive ones; masking before σ would give
