@@ -380,3 +380,15 @@ def test_an_attention_without_the_option_refuses_causal_instead_of_ignoring_it(m
     with pytest.raises(ValueError) as info:
         build_attention('no_options', DIM, HEADS, (3, 4), attn_kwargs=dict(causal=True))
     assert str(info.value) == "no_options attention takes no causal option, so it cannot serve causal=True"
+
+
+@pytest.mark.filterwarnings('ignore:`torch.jit.script` is deprecated')
+def test_causal_functions_compile_with_torchscript_and_match_eager():
+    torch.manual_seed(0)
+    x, logits = torch.randn(2, 9, 6), 5 * torch.randn(2, 9, 3)
+    q, k, v = torch.randn(3, 2, 2, 9, 4).unbind(0)
+    torch.testing.assert_close(torch.jit.script(causal_additive_pool)(x, logits, 4), causal_additive_pool(x, logits, 4))
+    torch.testing.assert_close(torch.jit.script(causal_linear_attention)(q, k, v, 1e-6, 4),
+                               causal_linear_attention(q, k, v, chunk_size=4))
+    torch.testing.assert_close(torch.jit.script(softmax_attention)(q, k, v, None, 0., True),
+                               softmax_attention(q, k, v, causal=True))

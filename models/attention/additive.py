@@ -56,21 +56,27 @@ def causal_additive_pool(x: Tensor, logits: Tensor, chunk_size: int = CAUSAL_CHU
     row i, and the chunks before it enter through a carried (s, z) pair taken relative to their own running
     maximum. Every factor is at most 1 and every normaliser at least 1, so nothing overflows or divides 0 by 0.
     """
+    if not torch.jit.is_scripting():  # TorchScript has no autocast to turn off
+        with autocast_off(x.device):
+            return _causal_additive_pool(x, logits, chunk_size)
+    return _causal_additive_pool(x, logits, chunk_size)
+
+
+def _causal_additive_pool(x: Tensor, logits: Tensor, chunk_size: int) -> Tensor:
     B, n, C = x.shape
     heads = logits.shape[-1]
     work = torch.promote_types(x.dtype, torch.float32)
     chunk = min(chunk_size, n)
-    with autocast_off(x.device):
-        a = chunk_tokens(logits.to(work).transpose(1, 2), chunk)  # (B, h, K, c)
-        values = chunk_tokens(x.to(work).view(B, n, heads, C // heads).transpose(1, 2), chunk)  # (B, h, K, c, d)
-        running_max = a.cummax(dim=-1).values
-        relative = a.unsqueeze(-2) - running_max.unsqueeze(-1)  # row i, column l: a_l − m_i
-        weights = relative.masked_fill(later_tokens(chunk, chunk, x.device), -math.inf).exp()
-        sums = weights @ values
-        norms = weights.sum(dim=-1, keepdim=True)
-        if a.shape[2] > 1:
-            sums, norms = _add_earlier_chunks(sums, norms, running_max)
-        pooled = (sums / norms).flatten(2, 3)[:, :, :n]
+    a = chunk_tokens(logits.to(work).transpose(1, 2), chunk)  # (B, h, K, c)
+    values = chunk_tokens(x.to(work).view(B, n, heads, C // heads).transpose(1, 2), chunk)  # (B, h, K, c, d)
+    running_max = torch.cummax(a, dim=-1)[0]
+    relative = a.unsqueeze(-2) - running_max.unsqueeze(-1)  # row i, column l: a_l − m_i
+    weights = relative.masked_fill(later_tokens(chunk, chunk, x.device), -math.inf).exp()
+    sums = weights @ values
+    norms = weights.sum(dim=-1, keepdim=True)
+    if a.shape[2] > 1:
+        sums, norms = _add_earlier_chunks(sums, norms, running_max)
+    pooled = (sums / norms).flatten(2, 3)[:, :, :n]
     return pooled.transpose(1, 2).reshape(B, n, C).to(x.dtype)
 
 

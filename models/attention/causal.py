@@ -22,12 +22,12 @@ def chunk_tokens(x: Tensor, chunk_size: int) -> Tensor:
 
     Padding comes after every real token, so a causal form never mixes it into a real token's output.
     """
-    n = x.shape[2]
-    num_chunks = (n + chunk_size - 1) // chunk_size
-    pad = num_chunks * chunk_size - n
+    shape = list(x.shape)
+    num_chunks = (shape[2] + chunk_size - 1) // chunk_size
+    pad = num_chunks * chunk_size - shape[2]
     if pad:
-        x = torch.cat([x, x.new_zeros(x.shape[:2] + (pad,) + x.shape[3:])], dim=2)
-    return x.reshape(x.shape[:2] + (num_chunks, chunk_size) + x.shape[3:])
+        x = torch.cat([x, x.new_zeros(shape[:2] + [pad] + shape[3:])], dim=2)
+    return x.reshape(shape[:2] + [num_chunks, chunk_size] + shape[3:])
 
 
 def later_tokens(n: int, m: int, device: torch.device, first_row: int = 0) -> Tensor:

@@ -53,21 +53,26 @@ def causal_linear_attention(q: Tensor, k: Tensor, v: Tensor, eps: float = 1e-6,
     of `chunk_size` tokens: a masked chunk×chunk score matrix for the keys of the query's own chunk, and for the
     earlier chunks the sums of φ(k)vᵀ and φ(k) over them, a (d, e) state per chunk.
     """
+    if not torch.jit.is_scripting():  # TorchScript has no autocast to turn off
+        with autocast_off(v.device):
+            return _causal_linear_attention(q, k, v, eps, chunk_size)
+    return _causal_linear_attention(q, k, v, eps, chunk_size)
+
+
+def _causal_linear_attention(q: Tensor, k: Tensor, v: Tensor, eps: float, chunk_size: int) -> Tensor:
     work = torch.promote_types(torch.promote_types(q.dtype, v.dtype), torch.float32)
     n = k.shape[-2]
     chunk = min(chunk_size, n)
-    with autocast_off(v.device):
-        # padding after the feature map: zero keys and values add nothing to any sum
-        phi_q = chunk_tokens(elu_feature_map(q.to(work)), chunk)
-        phi_k = chunk_tokens(elu_feature_map(k.to(work)) / n, chunk)
-        values = chunk_tokens(v.to(work), chunk)
-        scores = (phi_q @ phi_k.transpose(-2, -1)).masked_fill(later_tokens(chunk, chunk, v.device), 0.)
-        state = _sums_of_earlier_chunks(phi_k.transpose(-2, -1) @ values)
-        key_sum = _sums_of_earlier_chunks(phi_k.sum(dim=-2, keepdim=True))
-        numerator = scores @ values + phi_q @ state
-        normaliser = scores.sum(dim=-1, keepdim=True) + phi_q @ key_sum.transpose(-2, -1) + eps / n
-        out = (numerator / normaliser).flatten(2, 3)[:, :, :n]
-    return out.to(v.dtype)
+    # padding after the feature map: zero keys and values add nothing to any sum
+    phi_q = chunk_tokens(elu_feature_map(q.to(work)), chunk)
+    phi_k = chunk_tokens(elu_feature_map(k.to(work)) / n, chunk)
+    values = chunk_tokens(v.to(work), chunk)
+    scores = (phi_q @ phi_k.transpose(-2, -1)).masked_fill(later_tokens(chunk, chunk, v.device), 0.)
+    state = _sums_of_earlier_chunks(phi_k.transpose(-2, -1) @ values)
+    key_sum = _sums_of_earlier_chunks(phi_k.sum(dim=-2, keepdim=True))
+    numerator = scores @ values + phi_q @ state
+    normaliser = scores.sum(dim=-1, keepdim=True) + phi_q @ key_sum.transpose(-2, -1) + eps / n
+    return (numerator / normaliser).flatten(2, 3)[:, :, :n].to(v.dtype)
 
 
 def _sums_of_earlier_chunks(x: Tensor) -> Tensor:
