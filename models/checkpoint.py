@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import timm
+from timm.layers import resample_abs_pos_embed
 from timm.models import get_pretrained_cfg
 from tqdm import tqdm
 
@@ -38,7 +39,8 @@ __all__ = [
     'CheckpointError', 'DownloadError', 'checkpoint_cache_dir', 'cached_file_name', 'download_checkpoint',
     'released_weights_file', 'filter_checkpoint', 'adapt_state_dict', 'load_pretrained_into', 'TransferReport',
     'SAFE_GLOBALS', 'load_checkpoint_file', 'checkpoint_state_dict', 'drop_derived_buffers',
-    'check_state_dict', 'load_state_dict_checked', 'resize_grid_embedding', 'resize_rel_pos_bias_table',
+    'check_state_dict', 'load_state_dict_checked', 'resample_grid_embedding', 'resize_grid_embedding',
+    'resize_rel_pos_bias_table',
 ]
 
 SAFE_GLOBALS = [(OrderedDict, 'yacs.config.CfgNode'), set, argparse.Namespace]
@@ -233,29 +235,41 @@ def load_state_dict_checked(model: nn.Module, state_dict: Mapping[str, Tensor], 
     model.load_state_dict(state_dict, strict=True)
 
 
+def resample_grid_embedding(embedding: Tensor, grid: Tuple[int, int], new_grid: Tuple[int, int],
+                            num_prefix_tokens: int = 0, interpolation: str = 'bicubic') -> Tensor:
+    """(1, prefix + H*W, C) embedding over `grid` -> (1, prefix + H'*W', C) over `new_grid`, the prefix rows kept;
+    the identity at `new_grid` == `grid`. timm's resampling without antialias (in float32 at least)."""
+    return resample_abs_pos_embed(embedding, [new_grid[0], new_grid[1]], [grid[0], grid[1]], num_prefix_tokens,
+                                  interpolation, antialias=False)
+
+
 def resize_grid_embedding(embedding: Tensor, new_grid: Tuple[int, int], num_prefix_tokens: int = 0) -> Tensor:
     """Bicubically resize a (1, prefix + S*S, C) embedding over a square grid to (1, prefix + H*W, C)."""
-    prefix, grid = embedding[:, :num_prefix_tokens], embedding[:, num_prefix_tokens:]
-    if grid.shape[1] == new_grid[0] * new_grid[1]:
+    tokens = embedding.shape[1] - num_prefix_tokens
+    if tokens == new_grid[0] * new_grid[1]:
         return embedding
-    side = int(round(grid.shape[1] ** 0.5))
-    if side * side != grid.shape[1]:
-        raise CheckpointError(f"cannot resize an embedding of {grid.shape[1]} tokens: not a square grid")
-    C = grid.shape[-1]
-    image = grid.reshape(1, side, side, C).permute(0, 3, 1, 2).float()
-    image = F.interpolate(image, size=new_grid, mode='bicubic', align_corners=False)
-    grid = image.permute(0, 2, 3, 1).reshape(1, new_grid[0] * new_grid[1], C).to(embedding.dtype)
-    return torch.cat([prefix, grid], dim=1)
+    side = int(round(tokens ** 0.5))
+    if side * side != tokens:
+        raise CheckpointError(f"cannot resize an embedding of {tokens} tokens: not a square grid")
+    return resample_grid_embedding(embedding, (side, side), new_grid, num_prefix_tokens)
 
 
-def resize_rel_pos_bias_table(table: Tensor, new_window: Tuple[int, int]) -> Tensor:
-    """Bicubically resize a ((2w-1)^2, heads) relative position bias table to a new window."""
+def resize_rel_pos_bias_table(table: Tensor, new_window: Tuple[int, int],
+                              window: Optional[Tuple[int, int]] = None) -> Tensor:
+    """Bicubically resize a ((2wh-1)(2ww-1), heads) relative position bias table of `window` (None: square) to
+    `new_window`."""
     rows = (2 * new_window[0] - 1) * (2 * new_window[1] - 1)
-    if table.shape[0] == rows:
-        return table
-    side = int(round(table.shape[0] ** 0.5))
+    if window is None:
+        if table.shape[0] == rows:
+            return table
+        side = int(round(table.shape[0] ** 0.5))
+        span = (side, side)
+    else:
+        if tuple(window) == tuple(new_window):
+            return table
+        span = (2 * window[0] - 1, 2 * window[1] - 1)
     heads = table.shape[1]
-    image = table.T.reshape(1, heads, side, side).float()
+    image = table.T.reshape(1, heads, span[0], span[1]).float()
     image = F.interpolate(image, size=(2 * new_window[0] - 1, 2 * new_window[1] - 1), mode='bicubic',
                           align_corners=False)
     return image.reshape(heads, rows).T.contiguous().to(table.dtype)

@@ -11,6 +11,12 @@ the official linear stages at their trained resolution), and the last stage is a
 attention gets the un-normalised block input as the tokens that mixers needing them summarise, as the official
 linear-attention CSwin does.
 
+`forward_features` returns the last stage's normed map as (B, H, W, C) (`output_fmt` 'NHWC'), as timm's Swin does.
+Another input size: stripes that do not tile a grid are padded with zeros below or right. With
+`dynamic_img_size=True` every input size runs on the built weights: stripes keep their width and span the grid,
+global branches stay global, and FLatten's positional encodings are resampled bicubically to the stripe or grid;
+`set_input_size` makes such a size the model's own.
+
 Registered: every attention of the registry at the CSwin sizes (`{attention}_cswin_{tiny,small,base,base_384}`,
 the original's architecture), except that the names of the official models (`_OFFICIAL`) are theirs.
 """
@@ -71,17 +77,26 @@ class Tokens(nn.Module):
         return image_to_tokens(x)
 
 
-class MergeBlock(nn.Module):
-    """Conv 3x3 stride 2 then LayerNorm: (B, H*W, C) on `grid_size` -> (B, ceil(H/2)*ceil(W/2), dim_out)."""
+def stem_grid(img_size: Grid) -> Grid:
+    """The token grid of the stride-4 stem (kernel 7, padding 2) on images of `img_size`."""
+    return ((img_size[0] - 3) // 4 + 1, (img_size[1] - 3) // 4 + 1)
 
-    def __init__(self, dim: int, dim_out: int, grid_size: Grid):
+
+def merged_grid(grid: Grid) -> Grid:
+    """The token grid after a stride-2 merge of `grid`."""
+    return ((grid[0] - 1) // 2 + 1, (grid[1] - 1) // 2 + 1)
+
+
+class MergeBlock(nn.Module):
+    """Conv 3x3 stride 2 then LayerNorm: (B, H*W, C) on the (H, W) grid -> (B, ceil(H/2)*ceil(W/2), dim_out)."""
+
+    def __init__(self, dim: int, dim_out: int):
         super().__init__()
-        self.grid_size = grid_size
         self.conv = nn.Conv2d(dim, dim_out, 3, 2, 1)
         self.norm = nn.LayerNorm(dim_out)
 
-    def forward(self, x: Tensor) -> Tensor:
-        return self.norm(image_to_tokens(self.conv(tokens_to_image(x, self.grid_size))))
+    def forward(self, x: Tensor, grid: Grid) -> Tensor:
+        return self.norm(image_to_tokens(self.conv(tokens_to_image(x, grid))))
 
 
 class CSWinBlock(nn.Module):
@@ -116,8 +131,9 @@ class CSWinBlock(nn.Module):
         self.register_state_dict_post_hook(_to_official_names)
         self.register_load_state_dict_pre_hook(_from_official_names)
 
-    def forward(self, x: Tensor) -> Tensor:
-        x = x + self.drop_path(self.attn(self.norm1(x), self.grid_size, block_input=x))
+    def forward(self, x: Tensor, size: Grid) -> Tensor:
+        """x: (B, H*W, C) on the grid `size` = (H, W) -> (B, H*W, C)."""
+        x = x + self.drop_path(self.attn(self.norm1(x), size, block_input=x))
         return x + self.drop_path(self.mlp(self.norm2(x)))
 
 
@@ -132,8 +148,8 @@ class CSWinTransformer(ZooModel):
     """CSwin Transformer with a swappable attention per block (original CSwin layout and key names).
 
     Args:
-        img_size: input size (int or (H, W)); the model takes only this size. Stage grids: the stem's
-            stride-4 output, then halved (rounding up) by every merge.
+        img_size: input size (int or (H, W)), sides multiples of 4; the model takes only this size unless
+            `dynamic_img_size`. Stage grids: the stem's stride-4 output, then halved (rounding up) by every merge.
         patch_size: must be 4, the stride of the convolutional stem (accepted for the official signature).
         in_chans, num_classes: input channels and classes (0: no head).
         global_pool: 'avg' (mean over tokens) or '' (no pooling).
@@ -149,6 +165,7 @@ class CSWinTransformer(ZooModel):
         attn_kwargs: method options of the attentions (`models.attention.list_attention_options()`).
         drop_rate: dropout in the MLPs; attn_drop_rate: on attention weights; drop_path_rate: stochastic depth,
             linear over all blocks.
+        dynamic_img_size: take any input size whose sides are multiples of 4.
     """
 
     official_head_init = True
@@ -173,6 +190,7 @@ class CSWinTransformer(ZooModel):
             drop_rate: float = 0.,
             attn_drop_rate: float = 0.,
             drop_path_rate: float = 0.,
+            dynamic_img_size: bool = False,
     ):
         super().__init__()
         if patch_size != 4:
@@ -181,14 +199,12 @@ class CSWinTransformer(ZooModel):
             raise ValueError(f"depth {list(depth)} and num_heads {list(num_heads)} must give {NUM_STAGES} values")
         split_size = _parse_split(split_size, 'split_size')
         la_split = None if la_split_size is None else _parse_split(la_split_size, 'la_split_size')
-        self.img_size: Grid = to_2tuple(img_size)
-        if min(self.img_size) < 8:
-            raise ValueError(f"img_size {self.img_size} is too small for the stride-4 stem; expected at least 8")
-        grid = tuple((s + 2 * 2 - 7) // 4 + 1 for s in self.img_size)
-        self.grid_sizes: List[Grid] = [grid]
-        for _ in range(NUM_STAGES - 1):
-            grid = tuple((g - 1) // 2 + 1 for g in grid)
-            self.grid_sizes.append(grid)
+        self.img_size: Grid = tuple(to_2tuple(img_size))
+        self.img_divisor = 4  # the stem's stride
+        self.dynamic_img_size = dynamic_img_size
+        self._check_size(self.img_size, 'img_size')
+        self.grid_sizes = self._stage_grids(self.img_size)
+        self._init_output_fmt('NHWC')
         self.in_chans = in_chans
         self.num_classes = num_classes
         self.global_pool = self._check_pool(global_pool)
@@ -206,7 +222,7 @@ class CSWinTransformer(ZooModel):
         for i in range(NUM_STAGES):
             dim, stage_grid = embed_dim * 2 ** i, self.grid_sizes[i]
             if i:
-                setattr(self, f'merge{i}', MergeBlock(dim // 2, dim, self.grid_sizes[i - 1]))
+                setattr(self, f'merge{i}', MergeBlock(dim // 2, dim))
             blocks = []
             for j, name in enumerate(self.attn_names[i]):
                 if i == NUM_STAGES - 1:
@@ -240,11 +256,29 @@ class CSWinTransformer(ZooModel):
             ],
         )
 
+    @staticmethod
+    def _stage_grids(img_size: Grid) -> List[Grid]:
+        """The token grid of every stage for images of `img_size`."""
+        grids = [stem_grid(img_size)]
+        for _ in range(NUM_STAGES - 1):
+            grids.append(merged_grid(grids[-1]))
+        return grids
+
+    def _set_grids(self, img_size: Grid) -> None:
+        self.grid_sizes = self._stage_grids(img_size)
+        for i, grid in enumerate(self.grid_sizes):
+            for block in getattr(self, f'stage{i + 1}'):
+                block.grid_size = grid
+                block.attn.set_grid(grid)
+
     def _run_stage(self, i: int, x: Tensor, grid: Grid) -> Tuple[Tensor, Grid]:
-        """The stem (i = 0) or the merge before stage i, then its blocks."""
-        x = self.stage1_conv_embed(x) if i == 0 else getattr(self, f'merge{i}')(x)
-        x = run_blocks(getattr(self, f'stage{i + 1}'), x, grad_checkpointing=self.grad_checkpointing)
-        return x, self.grid_sizes[i]
+        """The stem (i = 0, on images of size `grid`) or the merge before stage i, then its blocks."""
+        if i == 0:
+            x, grid = self.stage1_conv_embed(x), stem_grid(grid)
+        else:
+            x, grid = getattr(self, f'merge{i}')(x, grid), merged_grid(grid)
+        x = run_blocks(getattr(self, f'stage{i + 1}'), x, grid, grad_checkpointing=self.grad_checkpointing)
+        return x, grid
 
     def _prune_stages(self, num_stages: int) -> None:
         for i in range(num_stages, NUM_STAGES):
@@ -268,7 +302,7 @@ def _create_cswin(variant: str, pretrained: bool, model_args: Dict[str, Any],
                           feature_cfg=dict(feature_cls='getter', out_indices=(0, 1, 2, 3)))
 
 
-_cfg = partial(imagenet_cfg, fixed_input_size=True, first_conv='stage1_conv_embed.0')
+_cfg = partial(imagenet_cfg, fixed_input_size=True, first_conv='stage1_conv_embed.0', pool_size=(7, 7))
 
 _SIZES = ('tiny', 'small', 'base', 'base_384')
 _SPLIT_224, _SPLIT_384 = (1, 2, 7, 7), (1, 2, 12, 12)
@@ -310,9 +344,11 @@ _CSWIN_META = dict(paper_ids='arXiv:2107.00652', origin_url='https://github.com/
 _CSWIN_URL = 'https://github.com/microsoft/CSWin-Transformer/releases/download/v0.1.0/{}.pth'
 # The papers evaluate with a 256/224 resize then crop at every size; the original CSwin code's configuration
 # uses crop_pct 0.9 at 224 and 1.0 at 384.
-_ORIGINAL_EVAL = {size: dict(input_size=(3, 384, 384), crop_pct=1.0) if size == 'base_384' else dict(crop_pct=0.9)
+_ORIGINAL_EVAL = {size: dict(input_size=(3, 384, 384), pool_size=(12, 12), crop_pct=1.0) if size == 'base_384'
+                  else dict(crop_pct=0.9)
                   for size in _SIZES}
-_PAPER_EVAL = {size: dict(input_size=(3, 384, 384)) if size == 'base_384' else {} for size in _SIZES}
+_PAPER_EVAL = {size: dict(input_size=(3, 384, 384), pool_size=(12, 12)) if size == 'base_384' else {}
+               for size in _SIZES}
 
 default_cfgs = generate_default_cfgs({
     **{f'{attn}_cswin_{size}': _cfg(**_ORIGINAL_EVAL[size]) for attn in list_attentions() for size in _SIZES},

@@ -4,7 +4,6 @@ import contextlib
 import inspect
 import os
 import sys
-import urllib.parse
 from typing import Any, Callable, ClassVar, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Type, Union
 
 import torch
@@ -12,9 +11,10 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
-from timm.layers import DropPath, Mlp, global_pool_nlc, trunc_normal_
+from timm.layers import DropPath, Mlp, global_pool_nlc, register_notrace_function, to_2tuple, trunc_normal_
 from timm.models import build_model_with_cfg, register_model, resolve_pretrained_cfg
 from timm.models._features import feature_take_indices
+from timm.models._input import update_model_input_size
 
 from .attention import list_attention_options, stage_attentions
 from .attention.layout import Grid, tokens_to_image
@@ -22,7 +22,7 @@ from .checkpoint import cached_file_name, download_checkpoint
 
 __all__ = [
     'ZooModel', 'create_variant', 'register_variants', 'Block', 'init_weights', 'run_blocks', 'new_classifier',
-    'check_global_pool', 'check_img_size', 'check_output_fmt', 'imagenet_cfg', 'tsinghua_url', 'INLINE_META',
+    'check_global_pool', 'check_input', 'check_output_fmt', 'imagenet_cfg', 'tsinghua_url', 'INLINE_META',
     'FLATTEN_META',
 ]
 
@@ -103,13 +103,23 @@ def check_global_pool(global_pool: str, supported: Sequence[str]) -> str:
     return global_pool
 
 
-def check_img_size(x: Tensor, img_size: Grid) -> None:
-    """A ValueError unless the images `x` (B, C, H, W) have the (H, W) `img_size` the model was built for."""
-    size = tuple(x.shape[-2:])
-    if size != tuple(img_size):
-        raise ValueError(f"input image size {size[0]}x{size[1]} does not match the model's img_size "
-                         f"{img_size[0]}x{img_size[1]}; build the model with img_size={size} instead of "
-                         f"{tuple(img_size)}")
+@register_notrace_function
+def check_input(x: Tensor, img_size: Grid, divisor: int, dynamic: bool) -> None:
+    """A ValueError unless `x` is (B, C, H, W) images the model takes: of its (H, W) `img_size`, or with `dynamic`
+    of any size whose sides are positive multiples of `divisor`. A leaf of symbolic traces."""
+    if x.dim() != 4:
+        raise ValueError(f"expected images (B, C, H, W), got a tensor with {x.dim()} dimensions")
+    H, W = x.shape[-2], x.shape[-1]
+    if dynamic:
+        if H < divisor or W < divisor or H % divisor != 0 or W % divisor != 0:
+            raise ValueError(f"input image size {H}x{W} must have sides that are positive multiples of {divisor}")
+    elif H != img_size[0] or W != img_size[1]:
+        raise ValueError(f"input image size {H}x{W} does not match the model's img_size {img_size[0]}x{img_size[1]}; "
+                         f"build the model with img_size=({H}, {W}) instead of ({img_size[0]}, {img_size[1]}), or "
+                         f"with dynamic_img_size=True")
+
+
+torch.fx.wrap('check_input')
 
 
 def check_output_fmt(output_fmt: str) -> None:
@@ -136,9 +146,15 @@ def tsinghua_url(file_id: str) -> str:
 class ZooModel(nn.Module):
     """The timm model API that every family shares, over the family's stages.
 
-    A family builds `norm`, `head`, `feature_info`, `num_features`, `global_pool`, `num_prefix_tokens` and
-    `num_stages`, and implements `_run_stage(i, x, grid)`: stage i on the images (i = 0) or on the previous stage's
-    tokens and grid, returning its tokens and their (H, W) grid. Intermediates are taken at the stages' outputs.
+    A family builds `norm`, `head`, `feature_info`, `num_features`, `global_pool`, `num_prefix_tokens`,
+    `num_stages`, `img_size`, `img_divisor` and `dynamic_img_size`, calls `_init_output_fmt`, and implements
+    `_run_stage(i, x, grid)`: stage i on the images (i = 0, `grid` their (H, W)) or on the previous stage's tokens
+    and grid, returning its tokens and their (H, W) grid, and `_set_grids(img_size)` for `set_input_size`.
+    Intermediates are taken at the stages' outputs.
+
+    With `dynamic_img_size` the model takes images of any size whose sides are multiples of `img_divisor`, the
+    grids following the input; otherwise only `img_size`, every grid then fixed when the model is built (which
+    symbolic tracing needs).
     """
     global_pools: ClassVar[Tuple[str, ...]] = ('avg', '')
     # The new classifier of `reset_classifier` takes the official init (else PyTorch's Linear init).
@@ -153,8 +169,43 @@ class ZooModel(nn.Module):
         """Prefix tokens (a class token) before the grid tokens of stage i's output."""
         return self.num_prefix_tokens
 
+    def _init_output_fmt(self, output_fmt: str) -> None:
+        """Lay `forward_features` out as `output_fmt`: 'NLC' tokens (prefix tokens first), or the last stage's map
+        as 'NHWC' or 'NCHW', which timm reads from `output_fmt`."""
+        self.features_fmt = output_fmt
+        if output_fmt != 'NLC':
+            self.output_fmt = output_fmt
+
     def _check_input(self, x: Tensor) -> None:
-        check_img_size(x, self.img_size)
+        check_input(x, self.img_size, self.img_divisor, self.dynamic_img_size)
+
+    def _check_size(self, size: Grid, what: str) -> None:
+        """A ValueError unless `size` has sides that are positive multiples of `img_divisor`."""
+        d = self.img_divisor
+        if size[0] < d or size[1] < d or size[0] % d or size[1] % d:
+            raise ValueError(f"{what} {size[0]}x{size[1]} must have sides that are positive multiples of {d}")
+
+    def _set_grids(self, img_size: Grid) -> None:
+        raise NotImplementedError
+
+    @torch.jit.ignore
+    def set_input_size(self, img_size: Union[int, Grid]) -> None:
+        """Make `img_size` the model's input size: position embeddings, FLatten's positional encodings and the bias
+        tables of global windows resampled, and windows, stripes and masks rebuilt, as a run at that size with
+        `dynamic_img_size=True` resamples and rebuilds them, so outputs at `img_size` stay the same."""
+        size: Grid = tuple(to_2tuple(img_size))
+        self._check_size(size, 'img_size')
+        self._set_grids(size)
+        self.img_size = size
+        update_model_input_size(self, size)
+
+    def _format_features(self, x: Tensor, grid: Grid) -> Tensor:
+        """Tokens (B, [prefix +] H*W, C) on `grid` -> the layout of `features_fmt`."""
+        if self.features_fmt == 'NHWC':
+            return x.reshape(x.shape[0], grid[0], grid[1], x.shape[-1])
+        if self.features_fmt == 'NCHW':
+            return tokens_to_image(x, grid)
+        return x
 
     def _final_norm(self, x: Tensor) -> Tensor:
         return self.norm(x)
@@ -167,17 +218,17 @@ class ZooModel(nn.Module):
         return check_global_pool(global_pool, self.global_pools)
 
     def _run_stages(self, x: Tensor, num_stages: int,
-                    keep: Sequence[int] = ()) -> Tuple[Tensor, Dict[int, Tuple[Tensor, Grid]]]:
-        """The last output of the first `num_stages` stages on images `x`, and the output and grid of the stages
-        in `keep`."""
+                    keep: Sequence[int] = ()) -> Tuple[Tensor, Grid, Dict[int, Tuple[Tensor, Grid]]]:
+        """The last output of the first `num_stages` stages on images `x` and its grid, and the output and grid of
+        the stages in `keep`."""
         self._check_input(x)
         kept: Dict[int, Tuple[Tensor, Grid]] = {}
-        grid: Grid = (x.shape[-2], x.shape[-1])
+        grid: Grid = (x.shape[-2], x.shape[-1]) if self.dynamic_img_size else self.img_size
         for i in range(num_stages):
             x, grid = self._run_stage(i, x, grid)
             if i in keep:
                 kept[i] = (x, grid)
-        return x, kept
+        return x, grid, kept
 
     @torch.jit.ignore
     def set_grad_checkpointing(self, enable: bool = True) -> None:
@@ -197,12 +248,18 @@ class ZooModel(nn.Module):
             self.head.apply(init_weights)
 
     def forward_features(self, x: Tensor) -> Tensor:
-        """(B, in_chans, H, W) images -> the last stage's (B, [prefix +] tokens, num_features) after the final norm."""
-        return self._final_norm(self._run_stages(x, self.num_stages)[0])
+        """(B, in_chans, H, W) images -> the last stage's output after the final norm, laid out as `features_fmt`:
+        (B, [prefix +] h*w, num_features) tokens, (B, h, w, num_features) or (B, num_features, h, w)."""
+        x, grid, _ = self._run_stages(x, self.num_stages)
+        return self._format_features(self._final_norm(x), grid)
 
     def forward_head(self, x: Tensor, pre_logits: bool = False) -> Tensor:
-        """Pool the tokens of `forward_features` (class token or mean of the grid tokens), then classify."""
-        x = global_pool_nlc(x, self.global_pool, self.num_prefix_tokens)
+        """Pool the output of `forward_features` (class token, or mean of the grid tokens with 'avg'; '' keeps
+        it whole), then classify: (B, num_features) -> (B, num_classes)."""
+        if self.features_fmt == 'NLC':
+            x = global_pool_nlc(x, self.global_pool, self.num_prefix_tokens)
+        elif self.global_pool == 'avg':
+            x = x.flatten(1, 2).mean(1) if self.features_fmt == 'NHWC' else x.flatten(2).mean(2)
         return x if pre_logits else self.head(x)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -221,13 +278,14 @@ class ZooModel(nn.Module):
 
         `indices`: the last n stages (int), the given stages (list) or all (None). `norm` applies the final norm
         (to every output when it does not follow the last stage, else to the last one). Returns the
-        intermediates, or (final features, intermediates).
+        intermediates, or (final features, intermediates), the final features in the layout of `forward_features`
+        (normed only when every stage ran).
         """
         check_output_fmt(output_fmt)
         take_indices, max_index = feature_take_indices(self.num_stages, indices)
         run_all = not (stop_early or intermediates_only)
         num_stages = self.num_stages if run_all else max_index + 1
-        final, kept = self._run_stages(x, num_stages, take_indices)
+        final, final_grid, kept = self._run_stages(x, num_stages, take_indices)
         last = self.num_stages - 1
         intermediates = []
         for i in take_indices:
@@ -238,7 +296,9 @@ class ZooModel(nn.Module):
             intermediates.append(tokens_to_image(y, grid) if output_fmt == 'NCHW' else y)
         if intermediates_only:
             return intermediates
-        return (self._final_norm(final) if num_stages == self.num_stages else final), intermediates
+        if num_stages == self.num_stages:
+            final = self._final_norm(final)
+        return self._format_features(final, final_grid), intermediates
 
     def prune_intermediate_layers(
             self,
@@ -315,7 +375,7 @@ def create_variant(
                 f"pretrained_cfg_overlay=dict(file=...)")
         kwargs['pretrained_cfg_overlay'] = {'url': '', 'hf_hub_id': None, 'file': None, **overlay}
     if pretrained:
-        _download_nameless_url(variant, kwargs)
+        _download_released_url(variant, kwargs)
     device, dtype = kwargs.pop('device', None), kwargs.pop('dtype', None)
     # timm's factory keywords: parameters are created on `device` (the meta device allocates nothing)
     with torch.device(device) if device is not None else contextlib.nullcontext():
@@ -323,21 +383,17 @@ def create_variant(
     return model if dtype is None else model.to(dtype=dtype)
 
 
-def _download_nameless_url(variant: str, kwargs: Dict[str, Any]) -> None:
-    """Download the weights of a URL without a file name in its path (the InLine / FLatten releases' `/f/<id>/?dl=1`)
-    into the cache and point `pretrained_cfg_overlay['file']` at them.
-
-    timm hands such a URL to torch.hub, which names the cached file after the URL's path and so takes the cache
-    folder itself for the file; URLs with a file name stay with timm.
-    """
+def _download_released_url(variant: str, kwargs: Dict[str, Any]) -> None:
+    """Download the weights URL of `variant`'s pretrained cfg into the cache and point
+    `pretrained_cfg_overlay['file']` at the file, so every release downloads atomically, fails on one line, and
+    works for URLs without a file name in their path (the InLine / FLatten releases' `/f/<id>/?dl=1`, which
+    torch.hub would save as the cache folder itself). A URL's own file name is kept, so a file torch.hub or timm
+    downloaded before is reused."""
     overlay = dict(kwargs.get('pretrained_cfg_overlay') or {})
     cfg = resolve_pretrained_cfg(variant, kwargs.get('pretrained_cfg'), overlay)
     if cfg.state_dict is not None or cfg.file or cfg.hf_hub_id or not cfg.url:
         return
-    if os.path.basename(urllib.parse.urlparse(cfg.url).path):
-        return
-    name = cached_file_name(variant, cfg.url)
-    overlay['file'] = download_checkpoint(cfg.url, name, kwargs.get('cache_dir'))
+    overlay['file'] = download_checkpoint(cfg.url, cached_file_name(variant, cfg.url), kwargs.get('cache_dir'))
     kwargs['pretrained_cfg_overlay'] = overlay
 
 

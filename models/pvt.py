@@ -14,10 +14,14 @@ Two heads exist, both with the original key names (`patch_embed{i}.proj/norm`, `
   forward uses is no parameter here, so its checkpoints' `norm.*` is dropped on loading and the parameter
   count is the official code's less those 2 × 512.
 
-Another input size: like the official model, each stage's position embedding is resized at run time (bilinear,
-the class token's row kept), which at the built size is the identity. The image sides must be multiples of the
-total stride (`patch_size` · 8), so every stage and every spatial reduction tiles its map exactly; attentions with
-parameters tied to the grid refuse another grid with a ValueError.
+`forward_features` returns the last stage's normed map as (B, C, H, W) (`output_fmt` 'NCHW'), as timm's PVT v2
+does, for the papers' PVTs; the original PVT's classifier reads the class token, so its `forward_features` keeps the
+tokens (B, 1 + H*W, C), class token first, as timm's PiT and CoaT do.
+
+Another input size: with `dynamic_img_size=True` the model takes images whose sides are multiples of the total
+stride (`patch_size` · 8), so every stage and every spatial reduction tiles its map exactly. Like the official
+model, each stage's position embedding is then resized at run time (bilinear, the class token's row kept), and
+FLatten's positional encodings bicubically; `set_input_size` makes such a size the model's own.
 
 Registered: every attention of the registry at the PVT sizes (`{attention}_pvt_{tiny,small,medium,large}`, the
 original's heads and head), except that the names of the official models (`_OFFICIAL`) are theirs.
@@ -26,15 +30,14 @@ from functools import partial
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple, Union
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from timm.layers import PatchEmbed, calculate_drop_path_rates, to_2tuple, trunc_normal_
 from timm.models import generate_default_cfgs
 
 from .attention import build_attention, check_attn_kwargs, forms_score_matrix, list_attentions, stage_attentions
-from .attention.layout import Grid, image_to_tokens, tokens_to_image
-from .checkpoint import CheckpointError, filter_checkpoint, resize_grid_embedding
+from .attention.layout import Grid, tokens_to_image
+from .checkpoint import CheckpointError, filter_checkpoint, resample_grid_embedding, resize_grid_embedding
 from .family import (
     FLATTEN_META, INLINE_META, Block, ZooModel, create_variant, imagenet_cfg, init_weights, register_variants,
     run_blocks, tsinghua_url,
@@ -45,25 +48,12 @@ __all__ = ['PyramidVisionTransformer', 'checkpoint_filter_fn']
 NUM_STAGES = 4
 
 
-def resize_position_embedding(embedding: Tensor, grid: Grid, new_grid: Grid, num_prefix_tokens: int = 0) -> Tensor:
-    """(1, prefix + H*W, C) embedding over `grid` -> (1, prefix + H'*W', C) over `new_grid`, bilinearly.
-
-    The run-time resize of the official model (bilinear, corners not aligned, no antialias); identity at
-    `new_grid` == `grid`.
-    """
-    if new_grid == grid:
-        return embedding
-    prefix, tokens = embedding[:, :num_prefix_tokens], embedding[:, num_prefix_tokens:]
-    image = tokens_to_image(tokens, grid)
-    image = F.interpolate(image, size=new_grid, mode='bilinear', align_corners=False)
-    return torch.cat([prefix, image_to_tokens(image)], dim=1)
-
-
 class PyramidVisionTransformer(ZooModel):
     """PVT v1 with swappable attention.
 
     Args:
         img_size: input size the model is built for (int or (H, W)); sides must be multiples of `patch_size` · 8.
+            The model takes only this size unless `dynamic_img_size`.
         patch_size: patch side of the first stage; later stages merge 2×2 tokens.
         in_chans: input image channels.
         num_classes: classifier outputs; 0 for none.
@@ -81,6 +71,7 @@ class PyramidVisionTransformer(ZooModel):
         drop_rate: dropout after the position embeddings, the attention projections and the MLP layers.
         attn_drop_rate: dropout on attention weights (score-forming attentions).
         drop_path_rate: stochastic depth, rising linearly over all blocks to this rate.
+        dynamic_img_size: take any input size whose sides are multiples of `patch_size` · 8.
     """
 
     global_pools = ('token', 'avg', '')
@@ -105,6 +96,7 @@ class PyramidVisionTransformer(ZooModel):
             drop_rate: float = 0.,
             attn_drop_rate: float = 0.,
             drop_path_rate: float = 0.,
+            dynamic_img_size: bool = False,
     ):
         super().__init__()
         for what, values in (('embed_dims', embed_dims), ('num_heads', num_heads), ('mlp_ratios', mlp_ratios),
@@ -116,9 +108,11 @@ class PyramidVisionTransformer(ZooModel):
         la_sr_ratios = [int(r) for r in la_sr_ratios]
         global_pool = ('token' if class_token else 'avg') if global_pool is None else global_pool
         self.num_stages = NUM_STAGES
-        self.stride = patch_size * 2 ** (NUM_STAGES - 1)
-        self.img_size: Grid = to_2tuple(img_size)
+        self.img_divisor = patch_size * 2 ** (NUM_STAGES - 1)
+        self.dynamic_img_size = dynamic_img_size
+        self.img_size: Grid = tuple(to_2tuple(img_size))
         self._check_size(self.img_size, 'img_size')
+        self._init_output_fmt('NLC' if class_token else 'NCHW')
         self.in_chans = in_chans
         self.num_classes = num_classes
         self.num_features = self.head_hidden_size = embed_dims[-1]
@@ -126,15 +120,11 @@ class PyramidVisionTransformer(ZooModel):
         self.global_pool = self._check_pool(global_pool)
         self.grad_checkpointing = False
 
-        grid = (self.img_size[0] // patch_size, self.img_size[1] // patch_size)
-        self.grid_sizes: List[Grid] = []
+        self.grid_sizes = self._stage_grids(self.img_size)
         names = stage_attentions(attn_type, depths)
         attn_kwargs = check_attn_kwargs([name for stage in names for name in stage], attn_kwargs)
         rates = iter(calculate_drop_path_rates(drop_path_rate, sum(depths)))
-        for i in range(NUM_STAGES):
-            if i:
-                grid = (grid[0] // 2, grid[1] // 2)
-            self.grid_sizes.append(grid)
+        for i, grid in enumerate(self.grid_sizes):
             dim = embed_dims[i]
             prefix = self.num_prefix_tokens if i == NUM_STAGES - 1 else 0
             setattr(self, f'patch_embed{i + 1}', PatchEmbed(
@@ -163,11 +153,6 @@ class PyramidVisionTransformer(ZooModel):
         if self.cls_token is not None:
             trunc_normal_(self.cls_token, std=.02)
         self.apply(init_weights)
-
-    def _check_size(self, size: Grid, what: str) -> None:
-        if size[0] % self.stride or size[1] % self.stride or min(size) <= 0:
-            raise ValueError(f"{what} {size[0]}x{size[1]} must have sides that are positive multiples of "
-                             f"{self.stride} (patch_size x 8), e.g. {self.img_size[0]}x{self.img_size[1]}")
 
     def _check_pool(self, global_pool: str) -> str:
         if super()._check_pool(global_pool) == 'token' and not self.num_prefix_tokens:
@@ -198,10 +183,28 @@ class PyramidVisionTransformer(ZooModel):
                 pass  # not a square grid with this model's prefix: the key check names it as mis-shaped
         return tensor
 
-    def _check_input(self, x: Tensor) -> None:
-        if x.ndim != 4:
-            raise ValueError(f"expected images (B, C, H, W), got a tensor of shape {tuple(x.shape)}")
-        self._check_size((x.shape[-2], x.shape[-1]), 'input image size')
+    def _stage_grids(self, img_size: Grid) -> List[Grid]:
+        """The token grid of every stage for images of `img_size`: the patch grid, halved by every stage."""
+        patch = self.img_divisor // 2 ** (NUM_STAGES - 1)
+        return [(img_size[0] // (patch * 2 ** i), img_size[1] // (patch * 2 ** i)) for i in range(NUM_STAGES)]
+
+    def _position_embedding(self, i: int, grid: Grid) -> Tensor:
+        """Stage i's position embedding on `grid`: its own, or resized bilinearly as the official model does."""
+        embedding = getattr(self, f'pos_embed{i + 1}')
+        if grid == self.grid_sizes[i]:
+            return embedding
+        return resample_grid_embedding(embedding, self.grid_sizes[i], grid, self._stage_prefix_tokens(i), 'bilinear')
+
+    def _set_grids(self, img_size: Grid) -> None:
+        grids = self._stage_grids(img_size)
+        for i in range(self.num_stages):
+            embedding = getattr(self, f'pos_embed{i + 1}')
+            with torch.no_grad():
+                resized = self._position_embedding(i, grids[i])
+            setattr(self, f'pos_embed{i + 1}', nn.Parameter(resized, requires_grad=embedding.requires_grad))
+            for block in getattr(self, f'block{i + 1}'):
+                block.attn.set_grid(grids[i])
+        self.grid_sizes = grids
 
     def _stage_prefix_tokens(self, i: int) -> int:
         return self.num_prefix_tokens if i == NUM_STAGES - 1 else 0
@@ -212,13 +215,11 @@ class PyramidVisionTransformer(ZooModel):
         if i:
             x = tokens_to_image(x, grid)
         patch_embed = getattr(self, f'patch_embed{i + 1}')
-        grid = (x.shape[-2] // patch_embed.patch_size[0], x.shape[-1] // patch_embed.patch_size[1])
+        grid = (grid[0] // patch_embed.patch_size[0], grid[1] // patch_embed.patch_size[1])
         x = patch_embed(x)
-        prefix = self._stage_prefix_tokens(i)
-        if prefix:
+        if self._stage_prefix_tokens(i):
             x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)
-        pos_embed = resize_position_embedding(getattr(self, f'pos_embed{i + 1}'), self.grid_sizes[i], grid, prefix)
-        x = getattr(self, f'pos_drop{i + 1}')(x + pos_embed)
+        x = getattr(self, f'pos_drop{i + 1}')(x + self._position_embedding(i, grid))
         x = run_blocks(getattr(self, f'block{i + 1}'), x, grid, grad_checkpointing=self.grad_checkpointing)
         return x, grid
 
@@ -229,6 +230,7 @@ class PyramidVisionTransformer(ZooModel):
                 delattr(self, name)
         self.cls_token = None
         self.num_prefix_tokens = 0
+        self._init_output_fmt('NCHW')
         self.global_pool = 'avg' if self.global_pool == 'token' else self.global_pool
 
 
@@ -255,7 +257,7 @@ def _create_pvt(variant: str, pretrained: bool, model_args: Dict[str, Any],
                           feature_cfg=dict(out_indices=out_indices, feature_cls='getter'))
 
 
-_cfg = partial(imagenet_cfg, first_conv='patch_embed1.proj')
+_cfg = partial(imagenet_cfg, fixed_input_size=True, first_conv='patch_embed1.proj')
 
 _SIZES = ('tiny', 'small', 'medium', 'large')
 _DEPTHS = {'tiny': (2, 2, 2, 2), 'small': (3, 4, 6, 3), 'medium': (3, 4, 18, 3), 'large': (3, 8, 27, 3)}
@@ -281,15 +283,18 @@ _PVT_META = dict(paper_ids='arXiv:2102.12122', origin_url='https://github.com/wh
 _INLINE_FILES = {'tiny': '90ac52b1555b401eb5e6', 'small': '1ab953b2479d433080a3', 'medium': 'a72aec31e6084bc0a280',
                  'large': 'efd91318ba964f01b288'}
 
+# The papers' PVTs pool the last stage's 7x7 map; the original's class token leaves no map to pool.
+_POOL = {name: dict(pool_size=(7, 7)) if not args['class_token'] else {} for name, (args, _) in _VARIANTS.items()}
+
 default_cfgs = generate_default_cfgs({
-    **{name: _cfg() for name in _VARIANTS},
+    **{name: _cfg(**_POOL[name]) for name in _VARIANTS},
     **{f'softmax_pvt_{size}': _cfg(f'https://github.com/whai362/PVT/releases/download/v2/pvt_{size}.pth',
                                    **_PVT_META)
        for size in _SIZES},
-    **{f'inline_pvt_{size}': _cfg(tsinghua_url(_INLINE_FILES[size]), **INLINE_META) for size in _SIZES},
-    # The positional encoding of these models is sized to the 224 grids.
-    'flatten_pvt_tiny': _cfg(tsinghua_url('3ab1d773f19d45648690'), fixed_input_size=True, **FLATTEN_META),
-    **{f'flatten_pvt_{size}': _cfg(fixed_input_size=True, **FLATTEN_META) for size in _SIZES[1:]},
+    **{f'inline_pvt_{size}': _cfg(tsinghua_url(_INLINE_FILES[size]), pool_size=(7, 7), **INLINE_META)
+       for size in _SIZES},
+    'flatten_pvt_tiny': _cfg(tsinghua_url('3ab1d773f19d45648690'), pool_size=(7, 7), **FLATTEN_META),
+    **{f'flatten_pvt_{size}': _cfg(pool_size=(7, 7), **FLATTEN_META) for size in _SIZES[1:]},
 })
 
 register_variants(__name__, _VARIANTS, _create_pvt)

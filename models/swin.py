@@ -8,13 +8,21 @@ relative position bias, shifted by half a window on odd blocks of a stage; the o
 windows (None: global, as the official linear blocks are at their trained resolution). A window as large as the
 grid means global attention without shift, as in Swin.
 
+`forward_features` returns the last stage's normed map as (B, H, W, C) (`output_fmt` 'NHWC'), as timm's Swin does.
+Another input size: sides must be multiples of `patch_size`; grids that do not divide into windows, or odd grids
+before a patch merging, are padded with zeros below and right, as Swin does at other resolutions. With
+`dynamic_img_size=True` every input size runs on the built weights: windows keep their size and shift (masks made
+for the grid), global attentions stay global with their bias tables and FLatten's positional encodings
+resampled bicubically; `set_input_size` makes such a size the model's own.
+
 Registered: every attention of the registry at the Swin sizes (`{attention}_swin_{tiny,small,base,base_384}`, the
 original's windows), except that the names of the official models (`_OFFICIAL`) are theirs.
 """
 from functools import partial
-from typing import Any, Callable, Dict, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from timm.layers import PatchEmbed, calculate_drop_path_rates, to_2tuple
@@ -31,19 +39,26 @@ from .family import (
 __all__ = ['SwinTransformer', 'checkpoint_filter_fn']
 
 
-class PatchMerging(nn.Module):
-    """2x2 neighbourhood concatenation, LayerNorm(4C), Linear(4C, 2C) without bias: (B, H*W, C) -> (B, H*W/4, 2C)."""
+def merged_grid(grid: Grid) -> Grid:
+    """The grid after a patch merging of `grid` (odd sides padded by one)."""
+    return ((grid[0] + 1) // 2, (grid[1] + 1) // 2)
 
-    def __init__(self, dim: int, grid_size: Grid):
+
+class PatchMerging(nn.Module):
+    """2x2 neighbourhood concatenation, LayerNorm(4C), Linear(4C, 2C) without bias: (B, H*W, C) on the (H, W) grid
+    -> (B, ceil(H/2)*ceil(W/2), 2C), an odd side padded with zeros."""
+
+    def __init__(self, dim: int):
         super().__init__()
-        self.grid_size = grid_size
         self.norm = nn.LayerNorm(4 * dim)
         self.reduction = nn.Linear(4 * dim, 2 * dim, bias=False)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, grid: Grid) -> Tensor:
         B, N, C = x.shape
-        H, W = self.grid_size
+        H, W = grid
         x = x.view(B, H, W, C)
+        if H % 2 or W % 2:
+            x = F.pad(x, (0, 0, 0, W % 2, 0, H % 2))
         # Channel order of the original: (row, col) offsets (0, 0), (1, 0), (0, 1), (1, 1).
         x = torch.cat([x[:, 0::2, 0::2], x[:, 1::2, 0::2], x[:, 0::2, 1::2], x[:, 1::2, 1::2]], dim=-1)
         return self.reduction(self.norm(x.view(B, -1, 4 * C)))
@@ -70,7 +85,6 @@ class SwinStage(nn.Module):
             attn_kwargs: Dict[str, Any],
     ):
         super().__init__()
-        self.grid_size = grid_size
         blocks = []
         for j, name in enumerate(attn_names):
             window = window_size if forms_score_matrix(name) else la_window_size
@@ -80,15 +94,20 @@ class SwinStage(nn.Module):
                 shift_size=window // 2 if window is not None and j % 2 else 0, attn_drop=attn_drop, proj_drop=drop)
             blocks.append(Block(dim, attn, mlp_ratio=mlp_ratio, drop=drop, drop_path=drop_path[j]))
         self.blocks = nn.ModuleList(blocks)
-        self.downsample = PatchMerging(dim, grid_size) if downsample else None
+        self.downsample = PatchMerging(dim) if downsample else None
+
+    def set_grid(self, grid: Grid) -> None:
+        for block in self.blocks:
+            block.attn.set_grid(grid)
 
 
 class SwinTransformer(ZooModel):
     """Swin Transformer with a swappable attention per block (original Swin layout and key names).
 
     Args:
-        img_size: input size (int or (H, W)); the model takes only this size.
-        patch_size: patch size of the stem; the token grid img_size / patch_size must halve evenly per stage.
+        img_size: input size (int or (H, W)), sides multiples of `patch_size`; the model takes only this size
+            unless `dynamic_img_size`.
+        patch_size: patch size of the stem.
         in_chans, num_classes: input channels and classes (0: no head).
         global_pool: 'avg' (mean over tokens) or '' (no pooling).
         embed_dim: channels of stage 0, doubled by every patch merging.
@@ -101,6 +120,7 @@ class SwinTransformer(ZooModel):
         attn_kwargs: method options of the attentions (`models.attention.list_attention_options()`).
         drop_rate: dropout after the stem, in the MLPs and after the attention projection (as the original).
         attn_drop_rate: dropout on attention weights; drop_path_rate: stochastic depth, linear over all blocks.
+        dynamic_img_size: take any input size whose sides are multiples of `patch_size`.
     """
 
     official_head_init = True
@@ -125,19 +145,17 @@ class SwinTransformer(ZooModel):
             drop_rate: float = 0.,
             attn_drop_rate: float = 0.,
             drop_path_rate: float = 0.1,
+            dynamic_img_size: bool = False,
     ):
         super().__init__()
-        self.img_size: Grid = to_2tuple(img_size)
+        self.img_size: Grid = tuple(to_2tuple(img_size))
+        self.img_divisor = patch_size
+        self.dynamic_img_size = dynamic_img_size
         num_stages = len(depths)
         if len(num_heads) != num_stages:
             raise ValueError(f"num_heads {list(num_heads)} must give one value per stage of depths {list(depths)}")
-        if any(s % patch_size for s in self.img_size):
-            raise ValueError(f"img_size {self.img_size} must be a multiple of patch_size {patch_size}")
-        grid = (self.img_size[0] // patch_size, self.img_size[1] // patch_size)
-        if any(g % 2 ** (num_stages - 1) for g in grid):
-            raise ValueError(f"img_size {self.img_size} gives a {grid[0]}x{grid[1]} token grid that {num_stages - 1} "
-                             f"patch mergings cannot halve evenly; expected a multiple of "
-                             f"{patch_size * 2 ** (num_stages - 1)}")
+        self._check_size(self.img_size, 'img_size')
+        self._init_output_fmt('NHWC')
         self.in_chans = in_chans
         self.num_classes = num_classes
         self.global_pool = self._check_pool(global_pool)
@@ -148,14 +166,14 @@ class SwinTransformer(ZooModel):
         self.attn_names = stage_attentions(attn_type, depths, mixed_linear)
         attn_kwargs = check_attn_kwargs([name for stage in self.attn_names for name in stage], attn_kwargs)
 
-        self.patch_embed = PatchEmbed(self.img_size, patch_size, in_chans, embed_dim, norm_layer=nn.LayerNorm)
+        self.patch_embed = PatchEmbed(self.img_size, patch_size, in_chans, embed_dim, norm_layer=nn.LayerNorm,
+                                      strict_img_size=False)
         self.pos_drop = nn.Dropout(drop_rate)
         dpr = calculate_drop_path_rates(drop_path_rate, sum(depths))
         self.layers = nn.ModuleList()
         self.feature_info = []
-        for i in range(num_stages):
+        for i, stage_grid in enumerate(self._stage_grids(self.img_size)):
             dim = embed_dim * 2 ** i
-            stage_grid = (grid[0] // 2 ** i, grid[1] // 2 ** i)
             self.layers.append(SwinStage(
                 dim, stage_grid, num_heads[i], self.attn_names[i], window_size, la_window_size, mlp_ratio, qkv_bias,
                 drop_rate, attn_drop_rate, dpr[sum(depths[:i]):sum(depths[:i + 1])], i < num_stages - 1,
@@ -180,13 +198,30 @@ class SwinTransformer(ZooModel):
             ],
         )
 
+    def _stage_grids(self, img_size: Grid) -> List[Grid]:
+        """The token grid of every stage for images of `img_size`."""
+        patch = self.img_divisor
+        grids = [(img_size[0] // patch, img_size[1] // patch)]
+        for _ in range(1, self.num_stages):
+            grids.append(merged_grid(grids[-1]))
+        return grids
+
+    def _set_grids(self, img_size: Grid) -> None:
+        self.patch_embed.set_input_size(img_size=img_size)
+        for stage, grid in zip(self.layers, self._stage_grids(img_size)):
+            stage.set_grid(grid)
+
     def _run_stage(self, i: int, x: Tensor, grid: Grid) -> Tuple[Tensor, Grid]:
         """Stage i's blocks on the embedded images (i = 0) or on the previous stage's merged patches; the output
         is taken before this stage's own patch merging."""
-        x = self.pos_drop(self.patch_embed(x)) if i == 0 else self.layers[i - 1].downsample(x)
-        stage = self.layers[i]
-        x = run_blocks(stage.blocks, x, stage.grid_size, grad_checkpointing=self.grad_checkpointing)
-        return x, stage.grid_size
+        if i == 0:
+            x = self.pos_drop(self.patch_embed(x))
+            grid = (grid[0] // self.img_divisor, grid[1] // self.img_divisor)
+        else:
+            x = self.layers[i - 1].downsample(x, grid)
+            grid = merged_grid(grid)
+        x = run_blocks(self.layers[i].blocks, x, grid, grad_checkpointing=self.grad_checkpointing)
+        return x, grid
 
     def _prune_stages(self, num_stages: int) -> None:
         self.layers = self.layers[:num_stages]
@@ -225,7 +260,7 @@ def _7_up_to_56_else_12(linear_window: int) -> int:
     return 7 if linear_window <= 56 else 12
 
 
-_cfg = partial(imagenet_cfg, fixed_input_size=True, first_conv='patch_embed.proj')
+_cfg = partial(imagenet_cfg, fixed_input_size=True, first_conv='patch_embed.proj', pool_size=(7, 7))
 
 _SIZES: Dict[str, Dict[str, Any]] = {
     'tiny': dict(embed_dim=96, depths=(2, 2, 6, 2), num_heads=(3, 6, 12, 24), window_size=7),
@@ -265,7 +300,7 @@ _VARIANTS: Dict[str, Tuple[Dict[str, Any], str]] = {
 
 _SWIN_META = dict(paper_ids='arXiv:2103.14030', origin_url='https://github.com/microsoft/Swin-Transformer')
 _SWIN_URL = 'https://github.com/SwinTransformer/storage/releases/download/v1.0.0/{}.pth'
-_AT_384 = dict(input_size=(3, 384, 384), crop_pct=1.0)
+_AT_384 = dict(input_size=(3, 384, 384), pool_size=(12, 12), crop_pct=1.0)
 
 default_cfgs = generate_default_cfgs({
     **{name: _cfg(**(_AT_384 if name.endswith('_384') else {})) for name in _VARIANTS},

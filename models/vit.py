@@ -6,8 +6,10 @@ Each attention sees the class token as a prefix token and the patch grid as `siz
 attention of the registry at the DeiT sizes (`{attention}_deit_{tiny,small,base}`), except that the names of the
 official models with their own widths and input sizes (`_OFFICIAL`) are theirs.
 
-The model runs only at the input size it was built for (the patch grid is part of `pos_embed`); a checkpoint of
-another size is adapted on loading by resizing `pos_embed` bicubically, the class token's row kept.
+`forward_features` returns the tokens (B, 1 + H*W, C), class token first, as timm's DeiT does. The model runs at
+the input size it was built for; with `dynamic_img_size=True` at any size whose sides are multiples of
+`patch_size`, `pos_embed` resampled bicubically on the fly (the class token's row kept), and `set_input_size` makes
+such a size the model's own. A checkpoint of another size is adapted on loading by the same resampling.
 """
 from functools import partial
 from typing import Any, Dict, Optional, Sequence, Set, Tuple, Union
@@ -20,7 +22,7 @@ from timm.models import generate_default_cfgs
 
 from .attention import build_attention, check_attn_kwargs, list_attentions, stage_attentions
 from .attention.layout import Grid
-from .checkpoint import CheckpointError, filter_checkpoint, resize_grid_embedding
+from .checkpoint import CheckpointError, filter_checkpoint, resample_grid_embedding, resize_grid_embedding
 from .family import (
     INLINE_META, Block, ZooModel, create_variant, imagenet_cfg, init_weights, register_variants, run_blocks,
     tsinghua_url,
@@ -34,7 +36,8 @@ class DeiT(ZooModel):
     DeiT-style models).
 
     Args:
-        img_size: input image size the model is built for (int or (H, W)); other sizes raise ValueError.
+        img_size: input image size the model is built for (int or (H, W)); other sizes raise ValueError unless
+            `dynamic_img_size`.
         patch_size: side of the square patches.
         in_chans: input image channels.
         num_classes: classifier outputs; 0 for none.
@@ -46,6 +49,7 @@ class DeiT(ZooModel):
         drop_rate: dropout after the position embedding, the attention projection and the MLP layers.
         attn_drop_rate: dropout on attention weights (score-forming attentions).
         drop_path_rate: stochastic depth, rising linearly over the blocks to this rate.
+        dynamic_img_size: take any input size whose sides are multiples of `patch_size`.
     """
 
     global_pools = ('token', 'avg', '')
@@ -68,6 +72,7 @@ class DeiT(ZooModel):
             drop_rate: float = 0.,
             attn_drop_rate: float = 0.,
             drop_path_rate: float = 0.,
+            dynamic_img_size: bool = False,
     ):
         super().__init__()
         self.in_chans = in_chans
@@ -76,9 +81,11 @@ class DeiT(ZooModel):
         self.num_features = self.head_hidden_size = self.embed_dim = embed_dim
         self.num_prefix_tokens = 1
         self.grad_checkpointing = False
-        self.img_size: Grid = to_2tuple(img_size)
-        if self.img_size[0] % patch_size or self.img_size[1] % patch_size:
-            raise ValueError(f"img_size {self.img_size} must be a multiple of patch_size {patch_size}")
+        self.img_size: Grid = tuple(to_2tuple(img_size))
+        self.img_divisor = patch_size
+        self.dynamic_img_size = dynamic_img_size
+        self._check_size(self.img_size, 'img_size')
+        self._init_output_fmt('NLC')
         norm_layer = partial(nn.LayerNorm, eps=1e-6)
 
         self.patch_embed = PatchEmbed(self.img_size, patch_size, in_chans, embed_dim, strict_img_size=False)
@@ -125,14 +132,32 @@ class DeiT(ZooModel):
                 pass  # not a square grid after the class token: the key check names it as mis-shaped
         return tensor
 
+    def _position_embedding(self, grid: Grid) -> Tensor:
+        """`pos_embed` on the patch `grid`: its own, or resampled bicubically."""
+        if grid == self.grid_size:
+            return self.pos_embed
+        return resample_grid_embedding(self.pos_embed, self.grid_size, grid, self.num_prefix_tokens)
+
+    def _set_grids(self, img_size: Grid) -> None:
+        self.patch_embed.set_input_size(img_size=img_size)
+        grid: Grid = tuple(self.patch_embed.grid_size)
+        with torch.no_grad():
+            resized = self._position_embedding(grid)
+        self.pos_embed = nn.Parameter(resized, requires_grad=self.pos_embed.requires_grad)
+        self.grid_size = grid
+        for block in self.blocks:
+            block.attn.set_grid(grid)
+
     def _run_stage(self, i: int, x: Tensor, grid: Grid) -> Tuple[Tensor, Grid]:
-        """Block i; the first embeds the images and adds the class token and position embedding."""
+        """Block i; the first embeds the images (of size `grid`) and adds the class token and position
+        embedding."""
         if i == 0:
             x = self.patch_embed(x)
+            grid = (grid[0] // self.img_divisor, grid[1] // self.img_divisor)
             x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)
-            x = self.pos_drop(x + self.pos_embed)
-        x = run_blocks(self.blocks[i:i + 1], x, self.grid_size, grad_checkpointing=self.grad_checkpointing)
-        return x, self.grid_size
+            x = self.pos_drop(x + self._position_embedding(grid))
+        x = run_blocks(self.blocks[i:i + 1], x, grid, grad_checkpointing=self.grad_checkpointing)
+        return x, grid
 
     def _prune_stages(self, num_stages: int) -> None:
         self.blocks = self.blocks[:num_stages]

@@ -394,12 +394,19 @@ def test_flatten_needs_grid_size():
 
 
 @pytest.mark.parametrize('size', [(3, 3), (6, 4)])
-def test_flatten_rejects_another_grid(size):
+def test_flatten_on_another_grid_resamples_its_positional_encoding_bicubically(size):
+    torch.manual_seed(0)
     module = build_attention('flatten', DIM, HEADS, GRID)
-    x = torch.randn(1, size[0] * size[1], DIM)
-    with pytest.raises(ValueError, match=rf"flatten attention: input grid {size[0]}x{size[1]} does not match the "
-                                         rf"4x6 grid its positional_encoding of 24 tokens was built for"):
-        module(x, size)
+    torch.nn.init.normal_(module.mixer.positional_encoding)
+    encoding = module.mixer.positional_encoding.reshape(1, *GRID, DIM).permute(0, 3, 1, 2)
+    resampled = F.interpolate(encoding, size=size, mode='bicubic', align_corners=False)
+    sized = build_attention('flatten', DIM, HEADS, size)
+    sized.load_state_dict(dict(module.state_dict(), positional_encoding=resampled.flatten(2).mT))
+    x = torch.randn(2, size[0] * size[1], DIM)
+    with torch.no_grad():
+        assert torch.equal(module(x, size), sized(x, size))
+        module.set_grid(size)
+        assert torch.equal(module.mixer.positional_encoding, sized.mixer.positional_encoding)
 
 
 def test_inline_mixer_needs_tokens():

@@ -1,5 +1,6 @@
-"""Released weights at URLs without a file name (`/f/<id>/?dl=1`) download into timm's cache under a real name,
-atomically, once; failures are one line and leave no file. Served offline by an HTTP server on 127.0.0.1."""
+"""Released weights download into timm's cache atomically, once, under the URL's file name or, for URLs without
+one (`/f/<id>/?dl=1`), under the model's name; failures are one line and leave no file. Served offline by an HTTP
+server on 127.0.0.1."""
 import dataclasses
 import io
 import json
@@ -20,6 +21,7 @@ from engine.cli import eval_main
 from engine.data import prepare_digits
 from engine.errors import run_cli
 import models.family
+from models.attention import list_attentions
 from models.checkpoint import DownloadError, load_pretrained_into
 from models.family import tsinghua_url
 
@@ -32,8 +34,9 @@ EVAL_OPTS = ['MODEL.KWARGS.patch_size', '4', 'MODEL.KWARGS.embed_dim', '32', 'MO
 
 
 class Server:
-    """Files served at `/f/<id>/?dl=1` as the release cloud does; `mode` 'ok', '404' or 'cut' (the connection
-    closes halfway through the body). Every request path is recorded."""
+    """Files served at `/f/<id>/?dl=1` as the release cloud does, and at any path ending in their name as release
+    pages do; `mode` 'ok', '404' or 'cut' (the connection closes halfway through the body). Every request path is
+    recorded."""
 
     def __init__(self) -> None:
         self.files: Dict[str, bytes] = {}
@@ -46,7 +49,8 @@ class Server:
 
             def do_GET(self) -> None:
                 server.requests.append(self.path)
-                body = server.files.get(self.path.split('/')[2]) if self.path.startswith('/f/') else None
+                key = self.path.split('/')[2] if self.path.startswith('/f/') else self.path.rsplit('/', 1)[-1]
+                body = server.files.get(key)
                 if body is None or server.mode == '404':
                     self.send_error(404)
                     return
@@ -114,23 +118,22 @@ class Requested(Exception):
     """Raised instead of downloading, with what would have been downloaded."""
 
 
-def test_every_release_without_a_file_name_is_downloaded_by_the_zoo(monkeypatch):
+def test_every_release_is_downloaded_by_the_zoo_under_a_real_file_name(monkeypatch):
     def requested(url: str, file_name: str, cache_dir=None) -> str:
         raise Requested(url, file_name)
 
     monkeypatch.setattr(models.family, 'download_checkpoint', requested)
-    nameless = [name for name in timm.list_models(pretrained=True)
-                if (timm.models.get_pretrained_cfg(name).url or '').startswith('https://cloud.tsinghua.edu.cn/f/')]
+    released = [name for attn in list_attentions() for name in timm.list_models(f'{attn}_*', pretrained=True)]
+    nameless = [name for name in released
+                if timm.models.get_pretrained_cfg(name).url.startswith('https://cloud.tsinghua.edu.cn/f/')]
     assert len(nameless) == 19
-    for name in nameless:
+    for name in released:
+        url = timm.models.get_pretrained_cfg(name).url
         with pytest.raises(Requested) as raised:
             timm.create_model(name, pretrained=True)
-        assert raised.value.args == (timm.models.get_pretrained_cfg(name).url, f'{name}.pth')
-    # A URL with a file name (GitHub releases, dl.fbaipublicfiles) stays with timm's own download.
-    for name in ('softmax_pvt_tiny', 'softmax_swin_tiny', 'softmax_deit_tiny'):
-        kwargs: Dict[str, object] = {}
-        models.family._download_nameless_url(name, kwargs)
-        assert kwargs == {}, name
+        # the URL's own file name where it has one, as torch.hub names it, so earlier downloads are reused
+        assert raised.value.args == (url, f'{name}.pth' if name in nameless else url.rsplit('/', 1)[-1]), name
+    assert timm.models.get_pretrained_cfg('softmax_deit_tiny').url.endswith('/deit_tiny_patch16_224-a1311bcf.pth')
 
 
 def test_registered_url_downloads_once_under_the_model_name(server, cache, monkeypatch, capfd):
@@ -161,6 +164,22 @@ def test_an_overlay_url_has_a_cache_name_of_its_own(server, cache):
     (cached,) = cache.iterdir()
     assert cached.name.startswith('inline_deit_tiny-') and cached.name.endswith('.pth')
     assert model.pretrained_cfg['file'] == str(cached)
+
+
+def test_a_url_with_a_file_name_downloads_under_it_and_fails_on_one_line(server, cache, monkeypatch):
+    state_dict, server.files['deit_tiny_patch16_224-a1311bcf.pth'] = official_checkpoint(**TINY)
+    url = f'http://127.0.0.1:{server.port}/deit/deit_tiny_patch16_224-a1311bcf.pth'
+    register_url(monkeypatch, 'inline_deit_tiny', url)
+    assert_weights(timm.create_model('inline_deit_tiny', pretrained=True, **TINY), state_dict)
+    assert [p.name for p in cache.iterdir()] == ['deit_tiny_patch16_224-a1311bcf.pth']
+    assert server.requests == ['/deit/deit_tiny_patch16_224-a1311bcf.pth']
+    (cache / 'deit_tiny_patch16_224-a1311bcf.pth').unlink()
+    server.stop()
+    with pytest.raises(DownloadError) as raised:
+        timm.create_model('inline_deit_tiny', pretrained=True, **TINY)
+    message = str(raised.value)
+    assert message.startswith(f'cannot download {url} (host unreachable') and '\n' not in message
+    assert 'pretrained_cfg_overlay=dict(file=...)' in message and not list(cache.iterdir())
 
 
 @pytest.mark.parametrize('failure', ['404', 'closed port', 'cut', 'web page'])

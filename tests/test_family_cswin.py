@@ -129,11 +129,11 @@ def test_softmax_stripes_match_naive_recomputation():
         block = make_block('softmax', 16, 4, (8, 8), split)
         assert [a.window for a in block.attn.attns] == [(8, split), (split, 8)]
         with torch.no_grad():
-            assert (block(x) - naive_cswin_softmax_block(block, x)).abs().max() < 1e-12
+            assert (block(x, block.grid_size) - naive_cswin_softmax_block(block, x)).abs().max() < 1e-12
     block = make_block('softmax', 16, 4, (8, 8), 8)     # stripes covering the grid: one global branch
     assert len(block.attn.attns) == 1 and block.attn.attns[0].num_heads == 4
     with torch.no_grad():
-        assert (block(x) - naive_cswin_softmax_block(block, x)).abs().max() < 1e-12
+        assert (block(x, block.grid_size) - naive_cswin_softmax_block(block, x)).abs().max() < 1e-12
 
 
 def test_inline_global_branch_matches_naive_recomputation_with_block_input_mean():
@@ -155,7 +155,7 @@ def test_inline_global_branch_matches_naive_recomputation_with_block_input_mean(
         return torch.cat(heads, dim=1) + local
 
     with torch.no_grad():
-        assert (block(x) - naive_global_branch_block(block, x, mix)).abs().max() < 1e-12
+        assert (block(x, block.grid_size) - naive_global_branch_block(block, x, mix)).abs().max() < 1e-12
 
 
 def test_flatten_global_branch_matches_naive_recomputation():
@@ -184,7 +184,7 @@ def test_flatten_global_branch_matches_naive_recomputation():
         return torch.cat(heads, dim=1) + local
 
     with torch.no_grad():
-        assert (block(x) - naive_global_branch_block(block, x, mix)).abs().max() < 1e-12
+        assert (block(x, block.grid_size) - naive_global_branch_block(block, x, mix)).abs().max() < 1e-12
 
 
 # ------------------------------------------------------------------------------------- counts and keys
@@ -423,7 +423,7 @@ def test_features_only_and_intermediates():
     with torch.no_grad():
         final, inter = model.forward_intermediates(x, norm=True)
         assert torch.allclose(final, model.forward_features(x))
-        assert torch.allclose(inter[-1], final.transpose(1, 2).reshape(2, 128, 1, 1))
+        assert final.shape == (2, 1, 1, 128) and torch.allclose(inter[-1], final.permute(0, 3, 1, 2))
         nlc = model.forward_intermediates(x, indices=[1], output_fmt='NLC', intermediates_only=True, stop_early=True)
         assert torch.equal(nlc[0].transpose(1, 2).reshape(2, 32, 4, 4), inter[1])
 
@@ -437,8 +437,8 @@ def test_bad_arguments_raise_value_errors():
         CSWinTransformer(patch_size=16, **small)
     with pytest.raises(ValueError, match="la_split_size '56-28' must give 4"):
         CSWinTransformer(la_split_size='56-28', **small)
-    with pytest.raises(ValueError, match='does not divide into windows of 8x3'):
-        CSWinTransformer(**dict(small, split_size=(3, 2, 1, 1)))
+    with pytest.raises(ValueError, match='img_size 30x30 must have sides that are positive multiples of 4'):
+        CSWinTransformer(**dict(small, img_size=30))
 
 
 def test_classifier_weight_decay_groups_and_grad_checkpointing():
@@ -462,4 +462,4 @@ def test_classifier_weight_decay_groups_and_grad_checkpointing():
     assert model.get_classifier().out_features == 3 and not model.head.training
     assert model(x).shape == (2, 3)
     model.reset_classifier(0, '')
-    assert model(x).shape == (2, 1, 128)
+    assert model(x).shape == (2, 1, 1, 128)

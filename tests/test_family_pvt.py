@@ -212,7 +212,7 @@ def test_flatten_official_checkpoint_with_its_unused_final_norm_loads_and_every_
     x = torch.randn(1, 3, 64, 64)
     with torch.no_grad():
         assert torch.equal(model(x), source(x))
-        assert torch.allclose(model.head(model.forward_features(x).mean(1)), source(x))
+        assert torch.allclose(model.head(model.forward_features(x).mean((2, 3))), source(x))
     model.train()(x).square().mean().backward()
     assert all(p.grad is not None for p in model.parameters())
 
@@ -300,9 +300,10 @@ def test_head_pooling_and_classifier_reset():
         tokens = original.forward_features(x)
         assert tokens.shape == (2, 5, 128)
         assert torch.allclose(original(x), original.head(tokens[:, 0]))
-        tokens = inline.forward_features(x)
-        assert tokens.shape == (2, 4, 128)
-        assert torch.allclose(inline(x), inline.head(tokens.mean(1)))
+        feature_map = inline.forward_features(x)
+        assert feature_map.shape == (2, 128, 2, 2) and inline.output_fmt == 'NCHW'
+        assert torch.allclose(inline(x), inline.head(feature_map.mean((2, 3))))
+        assert inline.forward_head(feature_map, pre_logits=True).shape == (2, 128)
         inline.reset_classifier(0)
         assert inline(x).shape == (2, 128) and inline.num_classes == 0
         original.reset_classifier(4, 'avg')
@@ -339,7 +340,8 @@ def test_features_only_and_intermediates(name):
         final, intermediates = model.forward_intermediates(x, indices=[1, 3], output_fmt='NLC', norm=True)
         assert torch.allclose(final, model.forward_features(x))
         assert [t.shape for t in intermediates] == [(2, 64, 32), (2, 4, 128)]
-        assert torch.allclose(intermediates[1], final[:, model.num_prefix_tokens:])
+        tokens = final[:, model.num_prefix_tokens:] if model.features_fmt == 'NLC' else final.flatten(2).mT
+        assert torch.allclose(intermediates[1], tokens)
         last = model.forward_intermediates(x, indices=1, intermediates_only=True)[0]
         assert last.shape == (2, 128, 2, 2)
 
@@ -349,7 +351,7 @@ def test_features_only_and_intermediates(name):
 def test_runtime_input_size_interpolates_position_embeddings_bilinearly():
     """At 96 the model equals one built at 96 whose position embeddings are the bilinear resize of its own."""
     torch.manual_seed(0)
-    small = timm.create_model('softmax_pvt_tiny', **TINY).eval()
+    small = timm.create_model('softmax_pvt_tiny', dynamic_img_size=True, **TINY).eval()
     large = timm.create_model('softmax_pvt_tiny', **dict(TINY, img_size=96)).eval()
     state = small.state_dict()
     for i, side in enumerate((24, 12, 6, 3)):
@@ -367,14 +369,18 @@ def test_runtime_input_size_interpolates_position_embeddings_bilinearly():
 
 
 def test_input_sizes_the_model_cannot_take_are_value_errors():
-    model = timm.create_model('inline_pvt_tiny', **TINY)
+    model = timm.create_model('inline_pvt_tiny', dynamic_img_size=True, **TINY)
     with pytest.raises(ValueError, match='80x72 must have sides that are positive multiples of 32'):
         model(torch.randn(1, 3, 80, 72))
     with pytest.raises(ValueError, match='img_size 70x70'):
         timm.create_model('inline_pvt_tiny', **dict(TINY, img_size=70))
     flatten = timm.create_model('flatten_pvt_tiny', **TINY)
-    with pytest.raises(ValueError, match='does not match the 16x16 grid'):
+    with pytest.raises(ValueError, match=r'input image size 96x96 does not match the model.s img_size 64x64; build '
+                                         r'the model with img_size=\(96, 96\) instead of \(64, 64\), or with '
+                                         r'dynamic_img_size=True'):
         flatten(torch.randn(1, 3, 96, 96))
+    with pytest.raises(ValueError, match='expected images \\(B, C, H, W\\), got a tensor with 3 dimensions'):
+        flatten(torch.randn(3, 64, 64))
 
 
 # ------------------------------------------------------------------------------------------------ checkpoints

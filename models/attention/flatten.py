@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..checkpoint import resize_grid_embedding
+from ..checkpoint import resample_grid_embedding, resize_grid_embedding
 from .causal import no_causal_form
 from .layout import Grid, image_to_tokens, merge_heads, tokens_to_image
 from .mixer import Mixer, MixContext, autocast_off
@@ -94,14 +94,19 @@ class FocusedLinearMixer(Mixer):
             return resize_grid_embedding(tensor, self.group_grid)
         return tensor
 
+    def set_group_grid(self, grid: Grid) -> None:
+        with torch.no_grad():
+            encoding = resample_grid_embedding(self.positional_encoding, self.group_grid, grid)
+        self.positional_encoding = nn.Parameter(encoding, requires_grad=self.positional_encoding.requires_grad)
+        super().set_group_grid(grid)
+
     def forward(self, q: Tensor, k: Tensor, v: Tensor, ctx: MixContext) -> Tensor:
         grid, num_prefix = ctx.grid, ctx.num_prefix_tokens
-        if tuple(grid) != self.group_grid:
-            gh, gw = self.group_grid
-            raise ValueError(f"flatten attention: input grid {grid[0]}x{grid[1]} does not match the {gh}x{gw} grid "
-                             f"its positional_encoding of {gh * gw} tokens was built for")
+        encoding = self.positional_encoding
+        if (grid[0], grid[1]) != self.group_grid:
+            encoding = resample_grid_embedding(encoding, self.group_grid, grid)
         h = self.num_heads
-        k = k + F.pad(self.positional_encoding, (0, 0, num_prefix, 0))
+        k = k + F.pad(encoding, (0, 0, num_prefix, 0))
         phi_q = focused_feature_map(q, self.scale, self.focusing_factor)
         phi_k = focused_feature_map(k, self.scale, self.focusing_factor)
         out = merge_heads(focused_linear_attention(*self.heads(phi_q, phi_k, v)))

@@ -23,8 +23,8 @@ from timm.layers import trunc_normal_
 
 from ..checkpoint import resize_rel_pos_bias_table
 from .layout import (
-    Grid, image_to_tokens, relative_position_index, roll_tokens, shifted_window_mask, tokens_to_image,
-    window_partition, window_reverse,
+    Grid, crop_tokens, image_to_tokens, pad_tokens, padded_grid, relative_position_index, roll_tokens,
+    shifted_window_mask, tokens_to_image, window_partition, window_reverse,
 )
 from .mixer import Mixer, MixContext
 
@@ -102,6 +102,13 @@ class GroupedAttention(MixerHost):
 
     def _output(self, x: Tensor) -> Tensor:
         return self.proj_drop(self.proj(x))
+
+    def set_grid(self, grid: Grid) -> None:
+        """Make `grid` the token grid of every call from now on, with the grid-sized tables and parameters
+        resampled as a call on that grid resamples them on the fly."""
+        self.grid_size = (grid[0], grid[1])
+        if self.mixer.group_grid is not None:
+            self.mixer.set_group_grid(self.grid_size)
 
     def extra_repr(self) -> str:
         return f'dim={self.dim}, num_heads={self.num_heads}'
@@ -205,7 +212,8 @@ class SpatialReductionAttention(GroupedAttention):
 def _resolve_window(grid: Grid, window_size: Union[int, Grid], shift_size: int) -> Tuple[Optional[Grid], int]:
     """(window, shift) for a grid, None for one window covering the grid (unshifted).
 
-    A square `window_size` as large as the grid's short side means the whole grid, as Swin clamps it.
+    A square `window_size` as large as the grid's short side means the whole grid, as Swin clamps it; a window
+    never reaches past the grid. A grid that does not divide into windows is padded to whole ones where used.
     """
     H, W = grid
     if isinstance(window_size, int):
@@ -213,9 +221,9 @@ def _resolve_window(grid: Grid, window_size: Union[int, Grid], shift_size: int) 
             window_size, shift_size = min(H, W), 0
         window = (window_size, window_size)
     else:
-        window = tuple(window_size)
-    if min(window) < 1 or H % window[0] or W % window[1]:
-        raise ValueError(f"grid {H}x{W} does not divide into windows of {window[0]}x{window[1]}")
+        window = (min(window_size[0], H), min(window_size[1], W))
+    if min(window) < 1:
+        raise ValueError(f"window {window[0]}x{window[1]} must have positive sides")
     if not 0 <= shift_size < min(window):
         raise ValueError(f"shift_size {shift_size} must be in [0, {min(window)})")
     if window == (H, W):
@@ -223,16 +231,12 @@ def _resolve_window(grid: Grid, window_size: Union[int, Grid], shift_size: int) 
     return window, shift_size
 
 
-def _check_windowed(size: Grid, num_tokens: int, grid: Grid) -> None:
-    """A ValueError unless the tokens are exactly the `grid` the windows or stripes were built for."""
-    H, W = size
-    if size != grid:
-        raise ValueError(f"input grid {H}x{W} does not match the {grid[0]}x{grid[1]} grid this windowed attention "
-                         f"was built for")
+def _check_no_prefix(size: Grid, num_tokens: int) -> None:
+    """A ValueError when tokens come before the `size` grid, which windows and stripes cannot group."""
     num_prefix = _prefix_tokens(size, num_tokens)
     if num_prefix:
-        raise ValueError(f"windowed attention does not support prefix tokens, got {num_prefix} before the {H}x{W} "
-                         f"grid")
+        raise ValueError(f"windowed attention does not support prefix tokens, got {num_prefix} before the "
+                         f"{size[0]}x{size[1]} grid")
 
 
 class WindowAttention(GroupedAttention):
@@ -242,6 +246,11 @@ class WindowAttention(GroupedAttention):
     `window_size` is an int for square windows (clamped to the grid: as large as its short side means one
     unshifted window over the whole grid) or (wh, ww); odd blocks shift by `shift_size`. Mixers that take no
     score bias get neither the bias table nor the mask, but the same windows and shift.
+
+    On any grid, windows keep the size and shift they were built with: the map is padded with zeros below and
+    right to whole windows before the shift, as Swin does at other resolutions, and the mask is that of the
+    padded grid. An attention built with one window over its whole grid stays global on every grid, its bias
+    table resampled bicubically to the grid's window.
     """
 
     def __init__(
@@ -271,8 +280,12 @@ class WindowAttention(GroupedAttention):
             self.relative_position_bias_table = nn.Parameter(torch.zeros((2 * wh - 1) * (2 * ww - 1), num_heads))
             trunc_normal_(self.relative_position_bias_table, std=.02)
             self.register_buffer('relative_position_index', relative_position_index(group_grid), persistent=False)
-        if self.shift_size and mixer_cls.accepts_score_bias:
-            self.register_buffer('attn_mask', shifted_window_mask(grid, self.window, self.shift_size), persistent=False)
+        self.masked = bool(self.shift_size) and mixer_cls.accepts_score_bias
+        self.mask_grid: Grid = grid
+        if self.masked:
+            self.mask_grid = padded_grid(grid, self.window)
+            self.register_buffer('attn_mask', shifted_window_mask(self.mask_grid, self.window, self.shift_size),
+                                 persistent=False)
         else:
             self.attn_mask = None
         self._finish(mixer_cls(dim, num_heads, group_grid, attn_drop=attn_drop, **(mixer_options or {})), proj_drop)
@@ -285,13 +298,44 @@ class WindowAttention(GroupedAttention):
             parts.append(f'shift={self.shift_size}')
         return ', '.join(parts)
 
-    def relative_position_bias(self) -> Optional[Tensor]:
-        """(heads, n, n) bias for the tokens of one window, or None."""
+    def relative_position_bias(self, window: Optional[Grid] = None) -> Optional[Tensor]:
+        """(heads, n, n) bias for the tokens of one window (the built one, or `window` from a resampled table),
+        or None."""
         if self.bias_window is None:
             return None
-        n = self.bias_window[0] * self.bias_window[1]
-        bias = self.relative_position_bias_table[self.relative_position_index.view(-1)]
-        return bias.view(n, n, -1).permute(2, 0, 1)
+        table, index = self.relative_position_bias_table, self.relative_position_index
+        if window is not None and window != self.bias_window:
+            table = resize_rel_pos_bias_table(table, window, self.bias_window)
+            index = relative_position_index(window).to(index.device)
+        else:
+            window = self.bias_window
+        n = window[0] * window[1]
+        return table[index.view(-1)].view(n, n, -1).permute(2, 0, 1)
+
+    def _mask(self, padded: Grid, x: Tensor) -> Optional[Tensor]:
+        """The shifted-window mask of the `padded` grid: the built one, or one made for another grid."""
+        if not self.masked or padded == self.mask_grid:
+            return self.attn_mask
+        return shifted_window_mask(padded, self.window, self.shift_size, x.device).to(x.dtype)
+
+    def set_grid(self, grid: Grid) -> None:
+        grid = (grid[0], grid[1])
+        if self.window is None and self.bias_window is not None and grid != self.bias_window:
+            table = self.relative_position_bias_table
+            with torch.no_grad():
+                resized = resize_rel_pos_bias_table(table, grid, self.bias_window)
+            self.relative_position_bias_table = nn.Parameter(resized, requires_grad=table.requires_grad)
+            self.relative_position_index = relative_position_index(grid).to(self.relative_position_index.device)
+            self.bias_window = grid
+        if self.masked:
+            self.mask_grid = padded_grid(grid, self.window)
+            self.attn_mask = shifted_window_mask(self.mask_grid, self.window, self.shift_size).to(self.attn_mask)
+        else:
+            self.mask_grid = grid
+        if self.window is None:
+            super().set_grid(grid)
+        else:
+            self.grid_size = grid
 
     def adapt_loaded_tensor(self, name: str, tensor: Tensor) -> Tensor:
         """A bias table of another window, resized bicubically as the official fine-tuning does."""
@@ -302,47 +346,84 @@ class WindowAttention(GroupedAttention):
     def forward(self, x: Tensor, size: Grid, block_input: Optional[Tensor] = None) -> Tensor:
         tokens = _tokens(self.needs_tokens, x, block_input)
         if self.window is None:
-            ctx = MixContext(size, _prefix_tokens(size, x.shape[1]), self.relative_position_bias(), None, tokens)
+            ctx = MixContext(size, _prefix_tokens(size, x.shape[1]), self.relative_position_bias(size), None, tokens)
             q, k, v = self.qkv(x).chunk(3, dim=-1)
             return self._output(self.mixer(q, k, v, ctx))
-        _check_windowed(size, x.shape[1], self.grid_size)
+        _check_no_prefix(size, x.shape[1])
+        padded = padded_grid(size, self.window)
         # The projections act token by token, so they commute with the grouping into windows: grouping the
         # input once moves a third of the data that grouping q, k and v would.
-        ctx = MixContext(self.window, 0, self.relative_position_bias(), self.attn_mask,
-                         None if tokens is None else self._group(tokens, size))
-        q, k, v = self.qkv(self._group(x, size)).chunk(3, dim=-1)
-        return self._ungroup(self._output(self.mixer(q, k, v, ctx)), size)
+        ctx = MixContext(self.window, 0, self.relative_position_bias(), self._mask(padded, x),
+                         None if tokens is None else self._group(tokens, size, padded))
+        q, k, v = self.qkv(self._group(x, size, padded)).chunk(3, dim=-1)
+        return self._ungroup(self._output(self.mixer(q, k, v, ctx)), size, padded)
 
-    def _group(self, x: Tensor, size: Grid) -> Tensor:
-        """(B, H*W, C) -> (B * nW, n, C): roll by the shift, then cut into windows."""
+    def _group(self, x: Tensor, size: Grid, padded: Grid) -> Tensor:
+        """(B, H*W, C) -> (B * nW, n, C): pad to whole windows, roll by the shift, cut into windows."""
+        if padded != size:
+            x = pad_tokens(x, size, padded)
         if self.shift_size:
-            x = roll_tokens(x, size, -self.shift_size)
-        return window_partition(x, size, self.window)
+            x = roll_tokens(x, padded, -self.shift_size)
+        return window_partition(x, padded, self.window)
 
-    def _ungroup(self, x: Tensor, size: Grid) -> Tensor:
+    def _ungroup(self, x: Tensor, size: Grid, padded: Grid) -> Tensor:
         """Inverse of `_group`: (B * nW, n, C) -> (B, H*W, C)."""
-        x = window_reverse(x, size, self.window)
-        return roll_tokens(x, size, self.shift_size) if self.shift_size else x
+        x = window_reverse(x, padded, self.window)
+        if self.shift_size:
+            x = roll_tokens(x, padded, self.shift_size)
+        return crop_tokens(x, padded, size) if padded != size else x
+
+
+def _stripe(grid: Grid, split_size: int, vertical: bool) -> Grid:
+    """(wh, ww) of the vertical (full height) or horizontal (full width) stripes `split_size` wide on `grid`."""
+    H, W = grid
+    return (H, min(split_size, W)) if vertical else (min(split_size, H), W)
 
 
 class StripeBranch(MixerHost):
-    """One branch of cross-shaped attention: the mixer within stripes of `window` = (wh, ww) (None: the whole
-    grid) of already projected q, k, v, plus LePE, a depthwise 3x3 convolution `get_v` of V inside each stripe."""
+    """One branch of cross-shaped attention: the mixer within stripes of already projected q, k, v, plus LePE, a
+    depthwise 3x3 convolution `get_v` of V inside each stripe.
 
-    def __init__(self, mixer: Mixer, window: Optional[Grid]):
+    Stripes span the grid's height (`vertical`) or width and are `split_size` wide (None: one group over the whole
+    grid), on any grid: a grid whose side does not divide into stripes is padded with zeros below or right.
+    """
+
+    def __init__(self, mixer: Mixer, grid_size: Grid, split_size: Optional[int] = None, vertical: bool = True):
         super().__init__()
-        self.window = window
+        self.split_size = split_size
+        self.vertical = vertical
+        self.grid_size: Grid = (grid_size[0], grid_size[1])
+        self.window = self.stripe(self.grid_size)
         self.num_heads = mixer.num_heads
         self.get_v = nn.Conv2d(mixer.dim, mixer.dim, 3, padding=1, groups=mixer.dim)
         self.mount(mixer)
 
+    def stripe(self, grid: Grid) -> Optional[Grid]:
+        """(wh, ww) of the stripes on `grid`, None for one group over the whole grid."""
+        if self.split_size is None:
+            return None
+        window = _stripe(grid, self.split_size, self.vertical)
+        return None if window == (grid[0], grid[1]) else window
+
+    def set_grid(self, grid: Grid) -> None:
+        """Make `grid` the grid of every call, the mixer's grid-tied parameters resampled for its stripes."""
+        self.grid_size = (grid[0], grid[1])
+        self.window = self.stripe(self.grid_size)
+        self.mixer.set_group_grid(self.window or self.grid_size)
+
     def forward(self, q: Tensor, k: Tensor, v: Tensor, size: Grid, tokens: Optional[Tensor]) -> Tensor:
         """q, k, v: (B, H*W, C') over the grid `size` -> (B, H*W, C')."""
-        if self.window is None:
+        window = self.window if size == self.grid_size else self.stripe(size)
+        if window is None:
             return self._mix(q, k, v, size, tokens)
-        q, k, v = (window_partition(t, size, self.window) for t in (q, k, v))
-        tokens = None if tokens is None else window_partition(tokens, size, self.window)
-        return window_reverse(self._mix(q, k, v, self.window, tokens), size, self.window)
+        padded = padded_grid(size, window)
+        if padded != size:
+            q, k, v = (pad_tokens(t, size, padded) for t in (q, k, v))
+            tokens = None if tokens is None else pad_tokens(tokens, size, padded)
+        q, k, v = (window_partition(t, padded, window) for t in (q, k, v))
+        tokens = None if tokens is None else window_partition(tokens, padded, window)
+        out = window_reverse(self._mix(q, k, v, window, tokens), padded, window)
+        return crop_tokens(out, padded, size) if padded != size else out
 
     def _mix(self, q: Tensor, k: Tensor, v: Tensor, grid: Grid, tokens: Optional[Tensor]) -> Tensor:
         out = self.mixer(q, k, v, MixContext(grid, 0, tokens=tokens))
@@ -353,7 +434,7 @@ class CrossShapedAttention(GroupedAttention):
     """CSwin's cross-shaped window attention: one `qkv` over all channels; the first half of the channels (and
     heads) attends within vertical stripes of width `split_size`, the second half within horizontal stripes,
     each branch (`attns`) adding LePE; when the stripes cover the grid a single branch takes all channels
-    globally. `proj` follows the concatenation.
+    globally, on every grid. `proj` follows the concatenation.
 
     `attn(x, size, block_input)`: x (B, H*W, C) -> (B, H*W, C); mixers that need the tokens summarise
     `block_input` (the un-normalised block input) when given.
@@ -374,18 +455,20 @@ class CrossShapedAttention(GroupedAttention):
     ):
         super().__init__(dim, num_heads, grid_size)
         grid = self._require_grid('split_size')
+        if split_size < 1:
+            raise ValueError(f"split_size {split_size} must be a positive stripe width")
         self.qkv = nn.Linear(dim, dim * 3, bias=qkv_bias)
         H, W = grid
         options = dict(attn_drop=attn_drop, **(mixer_options or {}))
         if split_size >= max(H, W):
-            branches = [StripeBranch(mixer_cls(dim, num_heads, grid, **options), None)]
+            branches = [StripeBranch(mixer_cls(dim, num_heads, grid, **options), grid)]
         else:
             if dim % 2 or num_heads % 2:
                 raise ValueError(f"two stripe branches need an even dim and num_heads, got {dim} and {num_heads}")
             branches = []
-            for window in ((H, split_size), (split_size, W)):
-                window = _resolve_window(grid, window, 0)[0]
-                branches.append(StripeBranch(mixer_cls(dim // 2, num_heads // 2, window or grid, **options), window))
+            for vertical in (True, False):
+                mixer = mixer_cls(dim // 2, num_heads // 2, _stripe(grid, split_size, vertical), **options)
+                branches.append(StripeBranch(mixer, grid, split_size, vertical))
         self.attns = nn.ModuleList(branches)
         self.needs_tokens = mixer_cls.needs_tokens
         self.proj = nn.Linear(dim, dim)
@@ -395,8 +478,13 @@ class CrossShapedAttention(GroupedAttention):
     def mixer(self) -> Mixer:
         return self.attns[0].mixer
 
+    def set_grid(self, grid: Grid) -> None:
+        self.grid_size = (grid[0], grid[1])
+        for branch in self.attns:
+            branch.set_grid(self.grid_size)
+
     def forward(self, x: Tensor, size: Grid, block_input: Optional[Tensor] = None) -> Tensor:
-        _check_windowed(size, x.shape[1], self.grid_size)
+        _check_no_prefix(size, x.shape[1])
         q, k, v = self.qkv(x).chunk(3, dim=-1)
         tokens = _tokens(self.needs_tokens, x, block_input)
         if len(self.attns) == 1:

@@ -1,12 +1,14 @@
 """Tensor layouts the groupings and mixers share: heads, token maps and images, windows, relative positions."""
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 __all__ = [
     'Grid', 'split_heads', 'merge_heads', 'tokens_to_image', 'image_to_tokens', 'window_partition',
-    'window_reverse', 'roll_tokens', 'relative_position_index', 'shifted_window_mask',
+    'window_reverse', 'roll_tokens', 'relative_position_index', 'shifted_window_mask', 'padded_grid', 'pad_tokens',
+    'crop_tokens',
 ]
 
 Grid = Tuple[int, int]
@@ -51,6 +53,24 @@ def window_reverse(x: Tensor, grid: Grid, window: Grid) -> Tensor:
     return x.reshape(-1, H * W, C)
 
 
+def padded_grid(grid: Grid, window: Grid) -> Grid:
+    """`grid` rounded up to whole windows."""
+    return (-(-grid[0] // window[0]) * window[0], -(-grid[1] // window[1]) * window[1])
+
+
+def pad_tokens(x: Tensor, grid: Grid, padded: Grid) -> Tensor:
+    """(B, H*W, C) on `grid` -> (B, H'*W', C) on the larger `padded` grid, zeros below and right of the map."""
+    B, N, C = x.shape
+    x = F.pad(x.view(B, grid[0], grid[1], C), (0, 0, 0, padded[1] - grid[1], 0, padded[0] - grid[0]))
+    return x.view(B, padded[0] * padded[1], C)
+
+
+def crop_tokens(x: Tensor, padded: Grid, grid: Grid) -> Tensor:
+    """Inverse of `pad_tokens`: (B, H'*W', C) on `padded` -> (B, H*W, C), the top-left `grid`."""
+    B, N, C = x.shape
+    return x.view(B, padded[0], padded[1], C)[:, :grid[0], :grid[1]].reshape(B, grid[0] * grid[1], C)
+
+
 def relative_position_index(window: Grid) -> Tensor:
     """(n, n) int64 index into a ((2wh-1)(2ww-1), heads) bias table, n = wh*ww, as Swin computes it."""
     wh, ww = window
@@ -59,19 +79,19 @@ def relative_position_index(window: Grid) -> Tensor:
     return (rel[..., 0] + wh - 1) * (2 * ww - 1) + rel[..., 1] + ww - 1
 
 
-def shifted_window_mask(grid: Grid, window: Grid, shift: int) -> Tensor:
-    """(nW, n, n) additive mask, -100 between tokens that come from different regions of the rolled map."""
+def shifted_window_mask(grid: Grid, window: Grid, shift: int, device: Optional[torch.device] = None) -> Tensor:
+    """(nW, n, n) additive mask, -100 between tokens that come from different regions of the rolled map.
+
+    Rows (columns) fall into three regions: before the last window, in it before the last `shift` ones, and those.
+    """
     H, W = grid
-    wh, ww = window
-    region = torch.zeros(1, H, W, 1)
-    label = 0
-    for hs in (slice(0, -wh), slice(-wh, -shift), slice(-shift, None)):
-        for ws in (slice(0, -ww), slice(-ww, -shift), slice(-shift, None)):
-            region[:, hs, ws, :] = label
-            label += 1
-    region = window_partition(region.view(1, H * W, 1), grid, window).squeeze(-1)
+    rows, cols = torch.arange(H, device=device), torch.arange(W, device=device)
+    row_region = (rows >= H - window[0]).long() + (rows >= H - shift).long()
+    col_region = (cols >= W - window[1]).long() + (cols >= W - shift).long()
+    region = (row_region[:, None] * 3 + col_region[None, :]).view(1, H * W, 1)
+    region = window_partition(region, grid, window).squeeze(-1)
     diff = region[:, None, :] - region[:, :, None]
-    return diff.masked_fill(diff != 0, -100.0).masked_fill(diff == 0, 0.0)
+    return torch.zeros(diff.shape, device=device).masked_fill(diff != 0, -100.0)
 
 
 def roll_tokens(x: Tensor, grid: Grid, shift: int) -> Tensor:

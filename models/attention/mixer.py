@@ -99,6 +99,11 @@ class Mixer(nn.Module):
             raise ValueError(f"{self.attention_name} attention: {what} needs a fixed token grid (grid_size=(H, W))")
         return self.group_grid
 
+    def set_group_grid(self, grid: Grid) -> None:
+        """Make `grid` the grid of every group from now on; mixers with parameters tied to the grid resample
+        them as they would on the fly."""
+        self.group_grid = (grid[0], grid[1])
+
     def adapt_loaded_tensor(self, name: str, tensor: Tensor) -> Tensor:
         """A checkpoint's value for this mixer's parameter `name`, adapted to the mixer's shape where the mixer
         knows how (another resolution); by default unchanged."""
