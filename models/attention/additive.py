@@ -1,4 +1,4 @@
-"""Additive attention (Fastformer, non-causal): tokens interact only through two pooled vectors per head.
+"""Additive attention (Fastformer): tokens interact only through two pooled vectors per head.
 
 Per head j, with d = C / heads channels:
     α = softmax over tokens of query_att(q)_j / √d,   g_q = Σ_i α_i q_i      (the head's channels)
