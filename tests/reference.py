@@ -28,3 +28,13 @@ def naive_sigma(x, ranges, ts):
 def naive_l1(x):
     """Every channel divided by the sum of its absolute values over the tokens (dim -2), clamped at 1e-12."""
     return x / x.abs().sum(dim=-2, keepdim=True).clamp(min=1e-12)
+
+
+def later_keys(n):
+    """(n, n) bool, True where key j comes after query i: the entries a causal attention masks out."""
+    return torch.ones(n, n, dtype=torch.bool).triu(1)
+
+
+def naive_causal_softmax(s):
+    """Row-wise softmax of (..., n, n) scores over the keys j ≤ i of row i."""
+    return naive_softmax(s.masked_fill(later_keys(s.shape[-1]), float('-inf')))

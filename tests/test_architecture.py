@@ -64,7 +64,7 @@ def test_method_options_reach_the_mixer_through_attn_kwargs_and_official_keyword
 @pytest.mark.parametrize('family', FAMILIES)
 def test_an_option_no_attention_of_the_model_takes_is_one_line(family):
     with pytest.raises(ValueError, match=r"attn_kwargs 'focusing_factor' is not an option of the model's attention "
-                                         r"\(softmax\); expected one of: none"):
+                                         r"\(softmax\); expected one of: causal$"):
         timm.create_model(f'softmax_{family}_tiny', attn_kwargs=dict(focusing_factor=2), **TINY[family])
     with pytest.raises(ValueError, match="'kernel_size' is given both as a keyword and in attn_kwargs"):
         timm.create_model(f'flatten_{family}_tiny', kernel_size=3, attn_kwargs=dict(kernel_size=5), **TINY[family])

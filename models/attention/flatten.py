@@ -10,7 +10,8 @@ convolution of V imaged on the grid whose weights all heads share.
 
 The cube, the norms and the normaliser overflow float16 at ordinary activation sizes (NaN under float16 AMP
 is this attention's known failure), so the feature map and the attention run in float32 at least, with autocast off,
-whatever the input dtype; float64 stays float64.
+whatever the input dtype; float64 stays float64. There is no causal form: the convolution of V reaches the
+tokens below and to the right on the grid.
 """
 from typing import Optional
 
@@ -19,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..checkpoint import resample_grid_embedding, resize_grid_embedding
+from .causal import no_causal_form
 from .layout import Grid, image_to_tokens, merge_heads, tokens_to_image
 from .mixer import Mixer, MixContext, autocast_off
 from .registry import register_attention
@@ -82,7 +84,11 @@ class FocusedLinearMixer(Mixer):
             *,
             focusing_factor: float = 3,
             kernel_size: int = 5,
+            causal: bool = False,
     ):
+        if causal:
+            raise no_causal_form('flatten', "its depthwise 2-D convolution of V mixes every token with its "
+                                            "neighbours on all sides of the grid")
         super().__init__(dim, num_heads, group_grid, attn_drop)
         if kernel_size < 1 or kernel_size % 2 == 0:
             raise ValueError(f"flatten attention: kernel_size {kernel_size} must be a positive odd number")

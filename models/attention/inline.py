@@ -6,7 +6,8 @@ attention matrix sums to one while distinct queries keep distinct weights:
     A_ij = (s/N)·(q_i·k_j − q_i·k̄) + 1/N,   s = head_dim^-½,  N = tokens of the group (prefix tokens included).
 
 It is computed in Q(KᵀV) order, never forming A. The local residual is a 3×3 depthwise convolution of V imaged on
-the grid whose kernel is predicted, per sample and channel, from the mean token of the group.
+the grid whose kernel is predicted, per sample and channel, from the mean token of the group. There is no causal
+form: the mean key and the kernels summarise every token, and the convolution reaches later ones.
 """
 from typing import List, Optional
 
@@ -14,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .causal import no_causal_form
 from .layout import Grid, image_to_tokens, merge_heads
 from .mixer import Mixer, MixContext, is_exporting
 from .registry import register_attention
@@ -66,7 +68,11 @@ class InLineMixer(Mixer):
     """
     needs_tokens = True
 
-    def __init__(self, dim: int, num_heads: int, group_grid: Optional[Grid] = None, attn_drop: float = 0.):
+    def __init__(self, dim: int, num_heads: int, group_grid: Optional[Grid] = None, attn_drop: float = 0., *,
+                 causal: bool = False):
+        if causal:
+            raise no_causal_form('inline', "its local residual is a 2-D convolution over the grid, with kernels and a "
+                                           "mean key taken from all tokens")
         super().__init__(dim, num_heads, group_grid, attn_drop)
         self.residual = nn.Sequential(
             nn.Conv1d(dim, dim, kernel_size=1, groups=num_heads),

@@ -15,7 +15,10 @@ recomputes each block's scores, so memory grows with the score matrix only throu
 Training on CUDA joins the two: FlexAttention's forward pass returns the log-sum-exp, and the backward pass is
 the one in row blocks. FlexAttention's own backward would have to differentiate `ranges` and `ts`, scalars
 shared by every score, by atomic adds from every score into the same eight addresses.
+
+Causal form (`causal=True`): on every path, key j > i gets −inf in query i's logits after σ, like the mask.
 """
+import math
 from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
@@ -24,6 +27,7 @@ from torch import Tensor, nn
 
 from timm.layers import trunc_normal_
 
+from .causal import later_tokens
 from .layout import Grid, merge_heads
 from .mixer import MixContext, autocast_off, is_exporting
 from .registry import register_attention
@@ -113,22 +117,23 @@ class _MultiMaxInRowBlocks(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, ranges: Tensor, ts: Tensor, bias: Optional[Tensor],
-                mask: Optional[Tensor], rows: int, use_flex: bool) -> Tensor:
+                mask: Optional[Tensor], causal: bool, rows: int, use_flex: bool) -> Tensor:
         if use_flex:  # detached: this function, not FlexAttention, differentiates them
             detached = (None if t is None else t.detach() for t in (q, k, v, ranges, ts, bias))
-            out, lse = _multimax_flex(*detached, mask, keep_lse=True)
+            out, lse = _multimax_flex(*detached, mask, causal, keep_lse=True)
         else:
-            out, lse = _row_blocks_forward(q, k, v, ranges, ts, bias, mask, rows, keep_lse=True)
+            out, lse = _row_blocks_forward(q, k, v, ranges, ts, bias, mask, causal, rows, keep_lse=True)
         ctx.save_for_backward(q, k, v, ranges, ts, bias, mask, out, lse)
         ctx.rows = rows
+        ctx.causal = causal
         return out
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
         q, k, v, ranges, ts, bias, mask, out, lse = ctx.saved_tensors
         if torch.is_grad_enabled():
-            plain = _multimax_plain(q, k, v, ranges, ts, bias, mask, 0.)
-            return _differentiable_grads(ctx, plain, (q, k, v, ranges, ts, bias), grad_out) + (None,) * 3
+            plain = _multimax_plain(q, k, v, ranges, ts, bias, mask, 0., ctx.causal)
+            return _differentiable_grads(ctx, plain, (q, k, v, ranges, ts, bias), grad_out) + (None,) * 4
         need_q, need_k, need_v, need_ranges, need_ts, need_bias = ctx.needs_input_grad[:6]
         work = torch.promote_types(q.dtype, torch.float32)
         scale = q.shape[-1] ** -0.5
@@ -144,7 +149,7 @@ class _MultiMaxInRowBlocks(torch.autograd.Function):
             grad_bias = torch.zeros(bias.shape, dtype=work, device=bias.device) if need_bias else None
             grad_b = grad_t = None
             for block in _row_slices(q.shape[-2], ctx.rows):
-                scores, logits = _block_logits(q_scaled, keys, b, t, bias, mask, block)
+                scores, logits = _block_logits(q_scaled, keys, b, t, bias, mask, ctx.causal, block)
                 probs = logits.sub_(lse[..., block, :]).exp_()
                 grad_block = grad_out[..., block, :]
                 if need_v:
@@ -163,7 +168,7 @@ class _MultiMaxInRowBlocks(torch.autograd.Function):
                 if need_q:
                     grad_q[..., block, :] = (grad_scores @ keys).mul_(scale)
         return (_cast(grad_q, q), _cast(grad_k, k), _cast(grad_v, v), _cast(grad_b if need_ranges else None, ranges),
-                _cast(grad_t if need_ts else None, ts), _cast(grad_bias, bias), None, None, None)
+                _cast(grad_t if need_ts else None, ts), _cast(grad_bias, bias), None, None, None, None)
 
 
 def _cast(grad: Optional[Tensor], like: Optional[Tensor]) -> Optional[Tensor]:
@@ -191,11 +196,13 @@ def multimax_attention(
         mask: Optional[Tensor] = None,
         dropout_p: float = 0.,
         use_flex: Optional[bool] = None,
+        causal: bool = False,
 ) -> Tensor:
     """q: (B, h, n, d), k, v: (B, h, m, d) -> (B, h, n, d).
 
     `bias` (added before σ) broadcasts to the (B, h, n, m) scores; `mask` (nW, n, m) is added after σ, batch
-    entry b taking mask[b % nW] (windows of an image are consecutive). `use_flex`: None takes FlexAttention on
+    entry b taking mask[b % nW] (windows of an image are consecutive); `causal` masks key j > i out of query
+    i's logits after σ. `use_flex`: None takes FlexAttention on
     CUDA without dropout and the plain path otherwise; True forces FlexAttention (compiled on CUDA, its unfused
     reference elsewhere) for the forward pass, with the backward pass in row blocks.
     """
@@ -214,18 +221,18 @@ def multimax_attention(
             raise ValueError(f"the FlexAttention path of MultiMax has no attention dropout, got dropout_p={dropout_p}")
         if training:
             rows = max(1, _FLEX_BACKWARD_BLOCK_BYTES // row_bytes)
-            return _MultiMaxInRowBlocks.apply(q, k, v, ranges, ts, bias, mask, rows, True)
-        return _multimax_flex(q, k, v, ranges, ts, bias, mask)[0]
+            return _MultiMaxInRowBlocks.apply(q, k, v, ranges, ts, bias, mask, causal, rows, True)
+        return _multimax_flex(q, k, v, ranges, ts, bias, mask, causal)[0]
     rows = max(1, _ROW_BLOCK_BYTES // row_bytes)
     if dropout_p or rows >= n or (training and n * row_bytes <= _PLAIN_TRAINING_BYTES):
-        return _multimax_plain(q, k, v, ranges, ts, bias, mask, dropout_p)
+        return _multimax_plain(q, k, v, ranges, ts, bias, mask, dropout_p, causal)
     if training:
-        return _MultiMaxInRowBlocks.apply(q, k, v, ranges, ts, bias, mask, rows, False)
-    return _row_blocks_forward(q, k, v, ranges, ts, bias, mask, rows, keep_lse=False)[0]
+        return _MultiMaxInRowBlocks.apply(q, k, v, ranges, ts, bias, mask, causal, rows, False)
+    return _row_blocks_forward(q, k, v, ranges, ts, bias, mask, causal, rows, keep_lse=False)[0]
 
 
 def _multimax_plain(q: Tensor, k: Tensor, v: Tensor, ranges: Tensor, ts: Tensor, bias: Optional[Tensor],
-                    mask: Optional[Tensor], dropout_p: float) -> Tensor:
+                    mask: Optional[Tensor], dropout_p: float, causal: bool = False) -> Tensor:
     work = torch.promote_types(q.dtype, torch.float32)
     scores = torch.matmul(q * q.shape[-1] ** -0.5, k.transpose(-2, -1)).to(work)
     if bias is not None:
@@ -235,7 +242,7 @@ def _multimax_plain(q: Tensor, k: Tensor, v: Tensor, ranges: Tensor, ts: Tensor,
     else:
         modulated = _Modulation.apply(scores, ranges.to(work), ts.to(work))
     # σ's backward needs its input only, so its output may take the mask in place
-    logits = _masked(modulated, mask)
+    logits = _masked(modulated, mask, causal)
     weights = logits.softmax(dim=-1)
     if dropout_p:
         weights = F.dropout(weights, dropout_p)
@@ -254,7 +261,8 @@ _PLAIN_TRAINING_BYTES = 64 << 20
 
 
 def _row_blocks_forward(q: Tensor, k: Tensor, v: Tensor, ranges: Tensor, ts: Tensor, bias: Optional[Tensor],
-                        mask: Optional[Tensor], rows: int, keep_lse: bool) -> Tuple[Tensor, Optional[Tensor]]:
+                        mask: Optional[Tensor], causal: bool, rows: int,
+                        keep_lse: bool) -> Tuple[Tensor, Optional[Tensor]]:
     """The output in v's dtype and, with `keep_lse`, the (B, h, n, 1) log-sum-exp of each row's logits, a block
     of `rows` query rows at a time, in float32 at least."""
     work = torch.promote_types(q.dtype, torch.float32)
@@ -265,7 +273,7 @@ def _row_blocks_forward(q: Tensor, k: Tensor, v: Tensor, ranges: Tensor, ts: Ten
         out = values.new_empty(q.shape[:-1] + v.shape[-1:])
         lse = values.new_empty(q.shape[:-1] + (1,)) if keep_lse else None
         for block in _row_slices(q.shape[-2], rows):
-            logits = _block_logits(q_scaled, keys, ranges, ts, bias, mask, block)[1]
+            logits = _block_logits(q_scaled, keys, ranges, ts, bias, mask, causal, block)[1]
             if keep_lse:
                 lse[..., block, :] = block_lse = torch.logsumexp(logits, dim=-1, keepdim=True)
                 probs = logits.sub_(block_lse).exp_()
@@ -289,25 +297,29 @@ def _row_block(scores_like: Optional[Tensor], block: slice) -> Optional[Tensor]:
 
 
 def _block_logits(q_scaled: Tensor, k: Tensor, ranges: Tensor, ts: Tensor, bias: Optional[Tensor],
-                  mask: Optional[Tensor], block: slice) -> Tuple[Tensor, Tensor]:
-    """The scores q·kᵀ/√d + bias of the query rows `block` and their logits σ(scores) + mask, computed the same
-    way by the forward pass and by the backward pass that recomputes them."""
+                  mask: Optional[Tensor], causal: bool, block: slice) -> Tuple[Tensor, Tensor]:
+    """The scores q·kᵀ/√d + bias of the query rows `block` and their logits σ(scores) + mask (and the causal
+    mask), computed the same way by the forward pass and by the backward pass that recomputes them."""
     scores = q_scaled[..., block, :] @ k.transpose(-2, -1)
     if bias is not None:
         scores.add_(_row_block(bias, block).to(scores.dtype))
-    return scores, _masked(_modulated(scores, ranges, ts), _row_block(mask, block))
+    return scores, _masked(_modulated(scores, ranges, ts), _row_block(mask, block), causal, block.start)
 
 
-def _masked(logits: Tensor, mask: Optional[Tensor]) -> Tensor:
-    """Add the (nW, n, m) window mask in place, batch entry b taking mask[b % nW]."""
+def _masked(logits: Tensor, mask: Optional[Tensor], causal: bool = False, first_row: int = 0) -> Tensor:
+    """Add the (nW, n, m) window mask in place, batch entry b taking mask[b % nW]; with `causal`, −inf where key
+    j comes after query `first_row` + i (row i of `logits`)."""
     if mask is not None:
         B, h, n, m = logits.shape
         logits.view(B // mask.shape[0], mask.shape[0], h, n, m).add_(mask.to(logits.dtype).unsqueeze(1))
+    if causal:
+        logits.masked_fill_(later_tokens(logits.shape[-2], logits.shape[-1], logits.device, first_row), -math.inf)
     return logits
 
 
 def _multimax_flex(q: Tensor, k: Tensor, v: Tensor, ranges: Tensor, ts: Tensor, bias: Optional[Tensor],
-                   mask: Optional[Tensor], keep_lse: bool = False) -> Tuple[Tensor, Optional[Tensor]]:
+                   mask: Optional[Tensor], causal: bool = False,
+                   keep_lse: bool = False) -> Tuple[Tensor, Optional[Tensor]]:
     """FlexAttention with σ as `score_mod`: the output and, with `keep_lse`, the (B, h, n, 1) float32
     log-sum-exp of each row's logits."""
     work = torch.promote_types(q.dtype, torch.float32)
@@ -323,6 +335,8 @@ def _multimax_flex(q: Tensor, k: Tensor, v: Tensor, ranges: Tensor, ts: Tensor, 
         score = multimax_modulation(score, ranges, ts)
         if mask is not None:
             score = score + mask[batch % num_windows, q_idx, kv_idx]
+        if causal:
+            score = torch.where(kv_idx > q_idx, -math.inf, score)
         return score
 
     # inside a compiled model the surrounding compilation fuses FlexAttention itself
@@ -336,10 +350,12 @@ def _multimax_flex(q: Tensor, k: Tensor, v: Tensor, ranges: Tensor, ts: Tensor, 
 
 @register_attention('multimax')
 class MultiMaxMixer(SoftmaxMixer):
-    """Softmax attention whose scores pass through the learned MultiMax modulation first (`ranges`, `ts`)."""
+    """Softmax attention whose scores pass through the learned MultiMax modulation first (`ranges`, `ts`). Option:
+    `causal` (query i sees keys j ≤ i)."""
 
-    def __init__(self, dim: int, num_heads: int, group_grid: Optional[Grid] = None, attn_drop: float = 0.):
-        super().__init__(dim, num_heads, group_grid, attn_drop)
+    def __init__(self, dim: int, num_heads: int, group_grid: Optional[Grid] = None, attn_drop: float = 0., *,
+                 causal: bool = False):
+        super().__init__(dim, num_heads, group_grid, attn_drop, causal=causal)
         self.ranges = nn.Parameter(torch.zeros(4))
         self.ts = nn.Parameter(torch.zeros(4))
         trunc_normal_(self.ranges, std=.02)
@@ -348,5 +364,5 @@ class MultiMaxMixer(SoftmaxMixer):
     def forward(self, q: Tensor, k: Tensor, v: Tensor, ctx: MixContext) -> Tensor:
         q, k, v = self.heads(q, k, v)
         out = multimax_attention(q, k, v, self.ranges, self.ts, ctx.pos_bias, ctx.mask,
-                                 self.attn_drop if self.training else 0.)
+                                 self.attn_drop if self.training else 0., causal=self.causal)
         return merge_heads(out)

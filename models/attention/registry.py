@@ -6,6 +6,7 @@ benchmark, the zoo table and the tests iterate it.
 import inspect
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Type, TypeVar
 
+from .causal import check_causal_grouping
 from .grouping import (
     CrossShapedAttention, GlobalAttention, GroupedAttention, SpatialReductionAttention, WindowAttention,
 )
@@ -102,7 +103,8 @@ def build_attention(
 
     Groupings and their keywords: 'global' (prefix tokens allowed), 'reduction' (`sr_ratio`), 'window'
     (`window_size`, `shift_size`, `rel_pos_bias`), 'stripes' (`split_size`). `attn_kwargs` holds method options;
-    the mixer takes those it declares, so one dict serves models that mix several attentions.
+    the mixer takes those it declares, so one dict serves models that mix several attentions. `causal=True`
+    needs one sequence of tokens: the 'global' grouping, or 'reduction' with sr_ratio=1.
     """
     cls = get_mixer_class(name)
     try:
@@ -114,5 +116,10 @@ def build_attention(
         if key not in params or key in ('mixer_cls', 'mixer_options'):
             keywords = [p for p in params if params[p].kind is inspect.Parameter.KEYWORD_ONLY and p != 'mixer_options']
             raise ValueError(f"grouping {grouping!r} takes no keyword {key!r}; expected one of {', '.join(keywords)}")
-    return grouping_cls(cls, dim, num_heads, grid_size, qkv_bias, mixer_options=cls.take_options(attn_kwargs),
+    options = cls.take_options(attn_kwargs)
+    if (attn_kwargs or {}).get('causal'):
+        if 'causal' not in options:  # one dict serves several attentions, but a model is causal only if all are
+            raise ValueError(f"{name} attention takes no causal option, so it cannot serve causal=True")
+        check_causal_grouping(grouping, grouping_kwargs)
+    return grouping_cls(cls, dim, num_heads, grid_size, qkv_bias, mixer_options=options,
                         attn_drop=attn_drop, proj_drop=proj_drop, **grouping_kwargs)

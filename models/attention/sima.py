@@ -4,11 +4,15 @@ Every channel of every head of Q and K is divided by its ℓ1 norm over the toke
 as `F.normalize(p=1, dim=-2)` does); there is no scale, no softmax and no score bias. The product is taken in the
 cheaper order for the shapes, (Q̂K̂ᵀ)V when the group has fewer tokens than a head has channels, else Q̂(K̂ᵀV): the
 two are equal, only their cost differs. Prefix tokens (a class token) are normalised with the grid tokens.
+There is no causal form: the ℓ1 norms sum over every token of the group.
 """
+from typing import Optional
+
 import torch
 from torch import Tensor
 
-from .layout import merge_heads
+from .causal import no_causal_form
+from .layout import Grid, merge_heads
 from .mixer import Mixer, MixContext
 from .registry import register_attention
 
@@ -37,6 +41,13 @@ def sima_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
 class SimAMixer(Mixer):
     """SimA; no parameters of its own. It forms no score matrix, so no position bias or window mask applies."""
     reduces_keys = True
+
+    def __init__(self, dim: int, num_heads: int, group_grid: Optional[Grid] = None, attn_drop: float = 0., *,
+                 causal: bool = False):
+        if causal:
+            raise no_causal_form('sima', "its ℓ1 normalisation of queries and keys sums over all tokens, later ones "
+                                         "included")
+        super().__init__(dim, num_heads, group_grid, attn_drop)
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, ctx: MixContext) -> Tensor:
         q, k, v = self.heads(q, k, v)

@@ -5,25 +5,36 @@ the bias is always given as (1, heads, n, m); shifted windows fold their window 
 (`fold_windows`) so that one (1, nW·heads, n, m) bias, built once per forward, serves the whole batch instead of
 a per-window copy of the mask for every image. On CPU the fused kernels take no bias that needs a gradient (a
 learned position bias in training); there the plain formula is cheaper than the kernel's own fallback.
+
+Causal form (`causal=True`): key j > i is masked out of query i's softmax, by the kernels' own causal mask
+where there is no bias, else added to the bias as −inf.
 """
+import math
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .layout import merge_heads
+from .causal import later_tokens
+from .layout import Grid, merge_heads
 from .mixer import Mixer, MixContext
 from .registry import register_attention
 
 __all__ = ['softmax_attention', 'window_bias', 'fold_windows', 'unfold_windows', 'SoftmaxMixer']
 
 
-def softmax_attention(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor] = None, dropout_p: float = 0.) -> Tensor:
-    """q: (B, h, n, d), k, v: (B, h, m, d), bias broadcastable to (B, h, n, m) -> (B, h, n, d)."""
+def softmax_attention(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor] = None, dropout_p: float = 0.,
+                      causal: bool = False) -> Tensor:
+    """q: (B, h, n, d), k, v: (B, h, m, d), bias broadcastable to (B, h, n, m) -> (B, h, n, d).
+
+    `causal`: query i attends to keys j ≤ i only.
+    """
     if bias is None:
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p)
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=causal)
     bias = bias.to(q.dtype)
+    if causal:
+        bias = bias.masked_fill(later_tokens(q.shape[-2], k.shape[-2], q.device), -math.inf)
     if bias.requires_grad and torch.is_grad_enabled() and q.device.type == 'cpu':
         weights = (torch.matmul(q * q.shape[-1] ** -0.5, k.transpose(-2, -1)) + bias).softmax(dim=-1)
         return torch.matmul(F.dropout(weights, dropout_p) if dropout_p else weights, v)
@@ -53,10 +64,18 @@ def unfold_windows(x: Tensor, num_heads: int) -> Tensor:
 
 @register_attention('softmax')
 class SoftmaxMixer(Mixer):
-    """Scaled dot-product attention; no parameters of its own."""
+    """Scaled dot-product attention; no parameters of its own. Option: `causal` (query i sees keys j ≤ i)."""
     forms_scores = True
     accepts_score_bias = True
     reduces_keys = True
+
+    def __init__(self, dim: int, num_heads: int, group_grid: Optional[Grid] = None, attn_drop: float = 0., *,
+                 causal: bool = False):
+        super().__init__(dim, num_heads, group_grid, attn_drop)
+        self.causal = causal
+
+    def extra_repr(self) -> str:
+        return 'causal=True' if self.causal else ''
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, ctx: MixContext) -> Tensor:
         h = self.num_heads
@@ -64,8 +83,8 @@ class SoftmaxMixer(Mixer):
         dropout_p = self.attn_drop if self.training else 0.
         mask = ctx.mask
         if mask is None:
-            return merge_heads(softmax_attention(q, k, v, ctx.pos_bias, dropout_p))
+            return merge_heads(softmax_attention(q, k, v, ctx.pos_bias, dropout_p, self.causal))
         nW = mask.shape[0]
         out = softmax_attention(fold_windows(q, nW), fold_windows(k, nW), fold_windows(v, nW),
-                                window_bias(ctx.pos_bias, mask, h), dropout_p)
+                                window_bias(ctx.pos_bias, mask, h), dropout_p, self.causal)
         return merge_heads(unfold_windows(out, h))
