@@ -197,6 +197,18 @@ def test_injectivity_probe_finds_linear_attention_collisions_only():
     assert collision_share(inline, q).item() == 0
 
 
+def test_rank_of_linear_attention_is_bounded_by_the_head_width():
+    """φ(Q)φ(K)ᵀ has rank at most d = 4 over the 17 tokens; softmax rows are independent."""
+    ranks = {}
+    for name in ('linear', 'softmax'):
+        attn, x = build(name, 'global')
+        with record_attention(attn) as rec:
+            attn(x, GRID)
+        ranks[name] = row_statistics(rec[0], (32, 32))['rank']
+    assert ranks['linear'].tolist() == [4.0] * 4
+    assert ranks['softmax'].tolist() == [17.0] * 4
+
+
 def test_statistics_of_known_rows():
     """A uniform row and a one-hot row: entropy log M and 0, Gini 0 and 1 − 1/M, top-5 mass 5/M and 1."""
     attn, x = build('softmax', 'global')

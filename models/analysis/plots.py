@@ -7,6 +7,7 @@ Needs the `analysis` extra: `pip install -e '.[analysis]'`.
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import matplotlib
+import matplotlib.ticker
 matplotlib.use('Agg')
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
@@ -218,9 +219,12 @@ def plot_layer_curves(rows: Sequence[Mapping[str, object]], statistics: Sequence
         for row in rows:
             series.setdefault(label(row), {}).setdefault(int(row['depth']), []).append(float(row[statistic]))
         for name, by_depth in series.items():
+            if all(np.isnan(by_depth[d]).all() for d in by_depth):
+                continue  # a statistic that does not apply to this attention
             depths = sorted(by_depth)
             ax.plot(depths, [np.nanmean(by_depth[d]) for d in depths], marker='o', label=name)
         ax.set_xlabel('layer')
+        ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
         ax.set_title(statistic, fontsize=10)
     axes[0][-1].legend(fontsize=7)
     fig.tight_layout()

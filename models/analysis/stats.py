@@ -12,7 +12,8 @@ distributions of the other attentions p = w), then averaged over the rows and im
   "attention distance" of the ViT paper), for grid queries;
 - `collisions`: the injectivity probe, the share of pairs of queries of one image and head that differ (beyond
   `query_rtol` of their size, in the max norm) yet get the same row (within `row_rtol` of its size);
-- `rank`: the numerical rank of the R × M matrix of recorded rows (`torch.linalg.matrix_rank`'s tolerance).
+- `rank`: the numerical rank of the R × M matrix of recorded rows (`torch.linalg.matrix_rank`'s tolerance for the
+  dtype the rows were formed in).
 
 Additive attention's rows are its pooling distributions, which belong to no query: distance and the injectivity
 probe do not apply to them (NaN).
@@ -89,7 +90,8 @@ def row_statistics(layer: LayerAttention, image_size: Tuple[int, int], row_rtol:
     if not layer.is_pooling:
         out['distance_px'] = _distance(layer, mass, image_size)
         out['collisions'] = collision_share(weights, layer.query_vectors, row_rtol, query_rtol).cpu()
-    out['rank'] = torch.linalg.matrix_rank(weights).double().mean(dim=0).cpu()
+    # the rank tolerance of the precision the weights were formed in: float32 rounding is no extra rank
+    out['rank'] = torch.linalg.matrix_rank(layer.weights).double().mean(dim=0).cpu()
     return {key: value.cpu() for key, value in out.items()}
 
 
