@@ -21,11 +21,11 @@ IMAGE_EXTENSIONS = ('.png', '.jpg', '.jpeg', '.bmp', '.webp', '.tif', '.tiff')
 
 def load_analysis_model(model_name: Optional[str], checkpoint: Optional[str], opts: Sequence[str] = (),
                         ema: bool = False) -> Tuple[nn.Module, CN]:
-    """The model in eval mode and its config: `checkpoint` with the config it stores (or `model_name`'s),
-    else `model_name` with random weights; `opts` override the config."""
+    """The model in eval mode and its config: `model_name` with its pretrained config, else the config stored in
+    our `checkpoint`; the checkpoint's weights when given (random weights otherwise). `opts` override the config."""
     if checkpoint and not os.path.isfile(checkpoint):
         raise UsageError(f"checkpoint {checkpoint!r} not found")
-    cfg = eval_config(None, model_name if not checkpoint or model_name else None, checkpoint, opts)
+    cfg = eval_config(None, model_name, None if model_name else checkpoint, opts)
     model = create_model(cfg)
     if checkpoint:
         # our own checkpoints hold the model's own keys; loading them directly also serves models whose name

@@ -87,8 +87,7 @@ def main(argv: Sequence[str]) -> int:
     inputs, shown = load_images(files, cfg)
     has_class_token = getattr(model, 'num_prefix_tokens', 0) > 0
     queries = parse_queries(args.queries or [f'{size // 2},{size // 2}'], size, has_class_token)
-    labels = [q if isinstance(q, str) else 'cls' if q == 0 else f'y{round(q[0] * size)}x{round(q[1] * size)}'
-              for q in queries]
+    labels = ['cls' if q == 0 else f'y{round(q[0] * size)}x{round(q[1] * size)}' for q in queries]
     os.makedirs(args.out, exist_ok=True)
     written: List[str] = []
 

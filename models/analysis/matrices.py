@@ -157,7 +157,7 @@ def linear_weights(mixer: LinearMixer, q: Tensor, k: Tensor, v: Tensor, ctx: Mix
 @attention_matrix(AdditiveMixer)
 def additive_weights(mixer: AdditiveMixer, q: Tensor, k: Tensor, v: Tensor, ctx: MixContext,
                      rows: Optional[Tensor]) -> MixerWeights:
-    """α = softmax over tokens of query_att(q)/√d and β = softmax over tokens of key_att(k ⊙ g_q)/√d, per head."""
+    """Per head, α = softmax over tokens of query_att(q)/√d and β = softmax over tokens of key_att(k ⊙ g_q)/√d."""
     scale = mixer.head_dim ** -0.5
     alpha = (F.linear(q, mixer.query_att.weight.to(q.dtype), mixer.query_att.bias.to(q.dtype)) * scale).softmax(1)
     global_query = (alpha.unsqueeze(-1) * split_heads(q, mixer.num_heads).transpose(1, 2)).sum(dim=1)

@@ -191,8 +191,8 @@ def _barycentric(points: Tensor) -> np.ndarray:
 
 
 def plot_simplex(path: str, ranges: Optional[Tensor] = None, ts: Optional[Tensor] = None) -> Dict[str, Tensor]:
-    """The 2-simplex figure: where each map sends a grid of logits (x₁, x₂, 0), coloured by x₁ − x₂; returns the
-    points drawn."""
+    """The 2-simplex figure: where each map sends a grid of logits (x₁, x₂, 0), coloured by x₁ − x₂; returns
+    the points drawn."""
     logits = simplex_logits()
     points = simplex_points(logits, ranges, ts)
     fig, axes = plt.subplots(1, len(points), figsize=(2.6 * len(points), 2.6))

@@ -15,7 +15,8 @@ distributions of the other attentions p = w), then averaged over the rows and im
 - `rank`: the numerical rank of the R × M matrix of recorded rows (`torch.linalg.matrix_rank`'s tolerance for the
   dtype the rows were formed in).
 
-Additive attention's rows are its pooling distributions, which belong to no query: distance and the injectivity
+In windows and stripes the keys outside a query's group count as zero weights of its row. Additive attention's
+rows are its pooling distributions, which belong to no query: distance and the injectivity
 probe do not apply to them (NaN).
 """
 import math
@@ -69,7 +70,8 @@ def collision_share(weights: Tensor, query_vectors: Tensor, row_rtol: float = 1e
     return colliding.sum(dim=(0, 2, 3)) / pairs.clamp_min(1)
 
 
-def row_statistics(layer: LayerAttention, image_size: Tuple[int, int], row_rtol: float = 1e-5, query_rtol: float = 1e-3) -> Dict[str, Tensor]:
+def row_statistics(layer: LayerAttention, image_size: Tuple[int, int], row_rtol: float = 1e-5,
+                   query_rtol: float = 1e-3) -> Dict[str, Tensor]:
     """Every statistic of `STATISTICS` of one recorded layer, per head: (heads,) each,
     averaged over the rows and the B images."""
     weights = layer.weights.double()
