@@ -1,5 +1,6 @@
 """Recording attention weights: the recorded rows reproduce every attention's global term in every grouping,
 rows sum as the math says, recording changes nothing, and the statistics' injectivity probe."""
+import numpy as np
 import pytest
 import timm
 import torch
@@ -144,8 +145,8 @@ FAMILY_MODELS = {
 }
 
 
-@pytest.mark.parametrize('family,name', [('deit', 'inline'), ('pvt', 'softmax'), ('swin', 'multimax'),
-                                         ('cswin', 'flatten'), ('deit', 'additive'), ('swin', 'sima')])
+@pytest.mark.parametrize('family', FAMILY_MODELS)
+@pytest.mark.parametrize('name', list_attentions())
 def test_recording_changes_nothing(family, name):
     torch.manual_seed(0)
     model = timm.create_model(f'{name}_{family}_tiny', **FAMILY_MODELS[family]).eval()
@@ -165,6 +166,19 @@ def test_recording_changes_nothing(family, name):
     for module_name, module in model.named_modules():
         assert vars(module).keys() == attributes[module_name].keys()
         assert not module._forward_pre_hooks and not module._forward_hooks
+
+
+@pytest.mark.parametrize('family', FAMILY_MODELS)
+def test_grad_cam_maps_every_family_to_the_image(family):
+    """The last attention layer's tokens reshape to its grid in every family (a wrong grid raises)."""
+    from models.analysis.plots import grad_cam
+
+    torch.manual_seed(0)
+    size = FAMILY_MODELS[family]['img_size']
+    model = timm.create_model(f'softmax_{family}_tiny', **FAMILY_MODELS[family]).eval()
+    cams = grad_cam(model, torch.randn(2, 3, size, size), targets=[1, 2])
+    assert cams.shape == (2, size, size)
+    assert np.isfinite(cams).all() and cams.min() >= 0 and cams.max() <= 1  # scaled per image to [0, 1]
 
 
 def test_bad_layers_and_queries_are_named():

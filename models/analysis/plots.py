@@ -110,28 +110,35 @@ def plot_heat_map(image: np.ndarray, values: np.ndarray, title: str, path: str) 
 
 def grad_cam(model: nn.Module, images: Tensor, targets: Optional[Sequence[int]] = None) -> np.ndarray:
     """(B, H, W) Grad-CAM of `images` (B, 3, H, W) for the classes `targets` (default: the predicted ones), on
-    the input of the last attention layer's block (its first norm), with the tokens reshaped to the grid."""
+    the input of the last attention layer (its block's `norm1`), grid tokens reshaped to the layer's grid.
+
+    The input, not the output: a class-token model reads its last block's patch tokens only through that
+    attention, so the gradient at its output is zero on the patches."""
     from pytorch_grad_cam import GradCAM
     from pytorch_grad_cam.utils.model_targets import ClassifierOutputTarget
 
-    name = list(attention_layers(model))[-1]
-    block = model.get_submodule(name.rsplit('.', 1)[0])  # called as block(x, size), like the attention
+    name, layer = list(attention_layers(model).items())[-1]
+    norm = model.get_submodule(name.rsplit('.', 1)[0]).norm1
     size: Dict[str, Tuple[int, int]] = {}
 
     def keep_size(module: nn.Module, args: Tuple, kwargs: Mapping) -> None:
         size['grid'] = tuple(args[1] if len(args) > 1 else kwargs['size'])
 
+    # the grid is known once the layer has run, after `norm1`'s output is reshaped: one forward pass finds it
+    handle = layer.register_forward_pre_hook(keep_size, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            model(images[:1])
+    finally:
+        handle.remove()
+
     def reshape(tokens: Tensor) -> Tensor:
         H, W = size['grid']
         return tokens[:, tokens.shape[1] - H * W:].reshape(tokens.shape[0], H, W, -1).permute(0, 3, 1, 2)
 
-    handle = block.register_forward_pre_hook(keep_size, with_kwargs=True)
-    try:
-        with GradCAM(model=model, target_layers=[block.norm1], reshape_transform=reshape) as cam:
-            wanted = None if targets is None else [ClassifierOutputTarget(t) for t in targets]
-            return cam(input_tensor=images, targets=wanted)
-    finally:
-        handle.remove()
+    with GradCAM(model=model, target_layers=[norm], reshape_transform=reshape) as cam:
+        wanted = None if targets is None else [ClassifierOutputTarget(t) for t in targets]
+        return cam(input_tensor=images, targets=wanted)
 
 
 def plot_token_norms(image: np.ndarray, layer: LayerAttention, path: str, image_index: int = 0) -> None:
