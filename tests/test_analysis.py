@@ -91,8 +91,10 @@ def test_rows_sum_as_the_math_says(name, grouping):
     sums = weights.sum(dim=-1)
     if name in ('softmax', 'multimax', 'inline', 'additive'):  # probabilities, InLine's rows by construction
         assert max_abs_err(sums, torch.ones_like(sums)) < 1e-12
-    elif name in ('linear', 'flatten'):  # a kernel over its sum plus a small epsilon
-        assert (weights >= 0).all() and (sums <= 1).all() and (sums > 0.5).mean(dtype=torch.float64) > 0.5
+    elif name == 'linear':  # the kernel over its sum plus 1e-6
+        assert ((sums <= 1) & (sums > 1 - 1e-5)).all()
+    elif name == 'flatten':  # the kernel over its sum plus N·1e-6, which dominates for queries of tiny features
+        assert (sums <= 1).all()
     if name in ('softmax', 'multimax', 'linear', 'flatten', 'additive'):
         assert (weights >= 0).all()
     if grouping in ('window', 'stripes') and name != 'additive':  # zero outside the query's group
