@@ -157,14 +157,14 @@ def test_multimax_row_blocks_export_with_dynamic_batch(monkeypatch, grad_enabled
     # blocks of half the query rows: the row-block path that large inputs take, here on a tiny model (with
     # gradients enabled, the autograd function around it)
     model = tiny_model('multimax_deit_tiny', depth=1)
-    n, heads = model.patch_embed.num_patches + 1, model.blocks[0].attn.num_heads
+    n, heads = model.patch_embed.num_patches + model.num_prefix_tokens, model.blocks[0].attn.num_heads
     rows = (n + 1) // 2
     monkeypatch.setattr(multimax, '_ROW_BLOCK_BYTES', rows * heads * n * 4)
     monkeypatch.setattr(multimax, '_PLAIN_TRAINING_BYTES', 0)
     rows_taken = []
     row_blocks = multimax._row_blocks_forward
     monkeypatch.setattr(multimax, '_row_blocks_forward',
-                        lambda *args, **kwargs: rows_taken.append(args[7]) or row_blocks(*args, **kwargs))
+                        lambda *args, **kwargs: rows_taken.append(args[8]) or row_blocks(*args, **kwargs))
     with torch.set_grad_enabled(grad_enabled):
         program = export_dynamic_batch(model, images(model, 2))
     assert rows_taken and set(rows_taken) == {rows}

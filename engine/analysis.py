@@ -1,0 +1,65 @@
+"""Models and images for the attention-analysis scripts: a checkpoint (ours, with its stored config) or a
+registered model name, the evaluation preprocessing of its config, and images from a file or an image folder."""
+import os
+from typing import List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+from PIL import Image
+from torch import Tensor, nn
+from yacs.config import CfgNode as CN
+
+from .build import create_model, read_weights
+from .data import eval_transform
+from .errors import UsageError
+from .evaluation import eval_config
+
+__all__ = ['IMAGE_EXTENSIONS', 'load_analysis_model', 'find_images', 'load_images']
+
+IMAGE_EXTENSIONS = ('.png', '.jpg', '.jpeg', '.bmp', '.webp', '.tif', '.tiff')
+
+
+def load_analysis_model(model_name: Optional[str], checkpoint: Optional[str], opts: Sequence[str] = (),
+                        ema: bool = False) -> Tuple[nn.Module, CN]:
+    """The model in eval mode and its config: `model_name` with its pretrained config, else the config stored in
+    our `checkpoint`; the checkpoint's weights when given (random weights otherwise). `opts` override the config."""
+    if checkpoint and not os.path.isfile(checkpoint):
+        raise UsageError(f"checkpoint {checkpoint!r} not found")
+    cfg = eval_config(None, model_name, None if model_name else checkpoint, opts)
+    model = create_model(cfg)
+    if checkpoint:
+        # our own checkpoints hold the model's own keys; loading them directly also serves models whose name
+        # has released weights of another attention
+        model.load_state_dict(read_weights(checkpoint, ema=ema))
+    return model.eval(), cfg
+
+
+def find_images(path: str, limit: Optional[int] = None) -> List[str]:
+    """`path` itself, or the image files under the folder `path` in sorted order (the first `limit`)."""
+    if os.path.isfile(path):
+        return [path]
+    if not os.path.isdir(path):
+        raise UsageError(f"image {path!r} not found; expected an image file or an image folder")
+    files = sorted(os.path.join(root, name) for root, _, names in os.walk(path) for name in names
+                   if name.lower().endswith(IMAGE_EXTENSIONS))
+    if not files:
+        raise UsageError(f"no image files ({', '.join(IMAGE_EXTENSIONS)}) under {path!r}")
+    return files[:limit]
+
+
+def load_images(files: Sequence[str], cfg: CN) -> Tuple[Tensor, List[np.ndarray]]:
+    """The (B, 3, S, S) model inputs of `files` with the config's evaluation preprocessing, and each image as
+    the model sees it before normalisation ((S, S, 3) floats in [0, 1]) for drawing."""
+    transform = eval_transform(cfg)
+    mean = torch.tensor(cfg.DATA.MEAN).view(3, 1, 1)
+    std = torch.tensor(cfg.DATA.STD).view(3, 1, 1)
+    inputs, shown = [], []
+    for file in files:
+        try:
+            image = Image.open(file).convert('RGB')
+        except OSError as e:
+            raise UsageError(f"cannot read image {file!r}: {e}") from None
+        x = transform(image)
+        inputs.append(x)
+        shown.append((x * std + mean).clamp(0, 1).permute(1, 2, 0).numpy())
+    return torch.stack(inputs), shown

@@ -1,0 +1,297 @@
+"""Record the attention weights of any model of the zoo: `with record_attention(model) as rec: model(x)`.
+
+Temporary forward pre-hooks on the chosen attention layers (the groupings) and their mixers keep references to the
+grouped q, k, v and context of the last forward; they are removed on exit, so the model carries no state and its
+outputs do not change. Nothing is formed during the forward pass: `rec[layer]` forms the layer's weights with
+`matrices.mixer_weights`, only for the requested query rows, and maps windows, shifted windows and stripes back to
+the token order of the layer's input, so that a query's row can be drawn on the image.
+"""
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..attention.grouping import (
+    CrossShapedAttention, GroupedAttention, SpatialReductionAttention, StripeBranch,
+)
+from ..attention.layout import Grid, image_to_tokens, padded_grid, split_heads, tokens_to_image, window_partition
+from ..attention.mixer import MixContext, Mixer
+from .matrices import mixer_weights
+
+__all__ = ['LayerAttention', 'AttentionRecord', 'record_attention', 'attention_layers', 'Query']
+
+# A query: a token index of the layer's input (0 is a class token), or a point (y, x) of the image as fractions
+# of its height and width in [0, 1), resolved to the grid token that covers it in every layer.
+Query = Union[int, Tuple[float, float]]
+
+
+@dataclass
+class LayerAttention:
+    """The attention of one layer for a batch of B images, in the token order of the layer's input.
+
+    name: the layer's module name; attention: the registered attention name.
+    grid: (H, W) grid of the N - num_prefix_tokens query tokens; key_grid: (h, w) grid of the key tokens
+        (smaller than `grid` under spatial reduction).
+    queries: (R,) token index of each row of `weights`; None for additive attention, whose rows are pools.
+    weights: (B, heads, R, M) rows over the M key tokens, zero outside a query's window or stripe; for additive
+        attention the G query-pooling then the G key-pooling distributions of its G groups (R = 2G).
+    query_vectors: (B, heads, R, d) the query of each row (None for pools).
+    values: (B, heads, M, d), so that `weights @ values` is each row's global term.
+    local: (B, N, C) the local term added to the global one (InLine's residual, FLatten's depthwise
+        convolution, CSwin's LePE), or None.
+    extras: per-token maps (B, heads, N) (SimA's 'q_norm' and 'k_norm').
+    """
+    name: str
+    attention: str
+    grid: Grid
+    key_grid: Grid
+    num_prefix_tokens: int
+    queries: Optional[Tensor]
+    weights: Tensor
+    query_vectors: Optional[Tensor]
+    values: Tensor
+    local: Optional[Tensor] = None
+    extras: Dict[str, Tensor] = field(default_factory=dict)
+
+    @property
+    def is_pooling(self) -> bool:
+        return self.queries is None
+
+
+def attention_layers(model: nn.Module) -> Dict[str, GroupedAttention]:
+    """Every attention layer (grouping module) of `model` by module name, in forward order."""
+    return {name: module for name, module in model.named_modules() if isinstance(module, GroupedAttention)}
+
+
+def _select_layers(model: nn.Module, layers: Optional[Sequence[Union[str, int]]]) -> Dict[str, GroupedAttention]:
+    found = attention_layers(model)
+    if not found:
+        raise ValueError(f"{type(model).__name__} has no attention layer of this zoo")
+    names = list(found)
+    chosen: Dict[str, GroupedAttention] = {} if layers is not None else found
+    for layer in layers or ():
+        if isinstance(layer, int) and -len(names) <= layer < len(names):
+            layer = names[layer]
+        if layer not in found:
+            raise ValueError(f"unknown layer {layer!r}; expected an index below {len(names)} or one of "
+                             f"{', '.join(names)}")
+        chosen[layer] = found[layer]
+    for name, layer in chosen.items():
+        if any(getattr(module, 'causal', False) for module in layer.modules()):
+            raise ValueError(f"layer {name!r} is causal; recording forms the non-causal matrices only, expected a "
+                             f"model built without causal=True")
+    return chosen
+
+
+@dataclass
+class _Call:
+    """One mixer call: its branch (CSwin's stripe direction, else 0) and its grouped inputs."""
+    branch: int
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    ctx: MixContext
+
+
+@dataclass
+class _Capture:
+    batch: int = 0
+    tokens: int = 0
+    size: Grid = (0, 0)
+    calls: List[_Call] = field(default_factory=list)
+
+
+def _mixers(layer: GroupedAttention) -> List[Tuple[int, Mixer, Optional[StripeBranch]]]:
+    if isinstance(layer, CrossShapedAttention):
+        return [(i, branch.mixer, branch) for i, branch in enumerate(layer.attns)]
+    return [(0, layer.mixer, None)]
+
+
+def _origin(layer: GroupedAttention, branch: Optional[StripeBranch], size: Grid, num_tokens: int) -> Tensor:
+    """(G, n) token index, in the layer's input, of every position of the G groups of one image."""
+    index = torch.arange(num_tokens).view(1, num_tokens, 1)
+    window = branch.window if branch is not None else getattr(layer, 'window', None)
+    if window is None:
+        return index.squeeze(-1)
+    if padded_grid(size, window) != size:
+        raise ValueError(f"the {size[0]}x{size[1]} grid is padded to whole {window[0]}x{window[1]} windows; recording "
+                         f"maps unpadded grids only, expected a grid that divides into the windows")
+    if branch is not None:
+        return window_partition(index, size, window).squeeze(-1)
+    return layer._group(index, size, size).squeeze(-1)
+
+
+def _resolve_queries(queries: Sequence[Query], num_prefix: int, grid: Grid, num_tokens: int) -> Tensor:
+    resolved = []
+    for query in queries:
+        if isinstance(query, int):
+            if not 0 <= query < num_tokens:
+                raise ValueError(f"query token {query} is outside the {num_tokens} tokens of the layer")
+            resolved.append(query)
+        else:
+            y, x = query
+            if not (0 <= y < 1 and 0 <= x < 1):
+                raise ValueError(f"query point {query} is outside the image; expected fractions in [0, 1)")
+            resolved.append(num_prefix + int(y * grid[0]) * grid[1] + int(x * grid[1]))
+    return torch.tensor(resolved, dtype=torch.long)
+
+
+class AttentionRecord:
+    """What `record_attention` yields: `rec[name]` (or `rec[i]`) forms a layer's `LayerAttention` from the
+    last forward; iterating gives the recorded layer names."""
+
+    def __init__(self, layers: Dict[str, GroupedAttention], queries: Optional[Sequence[Query]]):
+        self.layers = layers
+        self.queries = queries
+        self._captures: Dict[str, _Capture] = {name: _Capture() for name in layers}
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.layers)
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def __getitem__(self, layer: Union[str, int]) -> LayerAttention:
+        name = list(self.layers)[layer] if isinstance(layer, int) else layer
+        if name not in self.layers:
+            raise KeyError(f"layer {name!r} was not recorded; recorded: {', '.join(self.layers)}")
+        capture = self._captures[name]
+        if not capture.calls:
+            raise RuntimeError(f"layer {name!r} has not run since recording began")
+        return self._form(name, self.layers[name], capture)
+
+    def _hooks(self, name: str, layer: GroupedAttention) -> List[Any]:
+        capture = self._captures[name]
+
+        def on_layer(module: nn.Module, args: Tuple, kwargs: Dict[str, Any]) -> None:
+            x = args[0]
+            capture.batch, capture.tokens = x.shape[:2]
+            capture.size = tuple(args[1] if len(args) > 1 else kwargs['size'])
+            capture.calls = []
+
+        def on_mixer(branch: int):
+            def hook(module: nn.Module, args: Tuple) -> None:
+                q, k, v, ctx = (t.detach() if isinstance(t, Tensor) else t for t in args)
+                capture.calls.append(_Call(branch, q, k, v, ctx))
+            return hook
+
+        handles = [layer.register_forward_pre_hook(on_layer, with_kwargs=True)]
+        handles += [mixer.register_forward_pre_hook(on_mixer(i)) for i, mixer, _ in _mixers(layer)]
+        return handles
+
+    def _form(self, name: str, layer: GroupedAttention, capture: _Capture) -> LayerAttention:
+        B, N, size = capture.batch, capture.tokens, capture.size
+        num_prefix = N - size[0] * size[1]
+        mixers = _mixers(layer)
+        attention = mixers[0][1].attention_name
+        pooling = attention == 'additive'
+        key_grid = size
+        if isinstance(layer, SpatialReductionAttention) and layer.sr_ratio > 1:
+            key_grid = (size[0] // layer.sr_ratio, size[1] // layer.sr_ratio)
+        M = num_prefix + key_grid[0] * key_grid[1]
+        device = capture.calls[0].q.device
+        work = torch.promote_types(capture.calls[0].q.dtype, torch.float32)
+        queries = None
+        if not pooling:
+            queries = torch.arange(N) if self.queries is None else _resolve_queries(self.queries, num_prefix, size, N)
+            queries = queries.to(device)
+        C, heads = layer.dim, layer.num_heads
+        q_full = torch.zeros(B, N, C, dtype=work, device=device)
+        v_full = torch.zeros(B, M, C, dtype=work, device=device)
+        local: Optional[Tensor] = None
+        extras: Dict[str, Tensor] = {}
+        parts: List[Tuple[int, Tensor]] = []  # (first head, rows) per call
+        for call in capture.calls:
+            _, mixer, branch = mixers[call.branch]
+            origin = _origin(layer, branch, size, N).to(device)
+            reduced = call.k.shape[1] != call.q.shape[1]
+            key_origin = torch.arange(call.k.shape[1], device=device)[None] if reduced else origin
+            G, n = origin.shape
+            h = mixer.num_heads
+            channels = slice(call.branch * mixer.dim, (call.branch + 1) * mixer.dim)
+            q_full[:, :, channels] = _ungroup(call.q.to(work), origin, B, N)
+            v_full[:, :, channels] = _ungroup(call.v.to(work), key_origin, B, M)
+            whole = self.queries is None or pooling
+            # all rows at once, or none: the local term and extras of every group without a row of weights
+            result = mixer_weights(mixer, call.q, call.k, call.v, call.ctx,
+                                   None if whole else torch.zeros(0, dtype=torch.long, device=device))
+            if pooling:
+                pools = result.pools.view(B, G, h, 2, n)
+                rows = torch.zeros(B, h, 2 * G, N, dtype=work, device=device)
+                for g in range(G):
+                    rows[:, :, g, origin[g]] = pools[:, g, :, 0]
+                    rows[:, :, G + g, origin[g]] = pools[:, g, :, 1]
+            else:
+                rows = torch.zeros(B, h, len(queries), M, dtype=work, device=device)
+                for g in range(G):
+                    keys = key_origin[g].unsqueeze(0)
+                    if whole:
+                        rows[:, :, origin[g].unsqueeze(1), keys] = result.weights.view(B, G, h, n, -1)[:, g]
+                        continue
+                    hit = (queries.unsqueeze(1) == origin[g].unsqueeze(0)).nonzero()
+                    if len(hit):
+                        picked = torch.arange(g, B * G, G, device=device)
+                        weights = mixer_weights(mixer, call.q[picked], call.k[picked], call.v[picked],
+                                                _group_context(call.ctx, picked, g), hit[:, 1]).weights
+                        rows[:, :, hit[:, 0].unsqueeze(1), keys] = weights
+            parts.append((call.branch * h, rows))
+            call_local = _with_lepe(result.local, branch, call)
+            if call_local is not None:
+                local = torch.zeros(B, N, C, dtype=work, device=device) if local is None else local
+                local[:, :, channels] += _ungroup(call_local.to(work), origin, B, N)
+            for key, value in result.extras.items():
+                extras.setdefault(key, torch.zeros(B, heads, N, dtype=work, device=device))
+                extras[key][:, call.branch * h:(call.branch + 1) * h] = _ungroup(
+                    value.transpose(1, 2), origin, B, N).transpose(1, 2)
+        weights = torch.cat([rows for _, rows in sorted(parts, key=lambda part: part[0])], dim=1)
+        query_vectors = None if pooling else split_heads(q_full, heads)[:, :, queries]
+        return LayerAttention(name, attention, size, key_grid, num_prefix, queries, weights, query_vectors,
+                              split_heads(v_full, heads), local, extras)
+
+
+def _ungroup(x: Tensor, origin: Tensor, batch: int, num_tokens: int) -> Tensor:
+    """(B·G, n, C) grouped tokens -> (B, num_tokens, C) in the order `origin` (G, n) gives."""
+    G, n = origin.shape
+    out = x.new_zeros(batch, num_tokens, x.shape[-1])
+    out[:, origin.reshape(-1)] = x.reshape(batch, G * n, -1)
+    return out
+
+
+def _group_context(ctx: MixContext, picked: Tensor, group: int) -> MixContext:
+    """The context of group `group` of every image (the groups `picked` of the call)."""
+    mask = None if ctx.mask is None else ctx.mask[group % ctx.mask.shape[0]].unsqueeze(0)
+    tokens = None if ctx.tokens is None else ctx.tokens[picked]
+    return ctx._replace(mask=mask, tokens=tokens)
+
+
+def _with_lepe(local: Optional[Tensor], branch: Optional[StripeBranch], call: _Call) -> Optional[Tensor]:
+    """The mixer's local term plus CSwin's LePE (the branch's depthwise `get_v` of V in each stripe), (B', n, C')."""
+    if branch is None:
+        return local
+    conv = branch.get_v
+    v = call.v.to(torch.promote_types(call.v.dtype, torch.float32))
+    lepe = image_to_tokens(F.conv2d(tokens_to_image(v, call.ctx.grid), conv.weight.to(v.dtype), conv.bias.to(v.dtype),
+                                    padding=conv.padding, groups=conv.groups))
+    return lepe if local is None else local + lepe
+
+
+@contextlib.contextmanager
+def record_attention(model: nn.Module, layers: Optional[Sequence[Union[str, int]]] = None,
+                     queries: Optional[Sequence[Query]] = None) -> Iterator[AttentionRecord]:
+    """Record the attention of `layers` (module names or indices into `attention_layers(model)`; None: all) for
+    `queries` (token indices or image points; None: every token) while the block runs.
+
+        with record_attention(model, layers=[-1], queries=[0]) as rec:
+            model(images)
+        row = rec[-1].weights  # (B, heads, 1, M): the class token's attention in the last layer
+    """
+    record = AttentionRecord(_select_layers(model, layers), queries)
+    handles = [handle for name, layer in record.layers.items() for handle in record._hooks(name, layer)]
+    try:
+        yield record
+    finally:
+        for handle in handles:
+            handle.remove()

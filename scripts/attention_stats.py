@@ -1,0 +1,129 @@
+"""Attention statistics of several models on the same images: a CSV per layer and head, a Markdown table and a
+per-layer plot, one line per model.
+
+    python scripts/attention_stats.py --checkpoints softmax=output/softmax/best.pth inline=output/inline/best.pth \
+        --data ~/.cache/swappable-attention-zoo/digits/val --max-images 360 --out docs/attention_stats
+
+`--models NAME ...` adds registered models with random weights (`--opts` overrides their config). Every model
+records every token's row in every layer (`models.analysis.stats` defines the statistics). Writes OUT.csv,
+OUT.md and OUT.png.
+"""
+import argparse
+import csv
+import os
+import shlex
+import sys
+from typing import Dict, List, Sequence, Tuple
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import models  # noqa: E402,F401  (registers the families)
+from engine.analysis import find_images, load_analysis_model, load_images  # noqa: E402
+from engine.errors import UsageError, run_cli  # noqa: E402
+from models.analysis import record_attention  # noqa: E402
+from models.analysis.plots import plot_layer_curves  # noqa: E402
+from models.analysis.stats import STATISTICS, AttentionStatistics  # noqa: E402
+
+# The per-layer plot's panels.
+PLOTTED = ('effective_tokens', 'top5_mass', 'gini', 'negative', 'distance_px', 'collisions')
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog='attention_stats.py', description=__doc__.split('\n\n')[0])
+    parser.add_argument('--checkpoints', nargs='+', default=[], metavar='[LABEL=]PATH',
+                        help='our checkpoints; the label defaults to the attention of the stored config')
+    parser.add_argument('--models', nargs='+', default=[], metavar='NAME', help='registered models, random weights')
+    parser.add_argument('--ema', action='store_true', help="the checkpoints' EMA weights")
+    parser.add_argument('--data', required=True, help='an image file or a folder of images (searched recursively)')
+    parser.add_argument('--max-images', type=int, default=256, help='images taken from the folder (default 256)')
+    parser.add_argument('--batch-size', type=int, default=32, help='images per forward pass (default 32)')
+    parser.add_argument('--out', required=True, help='output path without extension: OUT.csv, OUT.md, OUT.png')
+    parser.add_argument('--debug', action='store_true', help='show tracebacks instead of one-line errors')
+    parser.add_argument('--opts', nargs=argparse.REMAINDER, default=[], metavar='KEY VALUE',
+                        help='config overrides for every model, e.g. --opts DATA.IMG_SIZE 32')
+    args = parser.parse_args(argv)
+    if not args.checkpoints and not args.models:
+        parser.error('expected --checkpoints or --models')
+    if args.max_images < 1 or args.batch_size < 1:
+        parser.error('--max-images and --batch-size must be positive')
+    return args
+
+
+def sources(args: argparse.Namespace) -> List[Tuple[str, str, str]]:
+    """(label, model name or '', checkpoint or '') of every model to measure."""
+    found = []
+    for item in args.checkpoints:
+        label, _, path = item.rpartition('=')
+        found.append((label, '', path))
+    found += [(name, name, '') for name in args.models]
+    return found
+
+
+def measure(model: torch.nn.Module, inputs: torch.Tensor, batch_size: int, label: str) -> List[Dict[str, object]]:
+    image_size = tuple(inputs.shape[-2:])
+    summary = AttentionStatistics(image_size)
+    with torch.no_grad():
+        for start in tqdm(range(0, len(inputs), batch_size), desc=label, unit='batch'):
+            with record_attention(model) as rec:
+                model(inputs[start:start + batch_size])
+            for name in rec:
+                summary.add(rec[name])
+    return summary.rows(label)
+
+
+def markdown_table(rows: Sequence[Dict[str, object]]) -> List[str]:
+    """Per model and layer, every statistic averaged over the heads; then per model over all layers."""
+    header = ['model', 'layer'] + list(STATISTICS)
+    lines = ['| ' + ' | '.join(header) + ' |', '|' + '---|' * len(header)]
+    groups: Dict[Tuple[str, str], List[Dict[str, object]]] = {}
+    for row in rows:
+        groups.setdefault((str(row['model']), str(row['layer'])), []).append(row)
+    by_model: Dict[str, List[Dict[str, object]]] = {}
+    for (model, layer), group in groups.items():
+        by_model.setdefault(model, []).extend(group)
+        lines.append(_line(model, layer, group))
+    for model, group in by_model.items():
+        lines.append(_line(f'**{model}**', 'all', group))
+    return lines
+
+
+def _line(model: str, layer: str, group: Sequence[Dict[str, object]]) -> str:
+    values = []
+    for key in STATISTICS:
+        column = np.array([float(row[key]) for row in group])
+        values.append('–' if np.isnan(column).all() else f'{np.nanmean(column):.3g}')
+    return '| ' + ' | '.join([model, layer] + values) + ' |'
+
+
+def main(argv: Sequence[str]) -> int:
+    args = parse_args(argv)
+    files = find_images(args.data, args.max_images)
+    rows: List[Dict[str, object]] = []
+    for label, name, checkpoint in sources(args):
+        model, cfg = load_analysis_model(name or None, checkpoint or None, args.opts, args.ema)
+        label = label or str(cfg.MODEL.KWARGS.get('attn_type', cfg.MODEL.NAME))
+        if any(row['model'] == label for row in rows):
+            raise UsageError(f"two models are labelled {label!r}; give them labels as LABEL=PATH")
+        inputs, _ = load_images(files, cfg)
+        rows += measure(model, inputs, args.batch_size, label)
+    folder = os.path.dirname(args.out)
+    if folder:
+        os.makedirs(folder, exist_ok=True)
+    with open(args.out + '.csv', 'w', newline='') as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    command = 'python scripts/attention_stats.py ' + ' '.join(shlex.quote(a) for a in argv)
+    with open(args.out + '.md', 'w') as f:
+        f.write(f"Attention statistics on {len(files)} images, means over the heads (and the layers in the bold "
+                f"rows).\n\n    {command}\n\n" + '\n'.join(markdown_table(rows)) + '\n')
+    plot_layer_curves(rows, PLOTTED, args.out + '.png')
+    print(f"wrote {args.out}.csv, {args.out}.md and {args.out}.png ({len(rows)} layer-head rows)")
+    return 0
+
+
+if __name__ == '__main__':
+    sys.exit(run_cli(main))

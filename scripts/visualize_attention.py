@@ -1,0 +1,139 @@
+"""Draw the attention of a model over images: a query's map per head for chosen layers, attention rollout (class-
+token models), Grad-CAM, SimA's token norms, MultiMax's σ per layer and the simplex figure.
+
+    python scripts/visualize_attention.py --checkpoint output/digits/best.pth --image digits/val --max-images 2 \
+        --layers 0 -1 --queries 16,16 cls --gradcam --simplex --out figures
+
+`--model NAME` alone draws a registered model with random weights (its preprocessing from its pretrained
+config; `--opts` overrides, e.g. MODEL.KWARGS.depth 2). Query points are pixel coordinates `Y,X` of the model
+input (after resizing and cropping), or `cls` for the class token. Writes PNG files into `--out`.
+"""
+import argparse
+import os
+import re
+import sys
+from typing import List, Sequence, Union
+
+import torch
+from tqdm import tqdm
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import models  # noqa: E402,F401  (registers the families)
+from engine.analysis import find_images, load_analysis_model, load_images  # noqa: E402
+from engine.errors import UsageError, run_cli  # noqa: E402
+from models.analysis import Query, attention_layers, record_attention  # noqa: E402
+from models.analysis.plots import (  # noqa: E402
+    attention_rollout, grad_cam, plot_heat_map, plot_multimax_sigma, plot_query_maps, plot_simplex,
+    plot_token_norms,
+)
+from models.attention.multimax import MultiMaxMixer  # noqa: E402
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog='visualize_attention.py', description=__doc__.split('\n\n')[0])
+    parser.add_argument('--model', help='registered model name (random weights without --checkpoint)')
+    parser.add_argument('--checkpoint', help='our checkpoint (its stored config builds the model)')
+    parser.add_argument('--ema', action='store_true', help="the checkpoint's EMA weights")
+    parser.add_argument('--image', required=True, help='an image file or a folder of images (searched recursively)')
+    parser.add_argument('--max-images', type=int, default=4, help='images taken from a folder (default 4)')
+    parser.add_argument('--layers', nargs='+', default=['0', '-1'],
+                        help='attention layers: module names or indices (default: first and last)')
+    parser.add_argument('--queries', nargs='+', default=None,
+                        help="query points Y,X in pixels of the model input, or 'cls' (default: the centre)")
+    parser.add_argument('--gradcam', action='store_true', help='also draw Grad-CAM of the predicted class')
+    parser.add_argument('--simplex', action='store_true', help='also draw the simplex figure')
+    parser.add_argument('--out', required=True, help='output folder of the PNG files')
+    parser.add_argument('--debug', action='store_true', help='show tracebacks instead of one-line errors')
+    parser.add_argument('--opts', nargs=argparse.REMAINDER, default=[], metavar='KEY VALUE',
+                        help='config overrides, e.g. --opts MODEL.KWARGS.depth 2')
+    args = parser.parse_args(argv)
+    if not args.model and not args.checkpoint:
+        parser.error('expected --model NAME or --checkpoint PATH')
+    return args
+
+
+def parse_layers(layers: Sequence[str]) -> List[Union[str, int]]:
+    return [int(layer) if re.fullmatch(r'-?\d+', layer) else layer for layer in layers]
+
+
+def parse_queries(queries: Sequence[str], size: int, has_class_token: bool) -> List[Query]:
+    """Token 0 for 'cls', else the point Y,X as fractions of the `size` x `size` input."""
+    parsed: List[Query] = []
+    for query in queries:
+        if query == 'cls':
+            if not has_class_token:
+                raise UsageError("query 'cls': the model has no class token")
+            parsed.append(0)
+            continue
+        match = re.fullmatch(r'(\d+),(\d+)', query)
+        if not match:
+            raise UsageError(f"query {query!r}: expected Y,X pixel coordinates or 'cls'")
+        y, x = int(match.group(1)), int(match.group(2))
+        if not (y < size and x < size):
+            raise UsageError(f"query {query!r} is outside the {size}x{size} image")
+        parsed.append((y / size, x / size))
+    return parsed
+
+
+def slug(text: str) -> str:
+    return re.sub(r'[^A-Za-z0-9_-]+', '-', text).strip('-') or 'model'
+
+
+def main(argv: Sequence[str]) -> int:
+    args = parse_args(argv)
+    model, cfg = load_analysis_model(args.model, args.checkpoint, args.opts, args.ema)
+    size = cfg.DATA.IMG_SIZE
+    files = find_images(args.image, args.max_images)
+    inputs, shown = load_images(files, cfg)
+    has_class_token = getattr(model, 'num_prefix_tokens', 0) > 0
+    queries = parse_queries(args.queries or [f'{size // 2},{size // 2}'], size, has_class_token)
+    labels = ['cls' if q == 0 else f'y{round(q[0] * size)}x{round(q[1] * size)}' for q in queries]
+    os.makedirs(args.out, exist_ok=True)
+    written: List[str] = []
+
+    def save(name: str) -> str:
+        path = os.path.join(args.out, name)
+        written.append(path)
+        return path
+
+    try:
+        with torch.no_grad(), record_attention(model, parse_layers(args.layers), queries) as rec:
+            logits = model(inputs)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    for index, file in enumerate(tqdm(files, desc='images', disable=len(files) < 2)):
+        stem = slug(os.path.splitext(os.path.basename(file))[0])
+        for name in rec:
+            layer = rec[name]
+            rows = range(layer.weights.shape[2]) if layer.is_pooling else range(len(queries))
+            for row in rows:
+                label = f'pool{row}' if layer.is_pooling else labels[row]
+                plot_query_maps(shown[index], layer, row, save(f'{stem}_{slug(name)}_{label}.png'), index)
+            if 'q_norm' in layer.extras:
+                plot_token_norms(shown[index], layer, save(f'{stem}_{slug(name)}_norms.png'), index)
+    if has_class_token and all(layer.mixer.attention_name != 'additive' for layer in attention_layers(model).values()):
+        with torch.no_grad(), record_attention(model) as full:
+            model(inputs)
+        rollout = attention_rollout([full[name] for name in full])
+        for index, file in enumerate(files):
+            stem = slug(os.path.splitext(os.path.basename(file))[0])
+            plot_heat_map(shown[index], rollout[index].numpy(), 'attention rollout (class token)',
+                          save(f'{stem}_rollout.png'))
+    if args.gradcam:
+        cams = grad_cam(model, inputs)
+        predicted = logits.argmax(dim=-1).tolist()
+        for index, file in enumerate(files):
+            stem = slug(os.path.splitext(os.path.basename(file))[0])
+            plot_heat_map(shown[index], cams[index], f'Grad-CAM, class {predicted[index]}', save(f'{stem}_gradcam.png'))
+    multimax = [m for m in model.modules() if isinstance(m, MultiMaxMixer)]
+    if multimax:
+        plot_multimax_sigma(model, save('multimax_sigma.png'))
+    if args.simplex:
+        first = multimax[0] if multimax else None
+        plot_simplex(save('simplex.png'), *((first.ranges.detach(), first.ts.detach()) if first else ()))
+    print(f"wrote {len(written)} figures to {args.out}")
+    return 0
+
+
+if __name__ == '__main__':
+    sys.exit(run_cli(main))

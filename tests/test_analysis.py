@@ -1,0 +1,260 @@
+"""Recording attention weights: the recorded rows reproduce every attention's global term in every grouping,
+rows sum as the math says, recording changes nothing, and the statistics' injectivity probe."""
+import numpy as np
+import pytest
+import timm
+import torch
+import torch.nn.functional as F
+
+import models  # noqa: F401  (registers the families)
+from models.analysis import attention_layers, record_attention
+from models.analysis.stats import AttentionStatistics, collision_share, row_statistics
+from models.attention import build_attention, get_mixer_class, list_attentions
+from models.attention.layout import merge_heads, split_heads
+
+from reference import max_abs_err, naive_softmax
+
+GRID = (4, 4)
+# (grouping, keywords, prefix tokens): every grouping with the features that change its token order
+GROUPINGS = {
+    'global': (dict(), 1),
+    'reduction': (dict(sr_ratio=2), 0),
+    'window': (dict(window_size=2, shift_size=1), 0),
+    'stripes': (dict(split_size=2), 0),
+}
+CASES = [(name, grouping) for name in list_attentions() for grouping in GROUPINGS]
+
+
+def build(name, grouping, seed=0):
+    kwargs, prefix = GROUPINGS[grouping]
+    if grouping == 'reduction' and not get_mixer_class(name).reduces_keys:
+        kwargs = dict(sr_ratio=1)
+    torch.manual_seed(seed)
+    attn = build_attention(name, 16, 4, GRID, grouping=grouping, **kwargs).double().eval()
+    with torch.no_grad():  # non-zero parameters everywhere (MultiMax's σ, FLatten's encoding, biases)
+        for p in attn.parameters():
+            p.add_(torch.randn_like(p) * 0.2)
+    x = torch.randn(2, prefix + GRID[0] * GRID[1], 16, dtype=torch.float64)
+    return attn, x
+
+
+def additive_output(attn, layer, x):
+    """The additive attention's output rebuilt from the recorded pooling distributions (per group and head)."""
+    if hasattr(attn, 'q'):
+        q, (k, v) = attn.q(x), attn.kv(x).chunk(2, dim=-1)
+    else:
+        q, k, v = attn.qkv(x).chunk(3, dim=-1)
+    branches = attn.attns if hasattr(attn, 'attns') else [attn]
+    outs = []
+    for i, branch in enumerate(branches):
+        mixer = branch.mixer
+        c, h = mixer.dim, mixer.num_heads
+        part = slice(i * c, (i + 1) * c)
+        qh, kh, vh = (split_heads(t[..., part], h) for t in (q, k, v))  # (B, h, N, d)
+        pools = layer.weights[:, i * h:(i + 1) * h]  # (B, h, 2G, N)
+        G = pools.shape[2] // 2
+        mixed = torch.zeros_like(vh)
+        for g in range(G):
+            alpha, beta = pools[:, :, g], pools[:, :, G + g]
+            members = alpha[0, 0] > 0
+            global_query = (alpha.unsqueeze(-1) * qh).sum(dim=2, keepdim=True)
+            global_key = (beta.unsqueeze(-1) * kh * global_query).sum(dim=2, keepdim=True)
+            mixed[:, :, members] = (global_key * vh)[:, :, members]
+        out = mixer.transform(merge_heads(mixed)) + q[..., part]
+        outs.append(out)
+    out = torch.cat(outs, dim=-1)
+    return out if layer.local is None else out + layer.local
+
+
+@pytest.mark.parametrize('name,grouping', CASES)
+def test_recorded_matrix_reproduces_the_global_term(name, grouping):
+    attn, x = build(name, grouping)
+    with record_attention(attn) as rec:
+        out = attn(x, GRID)
+    layer = rec[0]
+    assert layer.weights.dtype == torch.float64
+    if layer.is_pooling:
+        mixed = additive_output(attn, layer, x)
+    else:
+        mixed = merge_heads(layer.weights @ layer.values)
+        if layer.local is not None:
+            mixed = mixed + layer.local
+    assert max_abs_err(attn.proj(mixed), out) < 1e-10
+
+
+@pytest.mark.parametrize('name,grouping', CASES)
+def test_rows_sum_as_the_math_says(name, grouping):
+    attn, x = build(name, grouping)
+    with record_attention(attn) as rec:
+        attn(x, GRID)
+    weights = rec[0].weights
+    sums = weights.sum(dim=-1)
+    if name in ('softmax', 'multimax', 'inline', 'additive'):  # probabilities, InLine's rows by construction
+        assert max_abs_err(sums, torch.ones_like(sums)) < 1e-12
+    elif name == 'linear':  # the kernel over its sum plus 1e-6
+        assert ((sums <= 1) & (sums > 1 - 1e-5)).all()
+    elif name == 'flatten':  # the kernel over its sum plus N·1e-6, which dominates for queries of tiny features
+        assert (sums <= 1).all()
+    if name in ('softmax', 'multimax', 'linear', 'flatten', 'additive'):
+        assert (weights >= 0).all()
+    if grouping in ('window', 'stripes') and name != 'additive':  # zero outside the query's group
+        assert ((weights == 0).sum(dim=-1) >= GRID[0] * GRID[1] // 2).all()
+
+
+def test_softmax_rows_equal_the_float64_formula_in_shifted_windows():
+    attn, x = build('softmax', 'window')
+    with record_attention(attn) as rec:
+        attn(x, GRID)
+    layer = rec[0]
+    q, k, _ = (split_heads(t, 4) for t in attn.qkv(x).chunk(3, dim=-1))
+    # token (r, c) of the 4x4 grid is in the same shifted window as (r', c') when their rolled positions
+    # ((r - 1) % 4, (c - 1) % 4) share a 2x2 window and no roll boundary separates them (the mask's regions)
+    rolled = [((t // 4 - 1) % 4, (t % 4 - 1) % 4) for t in range(16)]
+    region = [((r >= 2) + (r >= 3), (c >= 2) + (c >= 3)) for r, c in rolled]
+    same = torch.tensor([[rolled[i][0] // 2 == rolled[j][0] // 2 and rolled[i][1] // 2 == rolled[j][1] // 2
+                          and region[i] == region[j] for j in range(16)] for i in range(16)])
+    bias = attn.relative_position_bias()  # (h, 4, 4) over the positions of one window
+    within = [rolled[t][0] % 2 * 2 + rolled[t][1] % 2 for t in range(16)]
+    scores = q @ k.transpose(-2, -1) / 2 + bias[:, within][:, :, within]
+    expected = naive_softmax(scores.masked_fill(~same, float('-inf')))
+    assert max_abs_err(layer.weights, expected) < 1e-12
+
+
+@pytest.mark.parametrize('name,grouping', [('softmax', 'window'), ('inline', 'global'), ('flatten', 'stripes'),
+                                           ('sima', 'reduction')])
+def test_requested_queries_are_rows_of_the_full_matrix(name, grouping):
+    attn, x = build(name, grouping)
+    with record_attention(attn) as full:
+        attn(x, GRID)
+    prefix = GROUPINGS[grouping][1]
+    with record_attention(attn, queries=[prefix + 5, (0.9, 0.1), prefix]) as some:
+        attn(x, GRID)
+    expected_tokens = [prefix + 5, prefix + 12, prefix]
+    layer = some[0]
+    assert layer.queries.tolist() == expected_tokens
+    assert max_abs_err(layer.weights, full[0].weights[:, :, expected_tokens]) < 1e-12
+    assert max_abs_err(layer.local, full[0].local) < 1e-12 if layer.local is not None else full[0].local is None
+
+
+FAMILY_MODELS = {
+    'deit': dict(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, num_classes=10),
+    'pvt': dict(img_size=64, embed_dims=[16, 32, 64, 128], num_heads=[1, 2, 4, 8], mlp_ratios=[2, 2, 2, 2],
+                depths=[1, 1, 1, 1], num_classes=10),
+    'swin': dict(img_size=32, embed_dim=16, depths=[2, 1, 2, 1], num_heads=[1, 2, 2, 4], num_classes=10,
+                 window_size=2),
+    'cswin': dict(img_size=32, embed_dim=16, depth=[1, 1, 2, 1], num_heads=[2, 2, 4, 4], split_size=[1, 2, 1, 1],
+                  num_classes=10),
+}
+
+
+@pytest.mark.parametrize('family', FAMILY_MODELS)
+@pytest.mark.parametrize('name', list_attentions())
+def test_recording_changes_nothing(family, name):
+    torch.manual_seed(0)
+    model = timm.create_model(f'{name}_{family}_tiny', **FAMILY_MODELS[family]).eval()
+    x = torch.randn(2, 3, FAMILY_MODELS[family]['img_size'], FAMILY_MODELS[family]['img_size'])
+    state = {key: value.clone() for key, value in model.state_dict().items()}
+    attributes = {name: dict(vars(module)) for name, module in model.named_modules()}
+    with torch.no_grad():
+        plain = model(x)
+        with record_attention(model) as rec:
+            recorded = model(x)
+        assert len(rec) == len(attention_layers(model))
+        for layer in rec:
+            assert torch.isfinite(rec[layer].weights).all()
+    assert torch.equal(plain, recorded)
+    assert state.keys() == model.state_dict().keys()
+    assert all(torch.equal(value, model.state_dict()[key]) for key, value in state.items())
+    for module_name, module in model.named_modules():
+        assert vars(module).keys() == attributes[module_name].keys()
+        assert not module._forward_pre_hooks and not module._forward_hooks
+
+
+@pytest.mark.parametrize('family', FAMILY_MODELS)
+def test_grad_cam_maps_every_family_to_the_image(family):
+    """The last attention layer's tokens reshape to its grid in every family (a wrong grid raises)."""
+    from models.analysis.plots import grad_cam
+
+    torch.manual_seed(0)
+    size = FAMILY_MODELS[family]['img_size']
+    model = timm.create_model(f'softmax_{family}_tiny', **FAMILY_MODELS[family]).eval()
+    cams = grad_cam(model, torch.randn(2, 3, size, size), targets=[1, 2])
+    assert cams.shape == (2, size, size)
+    assert np.isfinite(cams).all() and cams.min() >= 0 and cams.max() <= 1  # scaled per image to [0, 1]
+
+
+def test_bad_layers_and_queries_are_named():
+    attn, x = build('softmax', 'global')
+    with pytest.raises(ValueError, match="unknown layer 'blocks.9.attn'"):
+        with record_attention(attn, layers=['blocks.9.attn']):
+            pass
+    with pytest.raises(ValueError, match='outside the image'):
+        with record_attention(attn, queries=[(1.2, 0.5)]) as rec:
+            attn(x, GRID)
+        rec[0]
+
+
+def test_causal_layers_and_padded_windows_are_refused_in_one_line():
+    causal = build_attention('softmax', 16, 2, (4, 4), True, attn_kwargs=dict(causal=True))
+    with pytest.raises(ValueError, match=r"^layer '' is causal; recording forms the non-causal matrices only"):
+        with record_attention(causal):
+            pass
+    windows = build_attention('softmax', 16, 2, (4, 4), True, grouping='window', window_size=3).double()
+    x = torch.randn(1, 16, 16, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"^the 4x4 grid is padded to whole 3x3 windows; recording maps unpadded"):
+        with record_attention(windows) as rec:
+            windows(x, (4, 4))
+        rec[0]
+
+
+def test_injectivity_probe_finds_linear_attention_collisions_only():
+    """Queries q and q' = φ⁻¹(2·φ(q)) differ but have proportional features φ: linear attention gives them the
+    same row. Softmax and InLine, fed the same inputs, give every different query its own row."""
+    torch.manual_seed(0)
+    n, d = 16, 8
+    q = torch.randn(1, 1, n, d, dtype=torch.float64)
+    phi = F.elu(q[:, :, :n // 2]) + 1
+    doubled = 2 * phi
+    q[:, :, n // 2:] = torch.where(doubled > 1, doubled - 1, torch.log(doubled))  # elu⁻¹(2φ − 1)
+    k = torch.randn(1, 1, n, d, dtype=torch.float64)
+    linear = (F.elu(q) + 1) @ (F.elu(k) + 1).transpose(-2, -1)
+    linear = linear / linear.sum(dim=-1, keepdim=True)
+    softmax = naive_softmax(q @ k.transpose(-2, -1) / d ** 0.5)
+    inline = (q @ (k - k.mean(dim=-2, keepdim=True)).transpose(-2, -1)) * (d ** -0.5 / n) + 1 / n
+    assert collision_share(linear, q).item() == pytest.approx(8 / (n * (n - 1) / 2))
+    assert collision_share(softmax, q).item() == 0
+    assert collision_share(inline, q).item() == 0
+
+
+def test_rank_of_linear_attention_is_bounded_by_the_head_width():
+    """φ(Q)φ(K)ᵀ has rank at most d = 4 over the 17 tokens; softmax rows are independent."""
+    ranks = {}
+    for name in ('linear', 'softmax'):
+        attn, x = build(name, 'global')
+        with record_attention(attn) as rec:
+            attn(x, GRID)
+        ranks[name] = row_statistics(rec[0], (32, 32))['rank']
+    assert ranks['linear'].tolist() == [4.0] * 4
+    assert ranks['softmax'].tolist() == [17.0] * 4
+
+
+def test_statistics_of_known_rows():
+    """A uniform row and a one-hot row: entropy log M and 0, Gini 0 and 1 − 1/M, top-5 mass 5/M and 1."""
+    attn, x = build('softmax', 'global')
+    with record_attention(attn, queries=[0, 1]) as rec:
+        attn(x, GRID)
+    layer = rec[0]
+    M = layer.weights.shape[-1]
+    layer.weights = torch.zeros_like(layer.weights)
+    layer.weights[:, :, 0] = 1 / M
+    layer.weights[:, :, 1, 3] = 1
+    stats = row_statistics(layer, (32, 32))
+    assert stats['entropy'][0].item() == pytest.approx(torch.log(torch.tensor(float(M))).item() / 2)
+    assert stats['gini'][0].item() == pytest.approx((1 - 1 / M) / 2)
+    assert stats['top5_mass'][0].item() == pytest.approx((5 / M + 1) / 2)
+    # query token 1 sits at the centre of cell (0, 0) of the 4x4 grid over 32 pixels, key token 3 at cell (0, 2)
+    assert stats['distance_px'][0].item() == pytest.approx(16.0)
+    assert stats['rank'][0].item() == 2
+    summary = AttentionStatistics((32, 32))
+    summary.add(layer)
+    assert len(summary.rows('m')) == 4 and summary.rows('m')[0]['layer'] == ''

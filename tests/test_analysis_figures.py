@@ -1,0 +1,96 @@
+"""The figures and the analysis scripts: the simplex points against their closed forms, and both scripts on tiny
+models writing non-empty PNG, CSV and Markdown files, with one-line errors for bad input."""
+import csv
+import os
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from engine.errors import run_cli
+from models.analysis.plots import SIMPLEX_TEMPERATURES, simplex_logits, simplex_points
+
+from reference import max_abs_err
+from test_scripts import load_script
+
+visualize = load_script('visualize_attention')
+attention_stats = load_script('attention_stats')
+
+TINY = ['DATA.IMG_SIZE', '16', 'MODEL.NUM_CLASSES', '10', 'MODEL.KWARGS.patch_size', '4', 'MODEL.KWARGS.embed_dim',
+        '16', 'MODEL.KWARGS.depth', '2', 'MODEL.KWARGS.num_heads', '2']
+
+
+def closed_form_sparsemax(z: torch.Tensor) -> torch.Tensor:
+    """Euclidean projection onto the simplex: τ from the k(z) largest entries, p = max(z − τ, 0)."""
+    ordered = z.sort(dim=-1, descending=True).values
+    k = torch.arange(1, z.shape[-1] + 1, dtype=z.dtype)
+    cumulative = ordered.cumsum(dim=-1)
+    support = (1 + k * ordered > cumulative).to(z.dtype)
+    size = support.sum(dim=-1, keepdim=True)
+    tau = (cumulative.gather(-1, size.long() - 1) - 1) / size
+    return (z - tau).clamp(min=0)
+
+
+def test_simplex_points_equal_their_closed_forms():
+    logits = simplex_logits(steps=9)
+    points = simplex_points(logits, torch.tensor([0.1, 0.2, -0.3, 0.4]), torch.tensor([0.5, 0.3, 0.2, 0.1]))
+    for t in SIMPLEX_TEMPERATURES:
+        e = torch.exp(logits / t)
+        assert max_abs_err(points[f'softmax T={t:g}'], e / e.sum(dim=-1, keepdim=True)) < 1e-12
+    assert max_abs_err(points['sparsemax'], closed_form_sparsemax(logits)) < 1e-12
+    assert (points['sparsemax'] == 0).any()  # the grid reaches the simplex's edges
+    for p in points.values():
+        assert max_abs_err(p.sum(dim=-1), torch.ones(len(logits), dtype=torch.float64)) < 1e-12
+
+
+@pytest.fixture(scope='module')
+def images(tmp_path_factory):
+    folder = tmp_path_factory.mktemp('images')
+    rng = np.random.default_rng(0)
+    for i in range(3):
+        Image.fromarray(rng.integers(0, 255, (8, 8), dtype=np.uint8), mode='L').save(folder / f'{i}.png')
+    return folder
+
+
+def test_visualize_attention_writes_figures(images, tmp_path):
+    out = tmp_path / 'figures'
+    # the class-token DeiT with MultiMax blocks: class-token queries and rollout, MultiMax's sigma curve
+    argv = ['--model', 'softmax_deit_tiny', '--image', str(images), '--max-images', '2', '--layers', '0',
+            'blocks.1.attn', '--queries', '4,12', 'cls', '--gradcam', '--simplex', '--out', str(out), '--opts',
+            'MODEL.KWARGS.attn_type', 'multimax'] + TINY
+    assert run_cli(visualize.main, argv) == 0
+    names = sorted(os.listdir(out))
+    assert '0_blocks-0-attn_y4x12.png' in names and '1_blocks-1-attn_cls.png' in names
+    assert {'0_rollout.png', '0_gradcam.png', 'multimax_sigma.png', 'simplex.png'} <= set(names)
+    assert all(os.path.getsize(out / name) > 1000 for name in names)
+
+
+@pytest.mark.parametrize('change,message', [
+    (['--layers', 'blocks.7.attn'], "error: unknown layer 'blocks.7.attn'"),
+    (['--queries', '16,3'], "error: query '16,3' is outside the 16x16 image"),
+    (['--image', 'missing.png'], "error: image 'missing.png' not found"),
+])
+def test_visualize_attention_names_bad_input_in_one_line(images, tmp_path, capsys, change, message):
+    argv = {'--model': 'softmax_deit_tiny', '--image': str(images), '--out': str(tmp_path)}
+    argv[change[0]] = change[1]
+    argv = [part for pair in argv.items() for part in pair]
+    assert run_cli(visualize.main, argv + ['--opts'] + TINY) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(message) and err.count('\n') == 1
+
+
+def test_attention_stats_writes_csv_markdown_and_plot(images, tmp_path):
+    out = tmp_path / 'stats'
+    argv = ['--models', 'softmax_deit_tiny', 'linear_deit_tiny', 'inline_deit_tiny', '--data', str(images),
+            '--batch-size', '2', '--out', str(out), '--opts'] + TINY
+    assert run_cli(attention_stats.main, argv) == 0
+    with open(f'{out}.csv') as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 3 * 2 * 2  # models x layers x heads
+    by_model = {row['model']: row for row in rows}
+    assert float(by_model['softmax_deit_tiny']['negative']) == 0
+    assert 0 < float(by_model['softmax_deit_tiny']['effective_tokens']) <= 17
+    markdown = open(f'{out}.md').read()
+    assert '| **inline_deit_tiny** | all |' in markdown and 'attention_stats.py' in markdown
+    assert os.path.getsize(f'{out}.png') > 1000
