@@ -43,9 +43,20 @@ from .family import (
     register_variants, run_blocks, tsinghua_url,
 )
 
-__all__ = ['PyramidVisionTransformer', 'checkpoint_filter_fn']
+__all__ = ['PyramidVisionTransformer', 'check_stage_lists', 'checkpoint_filter_fn']
 
 NUM_STAGES = 4
+
+
+def check_stage_lists(la_sr_ratios: Union[str, Sequence[int]], **per_stage: Sequence[Any]) -> List[int]:
+    """A ValueError unless every per-stage list (and `la_sr_ratios`) has one entry per stage and `la_sr_ratios`
+    holds non-negative integers ('1111' or ints); returns `la_sr_ratios` as ints."""
+    for what, values in {**per_stage, 'la_sr_ratios': la_sr_ratios}.items():
+        if len(values) != NUM_STAGES:
+            raise ValueError(f"{what} {values!r} must have {NUM_STAGES} entries, one per stage")
+    if not all(str(r).isdigit() for r in la_sr_ratios):
+        raise ValueError(f"la_sr_ratios {la_sr_ratios!r} must be {NUM_STAGES} non-negative integers, e.g. '1111'")
+    return [int(r) for r in la_sr_ratios]
 
 
 class PyramidVisionTransformer(ZooModel):
@@ -104,13 +115,8 @@ class PyramidVisionTransformer(ZooModel):
                        num_heads=num_heads, sr_ratios=sr_ratios),
             counts=dict(num_classes=num_classes, depths=depths), ratios=dict(mlp_ratios=mlp_ratios),
             rates=dict(drop_rate=drop_rate, attn_drop_rate=attn_drop_rate, drop_path_rate=drop_path_rate))
-        for what, values in (('embed_dims', embed_dims), ('num_heads', num_heads), ('mlp_ratios', mlp_ratios),
-                             ('depths', depths), ('sr_ratios', sr_ratios), ('la_sr_ratios', la_sr_ratios)):
-            if len(values) != NUM_STAGES:
-                raise ValueError(f"{what} {values!r} must have {NUM_STAGES} entries, one per stage")
-        if not all(str(r).isdigit() for r in la_sr_ratios):
-            raise ValueError(f"la_sr_ratios {la_sr_ratios!r} must be {NUM_STAGES} non-negative integers, e.g. '1111'")
-        la_sr_ratios = [int(r) for r in la_sr_ratios]
+        la_sr_ratios = check_stage_lists(embed_dims=embed_dims, num_heads=num_heads, mlp_ratios=mlp_ratios,
+                                         depths=depths, sr_ratios=sr_ratios, la_sr_ratios=la_sr_ratios)
         global_pool = ('token' if class_token else 'avg') if global_pool is None else global_pool
         self.num_stages = NUM_STAGES
         self.img_divisor = patch_size * 2 ** (NUM_STAGES - 1)

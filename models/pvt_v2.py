@@ -27,18 +27,20 @@ from typing import Any, Dict, Optional, Sequence, Set, Tuple, Union
 import torch
 from torch import Tensor, nn
 
-from timm.layers import DropPath, calculate_drop_path_rates, to_2tuple, trunc_normal_
+from timm.layers import DropPath, calculate_drop_path_rates, to_2tuple
 from timm.models import generate_default_cfgs
 
 from .attention import build_attention, check_attn_kwargs, forms_score_matrix, list_attentions, stage_attentions
 from .attention.layout import Grid, image_to_tokens, tokens_to_image
 from .checkpoint import filter_checkpoint
-from .family import FLATTEN_META, ZooModel, create_variant, imagenet_cfg, register_variants, run_blocks, tsinghua_url
+from .family import (
+    FLATTEN_META, ZooModel, create_variant, imagenet_cfg, init_weights, register_variants, run_blocks, tsinghua_url,
+)
+from .pvt import NUM_STAGES, check_stage_lists
 
 __all__ = ['PyramidVisionTransformerV2', 'OverlapPatchEmbed', 'DepthwiseConvMlp', 'PvtV2Block',
            'checkpoint_filter_fn']
 
-NUM_STAGES = 4
 
 
 class OverlapPatchEmbed(nn.Module):
@@ -110,16 +112,10 @@ class PvtV2Block(nn.Module):
 
 
 def init_weights_pvt_v2(module: nn.Module) -> None:
-    """The official initialisation: Linear trunc-normal(.02) with zero bias, LayerNorm 1 and 0, Conv2d
+    """The official initialisation: the families' Linear and LayerNorm init (`init_weights`), and Conv2d
     normal(0, sqrt(2 / fan_out)) with fan_out = k·k·out / groups, zero bias."""
-    if isinstance(module, nn.Linear):
-        trunc_normal_(module.weight, std=.02)
-        if module.bias is not None:
-            nn.init.zeros_(module.bias)
-    elif isinstance(module, nn.LayerNorm):
-        nn.init.ones_(module.weight)
-        nn.init.zeros_(module.bias)
-    elif isinstance(module, nn.Conv2d):
+    init_weights(module)
+    if isinstance(module, nn.Conv2d):
         fan_out = module.kernel_size[0] * module.kernel_size[1] * module.out_channels // module.groups
         nn.init.normal_(module.weight, 0., math.sqrt(2. / fan_out))
         if module.bias is not None:
@@ -169,13 +165,8 @@ class PyramidVisionTransformerV2(ZooModel):
             dynamic_img_size: bool = False,
     ):
         super().__init__()
-        for what, values in (('embed_dims', embed_dims), ('num_heads', num_heads), ('mlp_ratios', mlp_ratios),
-                             ('depths', depths), ('sr_ratios', sr_ratios), ('la_sr_ratios', la_sr_ratios)):
-            if len(values) != NUM_STAGES:
-                raise ValueError(f"{what} {values!r} must have {NUM_STAGES} entries, one per stage")
-        if not all(str(r).isdigit() for r in la_sr_ratios):
-            raise ValueError(f"la_sr_ratios {la_sr_ratios!r} must be {NUM_STAGES} non-negative integers, e.g. '1111'")
-        la_sr_ratios = [int(r) for r in la_sr_ratios]
+        la_sr_ratios = check_stage_lists(embed_dims=embed_dims, num_heads=num_heads, mlp_ratios=mlp_ratios,
+                                         depths=depths, sr_ratios=sr_ratios, la_sr_ratios=la_sr_ratios)
         self.num_stages = NUM_STAGES
         self.img_divisor = 1
         self.dynamic_img_size = dynamic_img_size
