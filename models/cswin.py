@@ -4,8 +4,11 @@ State-dict names are those of the original CSwin code, which the papers' checkpo
 `stage1_conv_embed.{0,2}`, blocks `stage{s}.{j}.{qkv,norm1,proj,attns.k.*,mlp.*,norm2}`, `merge{1,2,3}.{conv,norm}`,
 a final `norm`, mean pooling over tokens and a `head` Linear.
 
-Each block holds the stripes grouping as `attn` (it owns `qkv`, `attns` and `proj`); state-dict hooks move those
-names to the block level, where the official checkpoints keep them, on saving and loading. Stripes: the
+The stages are `stages.{i}` modules (the stem or the merge from the previous stage as `embed`, then the blocks),
+which TorchScript loops over; `OfficialKeys` gives the state dict the official names (`stages.0.embed` is
+`stage1_conv_embed`, `stages.{i}.embed` `merge{i}`, `stages.{i}.blocks` `stage{i+1}`). Each block holds the stripes
+grouping as `attn` (it owns `qkv`, `attns` and `proj`); state-dict hooks move those names to the block level,
+where the official checkpoints keep them, on saving and loading. Stripes: the
 score-forming stages use `split_size`, the others `la_split_size` (None: the whole grid, one global branch, as
 the official linear stages at their trained resolution), and the last stage is always one global branch. The
 attention gets the un-normalised block input as the tokens that mixers needing them summarise, as the official
@@ -20,6 +23,7 @@ global branches stay global, and FLatten's positional encodings are resampled bi
 Registered: every attention of the registry at the CSwin sizes (`{attention}_cswin_{tiny,small,base,base_384}`,
 the original's architecture), except that the names of the official models (`_OFFICIAL`) are theirs.
 """
+import re
 from functools import partial
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
@@ -33,8 +37,8 @@ from .attention import build_attention, check_attn_kwargs, forms_score_matrix, l
 from .attention.layout import Grid, image_to_tokens, tokens_to_image
 from .checkpoint import filter_checkpoint
 from .family import (
-    FLATTEN_META, INLINE_META, ZooModel, check_arguments, create_variant, imagenet_cfg, init_weights,
-    register_variants, run_blocks, tsinghua_url,
+    FLATTEN_META, INLINE_META, BlockStack, OfficialKeys, ZooModel, check_arguments, create_variant, imagenet_cfg,
+    init_weights, register_variants, tsinghua_url,
 )
 
 __all__ = ['CSWinTransformer', 'checkpoint_filter_fn']
@@ -62,12 +66,30 @@ def _from_official_names(module: nn.Module, state_dict: Dict[str, Any], prefix: 
         state_dict[prefix + 'attn.' + key[len(prefix):]] = state_dict.pop(key)
 
 
-def _official_to_module_name(prefix: str) -> str:
-    """Official key prefix -> module name: 'stage1.0.attns.0' -> 'stage1.0.attn.attns.0'."""
-    parts = prefix.split('.')
-    if len(parts) > 2 and parts[0].startswith('stage') and f'{parts[2]}.' in _ATTN_KEYS:
-        parts.insert(2, 'attn')
-    return '.'.join(parts)
+_STAGE_KEY = re.compile(r'^stages\.(\d+)\.(embed|blocks)(?=\.|$)')
+_OFFICIAL_STAGE_KEY = re.compile(r'^(?:(stage1_conv_embed)|merge(\d+)|stage(\d+))(?=\.|$)')
+
+
+def _stage_key_to_official(key: str) -> str:
+    """'stages.0.embed.0.weight' -> 'stage1_conv_embed.0.weight', 'stages.2.embed.conv.weight' ->
+    'merge2.conv.weight', 'stages.2.blocks.1.qkv.weight' -> 'stage3.1.qkv.weight'."""
+    def stage(match: 're.Match') -> str:
+        i = int(match.group(1))
+        if match.group(2) == 'blocks':
+            return f'stage{i + 1}'
+        return f'merge{i}' if i else 'stage1_conv_embed'
+    return _STAGE_KEY.sub(stage, key)
+
+
+def _official_key_to_module(key: str) -> str:
+    """The inverse of `_stage_key_to_official`; other keys unchanged."""
+    def stage(match: 're.Match') -> str:
+        if match.group(1):
+            return 'stages.0.embed'
+        if match.group(2):
+            return f'stages.{match.group(2)}.embed'
+        return f'stages.{int(match.group(3)) - 1}.blocks'
+    return _OFFICIAL_STAGE_KEY.sub(stage, key)
 
 
 class Tokens(nn.Module):
@@ -75,6 +97,19 @@ class Tokens(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return image_to_tokens(x)
+
+
+class ConvStem(nn.Sequential):
+    """Conv 7x7 stride 4, then LayerNorm on the tokens: (B, C_in, H, W) images -> (B, h*w, C) and the grid
+    (h, w). A Sequential, so its keys stay the official `stage1_conv_embed.{0,2}`."""
+
+    def __init__(self, in_chans: int, dim: int):
+        super().__init__(nn.Conv2d(in_chans, dim, 7, 4, 2), Tokens(), nn.LayerNorm(dim))
+
+    def forward(self, x: Tensor, grid: Grid) -> Tuple[Tensor, Grid]:
+        for layer in self:
+            x = layer(x)
+        return x, stem_grid(grid)
 
 
 def stem_grid(img_size: Grid) -> Grid:
@@ -88,15 +123,30 @@ def merged_grid(grid: Grid) -> Grid:
 
 
 class MergeBlock(nn.Module):
-    """Conv 3x3 stride 2 then LayerNorm: (B, H*W, C) on the (H, W) grid -> (B, ceil(H/2)*ceil(W/2), dim_out)."""
+    """Conv 3x3 stride 2 then LayerNorm: (B, H*W, C) on the (H, W) grid -> (B, ceil(H/2)*ceil(W/2), dim_out) and
+    that grid."""
 
     def __init__(self, dim: int, dim_out: int):
         super().__init__()
         self.conv = nn.Conv2d(dim, dim_out, 3, 2, 1)
         self.norm = nn.LayerNorm(dim_out)
 
-    def forward(self, x: Tensor, grid: Grid) -> Tensor:
-        return self.norm(image_to_tokens(self.conv(tokens_to_image(x, grid))))
+    def forward(self, x: Tensor, grid: Grid) -> Tuple[Tensor, Grid]:
+        return self.norm(image_to_tokens(self.conv(tokens_to_image(x, grid)))), merged_grid(grid)
+
+
+class CSWinStage(nn.Module):
+    """The stem (stage 0) or the merge from the previous stage, then the blocks: (B, C_in, H, W) images or
+    (B, h*w, C_in) tokens on `grid` -> (B, h'*w', C) tokens on the grid (h', w') it returns."""
+
+    def __init__(self, embed: Union[ConvStem, MergeBlock], blocks: List[nn.Module]):
+        super().__init__()
+        self.embed = embed
+        self.blocks = BlockStack(*blocks)
+
+    def forward(self, x: Tensor, grid: Grid, grad_checkpointing: bool = False) -> Tuple[Tensor, Grid]:
+        x, grid = self.embed(x, grid)
+        return self.blocks(x, grid, grad_checkpointing), grid
 
 
 class CSWinBlock(nn.Module):
@@ -219,14 +269,12 @@ class CSWinTransformer(ZooModel):
         attn_kwargs = check_attn_kwargs([name for stage in self.attn_names for name in stage], attn_kwargs)
         self.grad_checkpointing = False
 
-        self.stage1_conv_embed = nn.Sequential(
-            nn.Conv2d(in_chans, embed_dim, 7, 4, 2), Tokens(), nn.LayerNorm(embed_dim))
         dpr = calculate_drop_path_rates(drop_path_rate, sum(depth))
+        self.stages = nn.ModuleList()
         self.feature_info = []
         for i in range(NUM_STAGES):
             dim, stage_grid = embed_dim * 2 ** i, self.grid_sizes[i]
-            if i:
-                setattr(self, f'merge{i}', MergeBlock(dim // 2, dim))
+            embed = MergeBlock(dim // 2, dim) if i else ConvStem(in_chans, dim)
             blocks = []
             for j, name in enumerate(self.attn_names[i]):
                 if i == NUM_STAGES - 1:
@@ -238,10 +286,11 @@ class CSWinTransformer(ZooModel):
                 blocks.append(CSWinBlock(
                     dim, num_heads[i], stage_grid, name, split, mlp_ratio, qkv_bias, drop_rate, attn_drop_rate,
                     dpr[sum(depth[:i]) + j], attn_kwargs))
-            setattr(self, f'stage{i + 1}', nn.ModuleList(blocks))
-            self.feature_info.append(dict(num_chs=dim, reduction=4 * 2 ** i, module=f'stage{i + 1}'))
+            self.stages.append(CSWinStage(embed, blocks))
+            self.feature_info.append(dict(num_chs=dim, reduction=4 * 2 ** i, module=f'stages.{i}'))
         self.norm = nn.LayerNorm(self.num_features)
         self.head = nn.Linear(self.num_features, num_classes) if num_classes > 0 else nn.Identity()
+        OfficialKeys(_stage_key_to_official, _official_key_to_module).register(self)
         self.apply(init_weights)
 
     @torch.jit.ignore
@@ -252,10 +301,10 @@ class CSWinTransformer(ZooModel):
     @torch.jit.ignore
     def group_matcher(self, coarse: bool = False) -> Dict[str, Any]:
         return dict(
-            stem=r'^stage1_conv_embed',
-            blocks=r'^(?:stage|merge)(\d+)\.' if coarse else [
-                (r'^merge(\d+)\.', (99999,)),
-                (r'^stage(\d+)\.(\d+)\.', None),
+            stem=r'^stages\.0\.embed',
+            blocks=r'^stages\.(\d+)' if coarse else [
+                (r'^stages\.(\d+)\.embed', (0,)),
+                (r'^stages\.(\d+)\.blocks\.(\d+)', None),
                 (r'^norm', (99999,)),
             ],
         )
@@ -270,24 +319,25 @@ class CSWinTransformer(ZooModel):
 
     def _set_grids(self, img_size: Grid) -> None:
         self.grid_sizes = self._stage_grids(img_size)
-        for i, grid in enumerate(self.grid_sizes):
-            for block in getattr(self, f'stage{i + 1}'):
+        for stage, grid in zip(self.stages, self.grid_sizes):
+            for block in stage.blocks:
                 block.grid_size = grid
                 block.attn.set_grid(grid)
 
-    def _run_stage(self, i: int, x: Tensor, grid: Grid) -> Tuple[Tensor, Grid]:
-        """The stem (i = 0, on images of size `grid`) or the merge before stage i, then its blocks."""
-        if i == 0:
-            x, grid = self.stage1_conv_embed(x), stem_grid(grid)
-        else:
-            x, grid = getattr(self, f'merge{i}')(x, grid), merged_grid(grid)
-        x = run_blocks(getattr(self, f'stage{i + 1}'), x, grid, grad_checkpointing=self.grad_checkpointing)
-        return x, grid
+    def _run_stages(self, x: Tensor, num_stages: int,
+                    keep: List[int]) -> Tuple[Tensor, Grid, Dict[int, Tuple[Tensor, Grid]]]:
+        """The stem, then per stage the merge from the previous one and the blocks: (B, h*w, C_i) tokens."""
+        grid = self._input_grid(x)
+        kept: Dict[int, Tuple[Tensor, Grid]] = {}
+        for i, stage in enumerate(self.stages):
+            if i < num_stages:
+                x, grid = stage(x, grid, self.grad_checkpointing)
+                if i in keep:
+                    kept[i] = (x, grid)
+        return x, grid, kept
 
     def _prune_stages(self, num_stages: int) -> None:
-        for i in range(num_stages, NUM_STAGES):
-            setattr(self, f'merge{i}', nn.Identity())
-            setattr(self, f'stage{i + 1}', nn.ModuleList())
+        self.stages = self.stages[:num_stages]
 
 
 def checkpoint_filter_fn(state_dict: Mapping[str, Tensor], model: CSWinTransformer) -> Dict[str, Tensor]:

@@ -1,10 +1,10 @@
 """What the backbone families share: the timm model API (`ZooModel`), variant registration, the pre-norm block, the
 official init, block running, head and input checks, and the pieces of their pretrained cfgs."""
 import contextlib
+import functools
 import inspect
-import os
 import sys
-from typing import Any, Callable, ClassVar, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Type, Union
+from typing import Any, Callable, ClassVar, Dict, List, Mapping, Optional, Sequence, Tuple, Type, Union
 
 import torch
 from torch import Tensor, nn
@@ -21,7 +21,8 @@ from .attention.layout import Grid, tokens_to_image
 from .checkpoint import cached_file_name, download_checkpoint
 
 __all__ = [
-    'ZooModel', 'create_variant', 'register_variants', 'Block', 'init_weights', 'run_blocks', 'new_classifier',
+    'ZooModel', 'create_variant', 'register_variants', 'Block', 'BlockStack', 'init_weights', 'OfficialKeys',
+    'new_classifier',
     'check_arguments', 'check_global_pool', 'check_input', 'check_output_fmt', 'imagenet_cfg', 'tsinghua_url',
     'INLINE_META', 'FLATTEN_META',
 ]
@@ -78,13 +79,59 @@ def init_weights(module: nn.Module) -> None:
         nn.init.zeros_(module.bias)
 
 
-def run_blocks(blocks: Iterable[nn.Module], x: Tensor, *args: Any, grad_checkpointing: bool = False) -> Tensor:
-    """`x` through every block in turn as `block(x, *args)`; with `grad_checkpointing` each block's activations
-    are recomputed in the backward pass instead of kept."""
-    checkpointed = grad_checkpointing and not torch.jit.is_scripting()
-    for block in blocks:
-        x = checkpoint(block, x, *args, use_reentrant=False) if checkpointed else block(x, *args)
-    return x
+class BlockStack(nn.Sequential):
+    """Blocks applied in turn as `block(x, grid)`; with `grad_checkpointing` each block's activations are
+    recomputed in the backward pass instead of kept. A Sequential, so the keys stay `<name>.{j}.…` and TorchScript
+    unrolls the loop."""
+
+    def forward(self, x: Tensor, grid: Grid, grad_checkpointing: bool = False) -> Tensor:
+        for block in self:
+            if grad_checkpointing and not torch.jit.is_scripting():
+                x = checkpoint(block, x, grid, use_reentrant=False)
+            else:
+                x = block(x, grid)
+        return x
+
+
+class OfficialKeys:
+    """Keeps a model's state-dict keys official while its submodules are laid out for the forward pass (stages in
+    a ModuleList, which TorchScript can loop over).
+
+    `state_dict` renames every key below the model with `to_official` (then orders them stably by `official_rank`,
+    when given), and `load_state_dict` renames official keys back with `to_module`; module and parameter names
+    (`named_parameters`, `group_matcher`, `feature_info`) stay the module's own. A class rather than closures, so
+    that models with these hooks still pickle.
+    """
+
+    def __init__(
+            self,
+            to_official: Callable[[str], str],
+            to_module: Callable[[str], str],
+            official_rank: Optional[Callable[[str], Any]] = None,
+    ):
+        self.to_official = to_official
+        self.to_module = to_module
+        self.official_rank = official_rank
+
+    def register(self, module: nn.Module) -> None:
+        # partials, not bound methods: the hook registry marks its hooks with an attribute
+        module.register_state_dict_post_hook(functools.partial(OfficialKeys.rename_saved, self))
+        module.register_load_state_dict_pre_hook(functools.partial(OfficialKeys.rename_loaded, self))
+        module.official_keys = self
+
+    def rename_saved(self, module: nn.Module, state_dict: Dict[str, Any], prefix: str, local_metadata: Any) -> None:
+        entries = [(prefix + self.to_official(key[len(prefix):]), state_dict.pop(key))
+                   for key in [k for k in state_dict if k.startswith(prefix)]]
+        if self.official_rank is not None:
+            rank = self.official_rank
+            entries.sort(key=lambda entry: rank(entry[0][len(prefix):]))
+        state_dict.update(entries)
+
+    def rename_loaded(self, module: nn.Module, state_dict: Dict[str, Any], prefix: str, *args: Any) -> None:
+        for key in [k for k in state_dict if k.startswith(prefix)]:
+            renamed = prefix + self.to_module(key[len(prefix):])
+            if renamed != key:
+                state_dict[renamed] = state_dict.pop(key)
 
 
 def new_classifier(model: nn.Module, num_features: int, num_classes: int) -> nn.Module:
@@ -185,9 +232,9 @@ class ZooModel(nn.Module):
 
     A family builds `norm`, `head`, `feature_info`, `num_features`, `global_pool`, `num_prefix_tokens`,
     `num_stages`, `img_size`, `img_divisor` and `dynamic_img_size`, calls `_init_output_fmt`, and implements
-    `_run_stage(i, x, grid)`: stage i on the images (i = 0, `grid` their (H, W)) or on the previous stage's tokens
-    and grid, returning its tokens and their (H, W) grid, and `_set_grids(img_size)` for `set_input_size`.
-    Intermediates are taken at the stages' outputs.
+    `_run_stages(x, num_stages, keep)`: the first `num_stages` stages on the images (grid from `_input_grid`),
+    keeping the tokens and (H, W) grid of the stages in `keep`, as a loop over its stage modules that TorchScript
+    unrolls, and `_set_grids(img_size)` for `set_input_size`. Intermediates are taken at the stages' outputs.
 
     With `dynamic_img_size` the model takes images of any size whose sides are multiples of `img_divisor`, the
     grids following the input; otherwise only `img_size`, every grid then fixed when the model is built (which
@@ -226,6 +273,18 @@ class ZooModel(nn.Module):
         raise NotImplementedError
 
     @torch.jit.ignore
+    def get_submodule(self, target: str) -> nn.Module:
+        """The submodule at `target`, also under its official name where the state dict keeps official names
+        (`patch_embed1.proj` for `stages.0.patch_embed.proj`), as timm's loader looks up `first_conv`."""
+        keys: Optional[OfficialKeys] = getattr(self, 'official_keys', None)
+        try:
+            return super().get_submodule(target)
+        except AttributeError:
+            if keys is None or keys.to_module(target) == target:
+                raise
+            return super().get_submodule(keys.to_module(target))
+
+    @torch.jit.ignore
     def set_input_size(self, img_size: Union[int, Grid]) -> None:
         """Make `img_size` the model's input size: position embeddings, FLatten's positional encodings and the bias
         tables of global windows resampled, and windows, stripes and masks rebuilt, as a run at that size with
@@ -254,18 +313,18 @@ class ZooModel(nn.Module):
     def _check_pool(self, global_pool: str) -> str:
         return check_global_pool(global_pool, self.global_pools)
 
+    def _input_grid(self, x: Tensor) -> Grid:
+        """The (H, W) of images `x` after checking them: their own with `dynamic_img_size`, else `img_size`."""
+        self._check_input(x)
+        if self.dynamic_img_size:
+            return x.shape[-2], x.shape[-1]
+        return self.img_size
+
     def _run_stages(self, x: Tensor, num_stages: int,
-                    keep: Sequence[int] = ()) -> Tuple[Tensor, Grid, Dict[int, Tuple[Tensor, Grid]]]:
+                    keep: List[int]) -> Tuple[Tensor, Grid, Dict[int, Tuple[Tensor, Grid]]]:
         """The last output of the first `num_stages` stages on images `x` and its grid, and the output and grid of
         the stages in `keep`."""
-        self._check_input(x)
-        kept: Dict[int, Tuple[Tensor, Grid]] = {}
-        grid: Grid = (x.shape[-2], x.shape[-1]) if self.dynamic_img_size else self.img_size
-        for i in range(num_stages):
-            x, grid = self._run_stage(i, x, grid)
-            if i in keep:
-                kept[i] = (x, grid)
-        return x, grid, kept
+        raise NotImplementedError
 
     @torch.jit.ignore
     def set_grad_checkpointing(self, enable: bool = True) -> None:
@@ -287,7 +346,7 @@ class ZooModel(nn.Module):
     def forward_features(self, x: Tensor) -> Tensor:
         """(B, in_chans, H, W) images -> the last stage's output after the final norm, laid out as `features_fmt`:
         (B, [prefix +] h*w, num_features) tokens, (B, h, w, num_features) or (B, num_features, h, w)."""
-        x, grid, _ = self._run_stages(x, self.num_stages)
+        x, grid, _ = self._run_stages(x, self.num_stages, [])
         return self._format_features(self._final_norm(x), grid)
 
     def forward_head(self, x: Tensor, pre_logits: bool = False) -> Tensor:

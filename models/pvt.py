@@ -5,8 +5,9 @@ projections). Score-forming attentions reduce their keys and values spatially by
 `attn.norm`); the others use `la_sr_ratios` (1 in every stage by default, i.e. global attention over the stage),
 as the official linear-attention models do.
 
-Two heads exist, both with the original key names (`patch_embed{i}.proj/norm`, `pos_embed{i}`,
-`block{i}.{j}.{norm1,attn.*,norm2,mlp.*}`, `head`):
+The stages are `stages.{i}` modules (patch embedding, position embedding, blocks), which TorchScript loops over;
+the state dict keeps the original key names (`patch_embed{i}.proj/norm`, `pos_embed{i}`,
+`block{i}.{j}.{norm1,attn.*,norm2,mlp.*}`, `head`) through `OfficialKeys`. Two heads exist:
 - the original PVT (`class_token=True`): a class token joins the last stage (its `pos_embed4` has one more row),
   a final LayerNorm `norm`, class-token pooling;
 - the papers' linear-attention PVTs (`class_token=False`): no class token, no final norm, the mean of the last
@@ -26,6 +27,7 @@ FLatten's positional encodings bicubically; `set_input_size` makes such a size t
 Registered: every attention of the registry at the PVT sizes (`{attention}_pvt_{tiny,small,medium,large}`, the
 original's heads and head), except that the names of the official models (`_OFFICIAL`) are theirs.
 """
+import re
 from functools import partial
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple, Union
 
@@ -39,11 +41,11 @@ from .attention import build_attention, check_attn_kwargs, forms_score_matrix, l
 from .attention.layout import Grid, tokens_to_image
 from .checkpoint import CheckpointError, filter_checkpoint, resample_grid_embedding, resize_grid_embedding
 from .family import (
-    FLATTEN_META, INLINE_META, Block, ZooModel, check_arguments, create_variant, imagenet_cfg, init_weights,
-    register_variants, run_blocks, tsinghua_url,
+    FLATTEN_META, INLINE_META, Block, BlockStack, OfficialKeys, ZooModel, check_arguments, create_variant,
+    imagenet_cfg, init_weights, register_variants, tsinghua_url,
 )
 
-__all__ = ['PyramidVisionTransformer', 'check_stage_lists', 'checkpoint_filter_fn']
+__all__ = ['PyramidVisionTransformer', 'PvtStage', 'check_stage_lists', 'checkpoint_filter_fn']
 
 NUM_STAGES = 4
 
@@ -57,6 +59,73 @@ def check_stage_lists(la_sr_ratios: Union[str, Sequence[int]], **per_stage: Sequ
     if not all(str(r).isdigit() for r in la_sr_ratios):
         raise ValueError(f"la_sr_ratios {la_sr_ratios!r} must be {NUM_STAGES} non-negative integers, e.g. '1111'")
     return [int(r) for r in la_sr_ratios]
+
+
+class PvtStage(nn.Module):
+    """One stage's modules: patch embedding, position embedding (1, prefix + h*w, C) over the stage's `grid_size`
+    (with the class token's row in the original PVT's last stage), its dropout and the blocks; the model runs
+    them, as the class token is the model's."""
+
+    def __init__(self, patch_embed: nn.Module, grid_size: Grid, num_prefix_tokens: int, dim: int, drop_rate: float,
+                 blocks: List[nn.Module]):
+        super().__init__()
+        self.grid_size = grid_size
+        self.num_prefix_tokens = num_prefix_tokens
+        self.patch_embed = patch_embed
+        self.pos_embed = nn.Parameter(torch.zeros(1, num_prefix_tokens + grid_size[0] * grid_size[1], dim))
+        self.pos_drop = nn.Dropout(drop_rate)
+        self.blocks = BlockStack(*blocks)
+
+    def position_embedding(self, grid: Grid) -> Tensor:
+        """`pos_embed` on `grid`: its own, or resized bilinearly as the official model does."""
+        if grid == self.grid_size:
+            return self.pos_embed
+        return resample_grid_embedding(self.pos_embed, self.grid_size, grid, self.num_prefix_tokens, 'bilinear')
+
+    def set_grid(self, grid: Grid) -> None:
+        """Make `grid` the stage's own: `pos_embed` resampled, the attentions' grid-sized tables too."""
+        with torch.no_grad():
+            resized = self.position_embedding(grid)
+        self.pos_embed = nn.Parameter(resized, requires_grad=self.pos_embed.requires_grad)
+        self.grid_size = grid
+        for block in self.blocks:
+            block.attn.set_grid(grid)
+
+    def adapt_loaded_tensor(self, name: str, tensor: Tensor) -> Tensor:
+        """A checkpoint's `pos_embed` of another square grid, resized bicubically (the class token's row kept)."""
+        if name == 'pos_embed':
+            try:
+                return resize_grid_embedding(tensor, self.grid_size, self.num_prefix_tokens)
+            except CheckpointError:
+                pass  # not a square grid with this stage's prefix: the key check names it as mis-shaped
+        return tensor
+
+
+_STAGE_KEY = re.compile(r'^stages\.(\d+)\.(patch_embed|pos_embed|pos_drop|blocks)')
+_OFFICIAL_STAGE_KEY = re.compile(r'^(patch_embed|pos_embed|pos_drop|block)(\d+)(?=\.|$)')
+
+
+def _stage_key_to_official(key: str) -> str:
+    """'stages.0.blocks.1.attn.q.weight' -> 'block1.1.attn.q.weight', 'stages.3.pos_embed' -> 'pos_embed4'."""
+    def stage(match: 're.Match') -> str:
+        part = 'block' if match.group(2) == 'blocks' else match.group(2)
+        return f'{part}{int(match.group(1)) + 1}'
+    return _STAGE_KEY.sub(stage, key)
+
+
+def _official_key_to_module(key: str) -> str:
+    """The inverse of `_stage_key_to_official`; other keys unchanged."""
+    def stage(match: 're.Match') -> str:
+        part = 'blocks' if match.group(1) == 'block' else match.group(1)
+        return f'stages.{int(match.group(2)) - 1}.{part}'
+    return _OFFICIAL_STAGE_KEY.sub(stage, key)
+
+
+def _official_rank(key: str) -> Tuple[int, int]:
+    """The official order: the four position embeddings, the class token, then the modules as registered."""
+    if key.startswith('pos_embed'):
+        return 0, int(key[len('pos_embed'):])
+    return (1, 0) if key == 'cls_token' else (2, 0)
 
 
 class PyramidVisionTransformer(ZooModel):
@@ -135,15 +204,13 @@ class PyramidVisionTransformer(ZooModel):
         names = stage_attentions(attn_type, depths)
         attn_kwargs = check_attn_kwargs([name for stage in names for name in stage], attn_kwargs)
         rates = iter(calculate_drop_path_rates(drop_path_rate, sum(depths)))
+        self.stages = nn.ModuleList()
         for i, grid in enumerate(self.grid_sizes):
             dim = embed_dims[i]
             prefix = self.num_prefix_tokens if i == NUM_STAGES - 1 else 0
-            setattr(self, f'patch_embed{i + 1}', PatchEmbed(
-                None, patch_size if i == 0 else 2, in_chans if i == 0 else embed_dims[i - 1], dim,
-                norm_layer=nn.LayerNorm, strict_img_size=False))
-            setattr(self, f'pos_embed{i + 1}', nn.Parameter(torch.zeros(1, prefix + grid[0] * grid[1], dim)))
-            setattr(self, f'pos_drop{i + 1}', nn.Dropout(drop_rate))
-            setattr(self, f'block{i + 1}', nn.ModuleList([
+            patch_embed = PatchEmbed(None, patch_size if i == 0 else 2, in_chans if i == 0 else embed_dims[i - 1], dim,
+                                     norm_layer=nn.LayerNorm, strict_img_size=False)
+            self.stages.append(PvtStage(patch_embed, grid, prefix, dim, drop_rate, [
                 Block(
                     dim,
                     build_attention(
@@ -156,11 +223,12 @@ class PyramidVisionTransformer(ZooModel):
         self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dims[-1])) if class_token else None
         self.norm = nn.LayerNorm(embed_dims[-1], eps=1e-6) if class_token else nn.Identity()
         self.head = nn.Linear(embed_dims[-1], num_classes) if num_classes > 0 else nn.Identity()
-        self.feature_info = [dict(module=f'block{i + 1}', num_chs=embed_dims[i], reduction=patch_size * 2 ** i)
+        self.feature_info = [dict(module=f'stages.{i}', num_chs=embed_dims[i], reduction=patch_size * 2 ** i)
                              for i in range(NUM_STAGES)]
+        OfficialKeys(_stage_key_to_official, _official_key_to_module, _official_rank).register(self)
 
-        for i in range(NUM_STAGES):
-            trunc_normal_(getattr(self, f'pos_embed{i + 1}'), std=.02)
+        for stage in self.stages:
+            trunc_normal_(stage.pos_embed, std=.02)
         if self.cls_token is not None:
             trunc_normal_(self.cls_token, std=.02)
         self.apply(init_weights)
@@ -177,68 +245,48 @@ class PyramidVisionTransformer(ZooModel):
 
     @torch.jit.ignore
     def group_matcher(self, coarse: bool = False) -> Dict[str, Any]:
-        stem = r'^patch_embed1\.|^pos_embed1$'
+        stem = r'^stages\.0\.(?:patch_embed|pos_embed)'
         if coarse:
-            return dict(stem=stem, blocks=[(r'^(?:block|patch_embed|pos_embed)(\d+)', None),
-                                           (r'^cls_token|^norm', (99999,))])
-        return dict(stem=stem, blocks=[(r'^block(\d+)\.(\d+)', None), (r'^(?:patch_embed|pos_embed)(\d+)', (0,)),
+            return dict(stem=stem, blocks=[(r'^stages\.(\d+)', None), (r'^cls_token|^norm', (99999,))])
+        return dict(stem=stem, blocks=[(r'^stages\.(\d+)\.blocks\.(\d+)', None),
+                                       (r'^stages\.(\d+)\.(?:patch_embed|pos_embed)', (0,)),
                                        (r'^cls_token|^norm', (99999,))])
-
-    def adapt_loaded_tensor(self, name: str, tensor: Tensor) -> Tensor:
-        """A checkpoint's `pos_embed{i}` of another square grid, resized bicubically (the class token's row kept)."""
-        if name.startswith('pos_embed'):
-            stage = int(name[len('pos_embed'):]) - 1
-            try:
-                return resize_grid_embedding(tensor, self.grid_sizes[stage], self._stage_prefix_tokens(stage))
-            except CheckpointError:
-                pass  # not a square grid with this model's prefix: the key check names it as mis-shaped
-        return tensor
 
     def _stage_grids(self, img_size: Grid) -> List[Grid]:
         """The token grid of every stage for images of `img_size`: the patch grid, halved by every stage."""
         patch = self.img_divisor // 2 ** (NUM_STAGES - 1)
         return [(img_size[0] // (patch * 2 ** i), img_size[1] // (patch * 2 ** i)) for i in range(NUM_STAGES)]
 
-    def _position_embedding(self, i: int, grid: Grid) -> Tensor:
-        """Stage i's position embedding on `grid`: its own, or resized bilinearly as the official model does."""
-        embedding = getattr(self, f'pos_embed{i + 1}')
-        if grid == self.grid_sizes[i]:
-            return embedding
-        return resample_grid_embedding(embedding, self.grid_sizes[i], grid, self._stage_prefix_tokens(i), 'bilinear')
-
     def _set_grids(self, img_size: Grid) -> None:
-        grids = self._stage_grids(img_size)
-        for i in range(self.num_stages):
-            embedding = getattr(self, f'pos_embed{i + 1}')
-            with torch.no_grad():
-                resized = self._position_embedding(i, grids[i])
-            setattr(self, f'pos_embed{i + 1}', nn.Parameter(resized, requires_grad=embedding.requires_grad))
-            for block in getattr(self, f'block{i + 1}'):
-                block.attn.set_grid(grids[i])
-        self.grid_sizes = grids
+        self.grid_sizes = self._stage_grids(img_size)
+        for stage, grid in zip(self.stages, self.grid_sizes):
+            stage.set_grid(grid)
 
     def _stage_prefix_tokens(self, i: int) -> int:
-        return self.num_prefix_tokens if i == NUM_STAGES - 1 else 0
+        return self.stages[i].num_prefix_tokens
 
-    def _run_stage(self, i: int, x: Tensor, grid: Grid) -> Tuple[Tensor, Grid]:
-        """Stage i on images (i = 0) or the previous stage's tokens: (B, [1 +] h*w, C_i), the class token first
-        in the last stage of the original PVT."""
-        if i:
-            x = tokens_to_image(x, grid)
-        patch_embed = getattr(self, f'patch_embed{i + 1}')
-        grid = (grid[0] // patch_embed.patch_size[0], grid[1] // patch_embed.patch_size[1])
-        x = patch_embed(x)
-        if self._stage_prefix_tokens(i):
-            x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)
-        x = getattr(self, f'pos_drop{i + 1}')(x + self._position_embedding(i, grid))
-        x = run_blocks(getattr(self, f'block{i + 1}'), x, grid, grad_checkpointing=self.grad_checkpointing)
-        return x, grid
+    def _run_stages(self, x: Tensor, num_stages: int,
+                    keep: List[int]) -> Tuple[Tensor, Grid, Dict[int, Tuple[Tensor, Grid]]]:
+        """Stage by stage: (B, [1 +] h*w, C_i) tokens, the class token joining the original PVT's last stage."""
+        grid = self._input_grid(x)
+        kept: Dict[int, Tuple[Tensor, Grid]] = {}
+        for i, stage in enumerate(self.stages):
+            if i < num_stages:
+                if i:
+                    x = tokens_to_image(x, grid)
+                grid = (grid[0] // stage.patch_embed.patch_size[0], grid[1] // stage.patch_embed.patch_size[1])
+                x = stage.patch_embed(x)
+                if i == self.num_stages - 1 and self.cls_token is not None:
+                    x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)
+                x = stage.pos_drop(x + stage.position_embedding(grid))
+                x = stage.blocks(x, grid, self.grad_checkpointing)
+                if i in keep:
+                    kept[i] = (x, grid)
+        return x, grid, kept
 
     def _prune_stages(self, num_stages: int) -> None:
         """Dropping the last stage drops the class token and the final norm with it."""
-        for i in range(num_stages, self.num_stages):
-            for name in (f'patch_embed{i + 1}', f'pos_embed{i + 1}', f'pos_drop{i + 1}', f'block{i + 1}'):
-                delattr(self, name)
+        self.stages = self.stages[:num_stages]
         self.cls_token = None
         self.num_prefix_tokens = 0
         self._init_output_fmt('NCHW')

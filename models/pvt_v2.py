@@ -7,9 +7,11 @@ projections), PVT v2's `linear=False` path: score-forming attentions reduce thei
 default, i.e. global attention over the stage), as FLatten-PVTv2 does. There is no absolute position embedding:
 the overlapping patch embeddings and the MLP's depthwise convolution carry the position.
 
-The official key names are kept (`patch_embed{i}.proj/norm`, `block{i}.{j}.{norm1,attn.*,norm2,mlp.fc1,
-mlp.dwconv.dwconv,mlp.fc2}`, `norm{i}`, `head`), so checkpoints of the official PVT v2 and FLatten-PVTv2 code load
-strictly; timm's own `pvt_v2_b*` layout (`stages.{i}.…`) is renamed to them on loading.
+The stages are `stages.{i}` modules (patch embedding, blocks, norm), which TorchScript loops over; the state dict
+keeps the official key names (`patch_embed{i}.proj/norm`, `block{i}.{j}.{norm1,attn.*,norm2,mlp.fc1,
+mlp.dwconv.dwconv,mlp.fc2}`, `norm{i}`, `head`) through `OfficialKeys`, so checkpoints of the official PVT v2 and
+FLatten-PVTv2 code load strictly; timm's own `pvt_v2_b*` layout (also `stages.{i}.…`, but with the downsampling
+at the stage's start and `patch_embed` as the stem) is renamed to the official keys on loading.
 
 `forward_features` returns the last stage's normed map as (B, C, H, W) (`output_fmt` 'NCHW'), as timm's PVT v2
 does. The model runs at the input size it was built for; with `dynamic_img_size=True` at any size (stage grids
@@ -22,7 +24,7 @@ except that the names of the official FLatten-PVTv2 models (`_OFFICIAL`) carry t
 import math
 import re
 from functools import partial
-from typing import Any, Dict, Optional, Sequence, Set, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple, Union
 
 import torch
 from torch import Tensor, nn
@@ -34,13 +36,13 @@ from .attention import build_attention, check_attn_kwargs, forms_score_matrix, l
 from .attention.layout import Grid, image_to_tokens, tokens_to_image
 from .checkpoint import filter_checkpoint
 from .family import (
-    FLATTEN_META, ZooModel, create_variant, imagenet_cfg, init_weights, register_variants, run_blocks, tsinghua_url,
+    FLATTEN_META, BlockStack, OfficialKeys, ZooModel, create_variant, imagenet_cfg, init_weights, register_variants,
+    tsinghua_url,
 )
 from .pvt import NUM_STAGES, check_stage_lists
 
-__all__ = ['PyramidVisionTransformerV2', 'OverlapPatchEmbed', 'DepthwiseConvMlp', 'PvtV2Block',
+__all__ = ['PyramidVisionTransformerV2', 'PvtV2Stage', 'OverlapPatchEmbed', 'DepthwiseConvMlp', 'PvtV2Block',
            'checkpoint_filter_fn']
-
 
 
 class OverlapPatchEmbed(nn.Module):
@@ -109,6 +111,42 @@ class PvtV2Block(nn.Module):
         """x: (B, H*W, C) over the grid `size` = (H, W) -> (B, H*W, C)."""
         x = x + self.drop_path(self.attn(self.norm1(x), size))
         return x + self.drop_path(self.mlp(self.norm2(x), size))
+
+
+class PvtV2Stage(nn.Module):
+    """One stage: overlapping patch embedding, blocks, norm. (B, C_in, H, W) -> (B, h*w, C) tokens on the grid
+    (h, w) it returns."""
+
+    def __init__(self, patch_embed: OverlapPatchEmbed, blocks: List[nn.Module], dim: int):
+        super().__init__()
+        self.patch_embed = patch_embed
+        self.blocks = BlockStack(*blocks)
+        self.norm = nn.LayerNorm(dim, eps=1e-6)
+
+    def forward(self, x: Tensor, grid: Grid, grad_checkpointing: bool = False) -> Tuple[Tensor, Grid]:
+        grid = self.patch_embed.output_grid(grid)
+        x = self.blocks(self.patch_embed(x), grid, grad_checkpointing)
+        return self.norm(x), grid
+
+
+_STAGE_KEY = re.compile(r'^stages\.(\d+)\.(patch_embed|blocks|norm)')
+_OFFICIAL_STAGE_KEY = re.compile(r'^(patch_embed|block|norm)(\d+)(?=\.|$)')
+
+
+def _stage_key_to_official(key: str) -> str:
+    """'stages.0.blocks.1.attn.q.weight' -> 'block1.1.attn.q.weight', 'stages.2.norm.bias' -> 'norm3.bias'."""
+    def stage(match: 're.Match') -> str:
+        part = 'block' if match.group(2) == 'blocks' else match.group(2)
+        return f'{part}{int(match.group(1)) + 1}'
+    return _STAGE_KEY.sub(stage, key)
+
+
+def _official_key_to_module(key: str) -> str:
+    """The inverse of `_stage_key_to_official`; other keys unchanged."""
+    def stage(match: 're.Match') -> str:
+        part = 'blocks' if match.group(1) == 'block' else match.group(1)
+        return f'stages.{int(match.group(2)) - 1}.{part}'
+    return _OFFICIAL_STAGE_KEY.sub(stage, key)
 
 
 def init_weights_pvt_v2(module: nn.Module) -> None:
@@ -184,13 +222,13 @@ class PyramidVisionTransformerV2(ZooModel):
         attn_kwargs = check_attn_kwargs([name for stage in names for name in stage], attn_kwargs)
         rates = iter(calculate_drop_path_rates(drop_path_rate, sum(depths)))
         grid = self.img_size
+        self.stages = nn.ModuleList()
         for i in range(NUM_STAGES):
             patch_size, stride = (7, 4) if i == 0 else (3, 2)
             dim = embed_dims[i]
             patch_embed = OverlapPatchEmbed(patch_size, stride, in_chans if i == 0 else embed_dims[i - 1], dim)
-            setattr(self, f'patch_embed{i + 1}', patch_embed)
             grid = patch_embed.output_grid(grid)
-            setattr(self, f'block{i + 1}', nn.ModuleList([
+            self.stages.append(PvtV2Stage(patch_embed, [
                 PvtV2Block(
                     dim,
                     build_attention(
@@ -198,11 +236,11 @@ class PyramidVisionTransformerV2(ZooModel):
                         sr_ratio=sr_ratios[i] if forms_score_matrix(name) else la_sr_ratios[i],
                         attn_drop=attn_drop_rate, proj_drop=drop_rate),
                     mlp_ratio=mlp_ratios[i], drop=drop_rate, drop_path=next(rates))
-                for name in names[i]]))
-            setattr(self, f'norm{i + 1}', nn.LayerNorm(dim, eps=1e-6))
+                for name in names[i]], dim))
         self.head = nn.Linear(embed_dims[-1], num_classes) if num_classes > 0 else nn.Identity()
-        self.feature_info = [dict(module=f'norm{i + 1}', num_chs=embed_dims[i], reduction=4 * 2 ** i)
+        self.feature_info = [dict(module=f'stages.{i}', num_chs=embed_dims[i], reduction=4 * 2 ** i)
                              for i in range(NUM_STAGES)]
+        OfficialKeys(_stage_key_to_official, _official_key_to_module).register(self)
         self.apply(init_weights_pvt_v2)
 
     @torch.jit.ignore
@@ -212,42 +250,45 @@ class PyramidVisionTransformerV2(ZooModel):
 
     @torch.jit.ignore
     def group_matcher(self, coarse: bool = False) -> Dict[str, Any]:
-        stem = r'^patch_embed1\.'
+        stem = r'^stages\.0\.patch_embed'
         if coarse:
-            return dict(stem=stem, blocks=[(r'^(?:block|patch_embed|norm)(\d+)', None)])
-        return dict(stem=stem, blocks=[(r'^block(\d+)\.(\d+)', None), (r'^(?:patch_embed|norm)(\d+)', (0,))])
+            return dict(stem=stem, blocks=r'^stages\.(\d+)')
+        return dict(stem=stem, blocks=[(r'^stages\.(\d+)\.blocks\.(\d+)', None),
+                                       (r'^stages\.(\d+)\.(?:patch_embed|norm)', (0,))])
 
     def _set_grids(self, img_size: Grid) -> None:
         grid = img_size
-        for i in range(self.num_stages):
-            grid = getattr(self, f'patch_embed{i + 1}').output_grid(grid)
-            for block in getattr(self, f'block{i + 1}'):
+        for stage in self.stages:
+            grid = stage.patch_embed.output_grid(grid)
+            for block in stage.blocks:
                 block.attn.set_grid(grid)
 
     def _final_norm(self, x: Tensor) -> Tensor:
-        # every stage ends in its own norm{i}, the last one included
+        # every stage ends in its own norm, the last one included
         return x
 
-    def _run_stage(self, i: int, x: Tensor, grid: Grid) -> Tuple[Tensor, Grid]:
-        """Stage i on images (i = 0) or the previous stage's tokens: (B, h*w, C_i) after the stage's norm."""
-        if i:
-            x = tokens_to_image(x, grid)
-        patch_embed = getattr(self, f'patch_embed{i + 1}')
-        grid = patch_embed.output_grid(grid)
-        x = patch_embed(x)
-        x = run_blocks(getattr(self, f'block{i + 1}'), x, grid, grad_checkpointing=self.grad_checkpointing)
-        return getattr(self, f'norm{i + 1}')(x), grid
+    def _run_stages(self, x: Tensor, num_stages: int,
+                    keep: List[int]) -> Tuple[Tensor, Grid, Dict[int, Tuple[Tensor, Grid]]]:
+        """Stage by stage: (B, h*w, C_i) tokens after the stage's norm."""
+        grid = self._input_grid(x)
+        kept: Dict[int, Tuple[Tensor, Grid]] = {}
+        for i, stage in enumerate(self.stages):
+            if i < num_stages:
+                if i:
+                    x = tokens_to_image(x, grid)
+                x, grid = stage(x, grid, self.grad_checkpointing)
+                if i in keep:
+                    kept[i] = (x, grid)
+        return x, grid, kept
 
     def _prune_stages(self, num_stages: int) -> None:
-        for i in range(num_stages, self.num_stages):
-            for name in (f'patch_embed{i + 1}', f'block{i + 1}', f'norm{i + 1}'):
-                delattr(self, name)
+        self.stages = self.stages[:num_stages]
 
 
 _TIMM_STAGE_KEY = re.compile(r'^stages\.(\d+)\.(blocks|downsample|norm)')
 
 
-def _official_key(key: str) -> str:
+def _timm_key_to_official(key: str) -> str:
     """A key of timm's `pvt_v2_b*` layout under its official name (timm's `stages.{i}` nesting undone)."""
     if key.startswith('patch_embed.'):
         return 'patch_embed1.' + key[len('patch_embed.'):]
@@ -263,7 +304,7 @@ def _official_key(key: str) -> str:
 def _from_timm_layout(state_dict: Dict[str, Tensor]) -> Dict[str, Tensor]:
     if 'patch_embed.proj.weight' not in state_dict:
         return state_dict
-    return {_official_key(k): v for k, v in state_dict.items()}
+    return {_timm_key_to_official(k): v for k, v in state_dict.items()}
 
 
 def checkpoint_filter_fn(state_dict: Dict[str, Tensor], model: PyramidVisionTransformerV2) -> Dict[str, Tensor]:

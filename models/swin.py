@@ -32,8 +32,8 @@ from .attention import build_attention, check_attn_kwargs, forms_score_matrix, l
 from .attention.layout import Grid
 from .checkpoint import filter_checkpoint
 from .family import (
-    FLATTEN_META, INLINE_META, Block, ZooModel, check_arguments, create_variant, imagenet_cfg, init_weights,
-    register_variants, run_blocks, tsinghua_url,
+    FLATTEN_META, INLINE_META, Block, BlockStack, ZooModel, check_arguments, create_variant, imagenet_cfg,
+    init_weights, register_variants, tsinghua_url,
 )
 
 __all__ = ['SwinTransformer', 'checkpoint_filter_fn']
@@ -93,7 +93,7 @@ class SwinStage(nn.Module):
                 window_size=grid_size if window is None else window,
                 shift_size=window // 2 if window is not None and j % 2 else 0, attn_drop=attn_drop, proj_drop=drop)
             blocks.append(Block(dim, attn, mlp_ratio=mlp_ratio, drop=drop, drop_path=drop_path[j]))
-        self.blocks = nn.ModuleList(blocks)
+        self.blocks = BlockStack(*blocks)
         self.downsample = PatchMerging(dim) if downsample else None
 
     def set_grid(self, grid: Grid) -> None:
@@ -216,17 +216,23 @@ class SwinTransformer(ZooModel):
         for stage, grid in zip(self.layers, self._stage_grids(img_size)):
             stage.set_grid(grid)
 
-    def _run_stage(self, i: int, x: Tensor, grid: Grid) -> Tuple[Tensor, Grid]:
-        """Stage i's blocks on the embedded images (i = 0) or on the previous stage's merged patches; the output
-        is taken before this stage's own patch merging."""
-        if i == 0:
-            x = self.pos_drop(self.patch_embed(x))
-            grid = (grid[0] // self.img_divisor, grid[1] // self.img_divisor)
-        else:
-            x = self.layers[i - 1].downsample(x, grid)
-            grid = merged_grid(grid)
-        x = run_blocks(self.layers[i].blocks, x, grid, grad_checkpointing=self.grad_checkpointing)
-        return x, grid
+    def _run_stages(self, x: Tensor, num_stages: int,
+                    keep: List[int]) -> Tuple[Tensor, Grid, Dict[int, Tuple[Tensor, Grid]]]:
+        """The embedded images through each stage's blocks; a stage's output is taken before its own patch
+        merging, which the next stage's input goes through."""
+        image = self._input_grid(x)
+        x = self.pos_drop(self.patch_embed(x))
+        grid = (image[0] // self.img_divisor, image[1] // self.img_divisor)
+        kept: Dict[int, Tuple[Tensor, Grid]] = {}
+        for i, stage in enumerate(self.layers):
+            if i < num_stages:
+                x = stage.blocks(x, grid, self.grad_checkpointing)
+                if i in keep:
+                    kept[i] = (x, grid)
+                if i + 1 < num_stages and stage.downsample is not None:
+                    x = stage.downsample(x, grid)
+                    grid = merged_grid(grid)
+        return x, grid, kept
 
     def _prune_stages(self, num_stages: int) -> None:
         self.layers = self.layers[:num_stages]

@@ -19,10 +19,11 @@ the input size it was built for; with `dynamic_img_size=True` at any size whose 
 such a size the model's own. A checkpoint of another size is adapted on loading by the same resampling.
 """
 from functools import partial
-from typing import Any, Dict, Optional, Sequence, Set, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple, Union
 
 import torch
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from timm.layers import PatchEmbed, calculate_drop_path_rates, global_pool_nlc, to_2tuple, trunc_normal_
 from timm.models import generate_default_cfgs
@@ -33,7 +34,7 @@ from .attention.multimax import multimax_modulation
 from .checkpoint import CheckpointError, filter_checkpoint, resample_grid_embedding, resize_grid_embedding
 from .family import (
     INLINE_META, Block, ZooModel, check_arguments, create_variant, imagenet_cfg, init_weights, register_variants,
-    run_blocks, tsinghua_url,
+    tsinghua_url,
 )
 
 __all__ = ['DeiT', 'checkpoint_filter_fn']
@@ -179,17 +180,26 @@ class DeiT(ZooModel):
         for block in self.blocks:
             block.attn.set_grid(grid)
 
-    def _run_stage(self, i: int, x: Tensor, grid: Grid) -> Tuple[Tensor, Grid]:
-        """Block i; the first embeds the images (of size `grid`) and adds the class token and position
-        embedding."""
-        if i == 0:
-            x = self.patch_embed(x)
-            grid = (grid[0] // self.img_divisor, grid[1] // self.img_divisor)
-            if self.cls_token is not None:
-                x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)
-            x = self.pos_drop(x + self._position_embedding(grid))
-        x = run_blocks(self.blocks[i:i + 1], x, grid, grad_checkpointing=self.grad_checkpointing)
-        return x, grid
+    def _run_stages(self, x: Tensor, num_stages: int,
+                    keep: List[int]) -> Tuple[Tensor, Grid, Dict[int, Tuple[Tensor, Grid]]]:
+        """The patch embedding with the class token and position embedding, then the first `num_stages` blocks
+        (each a stage)."""
+        image = self._input_grid(x)
+        x = self.patch_embed(x)
+        grid = (image[0] // self.img_divisor, image[1] // self.img_divisor)
+        if self.cls_token is not None:
+            x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)
+        x = self.pos_drop(x + self._position_embedding(grid))
+        kept: Dict[int, Tuple[Tensor, Grid]] = {}
+        for i, block in enumerate(self.blocks):
+            if i < num_stages:
+                if self.grad_checkpointing and not torch.jit.is_scripting():
+                    x = checkpoint(block, x, grid, use_reentrant=False)
+                else:
+                    x = block(x, grid)
+                if i in keep:
+                    kept[i] = (x, grid)
+        return x, grid, kept
 
     def _prune_stages(self, num_stages: int) -> None:
         self.blocks = self.blocks[:num_stages]

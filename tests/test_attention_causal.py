@@ -16,7 +16,7 @@ from models.attention.linear import causal_linear_attention
 from models.attention.multimax import multimax_attention
 from models.attention.softmax import softmax_attention
 from reference import (
-    SPEC_RANGES, SPEC_TS, dense, later_keys, max_abs_err, naive_causal_softmax, naive_sigma, naive_softmax,
+    SPEC_RANGES, SPEC_TS, dense, later_keys, max_abs_err, naive_causal_softmax, naive_sigma,
 )
 
 CAUSAL = ('softmax', 'multimax', 'additive', 'linear')

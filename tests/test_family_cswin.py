@@ -268,7 +268,7 @@ def test_official_key_shapes(name, shapes):
 
 
 def test_stripe_rules():
-    windows = lambda model, s: [a.window for a in getattr(model, f'stage{s}')[0].attn.attns]
+    windows = lambda model, s: [a.window for a in model.stages[s - 1].blocks[0].attn.attns]
     original = meta_model('softmax_cswin_tiny')
     assert [windows(original, s) for s in (1, 2, 3, 4)] == [
         [(56, 1), (1, 56)], [(28, 2), (2, 28)], [(14, 7), (7, 14)], [None]]
@@ -278,7 +278,7 @@ def test_stripe_rules():
     assert windows(meta_model('inline_cswin_tiny', la_split_size='28-28-14-7'), 1) == [(56, 28), (28, 56)]
     assert windows(meta_model('inline_cswin_tiny', la_split_size=[28, 28, 14, 7]), 1) == [(56, 28), (28, 56)]
     mixed = meta_model('inline_cswin_tiny', attn_type='IIMS2')
-    assert [b.attn.attention_name for b in mixed.stage3[:3]] == ['inline', 'inline', 'softmax']
+    assert [b.attn.attention_name for b in mixed.stages[2].blocks[:3]] == ['inline', 'inline', 'softmax']
     assert windows(mixed, 3) == [None]
     assert all(windows(meta_model('sima_cswin_tiny'), s) == [None] for s in (1, 2, 3, 4))
 
@@ -320,10 +320,10 @@ def test_pretrained_cfgs():
 def test_layer_norm_eps_drop_path_rule_and_init():
     model = timm.create_model('flatten_cswin_tiny', drop_path_rate=0.3, **TINY)
     assert all(m.eps == 1e-5 for m in model.modules() if isinstance(m, nn.LayerNorm))
-    rates = [getattr(b.drop_path, 'drop_prob', 0.) for s in (1, 2, 3, 4) for b in getattr(model, f'stage{s}')]
+    rates = [getattr(b.drop_path, 'drop_prob', 0.) for s in (1, 2, 3, 4) for b in model.stages[s - 1].blocks]
     assert rates == pytest.approx(torch.linspace(0, 0.3, 5).tolist())
     assert torch.equal(model.head.bias, torch.zeros(10)) and torch.equal(model.norm.weight, torch.ones(128))
-    assert torch.equal(model.stage1[0].attn.attns[0].mixer.positional_encoding, torch.zeros(1, 64, 16))
+    assert torch.equal(model.stages[0].blocks[0].attn.attns[0].mixer.positional_encoding, torch.zeros(1, 64, 16))
 
 
 # ----------------------------------------------------------------------------------------- checkpoints
@@ -360,7 +360,7 @@ def test_state_dict_hooks_round_trip_and_copies():
         assert torch.equal(copy.deepcopy(model)(x), model(x))
     state = model.state_dict()
     del state['stage2.0.qkv.weight']
-    with pytest.raises(RuntimeError, match='stage2.0.attn.qkv.weight'):
+    with pytest.raises(RuntimeError, match=r'stages\.1\.blocks\.0\.attn\.qkv\.weight'):
         clone.load_state_dict(state)
 
 
@@ -416,7 +416,7 @@ def test_features_only_and_intermediates():
     x = torch.randn(2, 3, 32, 32)
     assert [tuple(f.shape) for f in features(x)] == [(2, 16, 8, 8), (2, 32, 4, 4), (2, 64, 2, 2), (2, 128, 1, 1)]
     pruned = timm.create_model('softmax_cswin_tiny', features_only=True, out_indices=(1,), **TINY)
-    assert len(pruned.model.stage3) == 0 and isinstance(pruned.model.merge2, nn.Identity)
+    assert len(pruned.model.stages) == 2
     assert [tuple(f.shape) for f in pruned(x)] == [(2, 32, 4, 4)]
 
     model = randomize(timm.create_model('softmax_cswin_tiny', **TINY)).eval()
@@ -445,10 +445,11 @@ def test_classifier_weight_decay_groups_and_grad_checkpointing():
     model = randomize(timm.create_model('inline_cswin_tiny', **TINY))
     assert model.no_weight_decay() == set()
     groups = list(timm.models.group_parameters(model, model.group_matcher()).values())
-    # stem, 5 blocks (a merge or the final norm joins the block before it), head
-    assert len(groups) == 7 and groups[0][0] == 'stage1_conv_embed.0.weight'
-    assert 'merge1.conv.weight' in groups[1] and 'norm.weight' in groups[5] and groups[6] == ['head.weight',
-                                                                                               'head.bias']
+    # stem, 5 blocks (a merge joins the first block of its stage, as timm's Swin downsampling; the final norm the
+    # last block), head; parameter names are the module's (`stages.{i}.embed` is the official `merge{i}`)
+    assert len(groups) == 7 and groups[0][0] == 'stages.0.embed.0.weight'
+    assert {'stages.1.embed.conv.weight', 'stages.1.blocks.0.norm1.weight'} <= set(groups[2])
+    assert groups[5][-2:] == ['norm.weight', 'norm.bias'] and groups[6] == ['head.weight', 'head.bias']
     x = torch.randn(2, 3, 32, 32)
     model(x).sum().backward()
     grads = [p.grad.clone() for p in model.parameters()]

@@ -49,7 +49,7 @@ def golden_model(spec: dict) -> PyramidVisionTransformer:
 def test_golden_inline_pvt_iiis_float64_and_float32():
     data = load_golden('inline_pvt_like_IIIS')
     model = golden_model(data['spec']).eval()
-    assert [type(getattr(model, f'block{i}')[0].attn.mixer) for i in range(1, 5)] == [InLineMixer] * 3 + [
+    assert [type(model.stages[i - 1].blocks[0].attn.mixer) for i in range(1, 5)] == [InLineMixer] * 3 + [
         SoftmaxMixer]
     model.load_state_dict(data['state_dict'], strict=True)
     with torch.no_grad():
@@ -69,7 +69,7 @@ def test_golden_inline_pvt_through_checkpoint_filter():
 
 def reference_original_pvt(model: PyramidVisionTransformer, x: torch.Tensor) -> torch.Tensor:
     """The original PVT v1 forward written out with explicit per-head score matrices, from the model's weights."""
-    p = dict(model.named_parameters())
+    p = model.state_dict()
     B = x.shape[0]
     for s in range(1, 5):
         conv = p[f'patch_embed{s}.proj.weight']
@@ -80,10 +80,10 @@ def reference_original_pvt(model: PyramidVisionTransformer, x: torch.Tensor) -> 
         if s == 4:
             x = torch.cat([p['cls_token'].expand(B, -1, -1), x], dim=1)
         x = x + p[f'pos_embed{s}']
-        for j in range(len(getattr(model, f'block{s}'))):
+        for j in range(len(model.stages[s - 1].blocks)):
             b = f'block{s}.{j}.'
             C = x.shape[-1]
-            heads = getattr(model, f'block{s}')[j].attn.num_heads
+            heads = model.stages[s - 1].blocks[j].attn.num_heads
             y = F.layer_norm(x, (C,), p[b + 'norm1.weight'], p[b + 'norm1.bias'], eps=1e-6)
             q = y @ p[b + 'attn.q.weight'].T + p[b + 'attn.q.bias']
             if b + 'attn.sr.weight' in p:
@@ -169,8 +169,8 @@ def test_variants_share_the_original_architecture(size):
         keys = model.state_dict()
         assert not any('.attn.sr.' in k for k in keys), 'linear attentions use la_sr_ratios 1'
         assert keys['pos_embed4'].shape == (1, 50, 512) and 'cls_token' in keys and 'norm.weight' in keys
-        assert [getattr(model, f'block{i}')[0].attn.num_heads for i in range(1, 5)] == [1, 2, 5, 8]
-        assert [len(getattr(model, f'block{i}')) for i in range(1, 5)] == DEPTHS[size]
+        assert [model.stages[i - 1].blocks[0].attn.num_heads for i in range(1, 5)] == [1, 2, 5, 8]
+        assert [len(model.stages[i - 1].blocks) for i in range(1, 5)] == DEPTHS[size]
 
 
 def test_original_keys_and_shapes():
@@ -199,7 +199,7 @@ def test_inline_and_flatten_keys():
     assert [tuple(keys[f'block{i}.0.attn.positional_encoding'].shape) for i in range(1, 5)] == [
         (1, 3136, 64), (1, 784, 128), (1, 196, 320), (1, 49, 512)]
     assert keys['block3.1.attn.dwc.weight'].shape == (64, 1, 5, 5)
-    assert all(isinstance(b.attn.mixer, FocusedLinearMixer) for i in range(1, 5) for b in getattr(flatten, f'block{i}'))
+    assert all(isinstance(b.attn.mixer, FocusedLinearMixer) for i in range(1, 5) for b in flatten.stages[i - 1].blocks)
 
 
 def test_flatten_official_checkpoint_with_its_unused_final_norm_loads_and_every_parameter_trains(tmp_path):
@@ -219,33 +219,33 @@ def test_flatten_official_checkpoint_with_its_unused_final_norm_loads_and_every_
 
 def test_sr_ratios_apply_to_score_forming_and_la_sr_ratios_to_linear_attentions():
     model = timm.create_model('inline_pvt_tiny', **dict(TINY, attn_type='IISS', sr_ratios=[8, 4, 2, 2]))
-    assert [getattr(model, f'block{i}')[0].attn.sr_ratio for i in range(1, 5)] == [1, 1, 2, 2]
+    assert [model.stages[i - 1].blocks[0].attn.sr_ratio for i in range(1, 5)] == [1, 1, 2, 2]
     sima = timm.create_model('sima_pvt_tiny', **dict(TINY, la_sr_ratios='2111'))
-    assert [getattr(sima, f'block{i}')[0].attn.sr_ratio for i in range(1, 5)] == [2, 1, 1, 1]
-    assert sima.block1[0].attn.sr.kernel_size == (2, 2)
+    assert [sima.stages[i - 1].blocks[0].attn.sr_ratio for i in range(1, 5)] == [2, 1, 1, 1]
+    assert sima.stages[0].blocks[0].attn.sr.kernel_size == (2, 2)
     assert sima(torch.randn(1, 3, 64, 64)).shape == (1, 10)
 
 
 def test_flatten_options_reach_only_flatten_attentions():
     flatten = timm.create_model('flatten_pvt_tiny', **dict(TINY, focusing_factor=2, kernel_size=3))
-    assert flatten.block2[0].attn.mixer.dwc.kernel_size == (3, 3) and flatten.block2[0].attn.mixer.focusing_factor == 2
+    assert flatten.stages[1].blocks[0].attn.mixer.dwc.kernel_size == (3, 3) and flatten.stages[1].blocks[0].attn.mixer.focusing_factor == 2
     inline = timm.create_model('inline_pvt_tiny', **dict(TINY, attn_type='LLIS', kernel_size=3))
-    assert inline.block1[0].attn.mixer.dwc.kernel_size == (3, 3)
-    assert isinstance(inline.block3[0].attn.mixer, InLineMixer)
+    assert inline.stages[0].blocks[0].attn.mixer.dwc.kernel_size == (3, 3)
+    assert isinstance(inline.stages[2].blocks[0].attn.mixer, InLineMixer)
 
 
 def test_heads_and_layer_norm_eps():
     inline, flatten = meta_model('inline_pvt_small'), meta_model('flatten_pvt_small')
-    assert [getattr(inline, f'block{i}')[0].attn.num_heads for i in range(1, 5)] == [2, 4, 10, 16]
-    assert [getattr(flatten, f'block{i}')[0].attn.num_heads for i in range(1, 5)] == [1, 2, 5, 8]
+    assert [inline.stages[i - 1].blocks[0].attn.num_heads for i in range(1, 5)] == [2, 4, 10, 16]
+    assert [flatten.stages[i - 1].blocks[0].attn.num_heads for i in range(1, 5)] == [1, 2, 5, 8]
     original = meta_model('softmax_pvt_tiny')
-    assert original.block1[0].norm1.eps == 1e-6 and original.norm.eps == 1e-6
-    assert original.patch_embed1.norm.eps == 1e-5 and original.block1[0].attn.norm.eps == 1e-5
+    assert original.stages[0].blocks[0].norm1.eps == 1e-6 and original.norm.eps == 1e-6
+    assert original.stages[0].patch_embed.norm.eps == 1e-5 and original.stages[0].blocks[0].attn.norm.eps == 1e-5
 
 
 def test_drop_path_rises_linearly_over_all_blocks():
     model = timm.create_model('inline_pvt_tiny', **dict(TINY, depths=[1, 2, 1, 1], drop_path_rate=0.4))
-    rates = [getattr(b.drop_path, 'drop_prob', 0.) for i in range(1, 5) for b in getattr(model, f'block{i}')]
+    rates = [getattr(b.drop_path, 'drop_prob', 0.) for i in range(1, 5) for b in model.stages[i - 1].blocks]
     assert rates == pytest.approx([0., 0.1, 0.2, 0.3, 0.4])
 
 
@@ -463,10 +463,10 @@ def test_checkpoint_at_another_resolution_is_resized(tmp_path, name):
     prefix = 1 if name == 'softmax_pvt_tiny' else 0
     for i, (side, new_side) in enumerate(zip((16, 8, 4, 2), (24, 12, 6, 3))):
         stage_prefix = prefix if i == 3 else 0
-        expected = bicubic(getattr(source, f'pos_embed{i + 1}').detach(), side, new_side, stage_prefix)
-        assert torch.allclose(getattr(model, f'pos_embed{i + 1}'), expected, atol=1e-6)
+        expected = bicubic(source.stages[i].pos_embed.detach(), side, new_side, stage_prefix)
+        assert torch.allclose(model.stages[i].pos_embed, expected, atol=1e-6)
         if name == 'flatten_pvt_tiny':
-            encoding = getattr(source, f'block{i + 1}')[0].attn.mixer.positional_encoding.detach()
-            assert torch.allclose(getattr(model, f'block{i + 1}')[0].attn.mixer.positional_encoding,
+            encoding = source.stages[i].blocks[0].attn.mixer.positional_encoding.detach()
+            assert torch.allclose(model.stages[i].blocks[0].attn.mixer.positional_encoding,
                                   bicubic(encoding, side, new_side), atol=1e-6)
     assert model(torch.randn(1, 3, 96, 96)).shape == (1, 10)

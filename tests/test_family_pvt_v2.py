@@ -81,16 +81,16 @@ def test_flatten_pvt_v2_parameter_count_and_keys_are_the_official_ones(size):
     assert [(k, tuple(v.shape)) for k, v in model.state_dict().items()] == list(expected.items())
     assert sum(map(lambda shape: torch.Size(shape).numel(), expected.values())) == FLATTEN_COUNTS[size]
     assert all(isinstance(b.attn.mixer, FocusedLinearMixer) and b.attn.sr_ratio == 1
-               for i in range(1, 5) for b in getattr(model, f'block{i}'))
+               for i in range(1, 5) for b in model.stages[i - 1].blocks)
 
 
 def test_flatten_pvt_v2_b0_has_the_186_keys_of_the_release():
     model = meta_model('flatten_pvt_v2_b0')
     assert len(model.state_dict()) == 186
-    mixer = model.block1[0].attn.mixer
+    mixer = model.stages[0].blocks[0].attn.mixer
     assert mixer.focusing_factor == 3 and mixer.dwc.kernel_size == (5, 5) and mixer.dwc.padding == (2, 2)
-    assert [getattr(model, f'block{i}')[0].attn.num_heads for i in range(1, 5)] == [1, 2, 5, 8]
-    assert model.patch_embed1.norm.eps == 1e-5 and model.block1[0].norm1.eps == 1e-6 and model.norm4.eps == 1e-6
+    assert [model.stages[i - 1].blocks[0].attn.num_heads for i in range(1, 5)] == [1, 2, 5, 8]
+    assert model.stages[0].patch_embed.norm.eps == 1e-5 and model.stages[0].blocks[0].norm1.eps == 1e-6 and model.stages[3].norm.eps == 1e-6
 
 
 def test_flatten_pvt_v2_built_from_the_official_constructor_arguments():
@@ -117,10 +117,10 @@ def reference_flatten_pvt_v2(model: PyramidVisionTransformerV2, x: torch.Tensor,
         x = F.conv2d(x, conv, p[f'patch_embed{s}.proj.bias'], stride=stride, padding=conv.shape[-1] // 2)
         H, W = x.shape[-2:]
         x = layer_norm(x.flatten(2).mT, p, f'patch_embed{s}.norm', 1e-5)
-        for j in range(len(getattr(model, f'block{s}'))):
+        for j in range(len(model.stages[s - 1].blocks)):
             b = f'block{s}.{j}.'
             C = x.shape[-1]
-            heads = getattr(model, f'block{s}')[j].attn.num_heads
+            heads = model.stages[s - 1].blocks[j].attn.num_heads
             d = C // heads
             y = layer_norm(x, p, b + 'norm1', 1e-6)
             q = y @ p[b + 'attn.q.weight'].T + p[b + 'attn.q.bias']
@@ -211,10 +211,10 @@ def test_softmax_pvt_v2_official_keys():
 @pytest.mark.parametrize('size', ['b0', 'b2'])
 def test_every_attention_keeps_the_pvt_v2_body(size):
     base = meta_model(f'softmax_pvt_v2_{size}')
-    depths = [len(getattr(base, f'block{i}')) for i in range(1, 5)]
+    depths = [len(base.stages[i - 1].blocks) for i in range(1, 5)]
     multimax = meta_model(f'multimax_pvt_v2_{size}')
     assert count(multimax) == count(base) + 8 * sum(depths)
-    assert all(isinstance(b.attn.mixer, MultiMaxMixer) for i in range(1, 5) for b in getattr(multimax, f'block{i}'))
+    assert all(isinstance(b.attn.mixer, MultiMaxMixer) for i in range(1, 5) for b in multimax.stages[i - 1].blocks)
     for attn in ('sima', 'additive', 'inline'):
         keys = meta_model(f'{attn}_pvt_v2_{size}').state_dict()
         assert not any('.attn.sr.' in k for k in keys), 'linear attentions use la_sr_ratios 1'
@@ -222,25 +222,25 @@ def test_every_attention_keeps_the_pvt_v2_body(size):
 
 def test_any_attention_in_any_stage():
     model = timm.create_model('softmax_pvt_v2_b0', **dict(TINY, attn_type=['inline', 'flatten', 'multimax', 'sima']))
-    assert [getattr(model, f'block{i}')[0].attn.attention_name for i in range(1, 5)] == [
+    assert [model.stages[i - 1].blocks[0].attn.attention_name for i in range(1, 5)] == [
         'inline', 'flatten', 'multimax', 'sima']
-    assert [getattr(model, f'block{i}')[0].attn.sr_ratio for i in range(1, 5)] == [1, 1, 2, 1]
+    assert [model.stages[i - 1].blocks[0].attn.sr_ratio for i in range(1, 5)] == [1, 1, 2, 1]
     assert model(torch.randn(1, 3, 64, 64)).shape == (1, 7)
 
 
 def test_initialisation_is_the_official_one():
     torch.manual_seed(0)
     model = timm.create_model('softmax_pvt_v2_b1', depths=[1, 1, 1, 1]).requires_grad_(False)
-    proj = model.patch_embed1.proj
+    proj = model.stages[0].patch_embed.proj
     assert proj.weight.std().item() == pytest.approx((2 / (7 * 7 * 64)) ** 0.5, rel=0.05)
     assert float(proj.bias.abs().max()) == 0
-    assert model.block1[0].mlp.fc1.weight.std().item() == pytest.approx(0.02, rel=0.05)
-    assert model.block1[0].mlp.dwconv.dwconv.weight.std().item() == pytest.approx((2 / 9) ** 0.5, rel=0.05)
+    assert model.stages[0].blocks[0].mlp.fc1.weight.std().item() == pytest.approx(0.02, rel=0.05)
+    assert model.stages[0].blocks[0].mlp.dwconv.dwconv.weight.std().item() == pytest.approx((2 / 9) ** 0.5, rel=0.05)
 
 
 def test_drop_path_rises_linearly_over_all_blocks():
     model = timm.create_model('softmax_pvt_v2_b0', **dict(TINY, drop_path_rate=0.4))
-    rates = [getattr(b.drop_path, 'drop_prob', 0.) for i in range(1, 5) for b in getattr(model, f'block{i}')]
+    rates = [getattr(b.drop_path, 'drop_prob', 0.) for i in range(1, 5) for b in model.stages[i - 1].blocks]
     assert rates == pytest.approx([0., 0.1, 0.2, 0.3, 0.4])
 
 

@@ -2,8 +2,8 @@
 
 - FX: every registered model traces with timm's tracer settings (its leaf modules and wrapped functions, as
   timm's feature extraction uses them) and the traced module gives the eager outputs;
-- TorchScript: every attention scripts in every grouping, and the FX graph of every family with every attention
-  scripts; both give the eager outputs;
+- TorchScript: every attention scripts in every grouping, and every family with every attention scripts whole,
+  as timm's own model tests script it, and so does its FX graph; all give the eager outputs;
 - torch.export with a dynamic batch, for every family with every attention: one exported program runs at two
   batch sizes and gives the eager outputs; MultiMax's row-block path exports too;
 - ONNX (torch.onnx dynamo export) of the same programs, run in onnxruntime within 1e-4 of eager.
@@ -151,7 +151,8 @@ def test_export_dynamic_batch_and_onnx_match_eager(family, attn_type, tmp_path):
     path = tmp_path / 'model.onnx'
     with warnings.catch_warnings():
         warnings.simplefilter('ignore')
-        torch.onnx.export(program, (images(model, 2),), str(path), dynamo=True, verbose=False)
+        # optimize=False: the graph as exported, which onnxruntime optimises itself; a third less conversion time
+        torch.onnx.export(program, (images(model, 2),), str(path), dynamo=True, verbose=False, optimize=False)
     session = onnxruntime.InferenceSession(str(path), providers=['CPUExecutionProvider'])
     (input_name,) = [i.name for i in session.get_inputs()]
     for x, y in zip(batches, expected):
@@ -180,6 +181,21 @@ def test_multimax_row_blocks_export_with_dynamic_batch(monkeypatch, grad_enabled
         for batch_size in (1, 3):
             x = images(model, batch_size)
             torch.testing.assert_close(exported(x), model(x), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize('family, attn_type', export_cases())
+def test_torchscript_of_the_whole_model_matches_eager(family, attn_type):
+    # timm's TorchScript contract: the model itself scripts, stage loops and all; a second input size checks
+    # that no grid was frozen into the scripted model under dynamic_img_size
+    model = tiny_model(family_model(family), attn_type=attn_type, dynamic_img_size=True,
+                       **EXPORT_SIZES.get(family, {}))
+    with timm.layers.set_scriptable(True):
+        scripted = torch.jit.script(model)
+    size = model.img_size
+    larger = torch.randn(1, 3, size[0] * 2, size[1] * 2)
+    with torch.no_grad():
+        for x in (images(model, 2), larger):
+            torch.testing.assert_close(scripted(x), model(x), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize('family, attn_type', export_cases())

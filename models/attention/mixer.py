@@ -16,7 +16,7 @@ backbone passes one `attn_kwargs` dict and each mixer takes the options it decla
 """
 import contextlib
 import inspect
-from typing import Any, ClassVar, ContextManager, Dict, List, NamedTuple, Optional, Tuple
+from typing import Any, ClassVar, ContextManager, Dict, NamedTuple, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
