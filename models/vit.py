@@ -114,7 +114,8 @@ class DeiT(ZooModel):
         check_arguments(
             sizes=dict(img_size=img_size, patch_size=patch_size, in_chans=in_chans, embed_dim=embed_dim,
                        num_heads=num_heads),
-            counts=dict(num_classes=num_classes, depth=depth), ratios=dict(mlp_ratio=mlp_ratio, init_values=init_values),
+            counts=dict(num_classes=num_classes, depth=depth),
+            ratios=dict(mlp_ratio=mlp_ratio, init_values=init_values),
             rates=dict(drop_rate=drop_rate, attn_drop_rate=attn_drop_rate, drop_path_rate=drop_path_rate))
         self.in_chans = in_chans
         self.num_classes = num_classes
