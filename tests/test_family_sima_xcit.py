@@ -109,7 +109,7 @@ def test_parameter_counts_are_the_official_ones(name):
     assert all(b.tokens_norm == tokens_norm for b in model.cls_attn_blocks)
 
 
-@pytest.mark.parametrize('size', ['small_12', 'large_24'])
+@pytest.mark.parametrize('size', ['small_12', 'tiny_24'])
 def test_counts_are_timm_xcit_less_the_attention_temperatures(size):
     """SimA is XCiT without the per-head temperature of its attention (timm splits the class attention's qkv into
     q, k, v, with the same parameters)."""
@@ -300,6 +300,20 @@ def test_training_mode_returns_plain_logits():
     assert isinstance(out, torch.Tensor) and out.shape == (2, 7)
     out.logsumexp(-1).mean().backward()
     assert all(p.grad is not None for p in model.parameters())
+
+
+def test_bfloat16_model_follows_float32():
+    """The positional encoding's angles and the ℓ1 sums run in float32 at least, as the official code's under
+    autocast; a bfloat16 model (built so by timm's `dtype`) stays close to its float32 self."""
+    torch.manual_seed(0)
+    model = randomised(timm.create_model('sima_nano_12_p16', **TINY)).eval()
+    half = timm.create_model('sima_nano_12_p16', **TINY, dtype=torch.bfloat16).eval()
+    assert all(p.dtype == torch.bfloat16 for p in half.parameters())
+    half.load_state_dict(model.state_dict())
+    x = torch.randn(2, 3, 32, 48)
+    with torch.no_grad():
+        expected, out = model(x), half(x.to(torch.bfloat16)).float()
+    assert torch.isfinite(out).all() and (out - expected).abs().max() < 0.1 * expected.abs().max()
 
 
 def test_input_sides_must_be_multiples_of_the_patch_size():
