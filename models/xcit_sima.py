@@ -36,8 +36,10 @@ from timm.models._features import feature_take_indices
 from .attention import build_attention, check_attn_kwargs, stage_attentions
 from .attention.layout import Grid, image_to_tokens, tokens_to_image
 from .checkpoint import filter_checkpoint
-from .family import ZooModel, check_arguments, check_output_fmt, create_variant, imagenet_cfg, init_weights, \
-    register_variants
+from .attention.sima import l1_normalize_tokens
+from .family import (
+    ZooModel, check_arguments, check_output_fmt, create_variant, imagenet_cfg, init_weights, register_variants,
+)
 
 __all__ = ['SimAXCiT', 'ConvPatchEmbed', 'FourierPositionalEncoding', 'LPI', 'ClassAttention', 'SimABlock',
            'ClassAttentionBlock', 'checkpoint_filter_fn']
@@ -180,16 +182,11 @@ class ClassAttention(nn.Module):
         self.proj_drop = nn.Dropout(proj_drop)
         self.eps = 1e-6
 
-    def _normalize(self, x: Tensor) -> Tensor:
-        # the sums in float32 at least: in float16 the clamp would underflow to zero
-        wide = x.to(torch.promote_types(x.dtype, torch.float32))
-        return (wide / wide.abs().sum(dim=-2, keepdim=True).clamp_min(self.eps)).to(x.dtype)
-
     def forward(self, x: Tensor) -> Tensor:
         B, N, C = x.shape
         qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, C // self.num_heads).permute(2, 0, 3, 1, 4)
         q, k, v = qkv.unbind(0)
-        q, k = self._normalize(q), self._normalize(k)
+        q, k = l1_normalize_tokens(q, self.eps), l1_normalize_tokens(k, self.eps)
         weights = self.attn_drop((q[:, :, :1] * k).sum(-1))  # (B, heads, 1 + N)
         cls = (weights.unsqueeze(2) @ v).transpose(1, 2).reshape(B, 1, C)
         return torch.cat([self.proj_drop(self.proj(cls)), x[:, 1:]], dim=1)

@@ -4,7 +4,7 @@ timm API, TorchScript and FX, and the DeiT-S -> SimA variant with LayerScale."""
 import argparse
 import math
 import warnings
-from typing import Dict, List, Tuple
+from typing import List, Tuple
 
 import pytest
 import timm
