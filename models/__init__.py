@@ -8,3 +8,4 @@ from .attention import (
 )
 from . import vit, pvt, pvt_v2
 from . import swin, cswin
+from . import xcit_sima

@@ -13,6 +13,11 @@ MultiMax σ on the class logits too, with the model's own `ranges` and `ts`; the
 blocks is `create_model('softmax_deit_small', attn_type='multimax')`, and the paper's softmax baseline, the same body
 without σ, `create_model('multimax_deit_small', attn_type='softmax', multimax_logits=False)`.
 
+`init_values` adds LayerScale to every block (`blocks.{i}.gamma1`, `blocks.{i}.gamma2`, per-channel scales of the
+attention and MLP branches). The SimA paper's DeiT-S → SimA (`sima_deit_small_ls`) is DeiT-small with SimA in
+every block and LayerScale initialised to 1, the value of the SimA code's 12-block models; `sima_deit_small` is
+the same without LayerScale.
+
 `forward_features` returns the tokens (B, 1 + H*W, C), class token first, as timm's DeiT does. The model runs at
 the input size it was built for; with `dynamic_img_size=True` at any size whose sides are multiples of
 `patch_size`, `pos_embed` resampled bicubically on the fly (the class token's row kept), and `set_input_size` makes
@@ -37,7 +42,22 @@ from .family import (
     tsinghua_url,
 )
 
-__all__ = ['DeiT', 'checkpoint_filter_fn']
+__all__ = ['DeiT', 'LayerScaleBlock', 'checkpoint_filter_fn']
+
+
+class LayerScaleBlock(Block):
+    """The pre-norm block with LayerScale: x + γ1·attn(norm1(x)), then x + γ2·mlp(norm2(x)), γ1 and γ2 learned
+    per channel from `init_values`. Other arguments as `Block`'s."""
+
+    def __init__(self, dim: int, attn: nn.Module, init_values: float, **kwargs: Any):
+        super().__init__(dim, attn, **kwargs)
+        self.gamma1 = nn.Parameter(torch.full((dim,), float(init_values)))
+        self.gamma2 = nn.Parameter(torch.full((dim,), float(init_values)))
+
+    def forward(self, x: Tensor, size: Grid) -> Tensor:
+        """x: (B, N, C), the last H*W tokens forming the grid `size` = (H, W) -> (B, N, C)."""
+        x = x + self.drop_path(self.gamma1 * self.attn(self.norm1(x), size))
+        return x + self.drop_path(self.gamma2 * self.mlp(self.norm2(x)))
 
 
 class DeiT(ZooModel):
@@ -63,6 +83,7 @@ class DeiT(ZooModel):
         attn_drop_rate: dropout on attention weights (score-forming attentions).
         drop_path_rate: stochastic depth, rising linearly over the blocks to this rate.
         dynamic_img_size: take any input size whose sides are multiples of `patch_size`.
+        init_values: LayerScale in every block, its scales initialised to this value; None for none.
     """
 
     global_pools = ('token', 'avg', '')
@@ -88,12 +109,14 @@ class DeiT(ZooModel):
             dynamic_img_size: bool = False,
             class_token: bool = True,
             multimax_logits: bool = False,
+            init_values: Optional[float] = None,
     ):
         super().__init__()
         check_arguments(
             sizes=dict(img_size=img_size, patch_size=patch_size, in_chans=in_chans, embed_dim=embed_dim,
                        num_heads=num_heads),
-            counts=dict(num_classes=num_classes, depth=depth), ratios=dict(mlp_ratio=mlp_ratio),
+            counts=dict(num_classes=num_classes, depth=depth),
+            ratios=dict(mlp_ratio=mlp_ratio, init_values=init_values),
             rates=dict(drop_rate=drop_rate, attn_drop_rate=attn_drop_rate, drop_path_rate=drop_path_rate))
         self.in_chans = in_chans
         self.num_classes = num_classes
@@ -121,8 +144,9 @@ class DeiT(ZooModel):
         attn_kwargs = check_attn_kwargs(names, attn_kwargs)
         self.num_stages = depth
         rates = calculate_drop_path_rates(drop_path_rate, depth)
+        block = Block if init_values is None else partial(LayerScaleBlock, init_values=init_values)
         self.blocks = nn.ModuleList([
-            Block(
+            block(
                 embed_dim,
                 build_attention(name, embed_dim, num_heads, self.grid_size, qkv_bias, attn_kwargs=attn_kwargs,
                                 attn_drop=attn_drop_rate, proj_drop=drop_rate),
@@ -242,6 +266,8 @@ _DEIT_META = dict(paper_ids='arXiv:2012.12877', origin_url='https://github.com/f
 _DEIT_URL = 'https://dl.fbaipublicfiles.com/deit/deit_{}_patch16_224-{}.pth'
 _MULTIMAX_META = dict(paper_ids='arXiv:2406.01189', origin_url='https://github.com/ZhouYuxuanYX/MultiMax')
 
+_SIMA_META = dict(paper_ids='arXiv:2206.08898', origin_url='https://github.com/UCDvision/sima')
+
 _COMMON = dict(patch_size=16, depth=12, mlp_ratio=4., qkv_bias=True)
 _SIZES: Dict[str, Dict[str, Any]] = {
     'tiny': dict(embed_dim=192, num_heads=3, img_size=224),
@@ -264,6 +290,13 @@ _MULTIMAX: Dict[str, Tuple[Dict[str, Any], str]] = {
         f'qkv without bias (a qkv_bias keyword has no effect, as there), σ in every block and on the logits.')
     for size, args in _SIZES.items()
 }
+# The SimA paper's DeiT-S -> SimA: the block its authors posted for it keeps LayerScale and drops LPI and the class
+# attention of their XCiT-style models.
+_SIMA_LS: Dict[str, Tuple[Dict[str, Any], str]] = {
+    'sima_deit_small_ls': (dict(_COMMON, **_SIZES['small'], attn_type='sima', init_values=1.0),
+                           'DeiT-S -> SimA of the SimA paper: DeiT-small with SimA in every block and LayerScale '
+                           '(gamma1, gamma2) initialised to 1.'),
+}
 _VARIANTS: Dict[str, Tuple[Dict[str, Any], str]] = {
     **{f'{attn}_deit_{size}': (dict(_COMMON, **args, attn_type=attn),
                                f'DeiT-{size} ({args["embed_dim"]} wide, {args["num_heads"]} heads) with {attn} '
@@ -271,6 +304,7 @@ _VARIANTS: Dict[str, Tuple[Dict[str, Any], str]] = {
        for attn in list_attentions() for size, args in _SIZES.items()},
     **_OFFICIAL,
     **_MULTIMAX,
+    **_SIMA_LS,
 }
 
 default_cfgs = generate_default_cfgs({
@@ -279,6 +313,7 @@ default_cfgs = generate_default_cfgs({
     'softmax_deit_small': _cfg(_DEIT_URL.format('small', 'cd65a155'), **_DEIT_META),
     'softmax_deit_base': _cfg(_DEIT_URL.format('base', 'b5f2ef4d'), **_DEIT_META),
     **{f'multimax_deit_{size}': _cfg(**_MULTIMAX_META) for size in _SIZES},
+    'sima_deit_small_ls': _cfg(**_SIMA_META),
     'inline_deit_tiny': _cfg(tsinghua_url('1d6b8191ad6d4114b291'), **INLINE_META),
     'inline_deit_small': _cfg(tsinghua_url('2f3898b07e9247f3beb3'), input_size=(3, 288, 288), **INLINE_META),
     'inline_deit_base': _cfg(tsinghua_url('10bdd726d4b0435eb34e'), input_size=(3, 448, 448), **INLINE_META),

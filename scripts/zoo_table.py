@@ -22,7 +22,8 @@ import models  # noqa: E402,F401  (registers the families)
 from models.attention import list_attentions  # noqa: E402
 
 # ImageNet-1k top-1 reported by the papers / official READMEs (None: no released weights or figure, or a figure
-# only in a paper table not checked here: MultiMax-DeiT).
+# only in a paper table not checked here: MultiMax-DeiT, SimA-XCiT; DeiT-S -> SimA's is the paper's as its
+# authors' issue tracker quotes it).
 OFFICIAL_TOP1 = {
     'inline_deit_tiny': 74.5, 'inline_deit_small': 80.2, 'inline_deit_base': 82.3,
     'inline_pvt_tiny': 78.2, 'inline_pvt_small': 82.0, 'inline_pvt_medium': 83.2, 'inline_pvt_large': 83.6,
@@ -35,6 +36,9 @@ OFFICIAL_TOP1 = {
     'flatten_cswin_tiny': 83.1, 'flatten_cswin_small': None, 'flatten_cswin_base': None,
     'flatten_cswin_base_384': None,
     'multimax_deit_tiny': None, 'multimax_deit_small': None, 'multimax_deit_base': None,
+    **{f'sima_{size}_p{patch}': None for size in ('nano_12', 'tiny_12', 'small_12', 'tiny_24', 'small_24', 'medium_24',
+                                                  'large_24') for patch in (16, 8)},
+    'sima_deit_small_ls': 79.8,
     'softmax_deit_tiny': 72.2, 'softmax_deit_small': 79.9, 'softmax_deit_base': 81.8,
     'softmax_pvt_tiny': 75.1, 'softmax_pvt_small': 79.8, 'softmax_pvt_medium': 81.2, 'softmax_pvt_large': 81.7,
     'softmax_pvt_v2_b0': 70.5, 'softmax_pvt_v2_b1': 78.7, 'softmax_pvt_v2_b2': 82.0, 'softmax_pvt_v2_b3': 83.1,

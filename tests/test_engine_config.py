@@ -160,7 +160,9 @@ OFFICIAL = ['inline_deit_' + s for s in ('tiny', 'small', 'base')] + [
     f'{a}_pvt_{s}' for a in ('inline', 'flatten') for s in ('tiny', 'small', 'medium', 'large')] + [
     f'{a}_{f}_{s}' for a in ('inline', 'flatten') for f in ('swin', 'cswin') for s in ('tiny', 'small', 'base',
                                                                                         'base_384')] + [
-    f'flatten_pvt_v2_b{i}' for i in range(5)] + [f'multimax_deit_{s}' for s in ('tiny', 'small', 'base')]
+    f'flatten_pvt_v2_b{i}' for i in range(5)] + [f'multimax_deit_{s}' for s in ('tiny', 'small', 'base')] + [
+    f'sima_{s}_p{p}' for s in ('nano_12', 'tiny_12', 'small_12', 'tiny_24', 'small_24', 'medium_24', 'large_24')
+    for p in (16, 8)] + ['sima_deit_small_ls']
 
 
 @pytest.mark.parametrize('name', OFFICIAL)

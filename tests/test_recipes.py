@@ -120,6 +120,8 @@ SWIN_FORK_384 = (30, 5, False, 1e-7)  # *_swin_b_384: 32 x 8
 PVT_FORK = {128: (310, 5, False, 2e-5), 64: (310, 5, False, 1e-5), 32: (310, 5, False, 5e-6)}  # by batch per GPU
 CSWIN_FORK = {128: (310, 20, False, 2e-5), 64: (310, 20, False, 1e-5), 256: (310, 20, False, 4e-5)}
 CSWIN_FORK_384 = (30, 0, False, 2.5e-7)  # *_cswin_b_384: 20 epochs + cooldown 10, no warm-up, 32 x 8
+SIMA = (400, 5, False, 1e-5)  # UCDvision/sima main.py: 400 epochs (the scheduler's cooldown 10 never runs)
+SIMA_DEIT = (300, 5, False, 1e-5)  # DeiT-S -> SimA: the same for 300 epochs
 
 SCHEDULES = {
     'base/deit': (*DEIT, 16), 'softmax/deit_tiny': (*DEIT, 4), 'softmax/deit_small': (*DEIT, 4),
@@ -145,6 +147,9 @@ SCHEDULES = {
     **{f'inline/cswin_{s}': (*CSWIN_FORK[b], 8) for s, b in (('tiny', 128), ('small', 128), ('base', 64))},
     **{f'flatten/cswin_{s}': (*CSWIN_FORK[b], 8) for s, b in (('tiny', 256), ('small', 128), ('base', 64))},
     **{f'{a}/cswin_base_384': (*CSWIN_FORK_384, 8) for a in ('inline', 'flatten')},
+    'base/sima_xcit': (*SIMA, 8), 'sima/deit_small_ls': (*SIMA_DEIT, 8),
+    **{f'sima/{s}_p{p}': (*SIMA, 8) for s in ('nano_12', 'tiny_12', 'small_12', 'tiny_24', 'small_24', 'medium_24',
+                                               'large_24') for p in (16, 8)},
 }
 
 

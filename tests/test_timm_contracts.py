@@ -1,6 +1,6 @@
 """timm's model contracts for tracing and export, on tiny configurations of the zoo.
 
-- FX: every registered model traces with timm's tracer settings (its leaf modules and wrapped functions, as
+- FX: every registered model (two of SimA-XCiT's fourteen) traces with timm's tracer settings (its leaf modules and wrapped functions, as
   timm's feature extraction uses them) and the traced module gives the eager outputs;
 - TorchScript: every attention scripts in every grouping, and every family with every attention scripts whole,
   as timm's own model tests script it, and so does its FX graph; all give the eager outputs;
@@ -8,6 +8,7 @@
   batch sizes and gives the eager outputs; MultiMax's row-block path exports too;
 - ONNX (torch.onnx dynamo export) of the same programs, run in onnxruntime within 1e-4 of eager.
 """
+import re
 import warnings
 from typing import Any, Dict, List
 
@@ -25,7 +26,9 @@ from models.attention import multimax
 
 # 'pvt_v2' before 'pvt': a model's family is the first whose name part it holds
 FAMILIES = ('deit', 'pvt_v2', 'pvt', 'swin', 'cswin')
-ALL_MODELS = sorted({name for attn in list_attentions() for name in timm.list_models(f'{attn}_*')})
+# SimA's XCiT-style family registers only the official names, for SimA; two stand for its fourteen: patch 16 with
+# the class token normed alone in the class attention, patch 8 with every token normed.
+SIMA_XCIT = ('sima_nano_12_p16', 'sima_tiny_12_p8')
 
 # Tiny sizes that every registered model of a family accepts. Swin's official linear-attention models derive a
 # softmax window of at least 7 from `window_size`, so its grids are multiples of 7 (56, 28, 14, 7).
@@ -36,15 +39,24 @@ TINY: Dict[str, Dict[str, Any]] = {
     'swin': dict(img_size=112, patch_size=2, embed_dim=8, depths=(2, 2, 2, 2), num_heads=(1, 1, 2, 2),
                  window_size=7),
     'cswin': dict(img_size=32, embed_dim=8, depth=(1, 1, 1, 1), num_heads=(2, 2, 2, 2)),
+    'sima_xcit': dict(img_size=32, embed_dim=16, depth=2, num_heads=2),
 }
 
 
 def family_of(name: str) -> str:
+    if re.fullmatch(r'sima_[a-z]+_\d+_p\d+', name):
+        return 'sima_xcit'
     return next(family for family in FAMILIES if f'_{family}_' in f'{name}_')
 
 
+ALL_MODELS = sorted({name for attn in list_attentions() for name in timm.list_models(f'{attn}_*')
+                     if family_of(name) != 'sima_xcit'} | set(SIMA_XCIT))
+
+
 def family_model(family: str) -> str:
-    """The smallest softmax model of `family`."""
+    """The smallest softmax model of `family` (SimA-XCiT: its smallest model)."""
+    if family == 'sima_xcit':
+        return SIMA_XCIT[0]
     return f'softmax_{family}_b0' if family == 'pvt_v2' else f'softmax_{family}_tiny'
 
 
@@ -60,7 +72,7 @@ def images(model: torch.nn.Module, batch_size: int) -> torch.Tensor:
 
 def test_every_model_is_covered():
     pairs = {(name.split('_')[0], family_of(name)) for name in ALL_MODELS}
-    assert pairs == {(attn, family) for attn in list_attentions() for family in FAMILIES}
+    assert pairs == {(attn, family) for attn in list_attentions() for family in FAMILIES} | {('sima', 'sima_xcit')}
 
 
 class TimmTracer(torch.fx.Tracer):
@@ -115,13 +127,13 @@ def test_torchscript_attention_matches_eager(grouping, attention):
 
 def export_cases() -> List[Any]:
     """Models that together hold every attention in every family: one per attention for DeiT (one attention per
-    model), two per hierarchical family (one attention per stage)."""
+    model), two per hierarchical family (one attention per stage), SimA-XCiT with its own."""
     names = list_attentions()
     cases = [pytest.param('deit', name, id=f'deit-{name}') for name in names]
     stages = [names[:4], (names[4:] + names)[:4]]
     for family in FAMILIES[1:]:
         cases += [pytest.param(family, attn_type, id=f'{family}-{"-".join(attn_type)}') for attn_type in stages]
-    return cases
+    return cases + [pytest.param('sima_xcit', 'sima', id='sima_xcit-sima')]
 
 
 def export_dynamic_batch(model: torch.nn.Module, x: torch.Tensor) -> torch.export.ExportedProgram:
@@ -130,10 +142,11 @@ def export_dynamic_batch(model: torch.nn.Module, x: torch.Tensor) -> torch.expor
 
 
 # Smaller still for export, which takes seconds per block: one DeiT block; Swin's generic models on a 16x16
-# grid of 4x4 windows, shifted in the first two stages.
+# grid of 4x4 windows, shifted in the first two stages; one SimA-XCiT block and one class-attention block.
 EXPORT_SIZES = {
     'deit': dict(depth=1),
     'swin': dict(img_size=32, window_size=4, depths=(2, 2, 1, 1)),
+    'sima_xcit': dict(depth=1, cls_attn_layers=1),
 }
 
 
