@@ -230,14 +230,18 @@ class DeiT(ZooModel):
 
     def forward_head(self, x: Tensor, pre_logits: bool = False) -> Tensor:
         """Pool the tokens of `forward_features` (class token or mean of the patch tokens), then classify; with
-        `multimax_logits` the logits pass through σ (in float32 at least: its squares overflow float16)."""
+        `multimax_logits` the logits pass through σ (in float32 at least: its squares overflow float16), returned
+        in the dtype of the logits and σ's parameters together."""
         x = global_pool_nlc(x, self.global_pool, self.num_prefix_tokens)
         if pre_logits:
             return x
         x = self.head(x)
         if self.ranges is not None and self.ts is not None and self.num_classes > 0:
-            work = torch.promote_types(x.dtype, torch.float32)
-            x = multimax_modulation(x.to(work), self.ranges.to(work), self.ts.to(work))
+            # σ in float32 at least; the logits leave in the dtype of the logits and σ's parameters together, so a
+            # bfloat16 model gives bfloat16 logits and float16 autocast float32 ones, which σ's squares may need
+            out_dtype = torch.promote_types(x.dtype, self.ranges.dtype)
+            work = torch.promote_types(out_dtype, torch.float32)
+            x = multimax_modulation(x.to(work), self.ranges.to(work), self.ts.to(work)).to(out_dtype)
         return x
 
 

@@ -166,6 +166,19 @@ def test_an_official_state_dict_loads_strictly_through_timm(tmp_path):
         assert torch.equal(model(x), source(x))
 
 
+def test_logits_keep_the_model_dtype_and_stay_float32_under_autocast():
+    # timm's contract: a model moved to bfloat16 answers in bfloat16; under autocast σ's float32 result is kept
+    model = timm.create_model('multimax_deit_tiny', **TINY).eval()
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        expected = model(x)
+        with torch.autocast('cpu', dtype=torch.bfloat16):
+            assert model(x).dtype == torch.float32
+        low = model.to(torch.bfloat16)(x.to(torch.bfloat16))
+    assert low.dtype == torch.bfloat16
+    torch.testing.assert_close(low.float(), expected, rtol=0.1, atol=0.1)
+
+
 def test_head_pre_logits_and_reset_classifier():
     torch.manual_seed(0)
     model = randomised(timm.create_model('multimax_deit_small', **TINY)).eval()

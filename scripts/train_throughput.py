@@ -1,0 +1,225 @@
+"""Does the training loop keep the model busy? `train.py`'s images/s beside what the model and the data pipeline
+each sustain alone, on ImageNet-shaped images.
+
+Unless `--data` names an image folder (`train/<class>/*.jpg`, `val/<class>/*.jpg`), a temporary one is written:
+JPEGs of ImageNet's median size (500x375, smooth content, about ImageNet's bytes per image). Then, with the
+recipe of `--cfg` (its transforms, mixup, AMP, optimizer):
+
+- loader: images/s of the training loader alone (decode, random resized crop, RandAugment, erasing, then mixup),
+  with `DATA.NUM_WORKERS` worker processes;
+- model: images/s of the training step alone (forward, loss, backward, optimizer step) on a batch in memory;
+- train.py: images/s of one epoch of `train.py` on the same data (its `log.jsonl`), loader and model together.
+
+The loop keeps the model busy when train.py's rate is close to the model's, which needs the loader's to be above
+it. Each figure is the median over `--repeats` timed passes; the table states the device, versions, command and
+date. Example (one process, the DeiT recipe):
+
+    python scripts/train_throughput.py --cfg configs/base/deit.yaml --model softmax_deit_tiny --out docs/train_throughput
+"""
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Dict, List, Optional
+
+import numpy as np
+import torch
+from PIL import Image
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import timm  # noqa: E402
+
+from engine.build import autocast_dtype, create_criterion, create_model, create_optimizer  # noqa: E402
+from engine.config import load_config  # noqa: E402
+from engine.data import build_mixup, build_train_loader, load_split, train_transform  # noqa: E402
+from engine.distributed import DistInfo  # noqa: E402
+from engine.loops import autocast  # noqa: E402
+
+# ImageNet-1k's median image is 500x375; its JPEGs average about 110 KB.
+IMAGE_SIZE = (500, 375)
+
+
+def write_images(root: str, classes: int, per_class: int, seed: int = 0) -> None:
+    """`per_class` JPEGs per class under root/train and two per class under root/val: smooth random content
+    (coarse noise resized bicubically), so decoding costs about what a photograph of that size costs."""
+    rng = np.random.default_rng(seed)
+    for split, count in (('train', per_class), ('val', 2)):
+        for c in range(classes):
+            folder = os.path.join(root, split, f'class_{c:03d}')
+            os.makedirs(folder, exist_ok=True)
+            for i in range(count):
+                coarse = rng.integers(0, 256, size=(IMAGE_SIZE[1] // 6, IMAGE_SIZE[0] // 6, 3), dtype=np.uint8)
+                image = Image.fromarray(coarse).resize(IMAGE_SIZE, Image.BICUBIC)
+                image.save(os.path.join(folder, f'{i:04d}.jpg'), quality=90)
+
+
+def timed_passes(step, count: int, repeats: int, warmup: int) -> List[float]:
+    """Seconds of `count` calls of `step()`, `repeats` times, after `warmup` calls."""
+    for _ in range(warmup):
+        step()
+    rounds = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(count):
+            step()
+        rounds.append(time.perf_counter() - start)
+    return rounds
+
+
+def loader_rate(cfg, info: DistInfo, batches: int, repeats: int) -> float:
+    """Median images/s of the training loader with mixup, over passes of `batches` batches."""
+    dataset = load_split(cfg.DATA.DATA_PATH, 'train', train_transform(cfg), cfg.MODEL.NUM_CLASSES)
+    loader = build_train_loader(cfg, dataset, info)
+    mixup = build_mixup(cfg)
+    epoch = 0
+    iterator = None
+
+    def step():
+        nonlocal iterator, epoch
+        while True:
+            try:
+                images, targets = next(iterator)
+                break
+            except (StopIteration, TypeError):
+                epoch += 1
+                loader.sampler.set_epoch(epoch)
+                iterator = iter(loader)
+        if mixup is not None:
+            mixup(images, targets)
+
+    step()  # starts the workers, outside the timing
+    rounds = timed_passes(step, batches, repeats, warmup=1)
+    return cfg.DATA.BATCH_SIZE * batches / statistics.median(rounds)
+
+
+def model_rate(cfg, info: DistInfo, steps: int, repeats: int) -> float:
+    """Median images/s of the training step on one batch held in memory."""
+    torch.manual_seed(cfg.SEED)
+    model = create_model(cfg).to(info.device).train()
+    optimizer = create_optimizer(cfg, model, cfg.TRAIN.BASE_LR)
+    criterion = create_criterion(cfg)
+    size, batch = cfg.DATA.IMG_SIZE, cfg.DATA.BATCH_SIZE
+    images = torch.randn(batch, 3, size, size, device=info.device)
+    targets = torch.randint(cfg.MODEL.NUM_CLASSES, (batch,), device=info.device)
+    mixup = build_mixup(cfg)
+    if mixup is not None:
+        images, targets = mixup(images, targets)
+    dtype = autocast_dtype(cfg, info.device, cfg.AMP.ENABLED)
+    scaler = torch.amp.GradScaler(info.device.type, enabled=cfg.AMP.ENABLED and dtype == 'float16')
+
+    def step():
+        with autocast(info.device, cfg.AMP.ENABLED, dtype):
+            loss = criterion(model(images), targets)
+        optimizer.zero_grad(set_to_none=True)
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        if info.device.type == 'cuda':
+            torch.cuda.synchronize(info.device)
+
+    rounds = timed_passes(step, steps, repeats, warmup=2)
+    return batch * steps / statistics.median(rounds)
+
+
+def train_py_rate(args: argparse.Namespace, data: str, output: str, epochs: int) -> float:
+    """images/s that `train.py` logs for its last epoch of `epochs` on `data` (the first epoch also starts the
+    workers; later ones show the steady rate)."""
+    command = [sys.executable, os.path.join(ROOT, 'train.py'), '--cfg', args.cfg, '--opts', *train_opts(args, data),
+               'OUTPUT', output, 'TRAIN.EPOCHS', str(epochs), 'TRAIN.WARMUP_EPOCHS', '0', 'EMA.EVAL', 'False']
+    subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
+    with open(os.path.join(output, 'log.jsonl')) as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    return records[-1]['images_per_second']
+
+
+def train_opts(args: argparse.Namespace, data: str) -> List[str]:
+    opts = ['DATA.DATA_PATH', data, 'MODEL.NUM_CLASSES', str(args.classes), 'DEVICE', args.device]
+    if args.model:
+        opts += ['MODEL.NAME', args.model]
+    if args.batch_size:
+        opts += ['DATA.BATCH_SIZE', str(args.batch_size)]
+    if args.workers is not None:
+        opts += ['DATA.NUM_WORKERS', str(args.workers)]
+    return opts + list(args.opts)
+
+
+def write_table(args: argparse.Namespace, cfg, rates: Dict[str, float], seconds: float) -> str:
+    device = (torch.cuda.get_device_name() if args.device == 'cuda'
+              else f'CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)')
+    precision = (f'{autocast_dtype(cfg, torch.device(args.device), False)} autocast' if cfg.AMP.ENABLED
+                 else 'float32')
+    lines = [
+        '# Training loop throughput',
+        '',
+        f'- date: {datetime.date.today().isoformat()} ({seconds / 60:.1f} min)',
+        f'- device: {device}; threads {torch.get_num_threads()}; data workers {cfg.DATA.NUM_WORKERS}',
+        f'- versions: torch {torch.__version__}, timm {timm.__version__}, Python {platform.python_version()}',
+        f'- command: `python scripts/train_throughput.py {" ".join(sys.argv[1:])}`',
+        f'- model {cfg.MODEL.NAME}, batch {cfg.DATA.BATCH_SIZE}, {cfg.DATA.IMG_SIZE}², {precision}, recipe '
+        f'{os.path.relpath(args.cfg, ROOT)}' + (f'; {args.note}' if args.note else ''),
+        '',
+        '| measured | images/s | × the model step alone |',
+        '|---|---|---|',
+    ]
+    model = rates['model step alone']
+    for name, rate in rates.items():
+        lines.append(f'| {name} | {rate:.1f} | {rate / model:.2f} |')
+    text = '\n'.join(lines) + '\n'
+    if args.out:
+        with open(args.out + '.md', 'w') as f:
+            f.write(text)
+    return text
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+    parser.add_argument('--cfg', default=os.path.join(ROOT, 'configs', 'base', 'deit.yaml'), help='training recipe')
+    parser.add_argument('--model', default='softmax_deit_tiny', help="MODEL.NAME ('' keeps the config's)")
+    parser.add_argument('--device', default='cpu', choices=('cpu', 'cuda'))
+    parser.add_argument('--data', default='', help='an image folder with train/ and val/ (default: generated)')
+    parser.add_argument('--classes', type=int, default=10, help='classes of the generated data')
+    parser.add_argument('--per-class', type=int, default=64, help='training images per class when generating')
+    parser.add_argument('--batch-size', type=int, default=0, help='DATA.BATCH_SIZE (0 keeps the config\'s)')
+    parser.add_argument('--workers', type=int, default=None, help='DATA.NUM_WORKERS (default: the config\'s)')
+    parser.add_argument('--threads', type=int, default=0, help='torch threads of this process (0: torch default)')
+    parser.add_argument('--batches', type=int, default=4, help='batches per timed pass')
+    parser.add_argument('--repeats', type=int, default=3, help='timed passes; figures are their medians')
+    parser.add_argument('--epochs', type=int, default=2, help='epochs of the train.py run (the last is reported)')
+    parser.add_argument('--note', default='', help='a remark for the table (e.g. a shared machine)')
+    parser.add_argument('--out', default='', help='write the table to OUT.md')
+    parser.add_argument('opts', nargs=argparse.REMAINDER, help='KEY VALUE config overrides (after --)')
+    return parser
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    args.opts = [o for o in args.opts if o != '--']
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory() as scratch:
+        data = args.data
+        if not data:
+            data = os.path.join(scratch, 'data')
+            write_images(data, args.classes, args.per_class)
+        cfg = load_config(args.cfg, train_opts(args, data) + ['OUTPUT', os.path.join(scratch, 'unused')])
+        info = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device(args.device))
+        rates = {
+            'data loader alone': loader_rate(cfg, info, args.batches, args.repeats),
+            'model step alone': model_rate(cfg, info, args.batches, args.repeats),
+            'train.py (both)': train_py_rate(args, data, os.path.join(scratch, 'run'), args.epochs),
+        }
+    print(write_table(args, cfg, rates, time.perf_counter() - start))
+    return 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())
