@@ -328,6 +328,8 @@ def validate_config(cfg: CN) -> None:
         backends = compile_backends()
         _check(cfg.TRAIN.COMPILE_BACKEND in backends, 'TRAIN.COMPILE_BACKEND', cfg.TRAIN.COMPILE_BACKEND,
                'one of ' + ', '.join(repr(b) for b in backends))
+        _check(cfg.TRAIN.COMPILE_MODE == 'default', 'TRAIN.COMPILE_MODE', cfg.TRAIN.COMPILE_MODE,
+               f"'default' with TRAIN.COMPILE_BACKEND {cfg.TRAIN.COMPILE_BACKEND!r} (the other modes are inductor's)")
 
 
 def compile_backends() -> List[str]:

@@ -9,11 +9,11 @@ from yacs.config import CfgNode as CN
 from models.checkpoint import CheckpointError, load_checkpoint_file, released_weights_file
 
 from .build import autocast_dtype, check_model_name, classifier_rows, create_model, read_weights
+from .compile import CompileTimer, compile_errors_reported, compile_model
 from .config import config_from_yaml_string, get_default_config, load_config, merge_dict, merge_opts, validate_config
 from .data import (build_eval_loader, check_images, eval_batch_size, eval_transform, load_split, report_scan,
                    resolve_data_root)
 from .distributed import DistInfo, any_rank
-from .compile import CompileTimer, compile_errors_reported, compile_model
 from .errors import UsageError
 from .loops import evaluate, measure_throughput
 

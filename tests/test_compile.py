@@ -7,6 +7,7 @@ its outputs and gradients must match the eager model's.
 """
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -190,8 +191,16 @@ def test_compiled_multimax_swin_inference_is_one_graph_with_flex_attention_in_ev
 # ---------------------------------------------------------------- the --compile / TRAIN.COMPILE user path
 
 @pytest.fixture(scope='module')
-def digits(tmp_path_factory) -> Path:
-    return Path(prepare_digits(str(tmp_path_factory.getbasetemp() / 'digits')))
+def few_digits(tmp_path_factory) -> Path:
+    """An image folder of the digits demo's first 8 training and 5 validation images of each of its 10 classes."""
+    digits = Path(prepare_digits(str(tmp_path_factory.getbasetemp() / 'digits')))
+    root = tmp_path_factory.mktemp('few_digits')
+    for split, count in (('train', 8), ('val', 5)):
+        for folder in sorted((digits / split).iterdir()):
+            (root / split / folder.name).mkdir(parents=True)
+            for image in sorted(folder.iterdir())[:count]:
+                shutil.copy(image, root / split / folder.name / image.name)
+    return root
 
 
 def graphs_compiled() -> int:
@@ -202,13 +211,14 @@ def last_json(capsys) -> dict:
     return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
 
 
-def test_train_and_eval_with_compile(tmp_path, digits, capsys):
+def test_train_and_eval_with_compile(tmp_path, few_digits, capsys):
     """train.py --compile: one graph for the training step and one per validation batch size, kept over epochs;
     plain checkpoint keys that resume without compilation; eval.py --compile equal to eval.py."""
     output = tmp_path / 'run'
-    # batch 64: 22 updates an epoch; validation in batches of 96 (360 images: 3 full, then 72)
-    base = ['--cfg', TINY_DEMO, '--output', str(output), '--data-path', str(digits), '--batch-size', '64']
-    opts = ['TRAIN.EPOCHS', '3', 'TRAIN.EPOCHS_PER_RUN', '2', 'TRAIN.COMPILE_BACKEND', 'aot_eager']
+    # 5 updates of 16 images an epoch; validation in batches of 24 (50 images: 2 full, then 2)
+    base = ['--cfg', TINY_DEMO, '--output', str(output), '--data-path', str(few_digits)]
+    opts = ['DATA.DATASET', 'imagefolder', 'TRAIN.EPOCHS', '3', 'TRAIN.EPOCHS_PER_RUN', '2',
+            'TRAIN.COMPILE_BACKEND', 'eager']
     torch._dynamo.utils.counters.clear()
     assert train_main(base + ['--compile', '--opts', *opts]) == 0
     assert graphs_compiled() == 3  # no recompilation in the second epoch
@@ -219,20 +229,20 @@ def test_train_and_eval_with_compile(tmp_path, digits, capsys):
     plain_keys = timm.create_model('inline_deit_tiny', num_classes=10, img_size=16, patch_size=4, embed_dim=64,
                                    depth=2, num_heads=4).state_dict().keys()
     assert checkpoint['model'].keys() == checkpoint['model_ema'].keys() == plain_keys
-    assert (checkpoint['epoch'], checkpoint['step']) == (1, 44)
+    assert (checkpoint['epoch'], checkpoint['step']) == (1, 10)
 
     assert train_main(base + ['--opts', *opts]) == 0  # resumes without compilation
-    assert torch.load(output / 'last.pth', weights_only=True)['step'] == 66
+    assert torch.load(output / 'last.pth', weights_only=True)['step'] == 15
 
     torch._dynamo.utils.counters.clear()
     capsys.readouterr()
-    evaluate = ['--checkpoint', str(output / 'last.pth'), '--data-path', str(digits), '--batch-size', '100']
+    evaluate = ['--checkpoint', str(output / 'last.pth'), '--data-path', str(few_digits), '--batch-size', '20']
     assert eval_main(evaluate) == 0
     eager = last_json(capsys)
     assert eval_main(evaluate + ['--compile', '--opts', 'TRAIN.COMPILE_BACKEND', 'eager']) == 0
     compiled = last_json(capsys)
-    assert graphs_compiled() == 2  # batches of 100 and the last one of 60
-    assert compiled['compiled'] and not eager['compiled'] and compiled['count'] == eager['count'] == 360
+    assert graphs_compiled() == 2  # batches of 20 and the last one of 10
+    assert compiled['compiled'] and not eager['compiled'] and compiled['count'] == eager['count'] == 50
     assert compiled['top1'] == eager['top1'] and compiled['loss'] == pytest.approx(eager['loss'], rel=1e-5)
 
 
@@ -258,7 +268,9 @@ def test_a_model_that_does_not_compile_as_one_graph_fails_on_one_line(monkeypatc
 
 def test_compile_settings_are_checked_on_one_line(capsys):
     for opts, message in ((['TRAIN.COMPILE_MODE', 'fastest'], "TRAIN.COMPILE_MODE is 'fastest'; expected one of"),
-                          (['TRAIN.COMPILE_BACKEND', 'nope'], "TRAIN.COMPILE_BACKEND is 'nope'; expected one of")):
+                          (['TRAIN.COMPILE_BACKEND', 'nope'], "TRAIN.COMPILE_BACKEND is 'nope'; expected one of"),
+                          (['TRAIN.COMPILE_BACKEND', 'eager', 'TRAIN.COMPILE_MODE', 'max-autotune'],
+                           "TRAIN.COMPILE_MODE is 'max-autotune'; expected 'default' with TRAIN.COMPILE_BACKEND")):
         code = run_cli(train_main, ['--cfg', TINY_DEMO, '--compile', '--opts', *opts])
         err = capsys.readouterr().err.strip().splitlines()
         assert code == 2 and len(err) == 1 and message in err[0]
