@@ -47,9 +47,11 @@ def compile_errors_reported(model_name: str) -> Iterator[None]:
     try:
         yield
     except (dynamo_exc.Unsupported, dynamo_exc.UserError) as e:
-        reason = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()] or [type(e).__name__]
+        why = next((line.split(':', 1)[1].strip() for line in lines if line.startswith('Explanation:')), '')
+        reason = f"{lines[0]}: {why}" if why else lines[0]
         raise UsageError(f"model {model_name!r} cannot be compiled as one graph ({reason}); expected a model "
-                         f"without graph breaks: run without TRAIN.COMPILE / --compile") from None
+                         f"without graph breaks: run without TRAIN.COMPILE / --compile") from e  # --debug shows why
 
 
 class CompileTimer:
