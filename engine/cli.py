@@ -45,11 +45,13 @@ def train_main(argv: Sequence[str]) -> int:
     parser.add_argument('--output', help='output folder for checkpoints and logs (OUTPUT)')
     parser.add_argument('--resume', help='training checkpoint to resume (MODEL.RESUME); by default OUTPUT/last.pth')
     parser.add_argument('--pretrained', help='weights to start from (MODEL.PRETRAINED), e.g. for fine-tuning')
+    parser.add_argument('--compile', action='store_true', default=None,
+                        help='torch.compile the whole model, without graph breaks (TRAIN.COMPILE)')
     _common_arguments(parser)
     args = parser.parse_args(argv)
     cfg = load_config(args.cfg, args.opts, _overrides(args, dict(
         data_path='DATA.DATA_PATH', batch_size='DATA.BATCH_SIZE', output='OUTPUT', resume='MODEL.RESUME',
-        pretrained='MODEL.PRETRAINED')))
+        pretrained='MODEL.PRETRAINED', compile='TRAIN.COMPILE')))
     info = init_distributed(cfg.DEVICE, cfg.DIST.BACKEND, cfg.DIST.TIMEOUT_MIN)
     try:
         train(cfg, info, check_data=args.check_data)
@@ -71,6 +73,9 @@ def eval_main(argv: Sequence[str]) -> int:
     parser.add_argument('--img-size', type=int, help='input size S (DATA.IMG_SIZE)')
     parser.add_argument('--crop-pct', type=float, help='resize to S / crop_pct, crop S (TEST.CROP_PCT)')
     parser.add_argument('--crop-mode', help="'center' (shorter side) or 'squash' (square resize) (TEST.CROP_MODE)")
+    parser.add_argument('--compile', action='store_true',
+                        help='torch.compile the whole model, without graph breaks, with TRAIN.COMPILE_MODE and '
+                             'TRAIN.COMPILE_BACKEND (the config\'s TRAIN.COMPILE is for training)')
     parser.add_argument('--throughput', action='store_true',
                         help='print images/s at --batch-size (50 warm-up forwards, 30 timed) instead of accuracy')
     parser.add_argument('--warmup-forwards', type=int, default=50, metavar='N',
@@ -96,13 +101,14 @@ def eval_main(argv: Sequence[str]) -> int:
             batch_size = args.batch_size or cfg.DATA.BATCH_SIZE
             result = throughput(cfg, info, batch_size, args.checkpoint, ema=args.ema, amp=args.amp,
                                 adopt_classes=bool(args.model), warmup=args.warmup_forwards,
-                                timed=args.timed_forwards)
+                                timed=args.timed_forwards, compile=args.compile)
             if info.is_main:
                 print(f"batch_size {batch_size} throughput {result['throughput']:.1f} images/s")
         else:
             checkpoint = args.checkpoint or released_checkpoint(args.model, info)
             result = evaluate_weights(cfg, info, checkpoint, ema=args.ema, amp=args.amp,
-                                      adopt_classes=bool(args.model), check_data=args.check_data)
+                                      adopt_classes=bool(args.model), check_data=args.check_data,
+                                      compile=args.compile)
             if info.is_main:
                 print(f"{result['model']} ({result['weights']} weights, {result['precision']}): top-1 "
                       f"{result['top1']:.3f} top-5 {result['top5']:.3f} on {result['count']} images")

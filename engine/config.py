@@ -16,7 +16,8 @@ from .errors import UsageError
 
 __all__ = [
     'ConfigError', 'get_default_config', 'load_config', 'config_from_yaml_string', 'merge_dict', 'merge_opts',
-    'validate_config', 'mixup_active', 'total_batch_size', 'scaled_lrs', 'ema_decay', 'model_kwargs',
+    'validate_config', 'compile_backends', 'mixup_active', 'total_batch_size', 'scaled_lrs', 'ema_decay',
+    'model_kwargs',
 ]
 
 
@@ -68,6 +69,11 @@ _C.TRAIN.WEIGHT_DECAY = 0.05
 _C.TRAIN.CLIP_GRAD = None  # max gradient norm; None = no clipping
 _C.TRAIN.ACCUMULATION_STEPS = 1
 _C.TRAIN.USE_CHECKPOINT = False  # gradient checkpointing
+# torch.compile(fullgraph=True) of the whole model for training and validation; MODE and BACKEND are
+# torch.compile's `mode` and `backend` ('aot_eager' traces without generating kernels, to check a model quickly)
+_C.TRAIN.COMPILE = False
+_C.TRAIN.COMPILE_MODE = 'default'
+_C.TRAIN.COMPILE_BACKEND = 'inductor'
 _C.TRAIN.AUTO_RESUME = True
 _C.TRAIN.MAX_NONFINITE_STEPS = 0  # updates skipped for a non-finite loss before the run stops with an error
 _C.TRAIN.LR_SCHEDULER = CN()
@@ -136,6 +142,7 @@ _CHOICES = {
     'AUG.MIXUP_MODE': ('batch', 'pair', 'elem'),
     'AUG.REMODE': ('pixel', 'rand', 'const'),
     'DIST.BACKEND': ('', 'nccl', 'gloo'),
+    'TRAIN.COMPILE_MODE': ('default', 'reduce-overhead', 'max-autotune', 'max-autotune-no-cudagraphs'),
 }
 
 _POSITIVE = ('DATA.BATCH_SIZE', 'DATA.IMG_SIZE', 'MODEL.NUM_CLASSES', 'TRAIN.EPOCHS', 'TRAIN.ACCUMULATION_STEPS',
@@ -317,6 +324,18 @@ def validate_config(cfg: CN) -> None:
     _check(all(isinstance(k, str) and k.islower() for k in cfg.MODEL.KWARGS), 'MODEL.KWARGS',
            list(cfg.MODEL.KWARGS), 'lower-case constructor keyword names')
     _check(bool(cfg.MODEL.NAME), 'MODEL.NAME', cfg.MODEL.NAME, 'a registered model name')
+    if cfg.TRAIN.COMPILE_BACKEND != 'inductor':  # the registry is read only when another backend is asked for
+        backends = compile_backends()
+        _check(cfg.TRAIN.COMPILE_BACKEND in backends, 'TRAIN.COMPILE_BACKEND', cfg.TRAIN.COMPILE_BACKEND,
+               'one of ' + ', '.join(repr(b) for b in backends))
+        _check(cfg.TRAIN.COMPILE_MODE == 'default', 'TRAIN.COMPILE_MODE', cfg.TRAIN.COMPILE_MODE,
+               f"'default' with TRAIN.COMPILE_BACKEND {cfg.TRAIN.COMPILE_BACKEND!r} (the other modes are inductor's)")
+
+
+def compile_backends() -> List[str]:
+    """The backends `torch.compile` accepts by name here, those only for debugging included."""
+    import torch._dynamo
+    return sorted(torch._dynamo.list_backends(exclude_tags=()))
 
 
 def mixup_active(cfg: CN) -> bool:

@@ -14,6 +14,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
+from .compile import CompileTimer, plain_module
 from .distributed import DistInfo, all_reduce_sum, any_rank
 from .errors import NonFiniteLossError
 
@@ -139,6 +140,7 @@ def train_one_epoch(
         mixup: Optional[Callable] = None,
         ema=None,
         stop_requested: Callable[[], bool] = lambda: False,
+        compile_timer: Optional[CompileTimer] = None,
 ) -> EpochResult:
     """Train the batches of `state.epoch` from `state.epoch_batches` up to `options.updates * options.accumulation`.
 
@@ -146,7 +148,8 @@ def train_one_epoch(
     `stop_requested()` is true on any process at an update boundary, the epoch ends early with `stopped` set.
     An update whose loss is non-finite on any process is skipped on all of them (no backward, and weights,
     optimizer, scaler, EMA and schedule stay as they were); once more than `options.max_nonfinite_steps`
-    updates were skipped in this run, `NonFiniteLossError` is raised on every process.
+    updates were skipped in this run, `NonFiniteLossError` is raised on every process. `model` may be compiled
+    (inside DDP or not); `compile_timer` gets the time of each batch's step.
     """
     model.train()
     total = options.updates * options.accumulation
@@ -159,6 +162,7 @@ def train_one_epoch(
         for images_batch, targets in loader:
             if state.epoch_batches >= total:
                 break
+            step_start = time.perf_counter()
             images_batch = images_batch.to(info.device, non_blocking=True)
             targets = targets.to(info.device, non_blocking=True)
             if mixup is not None:
@@ -208,9 +212,11 @@ def train_one_epoch(
                     state.step += 1
                     scheduler.step_update(num_updates=state.step)
                     if ema is not None:
-                        ema.update(model.module if isinstance(model, DistributedDataParallel) else model)
+                        ema.update(plain_module(model))
                 if any_rank(stop_requested(), info.device):
                     stopped = True
+            if compile_timer is not None:
+                compile_timer.record(time.perf_counter() - step_start)
             if state.epoch_batches % options.print_freq == 0:
                 rate = images / max(time.perf_counter() - start, 1e-9)
                 bar.set_postfix(loss=f'{loss_meter.avg:.4f}', lr=f'{lr:.3e}', img_s=f'{rate:.0f}')
@@ -224,9 +230,11 @@ def train_one_epoch(
 
 @torch.no_grad()
 def evaluate(model: nn.Module, loader: DataLoader, info: DistInfo, *, amp: bool = False,
-             amp_dtype: str = 'float16', desc: str = '') -> Dict[str, float]:
+             amp_dtype: str = 'float16', desc: str = '',
+             compile_timer: Optional[CompileTimer] = None) -> Dict[str, float]:
     """Top-1 / top-5 (%) and mean cross-entropy over the whole set: each process counts its own shard (no
-    padding) and the counts are summed, so the result is exact for any world size."""
+    padding) and the counts are summed, so the result is exact for any world size. `compile_timer` gets the
+    time of each batch's forward."""
     model.eval()
     criterion = nn.CrossEntropyLoss(reduction='sum')
     correct1 = correct5 = loss_sum = count = 0.0
@@ -234,9 +242,12 @@ def evaluate(model: nn.Module, loader: DataLoader, info: DistInfo, *, amp: bool 
     for images, targets in loader:
         images = images.to(info.device, non_blocking=True)
         targets = targets.to(info.device, non_blocking=True)
+        begin = time.perf_counter()
         with autocast(info.device, amp, amp_dtype):
             output = model(images)
         output = output.float()
+        if compile_timer is not None:
+            compile_timer.record(time.perf_counter() - begin)
         n = targets.shape[0]
         top1, top5 = accuracy(output, targets, topk=(1, 5))
         correct1 += round(top1.item() * n / 100)  # timm reports percentages of this batch
@@ -253,11 +264,12 @@ def evaluate(model: nn.Module, loader: DataLoader, info: DistInfo, *, amp: bool 
 
 @torch.no_grad()
 def measure_throughput(model: nn.Module, images: torch.Tensor, info: DistInfo, *, amp: bool = False,
-                       amp_dtype: str = 'float16', warmup: int = 50, timed: int = 30) -> float:
+                       amp_dtype: str = 'float16', warmup: int = 50, timed: int = 30,
+                       compile_timer: Optional[CompileTimer] = None) -> float:
     """Images per second of `model` on one batch: `warmup` forwards, then `timed` forwards timed (official).
 
     The first warm-up forward is logged with its rate and the time the whole measurement will take, so a slow
-    device shows a first result within one forward.
+    device shows a first result within one forward. `compile_timer` gets the time of each warm-up forward.
     """
     model.eval()
     images = images.to(info.device)
@@ -271,6 +283,9 @@ def measure_throughput(model: nn.Module, images: torch.Tensor, info: DistInfo, *
         for i in range(warmup):
             begin = time.perf_counter()
             model(images)
+            if compile_timer is not None:
+                sync()
+                compile_timer.record(time.perf_counter() - begin)
             if i == 0:
                 sync()
                 first = time.perf_counter() - begin

@@ -21,6 +21,7 @@ from yacs.config import CfgNode as CN
 from .build import (autocast_dtype, check_model_config, create_criterion, create_model, create_optimizer,
                     create_scheduler, read_weights)
 from .checkpoint import LAST, OutputLock, TrainingCheckpoint, remove_stale_temp_files
+from .compile import CompileTimer, compile_errors_reported, compile_model
 from .config import ema_decay, scaled_lrs, total_batch_size
 from .data import (build_eval_loader, build_mixup, build_train_loader, check_images, check_splits, eval_batch_size,
                    eval_transform, load_split, report_scan, resolve_data_root, train_transform)
@@ -234,11 +235,15 @@ def _train(cfg: CN, info: DistInfo, lock: OutputLock, check_data: bool) -> Dict[
     if stored is not None:
         checkpoint.restore(stored, resume, updates_per_epoch * cfg.TRAIN.ACCUMULATION_STEPS)
 
-    train_model = model
+    compiled = cfg.TRAIN.COMPILE
+    # `model` stays plain for the checkpoints, the optimizer and the EMA; DDP wraps the compiled module
+    eval_model = compile_model(model, cfg.TRAIN.COMPILE_MODE, cfg.TRAIN.COMPILE_BACKEND) if compiled else model
+    train_model = eval_model
     if info.distributed:
         train_model = DistributedDataParallel(
-            model, device_ids=[info.local_rank] if info.device.type == 'cuda' else None,
+            eval_model, device_ids=[info.local_rank] if info.device.type == 'cuda' else None,
             find_unused_parameters=cfg.DIST.FIND_UNUSED_PARAMETERS)
+    train_timer, val_timer = CompileTimer('the training step', compiled), CompileTimer('validation', compiled)
     criterion = create_criterion(cfg)
     mixup = build_mixup(cfg)
     epoch_options = EpochOptions(
@@ -260,7 +265,9 @@ def _train(cfg: CN, info: DistInfo, lock: OutputLock, check_data: bool) -> Dict[
                            f"top-1 is trivially 100 %; expected 2 or more classes for a meaningful accuracy")
         logger.info(f"{info.world_size} process(es) on {info.device.type}, total batch "
                     f"{total_batch_size(cfg, info.world_size)}, lr {lrs['lr']:.3e}, {updates_per_epoch} updates "
-                    f"per epoch, {num_epochs} epochs; output {output}")
+                    f"per epoch, {num_epochs} epochs; output {output}"
+                    + (f"; compiled (torch.compile, backend {cfg.TRAIN.COMPILE_BACKEND}, mode "
+                       f"{cfg.TRAIN.COMPILE_MODE})" if compiled else ''))
 
     record: Dict[str, Any] = {}
     epochs_run, stopped = 0, False
@@ -269,7 +276,7 @@ def _train(cfg: CN, info: DistInfo, lock: OutputLock, check_data: bool) -> Dict[
     if state.epoch >= num_epochs:
         logger.info(f"{resume} already finished all {num_epochs} epochs; nothing to train")
     stop = StopSignal()
-    with stop.installed():
+    with stop.installed(), compile_errors_reported(cfg.MODEL.NAME):
         while state.epoch < num_epochs:
             epoch = state.epoch
             last_epoch = epoch + 1 == num_epochs
@@ -280,7 +287,7 @@ def _train(cfg: CN, info: DistInfo, lock: OutputLock, check_data: bool) -> Dict[
                 result = train_one_epoch(
                     train_model, train_loader, criterion, optimizer, scheduler, scaler, state, info,
                     replace(epoch_options, desc=f'epoch {epoch}/{num_epochs}'), mixup=mixup, ema=ema,
-                    stop_requested=stop)
+                    stop_requested=stop, compile_timer=train_timer)
                 finished = state.epoch_batches >= epoch_options.updates * epoch_options.accumulation
                 if result.stopped and not finished:
                     checkpoint.save()
@@ -301,8 +308,8 @@ def _train(cfg: CN, info: DistInfo, lock: OutputLock, check_data: bool) -> Dict[
                                 f"{checkpoint.last_path} resumes with its validation")
                     stopped = True
                     break
-            val = evaluate(model, val_loader, info, amp=cfg.AMP.ENABLED and cfg.AMP.EVAL, amp_dtype=amp_dtype,
-                           desc='val')
+            val = evaluate(eval_model, val_loader, info, amp=cfg.AMP.ENABLED and cfg.AMP.EVAL,
+                           amp_dtype=amp_dtype, desc='val', compile_timer=val_timer)
             record = dict(epoch=epoch, step=state.step, train_loss=trained['train_loss'], lr=trained['lr'],
                           val_loss=val['loss'], val_top1=val['top1'], val_top5=val['top5'])
             is_best = val['top1'] > state.max_accuracy or epoch == 0

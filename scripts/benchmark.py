@@ -1,10 +1,19 @@
-"""Inference throughput, training-step time and peak memory of every attention on every family.
+"""Inference throughput, training-step time, efficiency and peak memory of every attention on every family.
 
 For each family, size and resolution one child process builds timm's own model of the same architecture (the
 reference, where timm has one) and ours with every attention, then times them in interleaved rounds (each round
 runs every model once, in alternating order), so that a machine whose load drifts slows all of them alike; the
 table gives the best (or median) round. Ratios are taken between models of the same process: `×timm` against
-timm's model, `×softmax` against our softmax model.
+timm's model, `×softmax` against our softmax model. With `--compile` every model also runs as
+`torch.compile(model, fullgraph=True)` in the same rounds, on rows of its own (`×eager`: against the same model
+uncompiled).
+
+Efficiency: the FLOPs of a forward pass (inference) and of a forward and backward pass (training step), counted
+by `torch.utils.flop_counter.FlopCounterMode` on the eager model (2 per multiply-add of the matrix products and
+convolutions; the CPU kernel of `scaled_dot_product_attention`, which the counter sees as 0, by its formula
+2·B·h·n·m·(d + d_v), twice that backward), divided by the time, as a share of the matrix-multiply rate: a square
+matrix product in the models' precision, timed in every round beside them with the same threads. The share is
+the median over the rounds of each round's ratio.
 
 Peak memory is what a forward pass (inference) or a training step (forward, backward, AdamW) allocates above
 what the model already holds: on CUDA the allocator's peak, on CPU the peak of live tensor bytes recorded by the
@@ -33,11 +42,13 @@ import time
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
+from torch.utils.flop_counter import FlopCounterMode, register_flop_formula
 
 import timm
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import models  # noqa: E402,F401  (registers the families)
+from engine.compile import compile_model  # noqa: E402
 from models.attention import forms_score_matrix, list_attentions  # noqa: E402
 
 # The attention every `×softmax` ratio compares against.
@@ -60,6 +71,51 @@ SLOWDOWN_GOALS = {'multimax_*': ('MultiMax / softmax', 1.05)}
 # between runs. These settings keep freed memory in the process, making every call pay the same.
 STEADY_MALLOC = {'MALLOC_MMAP_THRESHOLD_': str(2 ** 32), 'MALLOC_TRIM_THRESHOLD_': str(2 ** 32)}
 NOTES_MARKER = '<!-- notes -->'
+COMPILED = ' (compiled)'
+
+
+@register_flop_formula(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu)
+def _cpu_attention_flops(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+    """The CPU attention kernel: q·kᵀ and p·v, 2·B·h·n·m·(d + d_v) (a causal mask's skipped half included)."""
+    *batch, n, d = query_shape
+    return 2 * math.prod(batch) * n * key_shape[-2] * (d + value_shape[-1])
+
+
+@register_flop_formula(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward)
+def _cpu_attention_backward_flops(grad_out_shape, query_shape, key_shape, value_shape, *args, out_shape=None,
+                                  **kwargs) -> int:
+    """Gradients of q, k, v and p: twice the forward pass's products."""
+    return 2 * _cpu_attention_flops(query_shape, key_shape, value_shape)
+
+
+def count_flops(model: torch.nn.Module, x: torch.Tensor, train: bool) -> int:
+    """FLOPs of one forward pass of `model` on `x` (`train`: forward and backward of the sum of the outputs)."""
+    counter = FlopCounterMode(display=False)
+    model.train(train)
+    with counter, torch.set_grad_enabled(train):
+        out = model(x)
+        if train:
+            out.float().sum().backward()
+    model.zero_grad(set_to_none=True)
+    return counter.get_total_flops()
+
+
+def efficiency(flops: float, seconds: Sequence[float], matmul_flops: float, matmul_seconds: Sequence[float]) -> float:
+    """The median over rounds of a model's FLOP rate as a share (%) of the matrix product's rate in the same round."""
+    return 100 * statistics.median(flops / t / (matmul_flops / m) for t, m in zip(seconds, matmul_seconds))
+
+
+def matmul_step(device: torch.device, size: int) -> Tuple[Callable[[], None], int]:
+    """A `size`² matrix product in the models' precision (float32; bfloat16 on CUDA) and its FLOPs."""
+    dtype = torch.bfloat16 if device.type == 'cuda' else torch.float32
+    generator = torch.Generator(device=device).manual_seed(0)
+    a, b = (torch.randn(size, size, device=device, dtype=dtype, generator=generator) for _ in range(2))
+    out = torch.empty_like(a)
+
+    def step(a=a, b=b, out=out):
+        torch.matmul(a, b, out=out)
+
+    return step, 2 * size ** 3
 
 
 def model_spec(attention: str, family: str, size: str, resolution: int) -> Tuple[str, Dict]:
@@ -115,7 +171,8 @@ def peak_memory_mib(fn: Callable[[], None], device: torch.device) -> float:
 
 
 def measure(args: argparse.Namespace) -> List[Dict]:
-    """Child process: build every model of one configuration, measure memory, then time in interleaved rounds."""
+    """Child process: build every model of one configuration (and its compiled twin with `--compile`), count its
+    FLOPs, measure memory, then time it in interleaved rounds beside a matrix product."""
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
@@ -126,18 +183,23 @@ def measure(args: argparse.Namespace) -> List[Dict]:
             torch.cuda.synchronize()
 
     results: List[Dict] = []
-    runners = []
+    runners = []  # (model, inference step, training step, result, FLOPs of each)
     for spec in json.loads(args.specs):
         try:
             torch.manual_seed(0)
             model = timm.create_model(spec['model'], **spec['kwargs']).to(device)
             if args.channels_last:
                 model = model.to(memory_format=torch.channels_last)
-            run = torch.compile(model) if args.compile else model
             x = torch.randn(args.batch_size, 3, args.resolution, args.resolution, device=device)
             y = torch.randint(0, model.num_classes, (args.batch_size,), device=device)
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-
+            flops = dict(infer=count_flops(model, x, train=False),
+                         train=count_flops(model, x, train=True) if args.train else None)
+            variants = [model] + ([compile_model(model)] if args.compile else [])
+        except Exception as e:  # a configuration a model cannot take (or memory) is reported, not fatal
+            results += [_error_result(e, device)] * (2 if args.compile else 1)
+            continue
+        for run in variants:
             def infer(run=run, x=x):
                 with torch.no_grad(), torch.autocast(**amp):
                     run(x)
@@ -149,64 +211,78 @@ def measure(args: argparse.Namespace) -> List[Dict]:
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
 
-            result = dict(params_m=sum(p.numel() for p in model.parameters()) / 1e6)
-            model.eval()
-            infer()
-            result['infer_mem_mib'] = peak_memory_mib(infer, device)
-            if args.train:
-                model.train()
-                train_step()  # creates the optimizer state, so the measured step allocates only what every step does
-                result['train_mem_mib'] = peak_memory_mib(train_step, device)
-            runners.append((model, infer, train_step, result))
-        except Exception as e:  # a configuration a model cannot take (or memory) is reported, not fatal
-            result = dict(error=f'{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ""}'[:200])
-            if device.type == 'cuda':
-                torch.cuda.empty_cache()
-        results.append(result)
+            try:
+                result = dict(params_m=sum(p.numel() for p in model.parameters()) / 1e6,
+                              gflops=flops['infer'] / args.batch_size / 1e9)
+                model.eval()
+                infer()  # compiles the inference graph, outside the memory measurement
+                result['infer_mem_mib'] = peak_memory_mib(infer, device)
+                if args.train:
+                    model.train()
+                    train_step()  # creates the optimizer state (and compiles), so the measured step is a steady one
+                    result['train_mem_mib'] = peak_memory_mib(train_step, device)
+                runners.append((model, infer, train_step, result, flops))
+            except Exception as e:
+                result = _error_result(e, device)
+            results.append(result)
 
-    def time_rounds(step: Callable[[Tuple], Callable[[], None]], mode: str, iters: int) -> List[List[float]]:
-        for model, *_ in runners:
-            model.train(mode == 'train')
-        for runner in runners:
+    matmul, matmul_flops = matmul_step(device, args.matmul_size)
+
+    def time_rounds(steps: List[Callable[[], None]], iters: int) -> List[List[float]]:
+        """Seconds of each step in each round; the matrix product is the last step."""
+        for step in steps:
             for _ in range(args.warmup):
-                step(runner)()
+                step()
         sync()
-        times: List[List[float]] = [[] for _ in runners]
-        order = list(range(len(runners)))
+        times: List[List[float]] = [[] for _ in steps]
+        order = list(range(len(steps)))
         for _ in range(iters):
-            order.reverse()  # every model runs as often right after each neighbour
+            order.reverse()  # every step runs as often right after each neighbour
             for i in order:
-                fn = step(runners[i])
                 start = time.perf_counter()
-                fn()
+                steps[i]()
                 sync()
                 times[i].append(time.perf_counter() - start)
         return times
 
     pick = min if args.stat == 'min' else statistics.median
-    for times, (*_, result) in zip(time_rounds(lambda r: r[1], 'eval', args.iters), runners):
-        result['infer_img_s'] = args.batch_size / pick(times)
+    modes = [('infer', 'infer_img_s', lambda r: r[1], args.iters)]
     if args.train:
-        for times, (*_, result) in zip(time_rounds(lambda r: r[2], 'train', args.train_iters), runners):
-            result['train_step_ms'] = 1000 * pick(times)
+        modes.append(('train', 'train_step_ms', lambda r: r[2], args.train_iters))
+    for mode, key, step_of, iters in modes:
+        for model, *_ in runners:
+            model.train(mode == 'train')
+        *times, matmul_times = time_rounds([step_of(r) for r in runners] + [matmul], iters)
+        for model_times, (*_, result, flops) in zip(times, runners):
+            seconds = pick(model_times)
+            result[key] = args.batch_size / seconds if mode == 'infer' else 1000 * seconds
+            result[f'{mode}_mm_pct'] = efficiency(flops[mode], model_times, matmul_flops, matmul_times)
+            result['matmul_gflop_s'] = matmul_flops / statistics.median(matmul_times) / 1e9
     return results
+
+
+def _error_result(e: Exception, device: torch.device) -> Dict:
+    if device.type == 'cuda':
+        torch.cuda.empty_cache()
+    return dict(error=f'{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ""}'[:200])
 
 
 def run_group(args: argparse.Namespace, specs: List[Dict], resolution: int, train: bool) -> List[Dict]:
     cmd = [sys.executable, os.path.abspath(__file__), '--child', '--specs', json.dumps(specs),
            '--resolution', str(resolution), '--device', args.device, '--batch-size', str(args.batch_size),
            '--iters', str(args.iters), '--train-iters', str(args.train_iters), '--warmup', str(args.warmup),
-           '--threads', str(args.threads), '--stat', args.stat]
+           '--threads', str(args.threads), '--stat', args.stat, '--matmul-size', str(args.matmul_size)]
     cmd += ['--compile'] * args.compile + ['--channels-last'] * args.channels_last
     cmd += ['--train' if train else '--no-train']
     env = dict(os.environ, **STEADY_MALLOC) if args.steady_malloc else None
+    variants = 2 if args.compile else 1
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
     except subprocess.TimeoutExpired:
-        return [dict(error=f'timeout after {args.timeout} s')] * len(specs)
+        return [dict(error=f'timeout after {args.timeout} s')] * len(specs) * variants
     if proc.returncode != 0:
         reason = (proc.stderr.strip().splitlines() or [f'exit status {proc.returncode}'])[-1]
-        return [dict(error=reason[:200])] * len(specs)
+        return [dict(error=reason[:200])] * len(specs) * variants
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
@@ -233,7 +309,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument('--train-max-resolution', type=int, default=None,
                         help='time training steps only up to this resolution (inference above it)')
     parser.add_argument('--threads', type=int, default=0, help='CPU threads per process (0: torch default)')
-    parser.add_argument('--compile', action='store_true', help='torch.compile the models')
+    parser.add_argument('--compile', action='store_true',
+                        help='also time every model compiled (fullgraph), on rows of its own')
+    parser.add_argument('--matmul-size', type=int, default=2048,
+                        help='side of the square matrix product whose rate the efficiency is a share of')
+    parser.add_argument('--note', default='', help='a line for the header of OUT.md, e.g. what else ran')
     parser.add_argument('--channels-last', action='store_true')
     parser.add_argument('--steady-malloc', action=argparse.BooleanOptionalAction, default=True,
                         help="keep freed memory in the measuring processes (glibc's MALLOC_MMAP_THRESHOLD_ and "
@@ -264,25 +344,40 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                 specs = group_specs(family, size, resolution, args.attentions, args.reference)
                 train = args.train and (args.train_max_resolution is None or resolution <= args.train_max_resolution)
                 print(f'{family}-{size} @ {resolution} ({time.time() - started:.0f} s)', file=sys.stderr, flush=True)
-                results = dict(zip((s['label'] for s in specs), run_group(args, specs, resolution, train)))
+                suffixes = ['', COMPILED] if args.compile else ['']
+                labels = [spec['label'] + suffix for spec in specs for suffix in suffixes]
+                results = dict(zip(labels, run_group(args, specs, resolution, train)))
                 for spec in specs:
-                    res = results[spec['label']]
-                    if 'error' in res:
-                        skipped.append(f"{spec['model']} {_kwargs_text(spec['kwargs'])}: {res['error']}")
-                        print(f'  skipped {skipped[-1]}', file=sys.stderr)
-                        continue
-                    rows.append(dict(
-                        family=family, size=size, attention=spec['label'], resolution=resolution,
-                        model=spec['model'],
-                        params_m=res['params_m'], infer_img_s=res['infer_img_s'],
-                        train_step_ms=res.get('train_step_ms'), infer_mem_mib=res['infer_mem_mib'],
-                        train_mem_mib=res.get('train_mem_mib'),
-                        infer_vs_timm=_ratio(res, results.get(REFERENCE), 'infer_img_s'),
-                        train_vs_timm=_ratio(res, results.get(REFERENCE), 'train_step_ms', inverse=True),
-                        infer_vs_softmax=_ratio(res, results.get(BASELINE), 'infer_img_s'),
-                        train_vs_softmax=_ratio(res, results.get(BASELINE), 'train_step_ms', inverse=True),
-                    ))
+                    for suffix in suffixes:
+                        res = results[spec['label'] + suffix]
+                        if 'error' in res:
+                            skipped.append(f"{spec['model']}{suffix} {_kwargs_text(spec['kwargs'])}: {res['error']}")
+                            print(f'  skipped {skipped[-1]}', file=sys.stderr)
+                            continue
+                        rows.append(result_row(res, results, spec, suffix, family=family, size=size,
+                                               resolution=resolution))
     write_outputs(args, rows, skipped, time.time() - started)
+
+
+def result_row(res: Dict, results: Dict[str, Dict], spec: Dict, suffix: str, **where) -> Dict:
+    """One row of the table: a model's measurements and its ratios to the models of the same process, compiled
+    against compiled (`suffix` is COMPILED) and eager against eager; `×eager` compares a compiled model with
+    itself uncompiled."""
+    reference, baseline = results.get(REFERENCE + suffix), results.get(BASELINE + suffix)
+    eager = results.get(spec['label']) if suffix else None
+    return dict(
+        **where, attention=spec['label'], model=spec['model'] + suffix, compiled=bool(suffix),
+        params_m=res['params_m'], gflops=res['gflops'], infer_img_s=res['infer_img_s'],
+        infer_mm_pct=res['infer_mm_pct'], train_step_ms=res.get('train_step_ms'),
+        train_mm_pct=res.get('train_mm_pct'), matmul_gflop_s=res['matmul_gflop_s'],
+        infer_mem_mib=res['infer_mem_mib'], train_mem_mib=res.get('train_mem_mib'),
+        infer_vs_timm=_ratio(res, reference, 'infer_img_s'),
+        train_vs_timm=_ratio(res, reference, 'train_step_ms', inverse=True),
+        infer_vs_softmax=_ratio(res, baseline, 'infer_img_s'),
+        train_vs_softmax=_ratio(res, baseline, 'train_step_ms', inverse=True),
+        infer_vs_eager=_ratio(res, eager, 'infer_img_s'),
+        train_vs_eager=_ratio(res, eager, 'train_step_ms', inverse=True),
+    )
 
 
 def parse_resolutions(items: Sequence[str], families: Sequence[str]) -> Dict[str, List[int]]:
@@ -375,6 +470,7 @@ def write_outputs(args: argparse.Namespace, rows: List[Dict], skipped: List[str]
         writer = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else ['model'])
         writer.writeheader()
         writer.writerows(rows)
+    matmul_dtype = 'bfloat16' if args.device == 'cuda' else 'float32'
     if args.device == 'cuda':
         machine = f'cuda ({torch.cuda.get_device_name()})'
     else:
@@ -383,28 +479,37 @@ def write_outputs(args: argparse.Namespace, rows: List[Dict], skipped: List[str]
     lines = [
         '# Benchmarks', '',
         f'- date: {datetime.date.today().isoformat()}',
-        f'- machine: {machine}, torch {torch.__version__}',
+        f'- machine: {machine}' + (f' ({args.note})' if args.note else ''),
+        f'- versions: torch {torch.__version__}, timm {timm.__version__}, Python {platform.python_version()}',
         f'- command: `python {" ".join(shlex.quote(a) for a in sys.argv)}` ({seconds / 60:.0f} min)',
         f'- batch {args.batch_size}, {args.stat} of {args.iters} inference and {args.train_iters} training rounds '
         f'after {args.warmup} warm-up calls, models of a row group interleaved'
         + (', bfloat16 autocast' if args.device == 'cuda' else ', float32')
-        + (', torch.compile' if args.compile else '')
+        + (', eager and torch.compile(fullgraph=True) rows' if args.compile else '')
         + (', steady allocator (freed memory kept in the process)' if args.steady_malloc else ''),
+        f'- matrix-multiply rate ({args.matmul_size}² product, {matmul_dtype}, median of each process\'s rounds): '
+        f'{_span(r["matmul_gflop_s"] for r in rows)} GFLOP/s',
         f'- load average (1 min) of the machine at the start and end: {args.load_at_start:.1f}, '
         f'{os.getloadavg()[0]:.1f}', '',
         'Ratios are taken between models timed in the same process, above 1 meaning faster: `×timm` against '
-        "timm's own model of the same architecture, `×softmax` against our softmax model (throughput for "
-        'inference, step time for training). Memory is the peak allocated above the built model.', '',
-        '| model | res | params (M) | infer img/s | train step ms | infer MiB | train MiB | infer ×timm '
-        '| train ×timm | infer ×softmax | train ×softmax |',
-        '|---|---|---|---|---|---|---|---|---|---|---|',
+        "timm's own model of the same architecture, `×softmax` against our softmax model (compiled rows against "
+        'compiled ones), `×eager` against the same model uncompiled (throughput for inference, step time for '
+        'training). GFLOPs: one image\'s forward pass (2 per multiply-add). `% mm`: the FLOP rate of inference and '
+        'of a training step (forward and backward FLOPs) as a share of the matrix-multiply rate of the same rounds, '
+        'median over the rounds. Memory is the peak allocated above the built model.', '',
+        '| model | res | params (M) | GFLOPs | infer img/s | infer % mm | train step ms | train % mm | infer MiB '
+        '| train MiB | infer ×timm | train ×timm | infer ×softmax | train ×softmax '
+        + ('| infer ×eager | train ×eager |' if args.compile else '|'),
+        '|---' * (14 + 2 * args.compile) + '|',
     ]
     for r in rows:
-        lines.append(f"| {r['model']} | {r['resolution']} | {r['params_m']:.1f} | {fmt(r['infer_img_s'])} "
-                     f"| {fmt(r['train_step_ms'], 0)} | {fmt(r['infer_mem_mib'], 0)} | {fmt(r['train_mem_mib'], 0)} "
+        lines.append(f"| {r['model']} | {r['resolution']} | {r['params_m']:.1f} | {fmt(r['gflops'])} "
+                     f"| {fmt(r['infer_img_s'])} | {fmt(r['infer_mm_pct'], 1)} | {fmt(r['train_step_ms'], 0)} "
+                     f"| {fmt(r['train_mm_pct'], 1)} | {fmt(r['infer_mem_mib'], 0)} | {fmt(r['train_mem_mib'], 0)} "
                      f"| {fmt(r['infer_vs_timm'])} | {fmt(r['train_vs_timm'])} "
-                     f"| {fmt(r['infer_vs_softmax'])} | {fmt(r['train_vs_softmax'])} |")
-    targets = target_lines(rows, args.device)
+                     f"| {fmt(r['infer_vs_softmax'])} | {fmt(r['train_vs_softmax'])} |"
+                     + (f" {fmt(r['infer_vs_eager'])} | {fmt(r['train_vs_eager'])} |" if args.compile else ''))
+    targets = target_lines([r for r in rows if not r['compiled']], args.device)
     if targets:
         lines += ['', '## Targets', ''] + targets
     if skipped:
@@ -418,6 +523,13 @@ def write_outputs(args: argparse.Namespace, rows: List[Dict], skipped: List[str]
     with open(args.out + '.md', 'w') as f:
         f.write('\n'.join(lines) + '\n' + ('\n' + notes if notes else ''))
     print('\n'.join(lines))
+
+
+def _span(values) -> str:
+    values = sorted(values)
+    if not values:
+        return '–'
+    return f'{values[0]:.1f}' if values[0] == values[-1] else f'{values[0]:.1f} to {values[-1]:.1f}'
 
 
 def _cpu_name() -> str:

@@ -1,17 +1,33 @@
-"""torch.compile(fullgraph=True) of every family with every attention on a tiny configuration.
+"""torch.compile(fullgraph=True) of every family with every attention on a tiny configuration, MultiMax through
+FlexAttention when compiled for CPU inference, and the `--compile` / `TRAIN.COMPILE` path of train.py and eval.py.
 
 `fullgraph=True` turns any graph break into an error; the traced graph runs on the eager backend (kernel
-generation is the benchmark's business: `scripts/benchmark.py --compile`), and its outputs and gradients must
-match the eager model's.
+generation is the benchmark's business: `scripts/benchmark.py --compile`), except in one small inductor test, and
+its outputs and gradients must match the eager model's.
 """
+import json
+import math
+import shutil
+from pathlib import Path
+
 import pytest
 import torch
+from torch import nn
+from torch._dynamo.testing import CompileCounterWithBackend
 
 import timm
 
+import engine.evaluation
 import models  # noqa: F401  (registers the families)
+from engine.cli import eval_main, train_main
+from engine.data import prepare_digits
+from engine.errors import run_cli
 from models.attention import list_attentions
 from models.attention.multimax import multimax_attention
+from reference import SPEC_RANGES, SPEC_TS, max_abs_err
+
+REPO = Path(__file__).resolve().parents[1]
+TINY_DEMO = str(REPO / 'configs' / 'demo' / 'digits_tiny.yaml')
 
 # Tiny versions of each family that still reach every grouping: class token (DeiT), spatial reduction (PVT),
 # shifted windows and a window covering the grid (Swin), stripes and a single global branch (CSwin).
@@ -68,7 +84,8 @@ def test_fullgraph_compile_matches_eager(family, attention):
 @pytest.mark.parametrize('family', ['deit', 'swin'])
 def test_fullgraph_compile_of_multimax_in_row_blocks_matches_eager(family, monkeypatch):
     """MultiMax's path in blocks of query rows (an autograd.Function with a recomputing backward) traces too."""
-    monkeypatch.setattr('models.attention.multimax._ROW_BLOCK_BYTES', 1)
+    # a few rows per block: every layer still runs in several blocks, which the trace unrolls
+    monkeypatch.setattr('models.attention.multimax._ROW_BLOCK_BYTES', 2048)
     monkeypatch.setattr('models.attention.multimax._PLAIN_TRAINING_BYTES', 0)
     assert_compiled_matches_eager(family, 'multimax')
 
@@ -94,3 +111,166 @@ def test_fullgraph_compile_of_multimax_flex_training_matches_eager():
     assert (out - expected).abs().max().item() < 1e-5
     for grad, want in zip(grads, expected_grads):
         assert (grad - want).abs().max().item() < 1e-4
+
+
+# ---------------------------------------------------------------- MultiMax through FlexAttention when compiled
+
+def flex_calls(graphs) -> int:
+    return sum(node.target is torch.ops.higher_order.flex_attention for g in graphs for node in g.graph.nodes)
+
+
+def plain_multimax(q, k, v, ranges, ts, bias, mask):
+    """The formula: softmax(σ(q·kᵀ/√d + bias) + mask[b % nW]) v, differentiable in every input but the mask."""
+    x, b, t = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1]) + bias, ranges, ts
+    scores = (x + t[0] * (b[0] - x).clamp(min=0) + t[1] * (x - b[1]).clamp(min=0)
+              + t[2] * (b[2] - x).clamp(min=0) ** 2 + t[3] * (x - b[3]).clamp(min=0) ** 2)
+    scores = scores + torch.stack([mask[b % mask.shape[0]] for b in range(q.shape[0])]).unsqueeze(1)
+    return scores.softmax(dim=-1) @ v
+
+
+def multimax_inputs(requires_grad: bool = False):
+    """Windows of two images (3 windows each, 2 heads, 7 tokens), a position bias and a window mask, float32."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(6, 2, 7, 8, requires_grad=requires_grad) for _ in range(3))
+    bias = torch.randn(2, 7, 7, requires_grad=requires_grad)
+    mask = torch.where(torch.rand(3, 7, 7) < 0.3, -100., 0.)
+    ranges, ts = (torch.tensor(p, requires_grad=requires_grad) for p in (SPEC_RANGES, SPEC_TS))
+    return q, k, v, ranges, ts, bias, mask
+
+
+def test_compiled_cpu_inference_runs_multimax_through_flex_attention():
+    """Inductor's fused CPU FlexAttention kernel with σ as `score_mod`, the position bias and the window mask,
+    against the float64 formula (FlexAttention takes no float64 on the CPU: float32 to rounding)."""
+    q, k, v, ranges, ts, bias, mask = multimax_inputs()
+    counter = CompileCounterWithBackend('inductor')
+
+    def attention(q, k, v, ranges, ts, bias):
+        return multimax_attention(q, k, v, ranges, ts, bias, mask)
+
+    with torch.no_grad():
+        out = torch.compile(attention, fullgraph=True, backend=counter)(q, k, v, ranges, ts, bias)
+    assert flex_calls(counter.graphs) == 1
+    expected = plain_multimax(*(t.double() for t in (q, k, v, ranges, ts, bias, mask)))
+    assert out.dtype == torch.float32 and max_abs_err(out.double(), expected) < 1e-5
+
+
+def test_compiled_cpu_training_of_multimax_keeps_its_own_backward():
+    """FlexAttention has no backward pass on the CPU: compiled training takes the plain path, whose gradients
+    (of q, k, v, the bias and σ's parameters) match the float64 formula's."""
+    inputs = multimax_inputs(requires_grad=True)
+    *differentiable, mask = inputs
+    counter = CompileCounterWithBackend('aot_eager')
+
+    def attention(q, k, v, ranges, ts, bias):
+        return multimax_attention(q, k, v, ranges, ts, bias, mask)
+
+    out = torch.compile(attention, fullgraph=True, backend=counter)(*differentiable)
+    grads = torch.autograd.grad(out.square().sum(), differentiable)
+    assert flex_calls(counter.graphs) == 0
+    wide = [t.detach().double().requires_grad_() for t in differentiable]
+    expected = plain_multimax(*wide, mask.double())
+    expected_grads = torch.autograd.grad(expected.square().sum(), wide)
+    assert max_abs_err(out.double(), expected) < 1e-5
+    for grad, want in zip(grads, expected_grads):
+        assert max_abs_err(grad.double(), want) < 1e-4
+
+
+def test_compiled_multimax_swin_inference_is_one_graph_with_flex_attention_in_every_block():
+    torch.manual_seed(0)
+    model = timm.create_model('multimax_swin_tiny', num_classes=5, **TINY['swin']).eval()
+    x = torch.randn(2, 3, 64, 64)
+    counter = CompileCounterWithBackend('eager')
+    with torch.no_grad():
+        out = torch.compile(model, fullgraph=True, backend=counter)(x)
+        expected = model(x)
+    assert counter.frame_count == 1
+    assert flex_calls(counter.graphs) == sum(TINY['swin']['depths'])
+    assert max_abs_err(out, expected) < 1e-5
+
+
+# ---------------------------------------------------------------- the --compile / TRAIN.COMPILE user path
+
+@pytest.fixture(scope='module')
+def few_digits(tmp_path_factory) -> Path:
+    """An image folder of the digits demo's first 8 training and 5 validation images of each of its 10 classes."""
+    digits = Path(prepare_digits(str(tmp_path_factory.getbasetemp() / 'digits')))
+    root = tmp_path_factory.mktemp('few_digits')
+    for split, count in (('train', 8), ('val', 5)):
+        for folder in sorted((digits / split).iterdir()):
+            (root / split / folder.name).mkdir(parents=True)
+            for image in sorted(folder.iterdir())[:count]:
+                shutil.copy(image, root / split / folder.name / image.name)
+    return root
+
+
+def graphs_compiled() -> int:
+    return torch._dynamo.utils.counters['stats']['unique_graphs']
+
+
+def last_json(capsys) -> dict:
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+def test_train_and_eval_with_compile(tmp_path, few_digits, capsys):
+    """train.py --compile: one graph for the training step and one per validation batch size, kept over epochs;
+    plain checkpoint keys that resume without compilation; eval.py --compile equal to eval.py."""
+    output = tmp_path / 'run'
+    # 5 updates of 16 images an epoch; validation in batches of 24 (50 images: 2 full, then 2)
+    base = ['--cfg', TINY_DEMO, '--output', str(output), '--data-path', str(few_digits)]
+    opts = ['DATA.DATASET', 'imagefolder', 'TRAIN.EPOCHS', '3', 'TRAIN.EPOCHS_PER_RUN', '2',
+            'TRAIN.COMPILE_BACKEND', 'eager']
+    torch._dynamo.utils.counters.clear()
+    assert train_main(base + ['--compile', '--opts', *opts]) == 0
+    assert graphs_compiled() == 3  # no recompilation in the second epoch
+    logged = [line for line in capsys.readouterr().out.splitlines() if 'torch.compile:' in line]
+    assert len(logged) == 2 and 'the training step compiled in about' in logged[0]
+
+    checkpoint = torch.load(output / 'last.pth', weights_only=True)
+    plain_keys = timm.create_model('inline_deit_tiny', num_classes=10, img_size=16, patch_size=4, embed_dim=64,
+                                   depth=2, num_heads=4).state_dict().keys()
+    assert checkpoint['model'].keys() == checkpoint['model_ema'].keys() == plain_keys
+    assert (checkpoint['epoch'], checkpoint['step']) == (1, 10)
+
+    assert train_main(base + ['--opts', *opts]) == 0  # resumes without compilation
+    assert torch.load(output / 'last.pth', weights_only=True)['step'] == 15
+
+    torch._dynamo.utils.counters.clear()
+    capsys.readouterr()
+    evaluate = ['--checkpoint', str(output / 'last.pth'), '--data-path', str(few_digits), '--batch-size', '20']
+    assert eval_main(evaluate) == 0
+    eager = last_json(capsys)
+    assert eval_main(evaluate + ['--compile', '--opts', 'TRAIN.COMPILE_BACKEND', 'eager']) == 0
+    compiled = last_json(capsys)
+    assert graphs_compiled() == 2  # batches of 20 and the last one of 10
+    assert compiled['compiled'] and not eager['compiled'] and compiled['count'] == eager['count'] == 50
+    assert compiled['top1'] == eager['top1'] and compiled['loss'] == pytest.approx(eager['loss'], rel=1e-5)
+
+
+class GraphBreak(nn.Module):
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x):
+        torch._dynamo.graph_break()
+        return self.model(x)
+
+
+def test_a_model_that_does_not_compile_as_one_graph_fails_on_one_line(monkeypatch, capsys):
+    create_model = engine.evaluation.create_model
+    monkeypatch.setattr(engine.evaluation, 'create_model', lambda *a, **k: GraphBreak(create_model(*a, **k)))
+    code = run_cli(eval_main, ['--cfg', TINY_DEMO, '--throughput', '--batch-size', '2', '--warmup-forwards', '1',
+                               '--timed-forwards', '1', '--compile', '--opts', 'TRAIN.COMPILE_BACKEND', 'eager'])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1
+    assert err[0].startswith("error: model 'inline_deit_tiny' cannot be compiled as one graph (")
+
+
+def test_compile_settings_are_checked_on_one_line(capsys):
+    for opts, message in ((['TRAIN.COMPILE_MODE', 'fastest'], "TRAIN.COMPILE_MODE is 'fastest'; expected one of"),
+                          (['TRAIN.COMPILE_BACKEND', 'nope'], "TRAIN.COMPILE_BACKEND is 'nope'; expected one of"),
+                          (['TRAIN.COMPILE_BACKEND', 'eager', 'TRAIN.COMPILE_MODE', 'max-autotune'],
+                           "TRAIN.COMPILE_MODE is 'max-autotune'; expected 'default' with TRAIN.COMPILE_BACKEND")):
+        code = run_cli(train_main, ['--cfg', TINY_DEMO, '--compile', '--opts', *opts])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert code == 2 and len(err) == 1 and message in err[0]

@@ -309,7 +309,7 @@ def test_multimax_flex_path_refuses_dropout():
         multimax_attention(q, k, v, ranges, ts, dropout_p=0.1, use_flex=True)
 
 
-def test_multimax_takes_flex_only_on_cuda(monkeypatch):
+def test_eager_multimax_on_cpu_takes_flex_only_when_asked(monkeypatch):
     calls = []
     monkeypatch.setattr('models.attention.multimax._multimax_flex', lambda *a: calls.append(a) or (a[2], None))
     q, k, v, _, _ = windows()

@@ -2,6 +2,7 @@
 import importlib.util
 import os
 import re
+import sys
 from types import ModuleType
 
 import timm
@@ -56,3 +57,41 @@ def test_benchmark_swin_linear_blocks_see_the_whole_grid_above_the_trained_resol
         windows = [m.window for m in model.modules()
                    if isinstance(m, WindowAttention) and not forms_score_matrix(m.attention_name)]
         assert all(window is None for window in windows), spec
+
+
+def test_benchmark_counts_the_flops_of_the_formula_with_the_cpu_attention_kernel():
+    """A tiny softmax DeiT: the counter's FLOPs (2 per multiply-add) equal the formula written out, attention
+    included, which runs in the CPU kernel of `scaled_dot_product_attention` that the counter alone sees as 0."""
+    batch, side, patch, dim, depth, heads, classes = 2, 32, 8, 32, 2, 2, 5
+    model = timm.create_model('softmax_deit_tiny', img_size=side, patch_size=patch, embed_dim=dim, depth=depth,
+                              num_heads=heads, num_classes=classes)
+    x = torch.randn(batch, 3, side, side)
+    n = (side // patch) ** 2 + 1  # patches and the class token
+    embed = 2 * 3 * patch ** 2 * dim * (n - 1)
+    attention = 2 * heads * n * n * (2 * dim // heads)  # q·kᵀ and p·v
+    block = 2 * n * dim * 3 * dim + attention + 2 * n * dim * dim + 2 * 2 * n * dim * 4 * dim
+    forward = embed + depth * block + 2 * dim * classes
+    assert benchmark.count_flops(model, x, train=False) == batch * forward
+    # backward: twice the forward products, but no gradient of the input image through the patch embedding
+    assert benchmark.count_flops(model, x, train=True) == batch * (3 * forward - embed)
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_benchmark_efficiency_is_the_median_share_of_the_matmul_rate_and_the_table_states_its_setting(
+        tmp_path, monkeypatch):
+    rounds = [0.5, 1.0, 2.0]  # model seconds; the product takes 1 s in every round
+    share = benchmark.efficiency(flops=4e9, seconds=rounds, matmul_flops=8e9, matmul_seconds=[1.0] * 3)
+    assert share == 100 * 4 / 8  # median of 100 %, 50 %, 25 %
+    args = benchmark.build_parser().parse_args(['--device', 'cpu', '--out', str(tmp_path / 'b'), '--compile',
+                                                '--note', 'shared machine'])
+    args.load_at_start = 0.0
+    monkeypatch.setattr(sys, 'argv', ['scripts/benchmark.py', '--compile'])
+    row = dict(family='deit', size='tiny', attention='softmax', resolution=64, model='softmax_deit_tiny',
+               compiled=False, params_m=5.5, gflops=0.1, infer_img_s=10.0, infer_mm_pct=20.0, train_step_ms=None,
+               train_mm_pct=None, matmul_gflop_s=50.0, infer_mem_mib=1.0, train_mem_mib=None)
+    row.update({f'{mode}_vs_{base}': None for mode in ('infer', 'train') for base in ('timm', 'softmax', 'eager')})
+    benchmark.write_outputs(args, [row], [], 60.0)
+    text = (tmp_path / 'b.md').read_text()
+    for needle in ('- date: ', 'shared machine', f'torch {torch.__version__}, timm {timm.__version__}',
+                   '- command: `python scripts/benchmark.py --compile`', '50.0 GFLOP/s', '| 20.0 |'):
+        assert needle in text, needle

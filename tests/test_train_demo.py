@@ -1,5 +1,6 @@
 """Training runs on the digits demo: exact resumption (after an epoch and after SIGTERM mid-epoch), a 2-process
-torchrun run that is stopped, resumed and evaluated, and 1-process vs 2-process agreement at the same total batch."""
+torchrun run that is stopped, resumed and evaluated (its first epoch compiled, under DDP), and 1-process vs
+2-process agreement at the same total batch."""
 import json
 import math
 import os
@@ -150,10 +151,14 @@ def torchrun(*args: str, cwd: Path) -> subprocess.CompletedProcess:
 def test_two_processes_stop_resume_evaluate_and_match_one_process(tmp_path, digits, capsys):
     output = tmp_path / 'two'
     args = [str(REPO / 'train.py'), '--cfg', TINY, '--output', str(output), '--data-path', str(digits),
-            '--batch-size', '8', '--opts', *FIXED, 'TRAIN.EPOCHS_PER_RUN', '1']
-    torchrun(*args, cwd=tmp_path)
+            '--batch-size', '8']
+    opts = ['--opts', *FIXED, 'TRAIN.EPOCHS_PER_RUN', '1']
+    # the first epoch compiled (DDP around the compiled model; the eager backend runs the same operations), the
+    # second resumed without compilation
+    first = torchrun(*args, '--compile', *opts, 'TRAIN.COMPILE_BACKEND', 'eager', cwd=tmp_path)
+    assert 'torch.compile: the training step compiled in about' in first.stdout
     assert len(records(output)) == 1
-    torchrun(*args, cwd=tmp_path)
+    torchrun(*args, *opts, cwd=tmp_path)
     two = records(output)
     assert [r['epoch'] for r in two] == [0, 1] and two[-1]['step'] == 178
     checkpoint = TrainingCheckpoint.read(str(output / 'last.pth'))

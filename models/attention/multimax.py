@@ -6,11 +6,13 @@ and t = `ts`, four learned scalars each shared by all heads of the module. σ ru
 overflow float16.
 
 Three paths compute the same function. On CUDA, σ is FlexAttention's `score_mod` (it is element-wise on the
-scores), so the fused kernel never stores the score matrix. Elsewhere, small score matrices, and any with
-attention dropout, take the plain path, whose σ keeps only its input for the backward pass instead of four
-score-sized intermediates. Larger ones run a block of query rows at a time: in inference beyond a few MiB of
-scores, in training beyond 64 MiB, where the forward pass keeps one log-sum-exp per row and the backward pass
-recomputes each block's scores, so memory grows with the score matrix only through one block.
+scores), so the fused kernel never stores the score matrix; so it is in CPU inference inside `torch.compile`
+(float32, float16 or bfloat16), for which inductor generates a fused CPU kernel (it has no CPU backward pass).
+Elsewhere, small score matrices, and any with attention dropout, take the plain path, whose σ keeps only its
+input for the backward pass instead of four score-sized intermediates. Larger ones run a block of query rows at
+a time: in inference beyond a few MiB of scores, in training beyond 64 MiB, where the forward pass keeps one
+log-sum-exp per row and the backward pass recomputes each block's scores, so memory grows with the score matrix
+only through one block.
 
 Training on CUDA joins the two: FlexAttention's forward pass returns the log-sum-exp, and the backward pass is
 the one in row blocks. FlexAttention's own backward would have to differentiate `ranges` and `ts`, scalars
@@ -37,6 +39,10 @@ try:
     from torch.nn.attention.flex_attention import AuxRequest, flex_attention
 except ImportError:  # older torch: the plain path everywhere
     AuxRequest = flex_attention = None
+
+# What inductor's CPU FlexAttention kernel takes (every torch with `AuxRequest` has it): inference only, without
+# the log-sum-exp, in these dtypes.
+_CPU_FLEX_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 __all__ = ['multimax_modulation', 'multimax_attention', 'MultiMaxMixer']
 
@@ -202,20 +208,21 @@ def multimax_attention(
 
     `bias` (added before σ) broadcasts to the (B, h, n, m) scores; `mask` (nW, n, m) is added after σ, batch
     entry b taking mask[b % nW] (windows of an image are consecutive); `causal` masks key j > i out of query
-    i's logits after σ. `use_flex`: None takes FlexAttention on
-    CUDA without dropout and the plain path otherwise; True forces FlexAttention (compiled on CUDA, its unfused
-    reference elsewhere) for the forward pass, with the backward pass in row blocks.
+    i's logits after σ. `use_flex`: None takes FlexAttention without dropout on CUDA, and in CPU inference
+    inside `torch.compile` (not export) in float32, float16 or bfloat16; the plain path otherwise. True forces
+    FlexAttention (compiled on CUDA, its unfused reference elsewhere) for the forward pass, with the backward
+    pass in row blocks.
     """
     if torch.jit.is_scripting():  # the plain path without the custom autograd functions
         return _multimax_plain(q, k, v, ranges, ts, bias, mask, dropout_p)
-    if use_flex is None:
-        use_flex = flex_attention is not None and q.is_cuda and not dropout_p
     B, h, n, _ = q.shape
     # torch.export keeps the batch symbolic: the path and the block size then follow one image's scores, which
     # are static, so that one graph serves every batch size
     images = 1 if is_exporting() else B
     row_bytes = images * h * k.shape[-2] * 4
     training = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, ranges, ts, bias))
+    if use_flex is None:
+        use_flex = flex_attention is not None and not dropout_p and (q.is_cuda or _cpu_flex_compiles(q, training))
     if use_flex:
         if dropout_p:
             raise ValueError(f"the FlexAttention path of MultiMax has no attention dropout, got dropout_p={dropout_p}")
@@ -229,6 +236,13 @@ def multimax_attention(
     if training:
         return _MultiMaxInRowBlocks.apply(q, k, v, ranges, ts, bias, mask, causal, rows, False)
     return _row_blocks_forward(q, k, v, ranges, ts, bias, mask, causal, rows, keep_lse=False)[0]
+
+
+def _cpu_flex_compiles(q: Tensor, training: bool) -> bool:
+    """Whether inductor compiles FlexAttention for `q` here: CPU inference inside `torch.compile`, in one of
+    `_CPU_FLEX_DTYPES`. Under export the plain path stays, which every exporter takes."""
+    return (q.device.type == 'cpu' and not training and q.dtype in _CPU_FLEX_DTYPES
+            and torch.compiler.is_compiling() and not is_exporting())
 
 
 def _multimax_plain(q: Tensor, k: Tensor, v: Tensor, ranges: Tensor, ts: Tensor, bias: Optional[Tensor],
