@@ -53,11 +53,15 @@ from models.attention import forms_score_matrix, list_attentions  # noqa: E402
 
 # The attention every `×softmax` ratio compares against.
 BASELINE = 'softmax'
-FAMILIES = ('deit', 'pvt', 'swin', 'cswin')
+FAMILIES = ('deit', 'pvt', 'pvt_v2', 'swin', 'cswin')
+# PVT v2's sizes under the PVT v1 size each is compared with in the PVT v2 paper (B1 with PVT-Tiny, ...).
+FAMILY_SIZES = {'pvt_v2': {'tiny': 'b1', 'small': 'b2', 'medium': 'b3', 'large': 'b4'}}
 # timm's own model of the same architecture as our softmax one, where timm has it.
 TIMM_REFERENCE = {
     ('deit', 'tiny'): 'deit_tiny_patch16_224',
     ('deit', 'small'): 'deit_small_patch16_224',
+    ('pvt_v2', 'tiny'): 'pvt_v2_b1',
+    ('pvt_v2', 'small'): 'pvt_v2_b2',
     ('swin', 'tiny'): 'swin_tiny_patch4_window7_224',
 }
 REFERENCE = 'timm'
@@ -120,8 +124,9 @@ def matmul_step(device: torch.device, size: int) -> Tuple[Callable[[], None], in
 
 def model_spec(attention: str, family: str, size: str, resolution: int) -> Tuple[str, Dict]:
     """Our model name and its keyword arguments: the registered `{attention}_{family}_{size}`, which every family
-    has for every attention (a paper's official model keeps its own configuration)."""
-    name = f'{attention}_{family}_{size}'
+    has for every attention (a paper's official model keeps its own configuration; PVT v2 names its sizes
+    b0-b5, see `FAMILY_SIZES`)."""
+    name = f'{attention}_{family}_{FAMILY_SIZES.get(family, {}).get(size, size)}'
     kwargs: Dict = dict(img_size=resolution)
     if family == 'swin' and not forms_score_matrix(attention) and _from_paper(name):
         # A paper's linear-attention Swin takes `window_size` as the window of its linear blocks (its softmax

@@ -45,6 +45,8 @@ def test_benchmark_offers_and_selects_every_attention():
         specs = benchmark.group_specs(family, 'tiny', 224, list_attentions(), reference=False)
         assert [spec['label'] for spec in specs] == list_attentions()
         assert all(timm.is_model(spec['model']) for spec in specs)
+    assert all(timm.is_model(name) for name in benchmark.TIMM_REFERENCE.values())
+    assert benchmark.group_specs('pvt_v2', 'small', 224, ['inline'], reference=True)[1]['model'] == 'inline_pvt_v2_b2'
 
 
 def test_benchmark_swin_linear_blocks_see_the_whole_grid_above_the_trained_resolution():
