@@ -69,7 +69,11 @@ class Block(nn.Module):
 
 
 def init_weights(module: nn.Module) -> None:
-    """The official initialisation: Linear trunc-normal(.02) with zero bias, LayerNorm 1 and 0."""
+    """The official initialisation: Linear trunc-normal(.02) with zero bias, LayerNorm 1 and 0. Parameters on the
+    meta device hold no values and are left alone (a truncated normal there costs milliseconds per layer for
+    nothing, and models are built on it to check a configuration)."""
+    if getattr(module, 'weight', None) is not None and module.weight.is_meta:
+        return
     if isinstance(module, nn.Linear):
         trunc_normal_(module.weight, std=.02)
         if module.bias is not None:

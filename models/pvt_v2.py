@@ -153,7 +153,7 @@ def init_weights_pvt_v2(module: nn.Module) -> None:
     """The official initialisation: the families' Linear and LayerNorm init (`init_weights`), and Conv2d
     normal(0, sqrt(2 / fan_out)) with fan_out = k·k·out / groups, zero bias."""
     init_weights(module)
-    if isinstance(module, nn.Conv2d):
+    if isinstance(module, nn.Conv2d) and not module.weight.is_meta:
         fan_out = module.kernel_size[0] * module.kernel_size[1] * module.out_channels // module.groups
         nn.init.normal_(module.weight, 0., math.sqrt(2. / fan_out))
         if module.bias is not None:
