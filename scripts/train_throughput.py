@@ -21,6 +21,7 @@ import datetime
 import json
 import os
 import platform
+import shlex
 import statistics
 import subprocess
 import sys
@@ -162,7 +163,7 @@ def write_table(args: argparse.Namespace, cfg, rates: Dict[str, float], seconds:
         f'- date: {datetime.date.today().isoformat()} ({seconds / 60:.1f} min)',
         f'- device: {device}; threads {torch.get_num_threads()}; data workers {cfg.DATA.NUM_WORKERS}',
         f'- versions: torch {torch.__version__}, timm {timm.__version__}, Python {platform.python_version()}',
-        f'- command: `python scripts/train_throughput.py {" ".join(sys.argv[1:])}`',
+        f'- command: `python scripts/train_throughput.py {shlex.join(sys.argv[1:])}`',
         f'- model {cfg.MODEL.NAME}, batch {cfg.DATA.BATCH_SIZE}, {cfg.DATA.IMG_SIZE}², {precision}, recipe '
         f'{os.path.relpath(args.cfg, ROOT)}' + (f'; {args.note}' if args.note else ''),
         '',

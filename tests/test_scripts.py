@@ -7,6 +7,7 @@ from types import ModuleType
 
 import timm
 import torch
+from PIL import Image
 
 from models.attention import WindowAttention, forms_score_matrix, list_attentions
 
@@ -23,6 +24,7 @@ def load_script(name: str) -> ModuleType:
 
 benchmark = load_script('benchmark')
 zoo_table = load_script('zoo_table')
+train_throughput = load_script('train_throughput')
 
 
 def test_zoo_registry_table_has_a_column_per_attention_and_a_row_per_size():
@@ -97,3 +99,26 @@ def test_benchmark_efficiency_is_the_median_share_of_the_matmul_rate_and_the_tab
     for needle in ('- date: ', 'shared machine', f'torch {torch.__version__}, timm {timm.__version__}',
                    '- command: `python scripts/benchmark.py --compile`', '50.0 GFLOP/s', '| 20.0 |'):
         assert needle in text, needle
+
+
+def test_train_throughput_measures_loader_and_step_on_imagenet_shaped_images(tmp_path):
+    """The throughput script's parts on a tiny model: ImageNet-shaped JPEGs, the DeiT recipe's loader with mixup,
+    the training step, and a table that states its setting."""
+    data = str(tmp_path / 'data')
+    train_throughput.write_images(data, classes=2, per_class=4)
+    with Image.open(os.path.join(data, 'train', 'class_000', '0000.jpg')) as image:
+        assert image.size == (500, 375) and image.format == 'JPEG'
+    args = train_throughput.build_parser().parse_args(
+        ['--batch-size', '4', '--workers', '0', '--classes', '2', '--data', data, '--out', str(tmp_path / 't'), '--',
+         'DATA.IMG_SIZE', '32', 'MODEL.KWARGS.patch_size', '8', 'MODEL.KWARGS.embed_dim', '16',
+         'MODEL.KWARGS.depth', '1', 'MODEL.KWARGS.num_heads', '2'])
+    args.opts = [o for o in args.opts if o != '--']
+    cfg = train_throughput.load_config(args.cfg, train_throughput.train_opts(args, data) +
+                                       ['OUTPUT', str(tmp_path / 'out')])
+    info = train_throughput.DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device('cpu'))
+    rates = {'data loader alone': train_throughput.loader_rate(cfg, info, batches=2, repeats=1),
+             'model step alone': train_throughput.model_rate(cfg, info, steps=1, repeats=1)}
+    assert all(rate > 0 for rate in rates.values())
+    text = train_throughput.write_table(args, cfg, dict(rates, **{'train.py (both)': rates['model step alone']}), 1.)
+    assert (tmp_path / 't.md').read_text() == text
+    assert '| train.py (both) |' in text and '| 1.00 |' in text and 'recipe configs/base/deit.yaml' in text
