@@ -250,9 +250,6 @@ class ZooModel(nn.Module):
     # The final norm belongs to the last stage's width, so pruning stages drops it.
     norm_follows_last_stage: ClassVar[bool] = True
 
-    def _run_stage(self, i: int, x: Tensor, grid: Grid) -> Tuple[Tensor, Grid]:
-        raise NotImplementedError
-
     def _stage_prefix_tokens(self, i: int) -> int:
         """Prefix tokens (a class token) before the grid tokens of stage i's output."""
         return self.num_prefix_tokens
