@@ -3,6 +3,7 @@ official init, block running, head and input checks, and the pieces of their pre
 import contextlib
 import functools
 import inspect
+import re
 import sys
 from typing import Any, Callable, ClassVar, Dict, List, Mapping, Optional, Sequence, Tuple, Type, Union
 
@@ -22,7 +23,7 @@ from .checkpoint import cached_file_name, download_checkpoint
 
 __all__ = [
     'ZooModel', 'create_variant', 'register_variants', 'Block', 'BlockStack', 'init_weights', 'OfficialKeys',
-    'new_classifier',
+    'NumberedStageKeys', 'new_classifier',
     'check_arguments', 'check_global_pool', 'check_input', 'check_output_fmt', 'imagenet_cfg', 'tsinghua_url',
     'INLINE_META', 'FLATTEN_META',
 ]
@@ -136,6 +137,26 @@ class OfficialKeys:
             renamed = prefix + self.to_module(key[len(prefix):])
             if renamed != key:
                 state_dict[renamed] = state_dict.pop(key)
+
+
+class NumberedStageKeys:
+    """Official keys that number each stage's parts from 1 (`patch_embed1.…`, `block1.…`, `norm4.…`) for the
+    module names `stages.{i}.{part}.…`; `parts` maps a stage part's module name to its official stem
+    ({'blocks': 'block'}). `to_official` and `to_module` serve `OfficialKeys`; other keys pass unchanged."""
+
+    def __init__(self, parts: Mapping[str, str]):
+        self.parts = dict(parts)
+        self.module_parts = {official: part for part, official in self.parts.items()}
+        self.stage_key = re.compile(rf"^stages\.(\d+)\.({'|'.join(map(re.escape, self.parts))})(?=\.|$)")
+        self.official_key = re.compile(rf"^({'|'.join(map(re.escape, self.module_parts))})(\d+)(?=\.|$)")
+
+    def to_official(self, key: str) -> str:
+        """'stages.0.blocks.1.attn.q.weight' -> 'block1.1.attn.q.weight' (for parts {'blocks': 'block'})."""
+        return self.stage_key.sub(lambda m: f'{self.parts[m.group(2)]}{int(m.group(1)) + 1}', key)
+
+    def to_module(self, key: str) -> str:
+        """The inverse of `to_official`."""
+        return self.official_key.sub(lambda m: f'stages.{int(m.group(2)) - 1}.{self.module_parts[m.group(1)]}', key)
 
 
 def new_classifier(model: nn.Module, num_features: int, num_classes: int) -> nn.Module:

@@ -27,7 +27,6 @@ FLatten's positional encodings bicubically; `set_input_size` makes such a size t
 Registered: every attention of the registry at the PVT sizes (`{attention}_pvt_{tiny,small,medium,large}`, the
 original's heads and head), except that the names of the official models (`_OFFICIAL`) are theirs.
 """
-import re
 from functools import partial
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple, Union
 
@@ -41,8 +40,8 @@ from .attention import build_attention, check_attn_kwargs, forms_score_matrix, l
 from .attention.layout import Grid, tokens_to_image
 from .checkpoint import CheckpointError, filter_checkpoint, resample_grid_embedding, resize_grid_embedding
 from .family import (
-    FLATTEN_META, INLINE_META, Block, BlockStack, OfficialKeys, ZooModel, check_arguments, create_variant,
-    imagenet_cfg, init_weights, register_variants, tsinghua_url,
+    FLATTEN_META, INLINE_META, Block, BlockStack, NumberedStageKeys, OfficialKeys, ZooModel, check_arguments,
+    create_variant, imagenet_cfg, init_weights, register_variants, tsinghua_url,
 )
 
 __all__ = ['PyramidVisionTransformer', 'PvtStage', 'check_stage_lists', 'checkpoint_filter_fn']
@@ -101,24 +100,9 @@ class PvtStage(nn.Module):
         return tensor
 
 
-_STAGE_KEY = re.compile(r'^stages\.(\d+)\.(patch_embed|pos_embed|pos_drop|blocks)')
-_OFFICIAL_STAGE_KEY = re.compile(r'^(patch_embed|pos_embed|pos_drop|block)(\d+)(?=\.|$)')
-
-
-def _stage_key_to_official(key: str) -> str:
-    """'stages.0.blocks.1.attn.q.weight' -> 'block1.1.attn.q.weight', 'stages.3.pos_embed' -> 'pos_embed4'."""
-    def stage(match: 're.Match') -> str:
-        part = 'block' if match.group(2) == 'blocks' else match.group(2)
-        return f'{part}{int(match.group(1)) + 1}'
-    return _STAGE_KEY.sub(stage, key)
-
-
-def _official_key_to_module(key: str) -> str:
-    """The inverse of `_stage_key_to_official`; other keys unchanged."""
-    def stage(match: 're.Match') -> str:
-        part = 'blocks' if match.group(1) == 'block' else match.group(1)
-        return f'stages.{int(match.group(2)) - 1}.{part}'
-    return _OFFICIAL_STAGE_KEY.sub(stage, key)
+# `stages.{i}.blocks` is the official `block{i+1}`, and so on for every part of a stage
+_STAGE_KEYS = NumberedStageKeys(
+    {'patch_embed': 'patch_embed', 'pos_embed': 'pos_embed', 'pos_drop': 'pos_drop', 'blocks': 'block'})
 
 
 def _official_rank(key: str) -> Tuple[int, int]:
@@ -225,7 +209,7 @@ class PyramidVisionTransformer(ZooModel):
         self.head = nn.Linear(embed_dims[-1], num_classes) if num_classes > 0 else nn.Identity()
         self.feature_info = [dict(module=f'stages.{i}', num_chs=embed_dims[i], reduction=patch_size * 2 ** i)
                              for i in range(NUM_STAGES)]
-        OfficialKeys(_stage_key_to_official, _official_key_to_module, _official_rank).register(self)
+        OfficialKeys(_STAGE_KEYS.to_official, _STAGE_KEYS.to_module, _official_rank).register(self)
 
         for stage in self.stages:
             trunc_normal_(stage.pos_embed, std=.02)

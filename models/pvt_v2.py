@@ -36,8 +36,8 @@ from .attention import build_attention, check_attn_kwargs, forms_score_matrix, l
 from .attention.layout import Grid, image_to_tokens, tokens_to_image
 from .checkpoint import filter_checkpoint
 from .family import (
-    FLATTEN_META, BlockStack, OfficialKeys, ZooModel, create_variant, imagenet_cfg, init_weights, register_variants,
-    tsinghua_url,
+    FLATTEN_META, BlockStack, NumberedStageKeys, OfficialKeys, ZooModel, create_variant, imagenet_cfg, init_weights,
+    register_variants, tsinghua_url,
 )
 from .pvt import NUM_STAGES, check_stage_lists
 
@@ -129,24 +129,8 @@ class PvtV2Stage(nn.Module):
         return self.norm(x), grid
 
 
-_STAGE_KEY = re.compile(r'^stages\.(\d+)\.(patch_embed|blocks|norm)')
-_OFFICIAL_STAGE_KEY = re.compile(r'^(patch_embed|block|norm)(\d+)(?=\.|$)')
-
-
-def _stage_key_to_official(key: str) -> str:
-    """'stages.0.blocks.1.attn.q.weight' -> 'block1.1.attn.q.weight', 'stages.2.norm.bias' -> 'norm3.bias'."""
-    def stage(match: 're.Match') -> str:
-        part = 'block' if match.group(2) == 'blocks' else match.group(2)
-        return f'{part}{int(match.group(1)) + 1}'
-    return _STAGE_KEY.sub(stage, key)
-
-
-def _official_key_to_module(key: str) -> str:
-    """The inverse of `_stage_key_to_official`; other keys unchanged."""
-    def stage(match: 're.Match') -> str:
-        part = 'blocks' if match.group(1) == 'block' else match.group(1)
-        return f'stages.{int(match.group(2)) - 1}.{part}'
-    return _OFFICIAL_STAGE_KEY.sub(stage, key)
+# `stages.{i}.blocks` is the official `block{i+1}`, and so on for every part of a stage
+_STAGE_KEYS = NumberedStageKeys({'patch_embed': 'patch_embed', 'blocks': 'block', 'norm': 'norm'})
 
 
 def init_weights_pvt_v2(module: nn.Module) -> None:
@@ -240,7 +224,7 @@ class PyramidVisionTransformerV2(ZooModel):
         self.head = nn.Linear(embed_dims[-1], num_classes) if num_classes > 0 else nn.Identity()
         self.feature_info = [dict(module=f'stages.{i}', num_chs=embed_dims[i], reduction=4 * 2 ** i)
                              for i in range(NUM_STAGES)]
-        OfficialKeys(_stage_key_to_official, _official_key_to_module).register(self)
+        OfficialKeys(_STAGE_KEYS.to_official, _STAGE_KEYS.to_module).register(self)
         self.apply(init_weights_pvt_v2)
 
     @torch.jit.ignore

@@ -364,11 +364,6 @@ class SimAXCiT(ZooModel):
             x = block(x)
         return self.norm(x)
 
-    def forward_features(self, x: Tensor) -> Tensor:
-        """(B, in_chans, H, W) images -> (B, 1 + H*W / patch², C) normalised tokens, class token first."""
-        x, _, _ = self._run_stages(x, self.num_stages, [])
-        return self._final_norm(x)
-
     def forward_intermediates(
             self,
             x: Tensor,
