@@ -42,7 +42,7 @@ import time
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
-from torch.utils.flop_counter import FlopCounterMode, register_flop_formula
+from torch.utils.flop_counter import FlopCounterMode, conv_flop_count, register_flop_formula
 
 import timm
 
@@ -85,6 +85,21 @@ def _cpu_attention_flops(query_shape, key_shape, value_shape, *args, out_shape=N
     return 2 * math.prod(batch) * n * key_shape[-2] * (d + value_shape[-1])
 
 
+@register_flop_formula(torch.ops.zoo.multimax_cpu)
+def _multimax_kernel_flops(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+    """MultiMax's CPU kernel: the products of the CPU attention kernel (σ is element-wise, not counted)."""
+    return _cpu_attention_flops(query_shape, key_shape, value_shape)
+
+
+def _conv_backward_flops(grad_out_shape, x_shape, w_shape, _bias, _stride, _padding, _dilation, transposed,
+                         _output_padding, _groups, output_mask, out_shape=None, **kwargs) -> int:
+    """A convolution's gradients of input and weight, each as many FLOPs as the forward pass. torch's own
+    formula counts the weight gradient of a grouped convolution as if it were dense: a depthwise one's by a
+    factor of the channels."""
+    forward = conv_flop_count(x_shape, w_shape, grad_out_shape, transposed=transposed)
+    return forward * (int(output_mask[0]) + int(output_mask[1]))
+
+
 @register_flop_formula(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward)
 def _cpu_attention_backward_flops(grad_out_shape, query_shape, key_shape, value_shape, *args, out_shape=None,
                                   **kwargs) -> int:
@@ -94,7 +109,7 @@ def _cpu_attention_backward_flops(grad_out_shape, query_shape, key_shape, value_
 
 def count_flops(model: torch.nn.Module, x: torch.Tensor, train: bool) -> int:
     """FLOPs of one forward pass of `model` on `x` (`train`: forward and backward of the sum of the outputs)."""
-    counter = FlopCounterMode(display=False)
+    counter = FlopCounterMode(display=False, custom_mapping={torch.ops.aten.convolution_backward: _conv_backward_flops})
     model.train(train)
     with counter, torch.set_grad_enabled(train):
         out = model(x)
@@ -189,7 +204,12 @@ def measure(args: argparse.Namespace) -> List[Dict]:
 
     results: List[Dict] = []
     runners = []  # (model, inference step, training step, result, FLOPs of each)
-    for spec in json.loads(args.specs):
+    specs = json.loads(args.specs)
+    if args.compile:
+        # The models of a process share their modules' code, so each compiled model recompiles that code; the
+        # default limit (8 graphs per code object) would stop the later models under `fullgraph=True`.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * len(specs))
+    for spec in specs:
         try:
             torch.manual_seed(0)
             model = timm.create_model(spec['model'], **spec['kwargs']).to(device)

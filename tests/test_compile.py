@@ -1,5 +1,6 @@
 """torch.compile(fullgraph=True) of every family with every attention on a tiny configuration, MultiMax through
-FlexAttention when compiled for CPU inference, and the `--compile` / `TRAIN.COMPILE` path of train.py and eval.py.
+FlexAttention when compiled for CPU inference with a bias or mask and through its CPU kernel without, and the
+`--compile` / `TRAIN.COMPILE` path of train.py and eval.py.
 
 `fullgraph=True` turns any graph break into an error; the traced graph runs on the eager backend (kernel
 generation is the benchmark's business: `scripts/benchmark.py --compile`), except in one small inductor test, and
@@ -87,6 +88,7 @@ def test_fullgraph_compile_of_multimax_in_row_blocks_matches_eager(family, monke
     # a few rows per block: every layer still runs in several blocks, which the trace unrolls
     monkeypatch.setattr('models.attention.multimax._ROW_BLOCK_BYTES', 2048)
     monkeypatch.setattr('models.attention.multimax._PLAIN_TRAINING_BYTES', 0)
+    monkeypatch.setattr('models.attention.multimax.cpu_kernel_available', lambda: False)
     assert_compiled_matches_eager(family, 'multimax')
 
 
@@ -274,3 +276,35 @@ def test_compile_settings_are_checked_on_one_line(capsys):
         code = run_cli(train_main, ['--cfg', TINY_DEMO, '--compile', '--opts', *opts])
         err = capsys.readouterr().err.strip().splitlines()
         assert code == 2 and len(err) == 1 and message in err[0]
+
+
+def kernel_calls(graphs) -> int:
+    kernel_ops = (torch.ops.zoo.multimax_cpu.default, torch.ops.zoo.multimax_cpu_backward.default)
+    return sum(node.target in kernel_ops for g in graphs for node in g.graph.nodes)
+
+
+def test_compiled_cpu_multimax_without_bias_calls_its_kernel_in_one_graph_per_batch_size():
+    """Without bias or mask, compiled CPU inference and training call MultiMax's CPU kernel (a custom op) inside
+    the graph, against the float64 formula, and a second batch of the same size reuses the graph."""
+    q, k, v, ranges, ts, _, _ = multimax_inputs()
+    plain_inputs = (q, k, v, ranges, ts, torch.zeros(2, 7, 7), torch.zeros(1, 7, 7))
+    expected = plain_multimax(*(t.double() for t in plain_inputs))
+    inference = CompileCounterWithBackend('inductor')
+    compiled = torch.compile(multimax_attention, fullgraph=True, backend=inference)
+    with torch.no_grad():
+        out = compiled(q, k, v, ranges, ts)
+        compiled(q + 1, k, v, ranges, ts)
+    assert inference.frame_count == 1 and kernel_calls(inference.graphs) == 1
+    assert max_abs_err(out.double(), expected) < 1e-5
+
+    training = CompileCounterWithBackend('aot_eager')
+    differentiable = [t.detach().clone().requires_grad_() for t in (q, k, v, ranges, ts)]
+    out = torch.compile(multimax_attention, fullgraph=True, backend=training)(*differentiable)
+    grads = torch.autograd.grad(out.square().sum(), differentiable)
+    assert training.frame_count == 1
+    wide = [t.detach().double().requires_grad_() for t in plain_inputs[:5]]
+    expected = plain_multimax(*wide, *(t.double() for t in plain_inputs[5:]))
+    expected_grads = torch.autograd.grad(expected.square().sum(), wide)
+    assert max_abs_err(out.double(), expected) < 1e-5
+    for grad, want in zip(grads, expected_grads):
+        assert max_abs_err(grad.double(), want) < 1e-4

@@ -2,8 +2,8 @@
 
 Windowed softmax folds the windows into the heads so that one (1, nW·h, n, n) bias serves the whole batch;
 MultiMax has a plain path with a hand-written σ backward, a path in blocks of query rows with a recomputing
-backward, and a FlexAttention path (`score_mod`), whose CPU reference implementation runs the same math
-forward-only here.
+backward, a FlexAttention path (`score_mod`), whose CPU reference implementation runs the same math
+forward-only here, and a fused CPU kernel (forward and backward).
 """
 import math
 
@@ -12,6 +12,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from models.attention import MixContext, build_attention
+from models.attention import multimax_cpu
 from models.attention.multimax import _Modulation, multimax_attention, multimax_modulation
 from models.attention.softmax import SoftmaxMixer, fold_windows, unfold_windows
 from reference import max_abs_err
@@ -167,7 +168,7 @@ def assert_matches_formula(out, grads, q, k, v, ranges, ts, bias=None, mask=None
 def test_multimax_plain_path_matches_formula_with_bias_and_mask():
     q, k, v, pos_bias, mask = windows(requires_grad=True)
     ranges, ts = spec_parameters(requires_grad=True)
-    out = multimax_attention(3 * q, k, v, ranges, ts, pos_bias, mask, use_flex=False)
+    out = multimax_attention(3 * q, k, v, ranges, ts, pos_bias, mask, use_flex=False, use_kernel=False)
     assert_matches_formula(out, grads_of_square_sum(out, q, k, v, ranges, ts, pos_bias), q, k, v, ranges, ts,
                            pos_bias, mask)
 
@@ -188,11 +189,11 @@ def test_multimax_inference_runs_in_row_blocks_that_match_the_formula(monkeypatc
     batch, heads, n, _ = q.shape
     monkeypatch.setattr('models.attention.multimax._ROW_BLOCK_BYTES', row_block_bytes(q))
     with torch.no_grad(), LargestScoreTensor(n) as record:
-        out = multimax_attention(3 * q, k, v, ranges, ts, pos_bias, mask, use_flex=False)
+        out = multimax_attention(3 * q, k, v, ranges, ts, pos_bias, mask, use_flex=False, use_kernel=False)
     assert record.largest == 0
     assert max_abs_err(out, plain_multimax(3 * q, k, v, ranges, ts, pos_bias, mask)) < 1e-12
     with LargestScoreTensor(n) as record:  # with autograd, below the training budget: the whole matrix at once
-        multimax_attention(3 * q, k, v, ranges, ts.requires_grad_(), pos_bias, mask, use_flex=False)
+        multimax_attention(3 * q, k, v, ranges, ts.requires_grad_(), pos_bias, mask, use_flex=False, use_kernel=False)
     assert record.largest == batch * heads * n * n
 
 
@@ -215,7 +216,7 @@ def test_multimax_training_in_row_blocks_matches_the_formula_and_keeps_no_score_
     mask = mask if masked else None
     row_blocks(monkeypatch, q)
     with LargestScoreTensor(q.shape[-2]) as record:
-        out = multimax_attention(3 * q, k, v, ranges, ts, bias, mask, use_flex=False)
+        out = multimax_attention(3 * q, k, v, ranges, ts, bias, mask, use_flex=False, use_kernel=False)
         grads = grads_of_square_sum(out, q, k, v, ranges, ts, bias)
     assert record.largest == (pos_bias.numel() if bias_kind == 'per_row' else 0)
     assert_matches_formula(out, grads, q, k, v, ranges, ts, bias, mask)
@@ -227,7 +228,7 @@ def test_multimax_row_blocks_gradcheck_and_second_derivatives(monkeypatch):
     row_blocks(monkeypatch, q, rows=3)
 
     def attention(q, k, v, bias, ranges, ts):
-        return multimax_attention(3 * q, k, v, ranges, ts, bias, mask, use_flex=False)
+        return multimax_attention(3 * q, k, v, ranges, ts, bias, mask, use_flex=False, use_kernel=False)
 
     assert torch.autograd.gradcheck(attention, (q, k, v, pos_bias, ranges, ts))
     assert torch.autograd.gradgradcheck(attention, (q, k, v, pos_bias, ranges, ts))
@@ -241,7 +242,7 @@ def test_multimax_row_blocks_under_autocast_work_in_float32_and_return_the_input
     pos_bias = pos_bias.detach().requires_grad_()
     row_blocks(monkeypatch, q)
     with torch.autocast('cpu', dtype=dtype):
-        out = multimax_attention(3 * q, k, v, ranges, ts, pos_bias, mask, use_flex=False)
+        out = multimax_attention(3 * q, k, v, ranges, ts, pos_bias, mask, use_flex=False, use_kernel=False)
     inputs = (q, k, v, pos_bias, ranges, ts)
     grads = torch.autograd.grad(out.float().square().sum(), inputs)
     assert out.dtype == dtype
@@ -264,9 +265,9 @@ def test_multimax_training_takes_row_blocks_only_past_the_plain_budget(monkeypat
     paths = {}
     for budget in (batch * heads * n * n * 4, batch * heads * n * n * 4 - 1):
         monkeypatch.setattr('models.attention.multimax._PLAIN_TRAINING_BYTES', budget)
-        paths[budget] = type(multimax_attention(q, k, v, ranges, ts, pos_bias, mask, use_flex=False).grad_fn).__name__
+        paths[budget] = type(multimax_attention(q, k, v, ranges, ts, pos_bias, mask, use_flex=False, use_kernel=False).grad_fn).__name__
     assert list(paths.values()) == ['UnsafeViewBackward0', '_MultiMaxInRowBlocksBackward']
-    out = multimax_attention(q, k, v, ranges, ts, pos_bias, mask, dropout_p=0.5, use_flex=False)
+    out = multimax_attention(q, k, v, ranges, ts, pos_bias, mask, dropout_p=0.5, use_flex=False, use_kernel=False)
     assert type(out.grad_fn).__name__ != '_MultiMaxInRowBlocksBackward'  # dropout: the plain path
 
 
@@ -279,7 +280,7 @@ def test_multimax_flex_path_matches_plain_path(dtype, tol, masked):
     mask = mask if masked else None
     with torch.no_grad():  # FlexAttention has no backward on CPU
         flex = multimax_attention(3 * q, k, v, ranges, ts, pos_bias, mask, use_flex=True)
-        plain = multimax_attention(3 * q, k, v, ranges, ts, pos_bias, mask, use_flex=False)
+        plain = multimax_attention(3 * q, k, v, ranges, ts, pos_bias, mask, use_flex=False, use_kernel=False)
         expected = plain_multimax(*(t.double() for t in (3 * q, k, v, ranges, ts, pos_bias)),
                                   None if mask is None else mask.double())
     assert flex.dtype == dtype
@@ -318,3 +319,93 @@ def test_eager_multimax_on_cpu_takes_flex_only_when_asked(monkeypatch):
     assert calls == []
     multimax_attention(q, k, v, ranges, ts, use_flex=True)
     assert len(calls) == 1
+
+
+# ---------------------------------------------------------------- MultiMax's CPU kernel
+
+def kernel_inputs(n, m, batch=2, heads=3, d=8, dv=5, dtype=torch.float64, requires_grad=False):
+    """Scores spread over all of σ's pieces (the spec's breakpoints lie within ±0.4)."""
+    generator = torch.Generator().manual_seed(0)
+    q = 3 * torch.randn(batch, heads, n, d, dtype=dtype, generator=generator)
+    k, v = (torch.randn(batch, heads, m, dim, dtype=dtype, generator=generator) for dim in (d, dv))
+    ranges, ts = spec_parameters(dtype)
+    return [t.requires_grad_(requires_grad) for t in (q, k, v, ranges, ts)]
+
+
+# several blocks of query rows (64 forward, 256 backward) and of keys (512), each with a ragged last block; one block
+@pytest.mark.parametrize('n, m', [(300, 1100), (5, 7)])
+def test_multimax_cpu_kernel_matches_the_formula_in_float64_forward_and_backward(n, m):
+    inputs = kernel_inputs(n, m, requires_grad=True)
+    out = multimax_attention(*inputs, use_kernel=True)
+    expected = plain_multimax(*inputs)
+    assert max_abs_err(out, expected) < 1e-13
+    grad_out = torch.randn_like(out)
+    grads = torch.autograd.grad(out, inputs, grad_out)
+    expected_grads = torch.autograd.grad(expected, inputs, grad_out)
+    for name, grad, want in zip(('q', 'k', 'v', 'ranges', 'ts'), grads, expected_grads):
+        assert max_abs_err(grad, want) < 1e-12 * max(1.0, want.abs().max().item()), name
+
+
+def test_multimax_cpu_kernel_in_float32_and_bfloat16_matches_the_float64_formula():
+    inputs = kernel_inputs(130, 600)
+    expected = plain_multimax(*inputs)
+    out = multimax_attention(*(t.float() for t in inputs), use_kernel=True)
+    assert out.dtype == torch.float32 and max_abs_err(out.double(), expected) < 1e-5
+    rounded = [t.bfloat16() for t in inputs[:3]]
+    with torch.autocast('cpu', dtype=torch.bfloat16):  # computes in float32, answers in v's dtype
+        out = multimax_attention(*rounded, *inputs[3:], use_kernel=True)
+    expected = plain_multimax(*(t.double() for t in rounded), *inputs[3:])
+    assert out.dtype == torch.bfloat16 and max_abs_err(out.double(), expected) < 2 ** -7 * expected.abs().max()
+
+
+def test_multimax_cpu_kernel_gives_the_same_bits_on_two_threads_as_on_one():
+    threads = torch.get_num_threads()
+    results = []
+    for count in (1, 2):
+        torch.set_num_threads(count)
+        try:
+            inputs = kernel_inputs(150, 530, dtype=torch.float32, requires_grad=True)
+            out = multimax_attention(*inputs, use_kernel=True)
+            results.append((out, *torch.autograd.grad(out.square().sum(), inputs)))
+        finally:
+            torch.set_num_threads(threads)
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
+def test_multimax_cpu_kernel_second_derivatives():
+    inputs = kernel_inputs(4, 6, batch=1, heads=1, d=3, dv=2, requires_grad=True)
+    assert torch.autograd.gradgradcheck(lambda *t: multimax_attention(*t, use_kernel=True), inputs)
+
+
+def test_multimax_on_cpu_takes_the_kernel_by_default_only_without_bias_mask_causal_or_dropout(monkeypatch):
+    calls = []
+    monkeypatch.setattr('models.attention.multimax.multimax_cpu',
+                        lambda *a: calls.append(a) or multimax_cpu.multimax_cpu(*a))
+    q, k, v, ranges, ts = kernel_inputs(6, 6)
+    _, _, _, pos_bias, mask = windows(batch=1, num_windows=2, heads=3, n=6)
+    with torch.no_grad():
+        for kwargs in (dict(bias=pos_bias), dict(mask=mask), dict(causal=True), dict(use_flex=True)):
+            multimax_attention(q, k, v, ranges, ts, **kwargs)
+        assert calls == []
+        out = multimax_attention(q, k, v, ranges, ts)
+    assert len(calls) == 1 and max_abs_err(out, plain_multimax(q, k, v, ranges, ts)) < 1e-13
+    multimax_attention(*kernel_inputs(6, 6, requires_grad=True)).sum().backward()  # training too
+    assert len(calls) == 2
+    with pytest.raises(ValueError, match="kernel takes no bias, mask, causal masking or dropout"):
+        multimax_attention(q, k, v, ranges, ts, pos_bias, use_kernel=True)
+
+
+def test_multimax_without_a_compiler_warns_once_and_runs_unfused(monkeypatch, caplog):
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("Ninja is required to load C++ extensions")
+
+    monkeypatch.setattr(multimax_cpu, '_extension', multimax_cpu._NOT_LOADED)
+    monkeypatch.setattr('torch.utils.cpp_extension.load', no_compiler)
+    q, k, v, ranges, ts = kernel_inputs(6, 6)
+    with caplog.at_level('WARNING', logger=multimax_cpu.__name__):
+        out = multimax_attention(q, k, v, ranges, ts)
+        multimax_attention(q, k, v, ranges, ts)
+    assert [r.getMessage() for r in caplog.records] == [
+        "MultiMax's CPU kernel could not be built (Ninja is required to load C++ extensions); MultiMax runs unfused "
+        "on CPU"]
+    assert max_abs_err(out, plain_multimax(q, k, v, ranges, ts)) < 1e-13

@@ -32,6 +32,7 @@ from timm.layers import trunc_normal_
 from .causal import later_tokens
 from .layout import Grid, merge_heads
 from .mixer import MixContext, autocast_off, is_exporting
+from .multimax_cpu import cpu_kernel_available, multimax_cpu, multimax_cpu_backward
 from .registry import register_attention
 from .softmax import SoftmaxMixer
 
@@ -123,15 +124,20 @@ class _MultiMaxInRowBlocks(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, ranges: Tensor, ts: Tensor, bias: Optional[Tensor],
-                mask: Optional[Tensor], causal: bool, rows: int, use_flex: bool) -> Tensor:
-        if use_flex:  # detached: this function, not FlexAttention, differentiates them
+                mask: Optional[Tensor], causal: bool, rows: int, forward_path: str) -> Tensor:
+        """`forward_path`: 'rows' (blocks of `rows` query rows), 'flex' (FlexAttention) or 'kernel' (the CPU
+        kernel, which also takes the backward pass; without bias, mask or causal masking)."""
+        if forward_path == 'flex':  # detached: this function, not FlexAttention, differentiates them
             detached = (None if t is None else t.detach() for t in (q, k, v, ranges, ts, bias))
             out, lse = _multimax_flex(*detached, mask, causal, keep_lse=True)
+        elif forward_path == 'kernel':
+            out, lse = multimax_cpu(q, k, v, ranges, ts)
         else:
             out, lse = _row_blocks_forward(q, k, v, ranges, ts, bias, mask, causal, rows, keep_lse=True)
         ctx.save_for_backward(q, k, v, ranges, ts, bias, mask, out, lse)
         ctx.rows = rows
         ctx.causal = causal
+        ctx.kernel = forward_path == 'kernel'
         return out
 
     @staticmethod
@@ -141,6 +147,9 @@ class _MultiMaxInRowBlocks(torch.autograd.Function):
             plain = _multimax_plain(q, k, v, ranges, ts, bias, mask, 0., ctx.causal)
             return _differentiable_grads(ctx, plain, (q, k, v, ranges, ts, bias), grad_out) + (None,) * 4
         need_q, need_k, need_v, need_ranges, need_ts, need_bias = ctx.needs_input_grad[:6]
+        if ctx.kernel:
+            grads = multimax_cpu_backward(grad_out.contiguous(), q, k, v, out, lse, ranges, ts)
+            return tuple(g if need else None for g, need in zip(grads, ctx.needs_input_grad[:5])) + (None,) * 5
         work = torch.promote_types(q.dtype, torch.float32)
         scale = q.shape[-1] ** -0.5
         with autocast_off(q.device):
@@ -203,6 +212,7 @@ def multimax_attention(
         dropout_p: float = 0.,
         use_flex: Optional[bool] = None,
         causal: bool = False,
+        use_kernel: Optional[bool] = None,
 ) -> Tensor:
     """q: (B, h, n, d), k, v: (B, h, m, d) -> (B, h, n, d).
 
@@ -211,7 +221,8 @@ def multimax_attention(
     i's logits after σ. `use_flex`: None takes FlexAttention without dropout on CUDA, and in CPU inference
     inside `torch.compile` (not export) in float32, float16 or bfloat16; the plain path otherwise. True forces
     FlexAttention (compiled on CUDA, its unfused reference elsewhere) for the forward pass, with the backward
-    pass in row blocks.
+    pass in row blocks. `use_kernel`: None takes the fused CPU kernel (`multimax_cpu.py`) in CPU inference without
+    bias, mask, causal masking or dropout, eager or compiled (not export), where it builds; True forces it there.
     """
     if torch.jit.is_scripting():  # the plain path without the custom autograd functions
         return _multimax_plain(q, k, v, ranges, ts, bias, mask, dropout_p)
@@ -221,6 +232,21 @@ def multimax_attention(
     images = 1 if is_exporting() else B
     row_bytes = images * h * k.shape[-2] * 4
     training = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, ranges, ts, bias))
+    plain_scores = bias is None and mask is None and not causal and not dropout_p
+    if use_kernel is None:
+        use_kernel = (q.device.type == 'cpu' and plain_scores and not use_flex and not is_exporting()
+                      and cpu_kernel_available())
+    if use_kernel:
+        if not plain_scores:
+            raise ValueError("MultiMax's CPU kernel takes no bias, mask, causal masking or dropout")
+        out_dtype, work = v.dtype, torch.promote_types(q.dtype, torch.float32)
+        with autocast_off(q.device):
+            q, k, v, ranges, ts = (t.to(work) for t in (q, k, v, ranges, ts))
+            if training:
+                out = _MultiMaxInRowBlocks.apply(q, k, v, ranges, ts, None, None, False, n, 'kernel')
+            else:
+                out = multimax_cpu(q, k, v, ranges, ts)[0]
+        return out.to(out_dtype)
     if use_flex is None:
         use_flex = flex_attention is not None and not dropout_p and (q.is_cuda or _cpu_flex_compiles(q, training))
     if use_flex:
@@ -228,13 +254,13 @@ def multimax_attention(
             raise ValueError(f"the FlexAttention path of MultiMax has no attention dropout, got dropout_p={dropout_p}")
         if training:
             rows = max(1, _FLEX_BACKWARD_BLOCK_BYTES // row_bytes)
-            return _MultiMaxInRowBlocks.apply(q, k, v, ranges, ts, bias, mask, causal, rows, True)
+            return _MultiMaxInRowBlocks.apply(q, k, v, ranges, ts, bias, mask, causal, rows, 'flex')
         return _multimax_flex(q, k, v, ranges, ts, bias, mask, causal)[0]
     rows = max(1, _ROW_BLOCK_BYTES // row_bytes)
     if dropout_p or rows >= n or (training and n * row_bytes <= _PLAIN_TRAINING_BYTES):
         return _multimax_plain(q, k, v, ranges, ts, bias, mask, dropout_p, causal)
     if training:
-        return _MultiMaxInRowBlocks.apply(q, k, v, ranges, ts, bias, mask, causal, rows, False)
+        return _MultiMaxInRowBlocks.apply(q, k, v, ranges, ts, bias, mask, causal, rows, 'rows')
     return _row_blocks_forward(q, k, v, ranges, ts, bias, mask, causal, rows, keep_lse=False)[0]
 
 

@@ -1,0 +1,264 @@
+// MultiMax attention forward on CPU in one pass over the keys: softmax(σ(q·kᵀ/√d)) v, with σ the MultiMax
+// modulation, a block of 64 query rows against 512 keys at a time, so that a block of scores stays in the core's
+// cache between the product that writes it and the one that reads it. The softmax is the online one of fused
+// attention kernels: a row's running maximum and sum are rescaled when a later block raises the maximum.
+//
+// The matrix products go through ATen (the BLAS torch links); σ and the exponentials run in loops the compiler
+// vectorises. Returns the output and each row's log-sum-exp.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kQueryRows = 64;
+constexpr int64_t kKeyColumns = 512;
+// The backward pass multiplies five pairs of matrices per block instead of two: larger blocks keep the BLAS calls
+// efficient, at the cost of three blocks of scores held in the last-level cache instead of one in the core's.
+constexpr int64_t kBackwardQueryRows = 256;
+
+template <typename T>
+inline T positive(T x) { return x > T(0) ? x : T(0); }
+
+// σ(x) = x + t0·max(b0 − x, 0) + t1·max(x − b1, 0) + t2·max(b2 − x, 0)² + t3·max(x − b3, 0)²
+template <typename T>
+inline T modulate(T x, const T* b, const T* t) {
+  const T below0 = positive(b[0] - x), above1 = positive(x - b[1]);
+  const T below2 = positive(b[2] - x), above3 = positive(x - b[3]);
+  return x + t[0] * below0 + t[1] * above1 + t[2] * below2 * below2 + t[3] * above3 * above3;
+}
+
+// Replaces a row of scores by exp(σ(s) − new_max) and returns the row's sum; `row_max` goes from the previous
+// blocks' maximum to the new one, and `acc_row` (the output accumulated so far) is rescaled to match.
+template <typename T>
+T softmax_block_row(T* row, int64_t columns, const T* b, const T* t, bool first, T& row_max, T& row_sum,
+                    T* acc_row, int64_t dv) {
+  T block_max = std::numeric_limits<T>::lowest();
+#pragma omp simd reduction(max : block_max)
+  for (int64_t j = 0; j < columns; ++j) {
+    const T y = modulate(row[j], b, t);
+    row[j] = y;
+    block_max = y > block_max ? y : block_max;
+  }
+  const T new_max = first ? block_max : std::max(row_max, block_max);
+  T block_sum = 0;
+#pragma omp simd reduction(+ : block_sum)
+  for (int64_t j = 0; j < columns; ++j) {
+    const T e = std::exp(row[j] - new_max);
+    row[j] = e;
+    block_sum += e;
+  }
+  if (first) {
+    row_sum = block_sum;
+  } else {
+    const T rescale = std::exp(row_max - new_max);
+    row_sum = row_sum * rescale + block_sum;
+    if (rescale != T(1)) {
+#pragma omp simd
+      for (int64_t c = 0; c < dv; ++c) acc_row[c] *= rescale;
+    }
+  }
+  row_max = new_max;
+  return block_sum;
+}
+
+template <typename T>
+void normalise_rows(const T* acc, T* out, T* lse, const std::vector<T>& row_max, const std::vector<T>& row_sum,
+                    int64_t rows, int64_t dv) {
+  for (int64_t i = 0; i < rows; ++i) {
+    const T inverse = T(1) / row_sum[i];
+#pragma omp simd
+    for (int64_t c = 0; c < dv; ++c) out[i * dv + c] = acc[i * dv + c] * inverse;
+    lse[i] = row_max[i] + std::log(row_sum[i]);
+  }
+}
+
+// q: (BH, n, d) already scaled by 1/√d, k: (BH, m, d), v: (BH, m, dv), all contiguous; out: (BH, n, dv), lse: (BH, n).
+template <typename T>
+void forward_blocks(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out,
+                    at::Tensor& lse, const T* b, const T* t) {
+  const int64_t heads = q.size(0), n = q.size(1), m = k.size(1), dv = v.size(2);
+  const int64_t rows = std::min(kQueryRows, n), columns = std::min(kKeyColumns, m);
+  const int64_t row_blocks = (n + rows - 1) / rows;
+  at::parallel_for(0, heads * row_blocks, 1, [&](int64_t begin, int64_t end) {
+    at::NoGradGuard no_grad;  // per thread: the workers do not inherit the caller's grad mode
+    at::Tensor scores = at::empty({rows, columns}, q.options());
+    at::Tensor acc = at::empty({rows, dv}, q.options());
+    std::vector<T> row_max(rows), row_sum(rows);
+    for (int64_t work = begin; work < end; ++work) {
+      const int64_t head = work / row_blocks, first_row = (work % row_blocks) * rows;
+      const int64_t block_rows = std::min(rows, n - first_row);
+      const at::Tensor queries = q[head].narrow(0, first_row, block_rows);
+      at::Tensor block_acc = acc.narrow(0, 0, block_rows);
+      T* acc_data = block_acc.data_ptr<T>();
+      for (int64_t first_key = 0; first_key < m; first_key += columns) {
+        const int64_t block_keys = std::min(columns, m - first_key);
+        at::Tensor block = scores.narrow(0, 0, block_rows).narrow(1, 0, block_keys);
+        at::mm_out(block, queries, k[head].narrow(0, first_key, block_keys).t());
+        T* data = scores.data_ptr<T>();
+        for (int64_t i = 0; i < block_rows; ++i) {
+          softmax_block_row(data + i * columns, block_keys, b, t, first_key == 0, row_max[i], row_sum[i],
+                            acc_data + i * dv, dv);
+        }
+        const at::Tensor values = v[head].narrow(0, first_key, block_keys);
+        if (first_key == 0) {
+          at::mm_out(block_acc, block, values);
+        } else {
+          block_acc.addmm_(block, values);
+        }
+      }
+      normalise_rows(acc_data, out[head].narrow(0, first_row, block_rows).data_ptr<T>(),
+                     lse.data_ptr<T>() + head * n + first_row, row_max, row_sum, block_rows, dv);
+    }
+  });
+}
+
+// q: (B, h, n, d), k: (B, h, m, d), v: (B, h, m, dv), ranges, ts: (4,) -> out (B, h, n, dv), lse (B, h, n, 1).
+std::vector<at::Tensor> multimax_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                         const at::Tensor& ranges, const at::Tensor& ts) {
+  TORCH_CHECK(q.device().is_cpu() && q.dim() == 4, "multimax_forward: expected 4-d CPU tensors");
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kDouble,
+              "multimax_forward: expected float32 or float64, got ", q.scalar_type());
+  at::NoGradGuard no_grad;
+  const int64_t B = q.size(0), h = q.size(1), n = q.size(2), d = q.size(3), m = k.size(2), dv = v.size(3);
+  const at::Tensor queries = (q * std::pow(static_cast<double>(d), -0.5)).reshape({B * h, n, d}).contiguous();
+  const at::Tensor keys = k.reshape({B * h, m, d}).contiguous();
+  const at::Tensor values = v.reshape({B * h, m, dv}).contiguous();
+  at::Tensor out = at::empty({B * h, n, dv}, q.options());
+  at::Tensor lse = at::empty({B * h, n}, q.options());
+  const at::Tensor b = ranges.to(q.scalar_type()).contiguous(), t = ts.to(q.scalar_type()).contiguous();
+  if (q.scalar_type() == at::kDouble) {
+    forward_blocks<double>(queries, keys, values, out, lse, b.data_ptr<double>(), t.data_ptr<double>());
+  } else {
+    forward_blocks<float>(queries, keys, values, out, lse, b.data_ptr<float>(), t.data_ptr<float>());
+  }
+  return {out.view({B, h, n, dv}), lse.view({B, h, n, 1})};
+}
+
+
+// Gradients of the forward pass from its output and log-sum-exp, a block of scores at a time as in the forward
+// pass: each block's scores and probabilities are recomputed instead of stored. Per block (rows i, keys j):
+//   P = exp(σ(S) − lse), dV += Pᵀ dO, dP = dO Vᵀ, dX = P ∘ (dP − rowsum(dO ∘ O)), dS = dX ∘ σ'(S),
+//   dQ += dS K / √d, dK += dSᵀ Q / √d, and the gradients of σ's eight scalars are sums of dX times σ's partials.
+template <typename T>
+void backward_blocks(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& grad_out,
+                     const at::Tensor& lse, const at::Tensor& row_dots, at::Tensor& grad_q, at::Tensor& grad_k,
+                     at::Tensor& grad_v, at::Tensor& grad_params, const T* b, const T* t, double scale) {
+  const int64_t heads = q.size(0), n = q.size(1), m = k.size(1);
+  const int64_t rows = std::min(kBackwardQueryRows, n), columns = std::min(kKeyColumns, m);
+  at::parallel_for(0, heads, 1, [&](int64_t begin, int64_t end) {
+    at::NoGradGuard no_grad;
+    at::Tensor scores = at::empty({rows, columns}, q.options());
+    at::Tensor probs = at::empty({rows, columns}, q.options());
+    at::Tensor grad_probs = at::empty({rows, columns}, q.options());
+    for (int64_t head = begin; head < end; ++head) {
+      double sums[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+      const T* head_lse = lse.data_ptr<T>() + head * n;
+      const T* head_dots = row_dots.data_ptr<T>() + head * n;
+      for (int64_t first_row = 0; first_row < n; first_row += rows) {
+        const int64_t block_rows = std::min(rows, n - first_row);
+        const at::Tensor queries = q[head].narrow(0, first_row, block_rows);
+        const at::Tensor grad_block = grad_out[head].narrow(0, first_row, block_rows);
+        at::Tensor grad_queries = grad_q[head].narrow(0, first_row, block_rows);
+        for (int64_t first_key = 0; first_key < m; first_key += columns) {
+          const int64_t block_keys = std::min(columns, m - first_key);
+          const at::Tensor keys = k[head].narrow(0, first_key, block_keys);
+          const at::Tensor values = v[head].narrow(0, first_key, block_keys);
+          at::Tensor s = scores.narrow(0, 0, block_rows).narrow(1, 0, block_keys);
+          at::Tensor p = probs.narrow(0, 0, block_rows).narrow(1, 0, block_keys);
+          at::Tensor dp = grad_probs.narrow(0, 0, block_rows).narrow(1, 0, block_keys);
+          at::mm_out(s, queries, keys.t());
+          at::mm_out(dp, grad_block, values.t());
+          T* s_data = scores.data_ptr<T>();
+          T* p_data = probs.data_ptr<T>();
+          T* dp_data = grad_probs.data_ptr<T>();
+          for (int64_t i = 0; i < block_rows; ++i) {
+            T* s_row = s_data + i * columns;
+            T* p_row = p_data + i * columns;
+            T* d_row = dp_data + i * columns;
+            const T row_lse = head_lse[first_row + i], row_dot = head_dots[first_row + i];
+            T s0 = 0, s1 = 0, s2 = 0, s3 = 0, s4 = 0, s5 = 0, s6 = 0, s7 = 0;
+#pragma omp simd reduction(+ : s0, s1, s2, s3, s4, s5, s6, s7)
+            for (int64_t j = 0; j < block_keys; ++j) {
+              const T x = s_row[j];
+              const T below0 = positive(b[0] - x), above1 = positive(x - b[1]);
+              const T below2 = positive(b[2] - x), above3 = positive(x - b[3]);
+              const T y = x + t[0] * below0 + t[1] * above1 + t[2] * below2 * below2 + t[3] * above3 * above3;
+              const T prob = std::exp(y - row_lse);
+              p_row[j] = prob;
+              const T grad_y = prob * (d_row[j] - row_dot);
+              // relu's derivative is 0 at 0, as autograd takes it
+              const T inside0 = below0 > T(0) ? T(1) : T(0), inside1 = above1 > T(0) ? T(1) : T(0);
+              const T slope = T(1) - t[0] * inside0 + t[1] * inside1 - T(2) * t[2] * below2 + T(2) * t[3] * above3;
+              d_row[j] = grad_y * slope;
+              s0 += grad_y * inside0;
+              s1 += grad_y * inside1;
+              s2 += grad_y * below2;
+              s3 += grad_y * above3;
+              s4 += grad_y * below0;
+              s5 += grad_y * above1;
+              s6 += grad_y * below2 * below2;
+              s7 += grad_y * above3 * above3;
+            }
+            sums[0] += s0; sums[1] += s1; sums[2] += s2; sums[3] += s3;
+            sums[4] += s4; sums[5] += s5; sums[6] += s6; sums[7] += s7;
+          }
+          // β = 0 on a gradient's first block: it overwrites the uninitialised memory
+          const int first_rows = first_row == 0 ? 0 : 1, first_keys = first_key == 0 ? 0 : 1;
+          grad_v[head].narrow(0, first_key, block_keys).addmm_(p.t(), grad_block, first_rows);
+          grad_queries.addmm_(dp, keys, first_keys, scale);
+          grad_k[head].narrow(0, first_key, block_keys).addmm_(dp.t(), queries, first_rows);
+        }
+      }
+      // ∂σ/∂b = (t0·[x < b0], −t1·[x > b1], 2t2·max(b2 − x, 0), −2t3·max(x − b3, 0)), ∂σ/∂t = the four terms
+      double* g = grad_params.data_ptr<double>() + head * 8;
+      g[0] = t[0] * sums[0]; g[1] = -t[1] * sums[1]; g[2] = 2 * t[2] * sums[2]; g[3] = -2 * t[3] * sums[3];
+      g[4] = sums[4]; g[5] = sums[5]; g[6] = sums[6]; g[7] = sums[7];
+    }
+  });
+}
+
+// Gradients of `multimax_forward` for q, k, v (their shapes) and for ranges and ts (4 each, float64).
+std::vector<at::Tensor> multimax_backward(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
+                                          const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
+                                          const at::Tensor& ranges, const at::Tensor& ts) {
+  TORCH_CHECK(q.device().is_cpu() && q.dim() == 4, "multimax_backward: expected 4-d CPU tensors");
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kDouble,
+              "multimax_backward: expected float32 or float64, got ", q.scalar_type());
+  at::NoGradGuard no_grad;
+  const int64_t B = q.size(0), h = q.size(1), n = q.size(2), d = q.size(3), m = k.size(2), dv = v.size(3);
+  const double scale = std::pow(static_cast<double>(d), -0.5);
+  const at::Tensor queries = (q * scale).reshape({B * h, n, d}).contiguous();
+  const at::Tensor keys = k.reshape({B * h, m, d}).contiguous();
+  const at::Tensor values = v.reshape({B * h, m, dv}).contiguous();
+  const at::Tensor grads = grad_out.to(q.scalar_type()).reshape({B * h, n, dv}).contiguous();
+  // Σ_j P_ij dP_ij = row i of dO · O
+  const at::Tensor row_dots = (grads * out.reshape({B * h, n, dv})).sum(-1).contiguous();
+  const at::Tensor row_lse = lse.reshape({B * h, n}).contiguous();
+  at::Tensor grad_q = at::empty({B * h, n, d}, q.options());
+  at::Tensor grad_k = at::empty({B * h, m, d}, q.options());
+  at::Tensor grad_v = at::empty({B * h, m, dv}, q.options());
+  at::Tensor grad_params = at::zeros({B * h, 8}, q.options().dtype(at::kDouble));
+  const at::Tensor b = ranges.to(q.scalar_type()).contiguous(), t = ts.to(q.scalar_type()).contiguous();
+  if (q.scalar_type() == at::kDouble) {
+    backward_blocks<double>(queries, keys, values, grads, row_lse, row_dots, grad_q, grad_k, grad_v, grad_params,
+                            b.data_ptr<double>(), t.data_ptr<double>(), scale);
+  } else {
+    backward_blocks<float>(queries, keys, values, grads, row_lse, row_dots, grad_q, grad_k, grad_v, grad_params,
+                           b.data_ptr<float>(), t.data_ptr<float>(), scale);
+  }
+  const at::Tensor params = grad_params.sum(0);
+  return {grad_q.view({B, h, n, d}), grad_k.view({B, h, m, d}), grad_v.view({B, h, m, dv}),
+          params.narrow(0, 0, 4).clone(), params.narrow(0, 4, 4).clone()};
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
+  module.def("multimax_forward", &multimax_forward, "MultiMax attention forward on CPU: (out, lse)");
+  module.def("multimax_backward", &multimax_backward, "its gradients: (grad_q, grad_k, grad_v, grad_ranges, grad_ts)");
+}

@@ -1,0 +1,91 @@
+"""MultiMax's fused CPU kernel (`csrc/multimax_cpu.cpp`), built on first use as a torch C++ extension.
+
+Hand-written because no maintained library fuses an element-wise function of the scores into CPU attention:
+inductor's CPU FlexAttention kernel, which takes σ as its `score_mod`, runs at 0.55-0.65× the speed of
+`scaled_dot_product_attention`'s CPU kernel here, and the unfused path at 0.4×; this kernel at about 0.8×
+(`docs/benchmarks.md`). It is registered as the custom op `zoo::multimax_cpu`, so `torch.compile(fullgraph=True)`
+calls it as it stands.
+
+The build needs a C++ compiler and ninja (torch's `cpp_extension`), and is cached in torch's extension folder,
+keyed by the source, the flags and the machine's instruction set (it is compiled for the CPU it runs on). Where
+it cannot be built, MultiMax keeps its other paths, and says why once.
+"""
+import hashlib
+import logging
+import os
+import platform
+from typing import Any, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+__all__ = ['multimax_cpu', 'multimax_cpu_backward', 'cpu_kernel_available']
+
+_logger = logging.getLogger(__name__)
+
+_SOURCE = os.path.join(os.path.dirname(__file__), 'csrc', 'multimax_cpu.cpp')
+# -ffast-math lets the compiler call the vector exponential (libmvec); the kernel keeps no inf or NaN of its own
+_CFLAGS = ['-O3', '-march=native', '-ffast-math', '-fopenmp']
+_NOT_LOADED = object()
+_extension: Any = _NOT_LOADED
+
+
+def _instruction_set_tag() -> str:
+    """A short digest of the CPU's feature flags: `-march=native` code built on one machine must not be loaded
+    from a shared cache on another."""
+    flags = platform.machine()
+    try:
+        with open('/proc/cpuinfo') as info:
+            flags += next((line for line in info if line.startswith(('flags', 'Features'))), '')
+    except OSError:
+        flags += platform.processor()
+    return hashlib.sha1(flags.encode()).hexdigest()[:8]
+
+
+def _load() -> Optional[Any]:
+    global _extension
+    if _extension is _NOT_LOADED:
+        try:
+            from torch.utils.cpp_extension import load
+            _extension = load(f'zoo_multimax_cpu_{_instruction_set_tag()}', [_SOURCE], extra_cflags=_CFLAGS,
+                              extra_ldflags=['-fopenmp'])
+        except (OSError, RuntimeError, ImportError, ValueError) as e:  # no compiler, no ninja, a failed build
+            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            _logger.warning(f"MultiMax's CPU kernel could not be built ({reason}); MultiMax runs unfused on CPU")
+            _extension = None
+    return _extension
+
+
+@torch.compiler.assume_constant_result
+def cpu_kernel_available() -> bool:
+    """Whether the kernel is built (building it on the first call)."""
+    return _load() is not None
+
+
+@torch.library.custom_op('zoo::multimax_cpu', mutates_args=(), device_types='cpu')
+def multimax_cpu(q: Tensor, k: Tensor, v: Tensor, ranges: Tensor, ts: Tensor) -> Tuple[Tensor, Tensor]:
+    """softmax(σ(q·kᵀ/√d)) v without storing the scores. q: (B, h, n, d), k: (B, h, m, d), v: (B, h, m, dv),
+    float32 or float64, `ranges`, `ts`: (4,) -> output (B, h, n, dv) and each row's log-sum-exp (B, h, n, 1).
+    Not differentiable itself: `multimax_cpu_backward` gives the gradients."""
+    out, lse = _load().multimax_forward(q, k, v, ranges, ts)
+    return out, lse
+
+
+@multimax_cpu.register_fake
+def _multimax_cpu_shapes(q: Tensor, k: Tensor, v: Tensor, ranges: Tensor, ts: Tensor) -> Tuple[Tensor, Tensor]:
+    return q.new_empty(q.shape[:-1] + v.shape[-1:]), q.new_empty(q.shape[:-1] + (1,))
+
+
+@torch.library.custom_op('zoo::multimax_cpu_backward', mutates_args=(), device_types='cpu')
+def multimax_cpu_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                          ranges: Tensor, ts: Tensor) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Gradients of `multimax_cpu`'s output for q, k, v, `ranges` and `ts` from its output and log-sum-exp,
+    recomputing the scores a block at a time."""
+    grad_q, grad_k, grad_v, grad_ranges, grad_ts = _load().multimax_backward(grad_out, q, k, v, out, lse, ranges, ts)
+    return grad_q, grad_k, grad_v, grad_ranges.to(ranges.dtype), grad_ts.to(ts.dtype)
+
+
+@multimax_cpu_backward.register_fake
+def _multimax_cpu_backward_shapes(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                                  ranges: Tensor, ts: Tensor) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    return tuple(t.new_empty(t.shape) for t in (q, k, v, ranges, ts))  # contiguous, as the kernel returns them
