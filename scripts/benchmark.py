@@ -85,12 +85,6 @@ def _cpu_attention_flops(query_shape, key_shape, value_shape, *args, out_shape=N
     return 2 * math.prod(batch) * n * key_shape[-2] * (d + value_shape[-1])
 
 
-@register_flop_formula(torch.ops.zoo.multimax_cpu)
-def _multimax_kernel_flops(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
-    """MultiMax's CPU kernel: the products of the CPU attention kernel (σ is element-wise, not counted)."""
-    return _cpu_attention_flops(query_shape, key_shape, value_shape)
-
-
 def _conv_backward_flops(grad_out_shape, x_shape, w_shape, _bias, _stride, _padding, _dilation, transposed,
                          _output_padding, _groups, output_mask, out_shape=None, **kwargs) -> int:
     """A convolution's gradients of input and weight, each as many FLOPs as the forward pass. torch's own

@@ -10,6 +10,7 @@ import math
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import FlopCounterMode
 
 from models.attention import MixContext, build_attention
 from models.attention import multimax_cpu
@@ -409,3 +410,14 @@ def test_multimax_without_a_compiler_warns_once_and_runs_unfused(monkeypatch, ca
         "MultiMax's CPU kernel could not be built (Ninja is required to load C++ extensions); MultiMax runs unfused "
         "on CPU"]
     assert max_abs_err(out, plain_multimax(q, k, v, ranges, ts)) < 1e-13
+
+
+def test_flop_counter_counts_the_kernel_as_attention_forward_and_backward():
+    q, k, v, ranges, ts = kernel_inputs(10, 12, batch=2, heads=3, d=8, dv=5, dtype=torch.float32, requires_grad=True)
+    forward = 2 * 2 * 3 * 10 * 12 * (8 + 5)
+    with FlopCounterMode(display=False) as counter:
+        out = multimax_attention(q, k, v, ranges, ts, use_kernel=True)
+    assert counter.get_total_flops() == forward
+    with FlopCounterMode(display=False) as counter:
+        out.sum().backward()
+    assert counter.get_total_flops() == 2 * forward

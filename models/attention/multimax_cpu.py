@@ -12,12 +12,14 @@ it cannot be built, MultiMax keeps its other paths, and says why once.
 """
 import hashlib
 import logging
+import math
 import os
 import platform
 from typing import Any, Optional, Tuple
 
 import torch
 from torch import Tensor
+from torch.utils.flop_counter import register_flop_formula
 
 __all__ = ['multimax_cpu', 'multimax_cpu_backward', 'cpu_kernel_available']
 
@@ -89,3 +91,17 @@ def multimax_cpu_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out
 def _multimax_cpu_backward_shapes(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                                   ranges: Tensor, ts: Tensor) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     return tuple(t.new_empty(t.shape) for t in (q, k, v, ranges, ts))  # contiguous, as the kernel returns them
+
+
+@register_flop_formula(torch.ops.zoo.multimax_cpu)
+def _forward_flops(q_shape, k_shape, v_shape, *args, out_shape=None, **kwargs) -> int:
+    """The two matrix products, 2·B·h·n·m·(d + dv), as `torch.utils.flop_counter` counts attention (σ and the
+    softmax are element-wise and not counted)."""
+    *batch, n, d = q_shape
+    return 2 * math.prod(batch) * n * k_shape[-2] * (d + v_shape[-1])
+
+
+@register_flop_formula(torch.ops.zoo.multimax_cpu_backward)
+def _backward_flops(grad_out_shape, q_shape, k_shape, v_shape, *args, out_shape=None, **kwargs) -> int:
+    """Twice the forward pass's products, as for attention's backward pass (the recomputed scores not counted)."""
+    return 2 * _forward_flops(q_shape, k_shape, v_shape)

@@ -1,10 +1,11 @@
 // MultiMax attention forward on CPU in one pass over the keys: softmax(σ(q·kᵀ/√d)) v, with σ the MultiMax
-// modulation, a block of 64 query rows against 512 keys at a time, so that a block of scores stays in the core's
-// cache between the product that writes it and the one that reads it. The softmax is the online one of fused
-// attention kernels: a row's running maximum and sum are rescaled when a later block raises the maximum.
+// modulation, a block of 64 query rows against 512 keys at a time (more rows against fewer keys), so that a block
+// of scores stays in the core's cache between the product that writes it and the one that reads it. The softmax
+// is the online one of fused attention kernels: a row's running maximum and sum are rescaled when a later block
+// raises the maximum. The backward pass recomputes each block's scores from the saved log-sum-exp.
 //
 // The matrix products go through ATen (the BLAS torch links); σ and the exponentials run in loops the compiler
-// vectorises. Returns the output and each row's log-sum-exp.
+// vectorises.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -17,6 +18,9 @@ namespace {
 
 constexpr int64_t kQueryRows = 64;
 constexpr int64_t kKeyColumns = 512;
+// Fewer keys than a block's columns (short sequences) take more rows per block instead, for BLAS calls of the same
+// size.
+constexpr int64_t kBlockScores = kQueryRows * kKeyColumns;
 // The backward pass multiplies five pairs of matrices per block instead of two: larger blocks keep the BLAS calls
 // efficient, at the cost of three blocks of scores held in the last-level cache instead of one in the core's.
 constexpr int64_t kBackwardQueryRows = 256;
@@ -82,7 +86,7 @@ template <typename T>
 void forward_blocks(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out,
                     at::Tensor& lse, const T* b, const T* t) {
   const int64_t heads = q.size(0), n = q.size(1), m = k.size(1), dv = v.size(2);
-  const int64_t rows = std::min(kQueryRows, n), columns = std::min(kKeyColumns, m);
+  const int64_t columns = std::min(kKeyColumns, m), rows = std::min(std::max(kQueryRows, kBlockScores / columns), n);
   const int64_t row_blocks = (n + rows - 1) / rows;
   at::parallel_for(0, heads * row_blocks, 1, [&](int64_t begin, int64_t end) {
     at::NoGradGuard no_grad;  // per thread: the workers do not inherit the caller's grad mode
