@@ -278,32 +278,42 @@ def test_compile_settings_are_checked_on_one_line(capsys):
         assert code == 2 and len(err) == 1 and message in err[0]
 
 
-def kernel_calls(graphs) -> int:
-    kernel_ops = (torch.ops.zoo.multimax_cpu.default, torch.ops.zoo.multimax_cpu_backward.default)
-    return sum(node.target in kernel_ops for g in graphs for node in g.graph.nodes)
+def calls_kernel(graphs) -> bool:
+    """Whether a traced graph or one nested in it (an autograd.Function's) calls MultiMax's CPU kernel."""
+    return any('zoo.multimax_cpu' in module.code for g in graphs for module in g.modules()
+               if isinstance(module, torch.fx.GraphModule))
 
 
-def test_compiled_cpu_multimax_without_bias_calls_its_kernel_in_one_graph_per_batch_size():
-    """Without bias or mask, compiled CPU inference and training call MultiMax's CPU kernel (a custom op) inside
-    the graph, against the float64 formula, and a second batch of the same size reuses the graph."""
+def test_compiled_cpu_multimax_inference_without_bias_calls_its_kernel_in_one_graph_per_batch_size():
+    """Without bias or mask, compiled CPU inference calls MultiMax's CPU kernel (a custom op) inside the graph,
+    against the float64 formula, and a second batch of the same size reuses the graph."""
     q, k, v, ranges, ts, _, _ = multimax_inputs()
-    plain_inputs = (q, k, v, ranges, ts, torch.zeros(2, 7, 7), torch.zeros(1, 7, 7))
-    expected = plain_multimax(*(t.double() for t in plain_inputs))
-    inference = CompileCounterWithBackend('inductor')
-    compiled = torch.compile(multimax_attention, fullgraph=True, backend=inference)
+    no_bias = (torch.zeros(2, 7, 7), torch.zeros(1, 7, 7))
+    expected = plain_multimax(*(t.double() for t in (q, k, v, ranges, ts, *no_bias)))
+    counter = CompileCounterWithBackend('inductor')
+    compiled = torch.compile(multimax_attention, fullgraph=True, backend=counter)
     with torch.no_grad():
         out = compiled(q, k, v, ranges, ts)
         compiled(q + 1, k, v, ranges, ts)
-    assert inference.frame_count == 1 and kernel_calls(inference.graphs) == 1
+    assert counter.frame_count == 1 and calls_kernel(counter.graphs)
     assert max_abs_err(out.double(), expected) < 1e-5
 
-    training = CompileCounterWithBackend('aot_eager')
+
+@pytest.mark.parametrize('plain_budget, kernel', [(None, False), (0, True)], ids=['short', 'long'])
+def test_compiled_cpu_multimax_training_takes_its_kernel_past_the_plain_budget(monkeypatch, plain_budget, kernel):
+    """Compiled training keeps the plain path (which inductor fuses with its backward) for score matrices within
+    its budget and calls the kernel's forward and backward past it; the gradients match the float64 formula's."""
+    if plain_budget is not None:
+        monkeypatch.setattr('models.attention.multimax._PLAIN_TRAINING_BYTES', plain_budget)
+    q, k, v, ranges, ts, _, _ = multimax_inputs()
+    no_bias = (torch.zeros(2, 7, 7), torch.zeros(1, 7, 7))
     differentiable = [t.detach().clone().requires_grad_() for t in (q, k, v, ranges, ts)]
-    out = torch.compile(multimax_attention, fullgraph=True, backend=training)(*differentiable)
+    counter = CompileCounterWithBackend('aot_eager')
+    out = torch.compile(multimax_attention, fullgraph=True, backend=counter)(*differentiable)
     grads = torch.autograd.grad(out.square().sum(), differentiable)
-    assert training.frame_count == 1
-    wide = [t.detach().double().requires_grad_() for t in plain_inputs[:5]]
-    expected = plain_multimax(*wide, *(t.double() for t in plain_inputs[5:]))
+    assert counter.frame_count == 1 and calls_kernel(counter.graphs) == kernel
+    wide = [t.detach().double().requires_grad_() for t in differentiable]
+    expected = plain_multimax(*wide, *(t.double() for t in no_bias))
     expected_grads = torch.autograd.grad(expected.square().sum(), wide)
     assert max_abs_err(out.double(), expected) < 1e-5
     for grad, want in zip(grads, expected_grads):

@@ -221,8 +221,9 @@ def multimax_attention(
     i's logits after σ. `use_flex`: None takes FlexAttention without dropout on CUDA, and in CPU inference
     inside `torch.compile` (not export) in float32, float16 or bfloat16; the plain path otherwise. True forces
     FlexAttention (compiled on CUDA, its unfused reference elsewhere) for the forward pass, with the backward
-    pass in row blocks. `use_kernel`: None takes the fused CPU kernel (`multimax_cpu.py`) in CPU inference without
-    bias, mask, causal masking or dropout, eager or compiled (not export), where it builds; True forces it there.
+    pass in row blocks. `use_kernel`: None takes the fused CPU kernel (`multimax_cpu.py`) on the CPU without bias,
+    mask, causal masking or dropout, eager or compiled (not export; not compiled training of score matrices within
+    the plain path's budget), where it builds; True forces it there.
     """
     if torch.jit.is_scripting():  # the plain path without the custom autograd functions
         return _multimax_plain(q, k, v, ranges, ts, bias, mask, dropout_p)
@@ -234,8 +235,12 @@ def multimax_attention(
     training = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, ranges, ts, bias))
     plain_scores = bias is None and mask is None and not causal and not dropout_p
     if use_kernel is None:
+        # compiled training of short sequences keeps the plain path, whose σ and softmax inductor fuses with their
+        # backward: faster than the kernel's recomputation there (`docs/benchmarks.md`)
+        compiled_short_training = (training and torch.compiler.is_compiling()
+                                   and n * row_bytes <= _PLAIN_TRAINING_BYTES)
         use_kernel = (q.device.type == 'cpu' and plain_scores and not use_flex and not is_exporting()
-                      and cpu_kernel_available())
+                      and not compiled_short_training and cpu_kernel_available())
     if use_kernel:
         if not plain_scores:
             raise ValueError("MultiMax's CPU kernel takes no bias, mask, causal masking or dropout")

@@ -21,9 +21,9 @@ constexpr int64_t kKeyColumns = 512;
 // Fewer keys than a block's columns (short sequences) take more rows per block instead, for BLAS calls of the same
 // size.
 constexpr int64_t kBlockScores = kQueryRows * kKeyColumns;
-// The backward pass multiplies five pairs of matrices per block instead of two: larger blocks keep the BLAS calls
-// efficient, at the cost of three blocks of scores held in the last-level cache instead of one in the core's.
-constexpr int64_t kBackwardQueryRows = 256;
+// The backward pass multiplies five pairs of matrices per block instead of two and keeps three blocks of scores:
+// 128 rows by 512 keys measured fastest (against 64 and 256).
+constexpr int64_t kBackwardQueryRows = 128;
 
 template <typename T>
 inline T positive(T x) { return x > T(0) ? x : T(0); }
@@ -185,16 +185,16 @@ void backward_blocks(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
             T* p_row = p_data + i * columns;
             T* d_row = dp_data + i * columns;
             const T row_lse = head_lse[first_row + i], row_dot = head_dots[first_row + i];
+            // the exponentials in a loop of their own, which the compiler vectorises with its vector exp
+#pragma omp simd
+            for (int64_t j = 0; j < block_keys; ++j) p_row[j] = std::exp(modulate(s_row[j], b, t) - row_lse);
             T s0 = 0, s1 = 0, s2 = 0, s3 = 0, s4 = 0, s5 = 0, s6 = 0, s7 = 0;
 #pragma omp simd reduction(+ : s0, s1, s2, s3, s4, s5, s6, s7)
             for (int64_t j = 0; j < block_keys; ++j) {
               const T x = s_row[j];
               const T below0 = positive(b[0] - x), above1 = positive(x - b[1]);
               const T below2 = positive(b[2] - x), above3 = positive(x - b[3]);
-              const T y = x + t[0] * below0 + t[1] * above1 + t[2] * below2 * below2 + t[3] * above3 * above3;
-              const T prob = std::exp(y - row_lse);
-              p_row[j] = prob;
-              const T grad_y = prob * (d_row[j] - row_dot);
+              const T grad_y = p_row[j] * (d_row[j] - row_dot);
               // relu's derivative is 0 at 0, as autograd takes it
               const T inside0 = below0 > T(0) ? T(1) : T(0), inside1 = above1 > T(0) ? T(1) : T(0);
               const T slope = T(1) - t[0] * inside0 + t[1] * inside1 - T(2) * t[2] * below2 + T(2) * t[3] * above3;
