@@ -538,8 +538,11 @@ def test_ctrl_c_with_dataloader_workers_is_one_line_and_exits_130(tmp_path, digi
 
 
 def torchrun_training(output: Path, digits: Path) -> subprocess.Popen:
+    """A two-rank run long enough (20 epochs) that signals sent seconds after a start or a resume find it training:
+    with the demo's 2 epochs a resumed run could end before them."""
     command = [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
-               str(REPO / 'train.py'), *train_argv(output, digits), 'DATA.BATCH_SIZE', '16', 'DATA.NUM_WORKERS', '2']
+               str(REPO / 'train.py'), *train_argv(output, digits), 'DATA.BATCH_SIZE', '16', 'DATA.NUM_WORKERS', '2',
+               'TRAIN.EPOCHS', '20']
     return subprocess.Popen(command, cwd=output.parent, env=dict(os.environ, OMP_NUM_THREADS='1'),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
 
