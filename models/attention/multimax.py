@@ -5,10 +5,12 @@ and t = `ts`, four learned scalars each shared by all heads of the module. σ ru
 (σ(−inf) would be NaN) and, like the softmax, in float32 whatever the autocast dtype, since its squares
 overflow float16.
 
-Three paths compute the same function. On CUDA, σ is FlexAttention's `score_mod` (it is element-wise on the
-scores), so the fused kernel never stores the score matrix; so it is in CPU inference inside `torch.compile`
-(float32, float16 or bfloat16), for which inductor generates a fused CPU kernel (it has no CPU backward pass).
-Elsewhere, small score matrices, and any with attention dropout, take the plain path, whose σ keeps only its
+Four paths compute the same function. On CUDA, σ is FlexAttention's `score_mod` (it is element-wise on the
+scores), so the fused kernel never stores the score matrix. On the CPU, without bias, mask, causal masking or
+dropout, MultiMax's own fused kernel (`multimax_cpu.py`) runs forward and backward, eager and compiled (compiled
+training of score matrices within the plain path's budget keeps the plain path, which inductor fuses with its
+backward). With a bias or mask, CPU inference inside `torch.compile` (float32, float16 or bfloat16) takes
+FlexAttention too, for which inductor generates a fused CPU kernel (it has no CPU backward pass). Elsewhere, small score matrices, and any with attention dropout, take the plain path, whose σ keeps only its
 input for the backward pass instead of four score-sized intermediates. Larger ones run a block of query rows at
 a time: in inference beyond a few MiB of scores, in training beyond 64 MiB, where the forward pass keeps one
 log-sum-exp per row and the backward pass recomputes each block's scores, so memory grows with the score matrix
@@ -117,9 +119,10 @@ class _MultiMaxInRowBlocks(torch.autograd.Function):
     """The plain path a block of query rows at a time, forward and backward, for score matrices too large to
     keep (σ and the softmax are row-wise, so this is exact).
 
-    Forward keeps the output and each row's log-sum-exp, computed in row blocks or by FlexAttention; backward
-    recomputes a block's scores and probabilities from them, the way fused softmax kernels do, so training holds
-    one block of scores instead of several n×m tensors per head.
+    Forward keeps the output and each row's log-sum-exp, computed in row blocks, by FlexAttention or by the CPU
+    kernel; backward recomputes a block's scores and probabilities from them, the way fused softmax kernels do
+    (the CPU kernel's own backward pass after its forward pass), so training holds one block of scores instead
+    of several n×m tensors per head.
     """
 
     @staticmethod
