@@ -121,17 +121,26 @@ void forward_blocks(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
   });
 }
 
+// The checks both entry points make of q.
+void check_query(const char* op, const at::Tensor& q) {
+  TORCH_CHECK(q.device().is_cpu() && q.dim() == 4, op, ": expected 4-d CPU tensors");
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kDouble,
+              op, ": expected float32 or float64, got ", q.scalar_type());
+}
+
+// (B, h, L, C) -> (B·h, L, C), contiguous: the kernels index heads first.
+at::Tensor heads_first(const at::Tensor& x) {
+  return x.reshape({x.size(0) * x.size(1), x.size(2), x.size(3)}).contiguous();
+}
+
 // q: (B, h, n, d), k: (B, h, m, d), v: (B, h, m, dv), ranges, ts: (4,) -> out (B, h, n, dv), lse (B, h, n, 1).
 std::vector<at::Tensor> multimax_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                          const at::Tensor& ranges, const at::Tensor& ts) {
-  TORCH_CHECK(q.device().is_cpu() && q.dim() == 4, "multimax_forward: expected 4-d CPU tensors");
-  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kDouble,
-              "multimax_forward: expected float32 or float64, got ", q.scalar_type());
+  check_query("multimax_forward", q);
   at::NoGradGuard no_grad;
-  const int64_t B = q.size(0), h = q.size(1), n = q.size(2), d = q.size(3), m = k.size(2), dv = v.size(3);
-  const at::Tensor queries = (q * std::pow(static_cast<double>(d), -0.5)).reshape({B * h, n, d}).contiguous();
-  const at::Tensor keys = k.reshape({B * h, m, d}).contiguous();
-  const at::Tensor values = v.reshape({B * h, m, dv}).contiguous();
+  const int64_t B = q.size(0), h = q.size(1), n = q.size(2), d = q.size(3), dv = v.size(3);
+  const at::Tensor queries = heads_first(q * std::pow(static_cast<double>(d), -0.5));
+  const at::Tensor keys = heads_first(k), values = heads_first(v);
   at::Tensor out = at::empty({B * h, n, dv}, q.options());
   at::Tensor lse = at::empty({B * h, n}, q.options());
   const at::Tensor b = ranges.to(q.scalar_type()).contiguous(), t = ts.to(q.scalar_type()).contiguous();
@@ -230,18 +239,15 @@ void backward_blocks(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
 std::vector<at::Tensor> multimax_backward(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
                                           const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
                                           const at::Tensor& ranges, const at::Tensor& ts) {
-  TORCH_CHECK(q.device().is_cpu() && q.dim() == 4, "multimax_backward: expected 4-d CPU tensors");
-  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kDouble,
-              "multimax_backward: expected float32 or float64, got ", q.scalar_type());
+  check_query("multimax_backward", q);
   at::NoGradGuard no_grad;
   const int64_t B = q.size(0), h = q.size(1), n = q.size(2), d = q.size(3), m = k.size(2), dv = v.size(3);
   const double scale = std::pow(static_cast<double>(d), -0.5);
-  const at::Tensor queries = (q * scale).reshape({B * h, n, d}).contiguous();
-  const at::Tensor keys = k.reshape({B * h, m, d}).contiguous();
-  const at::Tensor values = v.reshape({B * h, m, dv}).contiguous();
-  const at::Tensor grads = grad_out.to(q.scalar_type()).reshape({B * h, n, dv}).contiguous();
+  const at::Tensor queries = heads_first(q * scale);
+  const at::Tensor keys = heads_first(k), values = heads_first(v);
+  const at::Tensor grads = heads_first(grad_out.to(q.scalar_type()));
   // Σ_j P_ij dP_ij = row i of dO · O
-  const at::Tensor row_dots = (grads * out.reshape({B * h, n, dv})).sum(-1).contiguous();
+  const at::Tensor row_dots = (grads * heads_first(out)).sum(-1).contiguous();
   const at::Tensor row_lse = lse.reshape({B * h, n}).contiguous();
   at::Tensor grad_q = at::empty({B * h, n, d}, q.options());
   at::Tensor grad_k = at::empty({B * h, m, d}, q.options());
