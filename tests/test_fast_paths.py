@@ -421,3 +421,17 @@ def test_flop_counter_counts_the_kernel_as_attention_forward_and_backward():
     with FlopCounterMode(display=False) as counter:
         out.sum().backward()
     assert counter.get_total_flops() == 2 * forward
+
+
+def test_forcing_the_kernel_names_what_it_cannot_take(monkeypatch):
+    q, k, v, ranges, ts = kernel_inputs(6, 6)
+    _, _, _, pos_bias, mask = windows(batch=1, num_windows=2, heads=3, n=6)
+    for kwargs, named in ((dict(bias=pos_bias), 'got bias$'), (dict(mask=mask, causal=True), 'got mask, causal=True$'),
+                          (dict(dropout_p=0.1), 'got dropout_p=0.1$')):
+        with pytest.raises(ValueError, match=named):
+            multimax_attention(q, k, v, ranges, ts, use_kernel=True, **kwargs)
+    with pytest.raises(ValueError, match="takes CPU tensors, got device meta$"):
+        multimax_attention(*(t.to('meta') for t in (q, k, v, ranges, ts)), use_kernel=True)
+    monkeypatch.setattr(multimax_cpu, '_extension', None)  # a build that failed
+    with pytest.raises(RuntimeError, match="could not be built"):
+        multimax_attention(q, k, v, ranges, ts, use_kernel=True)

@@ -245,8 +245,7 @@ def multimax_attention(
         use_kernel = (q.device.type == 'cpu' and plain_scores and not use_flex and not is_exporting()
                       and not compiled_short_training and cpu_kernel_available())
     if use_kernel:
-        if not plain_scores:
-            raise ValueError("MultiMax's CPU kernel takes no bias, mask, causal masking or dropout")
+        _check_kernel_inputs(q, bias, mask, causal, dropout_p)
         out_dtype, work = v.dtype, torch.promote_types(q.dtype, torch.float32)
         with autocast_off(q.device):
             q, k, v, ranges, ts = (t.to(work) for t in (q, k, v, ranges, ts))
@@ -270,6 +269,22 @@ def multimax_attention(
     if training:
         return _MultiMaxInRowBlocks.apply(q, k, v, ranges, ts, bias, mask, causal, rows, 'rows')
     return _row_blocks_forward(q, k, v, ranges, ts, bias, mask, causal, rows, keep_lse=False)[0]
+
+
+def _check_kernel_inputs(q: Tensor, bias: Optional[Tensor], mask: Optional[Tensor], causal: bool,
+                         dropout_p: float) -> None:
+    """What forcing the CPU kernel (`use_kernel=True`) needs, checked before any work."""
+    given = [what for what, present in (('bias', bias is not None), ('mask', mask is not None),
+                                        ('causal=True', causal), (f'dropout_p={dropout_p}', bool(dropout_p)))
+             if present]
+    if given:
+        raise ValueError(f"MultiMax's CPU kernel takes no bias, mask, causal masking or dropout, got "
+                         f"{', '.join(given)}")
+    if q.device.type != 'cpu':
+        raise ValueError(f"MultiMax's CPU kernel takes CPU tensors, got device {q.device}")
+    if not cpu_kernel_available():
+        raise RuntimeError("MultiMax's CPU kernel could not be built (see the warning above); expected a C++ "
+                           "compiler and ninja, or use_kernel=None for the unfused path")
 
 
 def _cpu_flex_compiles(q: Tensor, training: bool) -> bool:
