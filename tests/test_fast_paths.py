@@ -333,7 +333,7 @@ def kernel_inputs(n, m, batch=2, heads=3, d=8, dv=5, dtype=torch.float64, requir
     return [t.requires_grad_(requires_grad) for t in (q, k, v, ranges, ts)]
 
 
-# several blocks of query rows (64 forward, 256 backward) and of keys (512), each with a ragged last block; one block
+# several blocks of query rows (256 forward, 128 backward) and of keys (512), each with a ragged last block; one block
 @pytest.mark.parametrize('n, m', [(300, 1100), (5, 7)])
 def test_multimax_cpu_kernel_matches_the_formula_in_float64_forward_and_backward(n, m):
     inputs = kernel_inputs(n, m, requires_grad=True)

@@ -8,8 +8,9 @@ registered as the custom ops `zoo::multimax_cpu` and `zoo::multimax_cpu_backward
 `torch.compile(fullgraph=True)` calls them as they stand.
 
 The build needs a C++ compiler and ninja (torch's `cpp_extension`), and is cached in torch's extension folder,
-keyed by the source, the flags and the machine's instruction set (it is compiled for the CPU it runs on). Where
-it cannot be built, MultiMax keeps its other paths, and says why once.
+keyed by the source, the flags and the machine's instruction set (it is compiled for the CPU it runs on). Its
+matrix products call the BLAS inside torch by its Fortran names (`sgemm_`, `dgemm_`, exported by torch's x86-64
+Linux wheels, which link MKL). Where it cannot be built or loaded, MultiMax keeps its other paths, and says why once.
 """
 import hashlib
 import logging
@@ -52,7 +53,7 @@ def _load() -> Optional[Any]:
             from torch.utils.cpp_extension import load
             _extension = load(f'zoo_multimax_cpu_{_instruction_set_tag()}', [_SOURCE], extra_cflags=_CFLAGS,
                               extra_ldflags=['-fopenmp'])
-        except (OSError, RuntimeError, ImportError, ValueError) as e:  # no compiler, no ninja, a failed build
+        except (OSError, RuntimeError, ImportError, ValueError) as e:  # no compiler or ninja, a failed build or load
             reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             _logger.warning(f"MultiMax's CPU kernel could not be built ({reason}); MultiMax runs unfused on CPU")
             _extension = None
