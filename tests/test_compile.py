@@ -299,19 +299,18 @@ def test_compiled_cpu_multimax_inference_without_bias_calls_its_kernel_in_one_gr
     assert max_abs_err(out.double(), expected) < 1e-5
 
 
-@pytest.mark.parametrize('plain_budget, kernel', [(None, False), (0, True)], ids=['short', 'long'])
-def test_compiled_cpu_multimax_training_takes_its_kernel_past_the_plain_budget(monkeypatch, plain_budget, kernel):
-    """Compiled training keeps the plain path (which inductor fuses with its backward) for score matrices within
-    its budget and calls the kernel's forward and backward past it; the gradients match the float64 formula's."""
-    if plain_budget is not None:
-        monkeypatch.setattr('models.attention.multimax._PLAIN_TRAINING_BYTES', plain_budget)
+def test_compiled_cpu_multimax_training_calls_its_kernel_forward_and_backward():
+    """Compiled training without bias or mask calls the kernel's forward and backward (custom ops) in one graph,
+    short sequences too; the gradients match the float64 formula's."""
     q, k, v, ranges, ts, _, _ = multimax_inputs()
     no_bias = (torch.zeros(2, 7, 7), torch.zeros(1, 7, 7))
     differentiable = [t.detach().clone().requires_grad_() for t in (q, k, v, ranges, ts)]
     counter = CompileCounterWithBackend('aot_eager')
     out = torch.compile(multimax_attention, fullgraph=True, backend=counter)(*differentiable)
     grads = torch.autograd.grad(out.square().sum(), differentiable)
-    assert counter.frame_count == 1 and calls_kernel(counter.graphs) == kernel
+    assert counter.frame_count == 1 and calls_kernel(counter.graphs)
+    assert any('zoo.multimax_cpu_backward' in module.code for g in counter.graphs for module in g.modules()
+               if isinstance(module, torch.fx.GraphModule))
     wide = [t.detach().double().requires_grad_() for t in differentiable]
     expected = plain_multimax(*wide, *(t.double() for t in no_bias))
     expected_grads = torch.autograd.grad(expected.square().sum(), wide)

@@ -7,9 +7,8 @@ overflow float16.
 
 Four paths compute the same function. On CUDA, σ is FlexAttention's `score_mod` (it is element-wise on the
 scores), so the fused kernel never stores the score matrix. On the CPU, without bias, mask, causal masking or
-dropout, MultiMax's own fused kernel (`multimax_cpu.py`) runs forward and backward, eager and compiled (compiled
-training of score matrices within the plain path's budget keeps the plain path, which inductor fuses with its
-backward). With a bias or mask, CPU inference inside `torch.compile` (float32, float16 or bfloat16) takes
+dropout, MultiMax's own fused kernel (`multimax_cpu.py`) runs forward and backward, eager and compiled. With a
+bias or mask, CPU inference inside `torch.compile` (float32, float16 or bfloat16) takes
 FlexAttention too, for which inductor generates a fused CPU kernel (it has no CPU backward pass). Elsewhere, small score matrices, and any with attention dropout, take the plain path, whose σ keeps only its
 input for the backward pass instead of four score-sized intermediates. Larger ones run a block of query rows at
 a time: in inference beyond a few MiB of scores, in training beyond 64 MiB, where the forward pass keeps one
@@ -225,8 +224,7 @@ def multimax_attention(
     inside `torch.compile` (not export) in float32, float16 or bfloat16; the plain path otherwise. True forces
     FlexAttention (compiled on CUDA, its unfused reference elsewhere) for the forward pass, with the backward
     pass in row blocks. `use_kernel`: None takes the fused CPU kernel (`multimax_cpu.py`) on the CPU without bias,
-    mask, causal masking or dropout, eager or compiled (not export; not compiled training of score matrices within
-    the plain path's budget), where it builds; True forces it there.
+    mask, causal masking or dropout, eager or compiled (not export), where it builds; True forces it there.
     """
     if torch.jit.is_scripting():  # the plain path without the custom autograd functions
         return _multimax_plain(q, k, v, ranges, ts, bias, mask, dropout_p)
@@ -238,12 +236,8 @@ def multimax_attention(
     training = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, ranges, ts, bias))
     plain_scores = bias is None and mask is None and not causal and not dropout_p
     if use_kernel is None:
-        # compiled training of short sequences keeps the plain path, whose σ and softmax inductor fuses with their
-        # backward: faster than the kernel's recomputation there (`docs/benchmarks.md`)
-        compiled_short_training = (training and torch.compiler.is_compiling()
-                                   and n * row_bytes <= _PLAIN_TRAINING_BYTES)
         use_kernel = (q.device.type == 'cpu' and plain_scores and not use_flex and not is_exporting()
-                      and not compiled_short_training and cpu_kernel_available())
+                      and cpu_kernel_available())
     if use_kernel:
         _check_kernel_inputs(q, bias, mask, causal, dropout_p)
         out_dtype, work = v.dtype, torch.promote_types(q.dtype, torch.float32)
