@@ -8,8 +8,9 @@ overflow float16.
 Four paths compute the same function. On CUDA, σ is FlexAttention's `score_mod` (it is element-wise on the
 scores), so the fused kernel never stores the score matrix. On the CPU, without bias, mask, causal masking or
 dropout, MultiMax's own fused kernel (`multimax_cpu.py`) runs forward and backward, eager and compiled. With a
-bias or mask, CPU inference inside `torch.compile` (float32, float16 or bfloat16) takes
-FlexAttention too, for which inductor generates a fused CPU kernel (it has no CPU backward pass). Elsewhere, small score matrices, and any with attention dropout, take the plain path, whose σ keeps only its
+window mask or causal masking but no position bias, CPU inference inside `torch.compile` (float32, float16 or
+bfloat16) takes FlexAttention too, for which inductor generates a fused CPU kernel (it has no CPU backward pass).
+Elsewhere, small score matrices, and any with attention dropout, take the plain path, whose σ keeps only its
 input for the backward pass instead of four score-sized intermediates. Larger ones run a block of query rows at
 a time: in inference beyond a few MiB of scores, in training beyond 64 MiB, where the forward pass keeps one
 log-sum-exp per row and the backward pass recomputes each block's scores, so memory grows with the score matrix
@@ -221,9 +222,9 @@ def multimax_attention(
     `bias` (added before σ) broadcasts to the (B, h, n, m) scores; `mask` (nW, n, m) is added after σ, batch
     entry b taking mask[b % nW] (windows of an image are consecutive); `causal` masks key j > i out of query
     i's logits after σ. `use_flex`: None takes FlexAttention without dropout on CUDA, and in CPU inference
-    inside `torch.compile` (not export) in float32, float16 or bfloat16; the plain path otherwise. True forces
-    FlexAttention (compiled on CUDA, its unfused reference elsewhere) for the forward pass, with the backward
-    pass in row blocks. `use_kernel`: None takes the fused CPU kernel (`multimax_cpu.py`) on the CPU without bias,
+    inside `torch.compile` (not export) in float32, float16 or bfloat16 without bias; the plain path otherwise.
+    True forces FlexAttention (compiled on CUDA, its unfused reference elsewhere) for the forward pass, with the
+    backward pass in row blocks. `use_kernel`: None takes the fused CPU kernel (`multimax_cpu.py`) on the CPU without bias,
     mask, causal masking or dropout, eager or compiled (not export), where it builds; True forces it there.
     """
     if torch.jit.is_scripting():  # the plain path without the custom autograd functions
@@ -249,7 +250,8 @@ def multimax_attention(
                 out = multimax_cpu(q, k, v, ranges, ts)[0]
         return out.to(out_dtype)
     if use_flex is None:
-        use_flex = flex_attention is not None and not dropout_p and (q.is_cuda or _cpu_flex_compiles(q, training))
+        use_flex = (flex_attention is not None and not dropout_p
+                    and (q.is_cuda or _cpu_flex_compiles(q, training, bias)))
     if use_flex:
         if dropout_p:
             raise ValueError(f"the FlexAttention path of MultiMax has no attention dropout, got dropout_p={dropout_p}")
@@ -281,10 +283,12 @@ def _check_kernel_inputs(q: Tensor, bias: Optional[Tensor], mask: Optional[Tenso
                            "compiler and ninja, or use_kernel=None for the unfused path")
 
 
-def _cpu_flex_compiles(q: Tensor, training: bool) -> bool:
+def _cpu_flex_compiles(q: Tensor, training: bool, bias: Optional[Tensor]) -> bool:
     """Whether inductor compiles FlexAttention for `q` here: CPU inference inside `torch.compile`, in one of
-    `_CPU_FLEX_DTYPES`. Under export the plain path stays, which every exporter takes."""
-    return (q.device.type == 'cpu' and not training and q.dtype in _CPU_FLEX_DTYPES
+    `_CPU_FLEX_DTYPES`, without a bias. Inductor's CPU template (torch 2.14) fails to lower a `score_mod` that
+    reads a tensor computed in the same graph, which a position bias gathered from its table is; the plain path,
+    which inductor fuses, takes those. Under export the plain path stays, which every exporter takes."""
+    return (q.device.type == 'cpu' and not training and bias is None and q.dtype in _CPU_FLEX_DTYPES
             and torch.compiler.is_compiling() and not is_exporting())
 
 
