@@ -3,8 +3,8 @@
 Hand-written because no maintained library fuses an element-wise function of the scores into CPU attention
 forward and backward: inductor's CPU FlexAttention, which takes σ as its `score_mod`, has no backward pass and
 runs compiled inference only; the unfused path writes and rereads every score several times. With the kernel,
-MultiMax-DeiT-T takes 1.06× softmax's time for inference and for a training step at 224² (batch 8), and 1.06× and
-1.11× at 1024², eager, where the unfused path took 1.27× at 224² (`docs/benchmarks.md`). It is
+MultiMax-DeiT-T takes 1.06× softmax's time for inference and 1.05× for a training step at 224² (batch 8), and 1.05×
+and 1.10× at 1024², eager, where the unfused path took 1.27× at 224² (`docs/benchmarks.md`). It is
 registered as the custom ops `zoo::multimax_cpu` and `zoo::multimax_cpu_backward`, so
 `torch.compile(fullgraph=True)` calls them as they stand.
 
