@@ -224,8 +224,9 @@ def multimax_attention(
     i's logits after σ. `use_flex`: None takes FlexAttention without dropout on CUDA, and in CPU inference
     inside `torch.compile` (not export) in float32, float16 or bfloat16 without bias; the plain path otherwise.
     True forces FlexAttention (compiled on CUDA, its unfused reference elsewhere) for the forward pass, with the
-    backward pass in row blocks. `use_kernel`: None takes the fused CPU kernel (`multimax_cpu.py`) on the CPU without bias,
-    mask, causal masking or dropout, eager or compiled (not export), where it builds; True forces it there.
+    backward pass in row blocks. `use_kernel`: None takes the fused CPU kernel (`multimax_cpu.py`) on the CPU
+    without bias, mask, causal masking or dropout, eager or compiled (not export), where it builds; True forces it
+    there.
     """
     if torch.jit.is_scripting():  # the plain path without the custom autograd functions
         return _multimax_plain(q, k, v, ranges, ts, bias, mask, dropout_p)
