@@ -280,8 +280,8 @@ def _check_kernel_inputs(q: Tensor, bias: Optional[Tensor], mask: Optional[Tenso
     if q.device.type != 'cpu':
         raise ValueError(f"MultiMax's CPU kernel takes CPU tensors, got device {q.device}")
     if not cpu_kernel_available():
-        raise RuntimeError("MultiMax's CPU kernel could not be built (see the warning above); expected a C++ "
-                           "compiler and ninja, or use_kernel=None for the unfused path")
+        raise RuntimeError("MultiMax's CPU kernel could not be built or loaded (see the warning above); expected a "
+                           "C++ compiler and ninja, or use_kernel=None for the unfused path")
 
 
 def _cpu_flex_compiles(q: Tensor, training: bool, bias: Optional[Tensor]) -> bool:

@@ -56,7 +56,8 @@ def _load() -> Optional[Any]:
                               extra_ldflags=['-fopenmp'])
         except (OSError, RuntimeError, ImportError, ValueError) as e:  # no compiler or ninja, a failed build or load
             reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            _logger.warning(f"MultiMax's CPU kernel could not be built ({reason}); MultiMax runs unfused on CPU")
+            _logger.warning(f"MultiMax's CPU kernel could not be built or loaded ({reason}); MultiMax runs unfused "
+                            "on CPU")
             _extension = None
     return _extension
 
