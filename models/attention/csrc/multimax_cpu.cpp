@@ -61,7 +61,14 @@ template <typename T>
 struct Modulation {
   T b0, b1, b2, b3, t0, t1, t2, t3;
 
-  Modulation(const T* b, const T* t) : b0(b[0]), b1(b[1]), b2(b[2]), b3(b[3]), t0(t[0]), t1(t[1]), t2(t[2]), t3(t[3]) {}
+  // ranges = (b0, b1, b2, b3), ts = (t0, t1, t2, t3), in any dtype
+  Modulation(const at::Tensor& ranges, const at::Tensor& ts) {
+    const at::Tensor b = ranges.to(c10::CppTypeToScalarType<T>::value).contiguous();
+    const at::Tensor t = ts.to(c10::CppTypeToScalarType<T>::value).contiguous();
+    const T *b_data = b.data_ptr<T>(), *t_data = t.data_ptr<T>();
+    b0 = b_data[0]; b1 = b_data[1]; b2 = b_data[2]; b3 = b_data[3];
+    t0 = t_data[0]; t1 = t_data[1]; t2 = t_data[2]; t3 = t_data[3];
+  }
 
   // σ(x) = x + t0·max(b0 − x, 0) + t1·max(x − b1, 0) + t2·max(b2 − x, 0)² + t3·max(x − b3, 0)²
   T operator()(T x) const {
@@ -71,10 +78,10 @@ struct Modulation {
   }
 };
 
-// Replaces a row of scores by exp(σ(s) − new_max) and returns the row's sum; `row_max` goes from the previous
-// blocks' maximum to the new one, and `acc_row` (the output accumulated so far) is rescaled to match.
+// Replaces a row of scores by exp(σ(s) − new_max) and accumulates their sum in `row_sum`; `row_max` goes from the
+// previous blocks' maximum to the new one, and `row_sum` and `acc_row` (the output so far) are rescaled to match.
 template <typename T>
-T softmax_block_row(T* row, int64_t columns, const Modulation<T> sigma, bool first, T& row_max, T& row_sum,
+void softmax_block_row(T* row, int64_t columns, const Modulation<T> sigma, bool first, T& row_max, T& row_sum,
                     T* acc_row, int64_t dv) {
   T block_max = std::numeric_limits<T>::lowest();
 #pragma omp simd reduction(max : block_max)
@@ -102,7 +109,6 @@ T softmax_block_row(T* row, int64_t columns, const Modulation<T> sigma, bool fir
     }
   }
   row_max = new_max;
-  return block_sum;
 }
 
 template <typename T>
@@ -170,11 +176,10 @@ std::vector<at::Tensor> multimax_forward(const at::Tensor& q, const at::Tensor& 
   const at::Tensor keys = heads_first(k), values = heads_first(v);
   at::Tensor out = at::empty({B * h, n, dv}, q.options());
   at::Tensor lse = at::empty({B * h, n}, q.options());
-  const at::Tensor b = ranges.to(q.scalar_type()).contiguous(), t = ts.to(q.scalar_type()).contiguous();
   if (q.scalar_type() == at::kDouble) {
-    forward_blocks<double>(queries, keys, values, out, lse, {b.data_ptr<double>(), t.data_ptr<double>()});
+    forward_blocks<double>(queries, keys, values, out, lse, {ranges, ts});
   } else {
-    forward_blocks<float>(queries, keys, values, out, lse, {b.data_ptr<float>(), t.data_ptr<float>()});
+    forward_blocks<float>(queries, keys, values, out, lse, {ranges, ts});
   }
   return {out.view({B, h, n, dv}), lse.view({B, h, n, 1})};
 }
@@ -280,13 +285,12 @@ std::vector<at::Tensor> multimax_backward(const at::Tensor& grad_out, const at::
   at::Tensor grad_k = at::empty({B * h, m, d}, q.options());
   at::Tensor grad_v = at::empty({B * h, m, dv}, q.options());
   at::Tensor grad_params = at::zeros({B * h, 8}, q.options().dtype(at::kDouble));
-  const at::Tensor b = ranges.to(q.scalar_type()).contiguous(), t = ts.to(q.scalar_type()).contiguous();
   if (q.scalar_type() == at::kDouble) {
     backward_blocks<double>(queries, keys, values, grads, row_lse, row_dots, grad_q, grad_k, grad_v, grad_params,
-                            {b.data_ptr<double>(), t.data_ptr<double>()}, scale);
+                            {ranges, ts}, scale);
   } else {
     backward_blocks<float>(queries, keys, values, grads, row_lse, row_dots, grad_q, grad_k, grad_v, grad_params,
-                           {b.data_ptr<float>(), t.data_ptr<float>()}, scale);
+                           {ranges, ts}, scale);
   }
   const at::Tensor params = grad_params.sum(0);
   return {grad_q.view({B, h, n, d}), grad_k.view({B, h, m, d}), grad_v.view({B, h, m, dv}),
