@@ -1,6 +1,7 @@
 """torch.compile(fullgraph=True) of every family with every attention on a tiny configuration, MultiMax through
-FlexAttention when compiled for CPU inference with a window mask or causal masking (no bias), through its CPU
-kernel without either, and the `--compile` / `TRAIN.COMPILE` path of train.py and eval.py.
+its CPU kernel (with a position bias and a window mask in inference), through FlexAttention when compiled for CPU
+inference with causal masking or without the kernel, and the `--compile` / `TRAIN.COMPILE` path of train.py and
+eval.py.
 
 `fullgraph=True` turns any graph break into an error; the traced graph runs on the eager backend (kernel
 generation is the benchmark's business: `scripts/benchmark.py --compile`), except in the small inductor tests of
@@ -24,6 +25,7 @@ from engine.cli import eval_main, train_main
 from engine.data import prepare_digits
 from engine.errors import run_cli
 from models.attention import list_attentions
+from models.attention import multimax_cpu
 from models.attention.multimax import multimax_attention
 from reference import SPEC_RANGES, SPEC_TS, max_abs_err
 
@@ -142,13 +144,16 @@ def multimax_inputs(requires_grad: bool = False):
 
 @pytest.mark.parametrize('causal', [False, True], ids=['mask', 'causal'])
 def test_compiled_cpu_inference_runs_multimax_through_flex_attention(causal):
-    """Inductor's fused CPU FlexAttention kernel with σ as `score_mod` and the window mask or causal masking,
-    against the float64 formula (FlexAttention takes no float64 on the CPU: float32 to rounding)."""
+    """Inductor's fused CPU FlexAttention kernel with σ as `score_mod` and the window mask (where MultiMax's own
+    kernel is not taken) or causal masking, against the float64 formula (FlexAttention takes no float64 on the
+    CPU: float32 to rounding)."""
     q, k, v, ranges, ts, _, mask = multimax_inputs()
     counter = CompileCounterWithBackend('inductor')
 
     def attention(q, k, v, ranges, ts):
-        return multimax_attention(q, k, v, ranges, ts, mask=None if causal else mask, causal=causal)
+        if causal:
+            return multimax_attention(q, k, v, ranges, ts, causal=True)
+        return multimax_attention(q, k, v, ranges, ts, mask=mask, use_kernel=False)
 
     with torch.no_grad():
         out = torch.compile(attention, fullgraph=True, backend=counter)(q, k, v, ranges, ts)
@@ -180,9 +185,13 @@ def test_compiled_cpu_training_of_multimax_keeps_its_own_backward():
         assert max_abs_err(grad.double(), want) < 1e-4
 
 
-def test_inductor_compiles_multimax_swin_for_cpu_inference_in_one_graph():
-    """A position bias is computed in the graph from its table, which inductor's CPU FlexAttention cannot read in
-    a `score_mod` (its lowering fails): compiled Swin inference takes the plain path, which inductor fuses."""
+@pytest.mark.parametrize('use_kernel', [None, False], ids=['kernel', 'without-kernel'])
+def test_inductor_compiles_multimax_swin_for_cpu_inference_in_one_graph(monkeypatch, use_kernel):
+    """Compiled Swin inference calls MultiMax's kernel with the position bias and the window mask. Without the
+    kernel it takes the plain path, which inductor fuses: the bias is computed in the graph from its table, which
+    inductor's CPU FlexAttention cannot read in a `score_mod` (its lowering fails)."""
+    if use_kernel is False:
+        monkeypatch.setattr(multimax_cpu, '_extension', None)  # a build that failed
     torch.manual_seed(0)
     model = timm.create_model('multimax_swin_tiny', num_classes=5, **TINY['swin']).eval()
     x = torch.randn(2, 3, 64, 64)
@@ -191,6 +200,7 @@ def test_inductor_compiles_multimax_swin_for_cpu_inference_in_one_graph():
         out = torch.compile(model, fullgraph=True, backend=counter)(x)
         expected = model(x)
     assert counter.frame_count == 1 and flex_calls(counter.graphs) == 0
+    assert calls_kernel(counter.graphs) == (use_kernel is None)
     assert max_abs_err(out, expected) < 1e-5
 
 
@@ -282,9 +292,9 @@ def test_compile_settings_are_checked_on_one_line(capsys):
         assert code == 2 and len(err) == 1 and message in err[0]
 
 
-def calls_kernel(graphs, op: str = 'zoo.multimax_cpu') -> bool:
+def calls_kernel(graphs, op: str = 'zoo.multimax_cpu_forward') -> bool:
     """Whether a traced graph or one nested in it (an autograd.Function's) calls MultiMax's CPU kernel (`op`: its
-    forward, whose name the backward's begins with, or `zoo.multimax_cpu_backward`)."""
+    forward or `zoo.multimax_cpu_backward`)."""
     return any(op in module.code for g in graphs for module in g.modules() if isinstance(module, torch.fx.GraphModule))
 
 

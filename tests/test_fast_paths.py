@@ -378,22 +378,47 @@ def test_multimax_cpu_kernel_second_derivatives():
     assert torch.autograd.gradgradcheck(lambda *t: multimax_attention(*t, use_kernel=True), inputs)
 
 
-def test_multimax_on_cpu_takes_the_kernel_by_default_only_without_bias_mask_causal_or_dropout(monkeypatch):
+def heads_in_place(batch, tokens, heads, d, dtype=torch.float64):
+    """(B, h, L, d) heads split from a (B, L, 2·h·d) projection, as the groupings pass them: rows 2·h·d apart."""
+    return torch.randn(batch, tokens, 2, heads, d, dtype=dtype)[:, :, 0].transpose(1, 2)
+
+
+# several blocks of query rows and keys with ragged last ones, and one block; a bias per head gathered from a table
+# (strided, as Swin's), per image, or one row for every query; the window mask of two windows an image
+@pytest.mark.parametrize('n, m, bias_shape', [(300, 1100, 'head'), (7, 7, 'image'), (7, 9, 'row')])
+def test_multimax_cpu_kernel_with_bias_and_mask_matches_the_formula_in_float64(n, m, bias_shape):
+    torch.manual_seed(0)
+    batch, heads = 4, 3
+    q = 3 * heads_in_place(batch, n, heads, 8)
+    k, v = heads_in_place(batch, m, heads, 8), heads_in_place(batch, m, heads, 5)
+    ranges, ts = spec_parameters()
+    bias = {'head': lambda: torch.randn(n, m, heads, dtype=torch.float64).permute(2, 0, 1),
+            'image': lambda: torch.randn(batch, 1, n, m, dtype=torch.float64),
+            'row': lambda: torch.randn(m, dtype=torch.float64)}[bias_shape]()
+    mask = torch.where(torch.rand(2, n, m) < 0.3, -100., 0.).to(torch.float64)
+    with torch.no_grad():
+        out = multimax_attention(q, k, v, ranges, ts, bias, mask, use_kernel=True)
+    assert max_abs_err(out, plain_multimax(q, k, v, ranges, ts, bias, mask)) < 1e-12
+    # written (B, n, h, dv): merging the heads back into channels is a view
+    assert out.transpose(1, 2).is_contiguous()
+
+
+def test_multimax_on_cpu_takes_the_kernel_by_default_in_inference_and_in_training_without_bias_or_mask(monkeypatch):
     calls = []
     monkeypatch.setattr('models.attention.multimax.multimax_cpu',
                         lambda *a: calls.append(a) or multimax_cpu.multimax_cpu(*a))
     q, k, v, ranges, ts = kernel_inputs(6, 6)
     _, _, _, pos_bias, mask = windows(batch=1, num_windows=2, heads=3, n=6)
     with torch.no_grad():
-        for kwargs in (dict(bias=pos_bias), dict(mask=mask), dict(causal=True), dict(use_flex=True)):
+        for kwargs in (dict(causal=True), dict(use_flex=True), dict(dropout_p=0.5)):
             multimax_attention(q, k, v, ranges, ts, **kwargs)
         assert calls == []
-        out = multimax_attention(q, k, v, ranges, ts)
-    assert len(calls) == 1 and max_abs_err(out, plain_multimax(q, k, v, ranges, ts)) < 1e-13
+        out = multimax_attention(q, k, v, ranges, ts, pos_bias, mask)
+    assert len(calls) == 1 and max_abs_err(out, plain_multimax(q, k, v, ranges, ts, pos_bias, mask)) < 1e-13
     multimax_attention(*kernel_inputs(6, 6, requires_grad=True)).sum().backward()  # training too
     assert len(calls) == 2
-    with pytest.raises(ValueError, match="kernel takes no bias, mask, causal masking or dropout"):
-        multimax_attention(q, k, v, ranges, ts, pos_bias, use_kernel=True)
+    multimax_attention(*kernel_inputs(6, 6, requires_grad=True), pos_bias, mask).sum().backward()  # but not these
+    assert len(calls) == 2
 
 
 # no compiler or ninja; a build whose library does not load (a torch whose BLAS does not export `sgemm_`)
@@ -430,10 +455,11 @@ def test_flop_counter_counts_the_kernel_as_attention_forward_and_backward():
 def test_forcing_the_kernel_names_what_it_cannot_take(monkeypatch):
     q, k, v, ranges, ts = kernel_inputs(6, 6)
     _, _, _, pos_bias, mask = windows(batch=1, num_windows=2, heads=3, n=6)
-    for kwargs, named in ((dict(bias=pos_bias), 'got bias$'), (dict(mask=mask, causal=True), 'got mask, causal=True$'),
-                          (dict(dropout_p=0.1), 'got dropout_p=0.1$')):
+    for kwargs, named in ((dict(mask=mask, causal=True), 'got causal=True$'), (dict(dropout_p=0.1), 'got dropout_p=0.1$')):
         with pytest.raises(ValueError, match=named):
             multimax_attention(q, k, v, ranges, ts, use_kernel=True, **kwargs)
+    with pytest.raises(ValueError, match="in inference only, got bias and mask with gradients required$"):
+        multimax_attention(*kernel_inputs(6, 6, requires_grad=True), pos_bias, mask, use_kernel=True)
     with pytest.raises(ValueError, match="takes CPU tensors, got device meta$"):
         multimax_attention(*(t.to('meta') for t in (q, k, v, ranges, ts)), use_kernel=True)
     monkeypatch.setattr(multimax_cpu, '_extension', None)  # a build that failed

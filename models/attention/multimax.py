@@ -6,11 +6,11 @@ and t = `ts`, four learned scalars each shared by all heads of the module. σ ru
 overflow float16.
 
 Four paths compute the same function. On CUDA, σ is FlexAttention's `score_mod` (it is element-wise on the
-scores), so the fused kernel never stores the score matrix. On the CPU, without bias, mask, causal masking or
-dropout, MultiMax's own fused kernel (`multimax_cpu.py`) runs forward and backward, eager and compiled. With a
-window mask or causal masking but no position bias, CPU inference inside `torch.compile` (float32, float16 or
-bfloat16) takes FlexAttention too, for which inductor generates a fused CPU kernel (it has no CPU backward pass).
-Elsewhere, small score matrices, and any with attention dropout, take the plain path, whose σ keeps only its
+scores), so the fused kernel never stores the score matrix. On the CPU, without causal masking or dropout,
+MultiMax's own fused kernel (`multimax_cpu.py`) runs eager and compiled: inference with a bias and a mask too,
+training (forward and backward) without them. With causal masking, or a window mask where the kernel is not built,
+CPU inference inside `torch.compile` (float32, float16 or bfloat16) takes FlexAttention too, for which inductor
+generates a fused CPU kernel (it has no CPU backward pass). Elsewhere, small score matrices, and any with attention dropout, take the plain path, whose σ keeps only its
 input for the backward pass instead of four score-sized intermediates. Larger ones run a block of query rows at
 a time: in inference beyond a few MiB of scores, in training beyond 64 MiB, where the forward pass keeps one
 log-sum-exp per row and the backward pass recomputes each block's scores, so memory grows with the score matrix
@@ -221,12 +221,13 @@ def multimax_attention(
 
     `bias` (added before σ) broadcasts to the (B, h, n, m) scores; `mask` (nW, n, m) is added after σ, batch
     entry b taking mask[b % nW] (windows of an image are consecutive); `causal` masks key j > i out of query
-    i's logits after σ. `use_flex`: None takes FlexAttention without dropout on CUDA, and in CPU inference
-    inside `torch.compile` (not export) in float32, float16 or bfloat16 without bias; the plain path otherwise.
+    i's logits after σ. `use_flex`: None takes FlexAttention without dropout on CUDA, and, where the kernel is
+    not taken, in CPU inference inside `torch.compile` (not export) in float32, float16 or bfloat16 without bias;
+    the plain path otherwise.
     True forces FlexAttention (compiled on CUDA, its unfused reference elsewhere) for the forward pass, with the
     backward pass in row blocks. `use_kernel`: None takes the fused CPU kernel (`multimax_cpu.py`) on the CPU
-    without bias, mask, causal masking or dropout, eager or compiled (not export), where it builds; True forces it
-    there.
+    without causal masking or dropout, in inference and in training without bias or mask, eager or compiled (not
+    export), where it builds; True forces it there.
     """
     if torch.jit.is_scripting():  # the plain path without the custom autograd functions
         return _multimax_plain(q, k, v, ranges, ts, bias, mask, dropout_p)
@@ -236,19 +237,19 @@ def multimax_attention(
     images = 1 if is_exporting() else B
     row_bytes = images * h * k.shape[-2] * 4
     training = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, ranges, ts, bias))
-    plain_scores = bias is None and mask is None and not causal and not dropout_p
+    kernel_scores = not causal and not dropout_p and not (training and (bias is not None or mask is not None))
     if use_kernel is None:
-        use_kernel = (q.device.type == 'cpu' and plain_scores and not use_flex and not is_exporting()
+        use_kernel = (q.device.type == 'cpu' and kernel_scores and not use_flex and not is_exporting()
                       and cpu_kernel_available())
     if use_kernel:
-        _check_kernel_inputs(q, bias, mask, causal, dropout_p)
+        _check_kernel_inputs(q, training, bias, mask, causal, dropout_p)
         out_dtype, work = v.dtype, torch.promote_types(q.dtype, torch.float32)
         with autocast_off(q.device):
             q, k, v, ranges, ts = (t.to(work) for t in (q, k, v, ranges, ts))
             if training:
                 out = _MultiMaxInRowBlocks.apply(q, k, v, ranges, ts, None, None, False, n, 'kernel')
             else:
-                out = multimax_cpu(q, k, v, ranges, ts)[0]
+                out = multimax_cpu(q, k, v, ranges, ts, bias, mask)[0]
         return out.to(out_dtype)
     if use_flex is None:
         use_flex = (flex_attention is not None and not dropout_p
@@ -268,15 +269,17 @@ def multimax_attention(
     return _row_blocks_forward(q, k, v, ranges, ts, bias, mask, causal, rows, keep_lse=False)[0]
 
 
-def _check_kernel_inputs(q: Tensor, bias: Optional[Tensor], mask: Optional[Tensor], causal: bool,
+def _check_kernel_inputs(q: Tensor, training: bool, bias: Optional[Tensor], mask: Optional[Tensor], causal: bool,
                          dropout_p: float) -> None:
     """What forcing the CPU kernel (`use_kernel=True`) needs, checked before any work."""
-    given = [what for what, present in (('bias', bias is not None), ('mask', mask is not None),
-                                        ('causal=True', causal), (f'dropout_p={dropout_p}', bool(dropout_p)))
+    given = [what for what, present in (('causal=True', causal), (f'dropout_p={dropout_p}', bool(dropout_p)))
              if present]
     if given:
-        raise ValueError(f"MultiMax's CPU kernel takes no bias, mask, causal masking or dropout, got "
-                         f"{', '.join(given)}")
+        raise ValueError(f"MultiMax's CPU kernel takes no causal masking or dropout, got {', '.join(given)}")
+    given = [what for what, present in (('bias', bias is not None), ('mask', mask is not None)) if present]
+    if training and given:
+        raise ValueError(f"MultiMax's CPU kernel takes a bias and a mask in inference only, got {' and '.join(given)} "
+                         "with gradients required")
     if q.device.type != 'cpu':
         raise ValueError(f"MultiMax's CPU kernel takes CPU tensors, got device {q.device}")
     if not cpu_kernel_available():

@@ -5,7 +5,7 @@ forward and backward: inductor's CPU FlexAttention, which takes σ as its `score
 runs compiled inference only; the unfused path writes and rereads every score several times. With the kernel,
 MultiMax-DeiT-T takes 1.06× softmax's time for inference and 1.05× for a training step at 224² (batch 8), and 1.05×
 and 1.10× at 1024², eager, where the unfused path took 1.27× at 224² (`docs/benchmarks.md`). It is
-registered as the custom ops `zoo::multimax_cpu` and `zoo::multimax_cpu_backward`, so
+registered as the custom ops `zoo::multimax_cpu_forward` and `zoo::multimax_cpu_backward`, so
 `torch.compile(fullgraph=True)` calls them as they stand.
 
 The build needs a C++ compiler and ninja (torch's `cpp_extension`), and is cached in torch's extension folder,
@@ -68,18 +68,25 @@ def cpu_kernel_available() -> bool:
     return _load() is not None
 
 
-@torch.library.custom_op('zoo::multimax_cpu', mutates_args=(), device_types='cpu')
-def multimax_cpu(q: Tensor, k: Tensor, v: Tensor, ranges: Tensor, ts: Tensor) -> Tuple[Tensor, Tensor]:
-    """softmax(σ(q·kᵀ/√d)) v without storing the scores. q: (B, h, n, d), k: (B, h, m, d), v: (B, h, m, dv),
-    float32 or float64, `ranges`, `ts`: (4,) -> output (B, h, n, dv) and each row's log-sum-exp (B, h, n, 1).
-    Not differentiable itself: `multimax_cpu_backward` gives the gradients."""
-    out, lse = _load().multimax_forward(q, k, v, ranges, ts)
+# Inductor's on-disk cache keys a compiled graph by the ops it calls, not by their fake implementations: a change
+# of an op's arguments or output layout takes a new name, or graphs compiled before it would call it wrongly.
+@torch.library.custom_op('zoo::multimax_cpu_forward', mutates_args=(), device_types='cpu')
+def multimax_cpu(q: Tensor, k: Tensor, v: Tensor, ranges: Tensor, ts: Tensor, bias: Optional[Tensor] = None,
+                 mask: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+    """softmax(σ(q·kᵀ/√d + bias) + mask) v without storing the scores. q: (B, h, n, d), k: (B, h, m, d),
+    v: (B, h, m, dv), float32 or float64, `ranges`, `ts`: (4,), `bias` broadcasting to (B, h, n, m), `mask`
+    (nW, n, m) with batch entry b taking mask[b % nW] -> output (B, h, n, dv) and each row's log-sum-exp
+    (B, h, n, 1). Not differentiable itself: `multimax_cpu_backward` gives the gradients without bias or mask."""
+    out, lse = _load().multimax_forward(q, k, v, ranges, ts, bias, mask)
     return out, lse
 
 
 @multimax_cpu.register_fake
-def _multimax_cpu_shapes(q: Tensor, k: Tensor, v: Tensor, ranges: Tensor, ts: Tensor) -> Tuple[Tensor, Tensor]:
-    return q.new_empty(q.shape[:-1] + v.shape[-1:]), q.new_empty(q.shape[:-1] + (1,))
+def _multimax_cpu_shapes(q: Tensor, k: Tensor, v: Tensor, ranges: Tensor, ts: Tensor, bias: Optional[Tensor] = None,
+                         mask: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+    # the kernel writes the output (B, n, h, dv), so that merging its heads is a view
+    B, h, n, _ = q.shape
+    return q.new_empty((B, n, h, v.shape[-1])).transpose(1, 2), q.new_empty(q.shape[:-1] + (1,))
 
 
 @torch.library.custom_op('zoo::multimax_cpu_backward', mutates_args=(), device_types='cpu')
@@ -97,7 +104,7 @@ def _multimax_cpu_backward_shapes(grad_out: Tensor, q: Tensor, k: Tensor, v: Ten
     return tuple(t.new_empty(t.shape) for t in (q, k, v, ranges, ts))  # contiguous, as the kernel returns them
 
 
-@register_flop_formula(torch.ops.zoo.multimax_cpu)
+@register_flop_formula(torch.ops.zoo.multimax_cpu_forward)
 def _forward_flops(q_shape, k_shape, v_shape, *args, out_shape=None, **kwargs) -> int:
     """The two matrix products, 2·B·h·n·m·(d + dv), as `torch.utils.flop_counter` counts attention (σ and the
     softmax are element-wise and not counted)."""

@@ -1,5 +1,5 @@
-// MultiMax attention forward on CPU in one pass over the keys: softmax(σ(q·kᵀ/√d)) v, with σ the MultiMax
-// modulation, a block of 256 query rows against 512 keys at a time (more rows against fewer keys), so that a block
+// MultiMax attention forward on CPU in one pass over the keys: softmax(σ(q·kᵀ/√d + bias) + mask) v, with σ the
+// MultiMax modulation, a block of 256 query rows against 512 keys at a time (more rows against fewer keys), so that a block
 // of scores stays in the core's cache between the product that writes it and the one that reads it. The softmax
 // is the online one of fused attention kernels: a row's running maximum and sum are rescaled when a later block
 // raises the maximum. The backward pass recomputes each block's scores from the saved log-sum-exp.
@@ -78,18 +78,32 @@ struct Modulation {
   }
 };
 
-// Replaces a row of scores by exp(σ(s) − new_max) and accumulates their sum in `row_sum`; `row_max` goes from the
-// previous blocks' maximum to the new one, and `row_sum` and `acc_row` (the output so far) are rescaled to match.
-template <typename T>
-void softmax_block_row(T* row, int64_t columns, const Modulation<T> sigma, bool first, T& row_max, T& row_sum,
-                    T* acc_row, int64_t dv) {
-  T block_max = std::numeric_limits<T>::lowest();
-#pragma omp simd reduction(max : block_max)
+// σ(s) + mask over a row of scores, in place, and the row's maximum.
+template <typename T, bool kMasked>
+T modulate_row(T* row, const T* mask_row, int64_t columns, const Modulation<T> sigma) {
+  T row_max = std::numeric_limits<T>::lowest();
+#pragma omp simd reduction(max : row_max)
   for (int64_t j = 0; j < columns; ++j) {
-    const T y = sigma(row[j]);
+    T y = sigma(row[j]);
+    if constexpr (kMasked) y += mask_row[j];
     row[j] = y;
-    block_max = y > block_max ? y : block_max;
+    row_max = y > row_max ? y : row_max;
   }
+  return row_max;
+}
+
+// Replaces a row of scores s by exp(σ(s + bias) + mask − new_max) and accumulates their sum in `row_sum`; bias and
+// mask are optional (null). `row_max` goes from the previous blocks' maximum to the new one, and `row_sum` and
+// `acc_row` (the output so far) are rescaled to match.
+template <typename T>
+void softmax_block_row(T* row, const T* bias_row, const T* mask_row, int64_t columns, const Modulation<T> sigma,
+                       bool first, T& row_max, T& row_sum, T* acc_row, int64_t dv) {
+  if (bias_row != nullptr) {
+#pragma omp simd
+    for (int64_t j = 0; j < columns; ++j) row[j] += bias_row[j];
+  }
+  const T block_max = mask_row != nullptr ? modulate_row<T, true>(row, mask_row, columns, sigma)
+                                          : modulate_row<T, false>(row, mask_row, columns, sigma);
   const T new_max = first ? block_max : std::max(row_max, block_max);
   T block_sum = 0;
 #pragma omp simd reduction(+ : block_sum)
@@ -111,45 +125,97 @@ void softmax_block_row(T* row, int64_t columns, const Modulation<T> sigma, bool 
   row_max = new_max;
 }
 
+// The terms added to the scores of batch entry b, head hh: `bias` (B, h, n, m), read through its strides (a
+// broadcast bias has zero strides), before σ; `mask` (nW, n, m), contiguous, after σ, entry b taking mask[b % nW].
+// Either may be absent (undefined).
 template <typename T>
-void normalise_rows(const T* acc, T* out, T* lse, const std::vector<T>& row_max, const std::vector<T>& row_sum,
-                    int64_t rows, int64_t dv) {
+struct ScoreTerms {
+  const T* bias = nullptr;
+  int64_t bias_batch = 0, bias_head = 0, bias_row = 0;
+  const T* mask = nullptr;
+  int64_t windows = 1, mask_window = 0, mask_row = 0;
+  int64_t heads = 1;
+
+  ScoreTerms(const at::Tensor& bias_bhnm, const at::Tensor& mask_wnm, int64_t heads) : heads(heads) {
+    if (bias_bhnm.defined()) {
+      bias = bias_bhnm.data_ptr<T>();
+      bias_batch = bias_bhnm.stride(0); bias_head = bias_bhnm.stride(1); bias_row = bias_bhnm.stride(2);
+    }
+    if (mask_wnm.defined()) {
+      mask = mask_wnm.data_ptr<T>();
+      windows = mask_wnm.size(0); mask_window = mask_wnm.stride(0); mask_row = mask_wnm.stride(1);
+    }
+  }
+
+  // Row i, from column j0, of the bias and of the mask of flat head `bh` = b·h + hh (null where absent).
+  const T* bias_at(int64_t bh, int64_t i, int64_t j0) const {
+    return bias == nullptr ? nullptr : bias + (bh / heads) * bias_batch + (bh % heads) * bias_head + i * bias_row + j0;
+  }
+  const T* mask_at(int64_t bh, int64_t i, int64_t j0) const {
+    return mask == nullptr ? nullptr : mask + ((bh / heads) % windows) * mask_window + i * mask_row + j0;
+  }
+};
+
+// out rows `out_row_stride` apart.
+template <typename T>
+void normalise_rows(const T* acc, T* out, int64_t out_row_stride, T* lse, const std::vector<T>& row_max,
+                    const std::vector<T>& row_sum, int64_t rows, int64_t dv) {
   for (int64_t i = 0; i < rows; ++i) {
     const T inverse = T(1) / row_sum[i];
 #pragma omp simd
-    for (int64_t c = 0; c < dv; ++c) out[i * dv + c] = acc[i * dv + c] * inverse;
+    for (int64_t c = 0; c < dv; ++c) out[i * out_row_stride + c] = acc[i * dv + c] * inverse;
     lse[i] = row_max[i] + std::log(row_sum[i]);
   }
 }
 
-// q: (BH, n, d) already scaled by 1/√d, k: (BH, m, d), v: (BH, m, dv), all contiguous; out: (BH, n, dv), lse: (BH, n).
+// The (rows × channels) matrix of each head of a (B, h, rows, channels) tensor whose channels are adjacent, read in
+// place through its strides: heads split from a (B, rows, h·channels) projection need no copy.
+template <typename T>
+struct HeadMatrices {
+  T* data;
+  int64_t heads, batch_stride, head_stride, row_stride;
+
+  explicit HeadMatrices(const at::Tensor& x)
+      : data(x.data_ptr<std::remove_const_t<T>>()), heads(x.size(1)), batch_stride(x.stride(0)), head_stride(x.stride(1)),
+        row_stride(x.stride(2)) {}
+
+  // row `row` of flat head `bh` = b·h + hh
+  T* at(int64_t bh, int64_t row) const {
+    return data + (bh / heads) * batch_stride + (bh % heads) * head_stride + row * row_stride;
+  }
+};
+
+// q: (B, h, n, d), k: (B, h, m, d), v: (B, h, m, dv), out: (B, h, n, dv), each with unit stride along its last
+// dimension; lse: (B·h, n). The scores are scaled by `scale` = 1/√d.
 template <typename T>
 void forward_blocks(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out,
-                    at::Tensor& lse, const Modulation<T> sigma) {
-  const int64_t heads = q.size(0), n = q.size(1), m = k.size(1), d = q.size(2), dv = v.size(2);
+                    at::Tensor& lse, T scale, const Modulation<T> sigma, const ScoreTerms<T> terms) {
+  const int64_t heads = q.size(0) * q.size(1), n = q.size(2), m = k.size(2), d = q.size(3), dv = v.size(3);
   const int64_t columns = std::min(kKeyColumns, m), rows = std::min(std::max(kQueryRows, kBlockScores / columns), n);
   const int64_t row_blocks = (n + rows - 1) / rows;
-  const T *q_data = q.data_ptr<T>(), *k_data = k.data_ptr<T>(), *v_data = v.data_ptr<T>();
-  T *out_data = out.data_ptr<T>(), *lse_data = lse.data_ptr<T>();
+  const HeadMatrices<const T> queries(q), keys(k), values(v);
+  const HeadMatrices<T> outputs(out);
+  T* lse_data = lse.data_ptr<T>();
   at::parallel_for(0, heads * row_blocks, 1, [&](int64_t begin, int64_t end) {
     std::vector<T> scores(rows * columns), acc(rows * dv), row_max(rows), row_sum(rows);
     for (int64_t work = begin; work < end; ++work) {
       const int64_t head = work / row_blocks, first_row = (work % row_blocks) * rows;
       const int64_t block_rows = std::min(rows, n - first_row);
-      const T* queries = q_data + (head * n + first_row) * d;
       for (int64_t first_key = 0; first_key < m; first_key += columns) {
         const int64_t block_keys = std::min(columns, m - first_key);
-        gemm<T>(false, true, block_rows, block_keys, d, T(1), queries, d, k_data + (head * m + first_key) * d, d,
-                T(0), scores.data(), columns);
+        gemm<T>(false, true, block_rows, block_keys, d, scale, queries.at(head, first_row), queries.row_stride,
+                keys.at(head, first_key), keys.row_stride, T(0), scores.data(), columns);
         for (int64_t i = 0; i < block_rows; ++i) {
-          softmax_block_row(scores.data() + i * columns, block_keys, sigma, first_key == 0, row_max[i], row_sum[i],
-                            acc.data() + i * dv, dv);
+          const int64_t row = first_row + i;
+          softmax_block_row(scores.data() + i * columns, terms.bias_at(head, row, first_key),
+                            terms.mask_at(head, row, first_key), block_keys, sigma, first_key == 0, row_max[i],
+                            row_sum[i], acc.data() + i * dv, dv);
         }
-        gemm<T>(false, false, block_rows, dv, block_keys, T(1), scores.data(), columns,
-                v_data + (head * m + first_key) * dv, dv, first_key == 0 ? T(0) : T(1), acc.data(), dv);
+        gemm<T>(false, false, block_rows, dv, block_keys, T(1), scores.data(), columns, values.at(head, first_key),
+                values.row_stride, first_key == 0 ? T(0) : T(1), acc.data(), dv);
       }
-      normalise_rows(acc.data(), out_data + (head * n + first_row) * dv, lse_data + head * n + first_row, row_max,
-                     row_sum, block_rows, dv);
+      normalise_rows(acc.data(), outputs.at(head, first_row), outputs.row_stride, lse_data + head * n + first_row,
+                     row_max, row_sum, block_rows, dv);
     }
   });
 }
@@ -161,27 +227,58 @@ void check_query(const char* op, const at::Tensor& q) {
               op, ": expected float32 or float64, got ", q.scalar_type());
 }
 
-// (B, h, L, C) -> (B·h, L, C), contiguous: the kernels index heads first.
+// x itself where BLAS can read each head's matrix in place (unit stride along channels, rows no closer than a
+// row's length), a contiguous copy otherwise.
+at::Tensor unit_channel_stride(const at::Tensor& x) {
+  return x.stride(3) == 1 && x.stride(2) >= x.size(3) ? x : x.contiguous();
+}
+
+// (B, h, L, C) -> (B·h, L, C), contiguous: the backward pass indexes heads first.
 at::Tensor heads_first(const at::Tensor& x) {
   return x.reshape({x.size(0) * x.size(1), x.size(2), x.size(3)}).contiguous();
 }
 
-// q: (B, h, n, d), k: (B, h, m, d), v: (B, h, m, dv), ranges, ts: (4,) -> out (B, h, n, dv), lse (B, h, n, 1).
+// The bias as (B, h, n, m) in the kernel's dtype, broadcast by strides, with unit stride along the keys.
+at::Tensor bias_by_strides(const at::Tensor& bias, const at::Tensor& q, int64_t m) {
+  TORCH_CHECK(bias.dim() <= 4, "multimax_forward: expected a bias of at most 4 dimensions, got ", bias.sizes());
+  // made contiguous before it is broadcast, which would multiply the copy by the broadcast dimensions
+  at::Tensor unbroadcast = bias.to(q.scalar_type());
+  if (unbroadcast.dim() > 0 && unbroadcast.stride(-1) != 1 && unbroadcast.size(-1) != 1) {
+    unbroadcast = unbroadcast.contiguous();
+  }
+  at::Tensor full = unbroadcast.expand({q.size(0), q.size(1), q.size(2), m});
+  return full.stride(3) == 1 ? full : full.contiguous();
+}
+
+// q: (B, h, n, d), k: (B, h, m, d), v: (B, h, m, dv), ranges, ts: (4,), optional bias broadcasting to (B, h, n, m)
+// and mask (nW, n, m) with B a multiple of nW -> out (B, h, n, dv), lse (B, h, n, 1).
 std::vector<at::Tensor> multimax_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                         const at::Tensor& ranges, const at::Tensor& ts) {
+                                         const at::Tensor& ranges, const at::Tensor& ts,
+                                         const std::optional<at::Tensor>& bias,
+                                         const std::optional<at::Tensor>& mask) {
   check_query("multimax_forward", q);
   at::NoGradGuard no_grad;
-  const int64_t B = q.size(0), h = q.size(1), n = q.size(2), d = q.size(3), dv = v.size(3);
-  const at::Tensor queries = heads_first(q * std::pow(static_cast<double>(d), -0.5));
-  const at::Tensor keys = heads_first(k), values = heads_first(v);
-  at::Tensor out = at::empty({B * h, n, dv}, q.options());
-  at::Tensor lse = at::empty({B * h, n}, q.options());
-  if (q.scalar_type() == at::kDouble) {
-    forward_blocks<double>(queries, keys, values, out, lse, {ranges, ts});
-  } else {
-    forward_blocks<float>(queries, keys, values, out, lse, {ranges, ts});
+  const int64_t B = q.size(0), h = q.size(1), n = q.size(2), d = q.size(3), m = k.size(2), dv = v.size(3);
+  at::Tensor bias_bhnm, mask_wnm;
+  if (bias.has_value()) bias_bhnm = bias_by_strides(*bias, q, m);
+  if (mask.has_value()) {
+    TORCH_CHECK(mask->dim() == 3 && mask->size(1) == n && mask->size(2) == m && B % mask->size(0) == 0,
+                "multimax_forward: expected a mask of shape (nW, ", n, ", ", m, ") with ", B,
+                " a multiple of nW, got ", mask->sizes());
+    mask_wnm = mask->to(q.scalar_type()).contiguous();
   }
-  return {out.view({B, h, n, dv}), lse.view({B, h, n, 1})};
+  // written (B, n, h, dv), so that merging the heads back into channels is a view
+  at::Tensor out = at::empty({B, n, h, dv}, q.options()).transpose(1, 2);
+  at::Tensor lse = at::empty({B * h, n}, q.options());
+  const double scale = std::pow(static_cast<double>(d), -0.5);
+  if (q.scalar_type() == at::kDouble) {
+    forward_blocks<double>(unit_channel_stride(q), unit_channel_stride(k), unit_channel_stride(v), out, lse, scale,
+                           {ranges, ts}, {bias_bhnm, mask_wnm, h});
+  } else {
+    forward_blocks<float>(unit_channel_stride(q), unit_channel_stride(k), unit_channel_stride(v), out, lse,
+                          static_cast<float>(scale), {ranges, ts}, {bias_bhnm, mask_wnm, h});
+  }
+  return {out, lse.view({B, h, n, 1})};
 }
 
 
