@@ -23,7 +23,7 @@ from torch import Tensor
 from ..attention.additive import AdditiveMixer
 from ..attention.flatten import FocusedLinearMixer, focused_feature_map
 from ..attention.inline import InLineMixer, inline_local_residual
-from ..attention.layout import image_to_tokens, split_heads, tokens_to_image
+from ..attention.layout import split_heads
 from ..attention.linear import LinearMixer, elu_feature_map
 from ..attention.mixer import MixContext, Mixer, autocast_off
 from ..attention.multimax import MultiMaxMixer, multimax_modulation
@@ -96,11 +96,10 @@ def softmax_weights(mixer: SoftmaxMixer, q: Tensor, k: Tensor, v: Tensor, ctx: M
     return MixerWeights(weights=logits.softmax(dim=-1))
 
 
-def _grid_local(v: Tensor, ctx: MixContext, conv: Callable[[Tensor], Tensor]) -> Tensor:
-    """`conv` of V's grid tokens imaged as (B', C, h, w), as (B', n, C) with zeros at the prefix tokens."""
+def _grid_local(v: Tensor, ctx: MixContext, local_of: Callable[[Tensor], Tensor]) -> Tensor:
+    """`local_of` V's (B', h·w, C) grid tokens, as (B', n, C) with zeros at the prefix tokens."""
     num_prefix = ctx.num_prefix_tokens
-    local = image_to_tokens(conv(tokens_to_image(v[:, num_prefix:], ctx.grid)))
-    return F.pad(local, (0, 0, num_prefix, 0))
+    return F.pad(local_of(v[:, num_prefix:]), (0, 0, num_prefix, 0))
 
 
 @attention_matrix(InLineMixer)
@@ -113,7 +112,8 @@ def inline_weights(mixer: InLineMixer, q: Tensor, k: Tensor, v: Tensor, ctx: Mix
     weights = _take(qh, rows) @ centred.transpose(-2, -1) * (mixer.head_dim ** -0.5 / n) + 1 / n
     param_dtype = mixer.residual[0].weight.dtype
     kernels = mixer.residual_kernels(ctx.tokens.to(param_dtype)).to(q.dtype)
-    return MixerWeights(weights=weights, local=_grid_local(v, ctx, lambda image: inline_local_residual(image, kernels)))
+    return MixerWeights(weights=weights,
+                        local=_grid_local(v, ctx, lambda tokens: inline_local_residual(tokens, ctx.grid, kernels)))
 
 
 @attention_matrix(FocusedLinearMixer)
@@ -125,16 +125,8 @@ def flatten_weights(mixer: FocusedLinearMixer, q: Tensor, k: Tensor, v: Tensor, 
                     for t in (q, k))
     kernel = _take(phi_q, rows) @ phi_k.transpose(-2, -1)
     weights = kernel / (kernel.sum(dim=-1, keepdim=True) + phi_k.shape[-2] * 1e-6)
-    h, d = mixer.num_heads, mixer.head_dim
-
-    def dwc(image: Tensor) -> Tensor:
-        B, C, gh, gw = image.shape
-        conv = mixer.dwc
-        out = F.conv2d(image.reshape(B * h, d, gh, gw), conv.weight.to(image.dtype), conv.bias.to(image.dtype),
-                       padding=conv.padding, groups=conv.groups)
-        return out.reshape(B, C, gh, gw)
-
-    return MixerWeights(weights=weights, local=_grid_local(v, ctx, dwc))
+    return MixerWeights(weights=weights,
+                        local=_grid_local(v, ctx, lambda tokens: mixer.depthwise_local(tokens, ctx.grid)))
 
 
 @attention_matrix(SimAMixer)

@@ -114,21 +114,30 @@ class FocusedLinearMixer(Mixer):
         self.positional_encoding = nn.Parameter(encoding, requires_grad=self.positional_encoding.requires_grad)
         super().set_group_grid(grid)
 
+    def depthwise_local(self, v: Tensor, grid: Grid) -> Tensor:
+        """v: (B, H*W, C) tokens of the (H, W) grid -> (B, H*W, C), `dwc` of every head's V image.
+
+        One depthwise convolution over all C channels with the heads' shared weights repeated, on the channels-last
+        image of the tokens: splitting the heads into the batch would copy every value into an NCHW image.
+        """
+        h, dtype, bias = self.num_heads, v.dtype, self.dwc.bias
+        weight = self.dwc.weight.to(dtype).repeat(h, 1, 1, 1)
+        bias = None if bias is None else bias.to(dtype).repeat(h)
+        image = tokens_to_image(v.contiguous(), grid)
+        return image_to_tokens(F.conv2d(image, weight, bias, padding=self.kernel_size // 2, groups=self.dim))
+
     def forward(self, q: Tensor, k: Tensor, v: Tensor, ctx: MixContext) -> Tensor:
         grid, num_prefix = ctx.grid, ctx.num_prefix_tokens
         encoding = self.positional_encoding
         if (grid[0], grid[1]) != self.group_grid:
             encoding = resample_grid_embedding(encoding, self.group_grid, grid)
-        h = self.num_heads
         k = k + F.pad(encoding, (0, 0, num_prefix, 0))
         power = float(self.focusing_factor)  # an int option is the same power; TorchScript wants the float
         phi_q = focused_feature_map(q, self.scale, power)
         phi_k = focused_feature_map(k, self.scale, power)
         phi_q, phi_k, vh = self.heads(phi_q, phi_k, v)
         out = merge_heads(focused_linear_attention(phi_q, phi_k, vh))
-        B, n, C = v.shape
-        v_image = tokens_to_image(v[:, num_prefix:], grid).reshape(B * h, self.head_dim, grid[0], grid[1])
-        local = image_to_tokens(self.dwc(v_image).reshape(B, C, grid[0], grid[1]))
+        local = self.depthwise_local(v[:, num_prefix:], grid)
         if num_prefix:
             local = F.pad(local, (0, 0, num_prefix, 0))
         return out + local

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .causal import no_causal_form
-from .layout import Grid, image_to_tokens, merge_heads
+from .layout import Grid, image_to_tokens, merge_heads, tokens_to_image
 from .mixer import Mixer, MixContext, is_exporting
 from .registry import register_attention
 
@@ -37,25 +37,29 @@ def inline_attention(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
     return out.view(B, h, n, -1)
 
 
-def inline_local_residual(v: Tensor, kernels: Tensor) -> Tensor:
-    """v: (B, C, H, W), kernels: (B, C, 3, 3) -> (B, C, H, W).
+def inline_local_residual(v: Tensor, grid: Grid, kernels: Tensor) -> Tensor:
+    """v: (B, H*W, C) tokens of the (H, W) grid, kernels: (B, C, 3, 3) -> (B, H*W, C).
 
-    Per-sample depthwise cross-correlation with zero padding 1 and no bias; one grouped convolution over all
-    B·C channels, since every sample has its own kernels.
+    Per-sample depthwise cross-correlation of V imaged on the grid, zero padding 1, no bias: one grouped
+    convolution over all B·C channels, since every sample has its own kernels.
     """
-    B, C, H, W = v.shape
+    B, N, C = v.shape
+    H, W = grid
     if not torch.jit.is_scripting():
         if is_exporting():
             # a convolution's group count must be static in ONNX, and B is symbolic under torch.export: the nine
             # taps are summed instead
-            padded = F.pad(v, (1, 1, 1, 1))
+            padded = F.pad(tokens_to_image(v, grid), (1, 1, 1, 1))
             taps: List[Tensor] = []
             for u in range(3):
                 for w in range(3):
                     taps.append(kernels[:, :, u, w, None, None] * padded[:, :, u:u + H, w:w + W])
-            return torch.stack(taps).sum(dim=0)
-    out = F.conv2d(v.reshape(1, B * C, H, W), kernels.reshape(B * C, 1, 3, 3), padding=1, groups=B * C)
-    return out.view(B, C, H, W)
+            return image_to_tokens(torch.stack(taps).sum(dim=0))
+    # The B·C channels go last, a channels-last image of the (H*W, B, C) token rows: a copy of whole rows of C
+    # values each way, where an NCHW image would move every value on its own.
+    image = v.transpose(0, 1).reshape(1, H, W, B * C).permute(0, 3, 1, 2)
+    out = F.conv2d(image, kernels.reshape(B * C, 1, 3, 3), padding=1, groups=B * C)
+    return out.permute(0, 2, 3, 1).reshape(N, B, C).transpose(0, 1)
 
 
 @register_attention('inline')
@@ -90,12 +94,8 @@ class InLineMixer(Mixer):
             raise ValueError("inline attention needs the grouped attention input (MixContext.tokens), got None")
         qh, kh, vh = self.heads(q, k, v)
         out = merge_heads(inline_attention(qh, kh, vh, self.head_dim ** -0.5))
-        # v is a view into the projection output: one explicit copy to a dense NCHW image is cheaper than
-        # convolving the strided view or a channels-last copy
-        B, n, C = v.shape
         num_prefix = ctx.num_prefix_tokens
-        image = v[:, num_prefix:].transpose(1, 2).contiguous().view(B, C, ctx.grid[0], ctx.grid[1])
-        local = image_to_tokens(inline_local_residual(image, self.residual_kernels(tokens)))
+        local = inline_local_residual(v[:, num_prefix:], ctx.grid, self.residual_kernels(tokens))
         if num_prefix:
             return torch.cat([out[:, :num_prefix], out[:, num_prefix:] + local], dim=1)
         return out + local

@@ -27,9 +27,14 @@ def merge_heads(x: Tensor) -> Tensor:
 
 
 def tokens_to_image(x: Tensor, grid: Grid) -> Tensor:
-    """(B, H*W, C) in row-major token order -> (B, C, H, W)."""
+    """(B, H*W, C) in row-major token order -> (B, C, H, W), a view: channels-last for a contiguous x.
+
+    Convolutions take a channels-last image as it is and return one, which `image_to_tokens` turns back into
+    contiguous tokens without a copy. (A transpose then reshape gives a batch of one the batch stride C, which
+    convolutions do not recognise as channels-last, and they copy the image to NCHW.)
+    """
     B, N, C = x.shape
-    return x.transpose(1, 2).reshape(B, C, grid[0], grid[1])
+    return x.view(B, grid[0], grid[1], C).permute(0, 3, 1, 2)
 
 
 def image_to_tokens(x: Tensor) -> Tensor:
