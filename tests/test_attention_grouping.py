@@ -3,9 +3,10 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from models.attention import build_attention
-from models.attention.layout import relative_position_index
+from models.attention.layout import image_to_tokens, relative_position_index, tokens_to_image
 from reference import SPEC_RANGES, SPEC_TS, dense, max_abs_err, naive_l1, naive_sigma, naive_softmax
 
 
@@ -103,6 +104,21 @@ def test_relative_position_index_is_the_offset_formula(window):
         attn = build_attention('softmax', 8, 2, (2 * wh, 2 * ww), grouping='window', window_size=wh, rel_pos_bias=True)
         assert torch.equal(attn.relative_position_index, expected)
         assert attn.relative_position_bias_table.shape == ((2 * wh - 1) * (2 * ww - 1), 2)
+
+
+@pytest.mark.parametrize('batch', [1, 3])
+def test_token_images_are_channels_last_views_that_convolutions_keep(batch):
+    """tokens_to_image is pixel (y, x) channel c = token y·W + x, channel c, as a view; a depthwise convolution
+    takes it without a copy to NCHW and returns channels-last, which image_to_tokens turns back into contiguous
+    tokens, a batch of one included."""
+    tokens = torch.randn(batch, 3 * 5, 4)
+    image = tokens_to_image(tokens, (3, 5))
+    assert image.shape == (batch, 4, 3, 5) and image.data_ptr() == tokens.data_ptr()
+    assert torch.equal(image[:, 2, 1, 3], tokens[:, 1 * 5 + 3, 2])
+    assert image.is_contiguous(memory_format=torch.channels_last)
+    out = F.conv2d(image, torch.randn(4, 1, 3, 3), padding=1, groups=4)
+    assert out.is_contiguous(memory_format=torch.channels_last) and image_to_tokens(out).is_contiguous()
+    assert torch.equal(image_to_tokens(image), tokens)
 
 
 @pytest.mark.parametrize('name', ['softmax', 'multimax'])

@@ -1,8 +1,9 @@
 // MultiMax attention forward on CPU in one pass over the keys: softmax(σ(q·kᵀ/√d + bias) + mask) v, with σ the
-// MultiMax modulation, a block of 256 query rows against 512 keys at a time (more rows against fewer keys), so that a block
-// of scores stays in the core's cache between the product that writes it and the one that reads it. The softmax
-// is the online one of fused attention kernels: a row's running maximum and sum are rescaled when a later block
-// raises the maximum. The backward pass recomputes each block's scores from the saved log-sum-exp.
+// MultiMax modulation, a block of 256 query rows against 512 keys at a time (more rows against fewer keys), so
+// that a block of scores stays in the core's cache between the product that writes it and the one that reads it.
+// The softmax is the online one of fused attention kernels: a row's running maximum and sum are rescaled when a
+// later block raises the maximum. The backward pass (without bias or mask) recomputes each block's scores from
+// the saved log-sum-exp.
 //
 // The matrix products call the BLAS that torch links (its Fortran interface, `sgemm_` / `dgemm_`) on raw pointers:
 // at 4097 tokens one head's backward pass multiplies about 1500 pairs of blocks, and through ATen each product
@@ -176,8 +177,8 @@ struct HeadMatrices {
   int64_t heads, batch_stride, head_stride, row_stride;
 
   explicit HeadMatrices(const at::Tensor& x)
-      : data(x.data_ptr<std::remove_const_t<T>>()), heads(x.size(1)), batch_stride(x.stride(0)), head_stride(x.stride(1)),
-        row_stride(x.stride(2)) {}
+      : data(x.data_ptr<std::remove_const_t<T>>()), heads(x.size(1)), batch_stride(x.stride(0)),
+        head_stride(x.stride(1)), row_stride(x.stride(2)) {}
 
   // row `row` of flat head `bh` = b·h + hh
   T* at(int64_t bh, int64_t row) const {
