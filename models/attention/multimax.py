@@ -10,11 +10,11 @@ scores), so the fused kernel never stores the score matrix. On the CPU, without 
 MultiMax's own fused kernel (`multimax_cpu.py`) runs eager and compiled: inference with a bias and a mask too,
 training (forward and backward) without them. With causal masking, or a window mask where the kernel is not built,
 CPU inference inside `torch.compile` (float32, float16 or bfloat16) takes FlexAttention too, for which inductor
-generates a fused CPU kernel (it has no CPU backward pass). Elsewhere, small score matrices, and any with attention dropout, take the plain path, whose σ keeps only its
-input for the backward pass instead of four score-sized intermediates. Larger ones run a block of query rows at
-a time: in inference beyond a few MiB of scores, in training beyond 64 MiB, where the forward pass keeps one
-log-sum-exp per row and the backward pass recomputes each block's scores, so memory grows with the score matrix
-only through one block.
+generates a fused CPU kernel (it has no CPU backward pass). Elsewhere, small score matrices, and any with
+attention dropout, take the plain path, whose σ keeps only its input for the backward pass instead of four
+score-sized intermediates. Larger ones run a block of query rows at a time: in inference beyond a few MiB of
+scores, in training beyond 64 MiB, where the forward pass keeps one log-sum-exp per row and the backward pass
+recomputes each block's scores, so memory grows with the score matrix only through one block.
 
 Training on CUDA joins the two: FlexAttention's forward pass returns the log-sum-exp, and the backward pass is
 the one in row blocks. FlexAttention's own backward would have to differentiate `ranges` and `ts`, scalars
