@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -126,22 +127,35 @@ void softmax_block_row(T* row, const T* bias_row, const T* mask_row, int64_t col
   row_max = new_max;
 }
 
+// The (rows × channels) matrix of each head of a (B, h, rows, channels) tensor whose channels are adjacent, read in
+// place through its strides: heads split from a (B, rows, h·channels) projection need no copy.
+template <typename T>
+struct HeadMatrices {
+  T* data;
+  int64_t heads, batch_stride, head_stride, row_stride;
+
+  explicit HeadMatrices(const at::Tensor& x)
+      : data(x.data_ptr<std::remove_const_t<T>>()), heads(x.size(1)), batch_stride(x.stride(0)),
+        head_stride(x.stride(1)), row_stride(x.stride(2)) {}
+
+  // row `row` of flat head `bh` = b·h + hh
+  T* at(int64_t bh, int64_t row) const {
+    return data + (bh / heads) * batch_stride + (bh % heads) * head_stride + row * row_stride;
+  }
+};
+
 // The terms added to the scores of batch entry b, head hh: `bias` (B, h, n, m), read through its strides (a
-// broadcast bias has zero strides), before σ; `mask` (nW, n, m), contiguous, after σ, entry b taking mask[b % nW].
-// Either may be absent (undefined).
+// broadcast bias has zero strides), before σ; `mask` (nW, n, m), after σ, entry b taking mask[b % nW]. Either may
+// be absent (undefined).
 template <typename T>
 struct ScoreTerms {
-  const T* bias = nullptr;
-  int64_t bias_batch = 0, bias_head = 0, bias_row = 0;
+  std::optional<HeadMatrices<const T>> bias;
   const T* mask = nullptr;
   int64_t windows = 1, mask_window = 0, mask_row = 0;
   int64_t heads = 1;
 
   ScoreTerms(const at::Tensor& bias_bhnm, const at::Tensor& mask_wnm, int64_t heads) : heads(heads) {
-    if (bias_bhnm.defined()) {
-      bias = bias_bhnm.data_ptr<T>();
-      bias_batch = bias_bhnm.stride(0); bias_head = bias_bhnm.stride(1); bias_row = bias_bhnm.stride(2);
-    }
+    if (bias_bhnm.defined()) bias.emplace(bias_bhnm);
     if (mask_wnm.defined()) {
       mask = mask_wnm.data_ptr<T>();
       windows = mask_wnm.size(0); mask_window = mask_wnm.stride(0); mask_row = mask_wnm.stride(1);
@@ -150,7 +164,7 @@ struct ScoreTerms {
 
   // Row i, from column j0, of the bias and of the mask of flat head `bh` = b·h + hh (null where absent).
   const T* bias_at(int64_t bh, int64_t i, int64_t j0) const {
-    return bias == nullptr ? nullptr : bias + (bh / heads) * bias_batch + (bh % heads) * bias_head + i * bias_row + j0;
+    return bias.has_value() ? bias->at(bh, i) + j0 : nullptr;
   }
   const T* mask_at(int64_t bh, int64_t i, int64_t j0) const {
     return mask == nullptr ? nullptr : mask + ((bh / heads) % windows) * mask_window + i * mask_row + j0;
@@ -168,23 +182,6 @@ void normalise_rows(const T* acc, T* out, int64_t out_row_stride, T* lse, const 
     lse[i] = row_max[i] + std::log(row_sum[i]);
   }
 }
-
-// The (rows × channels) matrix of each head of a (B, h, rows, channels) tensor whose channels are adjacent, read in
-// place through its strides: heads split from a (B, rows, h·channels) projection need no copy.
-template <typename T>
-struct HeadMatrices {
-  T* data;
-  int64_t heads, batch_stride, head_stride, row_stride;
-
-  explicit HeadMatrices(const at::Tensor& x)
-      : data(x.data_ptr<std::remove_const_t<T>>()), heads(x.size(1)), batch_stride(x.stride(0)),
-        head_stride(x.stride(1)), row_stride(x.stride(2)) {}
-
-  // row `row` of flat head `bh` = b·h + hh
-  T* at(int64_t bh, int64_t row) const {
-    return data + (bh / heads) * batch_stride + (bh % heads) * head_stride + row * row_stride;
-  }
-};
 
 // q: (B, h, n, d), k: (B, h, m, d), v: (B, h, m, dv), out: (B, h, n, dv), each with unit stride along its last
 // dimension; lse: (B·h, n). The scores are scaled by `scale` = 1/√d.
@@ -232,11 +229,6 @@ void check_query(const char* op, const at::Tensor& q) {
 // row's length), a contiguous copy otherwise.
 at::Tensor unit_channel_stride(const at::Tensor& x) {
   return x.stride(3) == 1 && x.stride(2) >= x.size(3) ? x : x.contiguous();
-}
-
-// (B, h, L, C) -> (B·h, L, C), contiguous: the backward pass indexes heads first.
-at::Tensor heads_first(const at::Tensor& x) {
-  return x.reshape({x.size(0) * x.size(1), x.size(2), x.size(3)}).contiguous();
 }
 
 // The bias as (B, h, n, m) in the kernel's dtype, broadcast by strides, with unit stride along the keys.
@@ -287,15 +279,17 @@ std::vector<at::Tensor> multimax_forward(const at::Tensor& q, const at::Tensor& 
 // pass: each block's scores and probabilities are recomputed instead of stored. Per block (rows i, keys j):
 //   P = exp(σ(S) − lse), dV += Pᵀ dO, dP = dO Vᵀ, dX = P ∘ (dP − rowsum(dO ∘ O)), dS = dX ∘ σ'(S),
 //   dQ += dS K / √d, dK += dSᵀ Q / √d, and the gradients of σ's eight scalars are sums of dX times σ's partials.
+// q, k, v and dO are read in place as in the forward pass, and S is scaled the same way, so that P's rows are the
+// forward pass's to the last bit; the gradients are written contiguous (B, h, ·, ·).
 template <typename T>
 void backward_blocks(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& grad_out,
                      const at::Tensor& lse, const at::Tensor& row_dots, at::Tensor& grad_q, at::Tensor& grad_k,
-                     at::Tensor& grad_v, at::Tensor& grad_params, const Modulation<T> sigma, double scale) {
-  const int64_t heads = q.size(0), n = q.size(1), m = k.size(1), d = q.size(2), dv = v.size(2);
+                     at::Tensor& grad_v, at::Tensor& grad_params, const Modulation<T> sigma, T scale) {
+  const int64_t heads = q.size(0) * q.size(1), n = q.size(2), m = k.size(2), d = q.size(3), dv = v.size(3);
   const int64_t rows = std::min(kBackwardQueryRows, n), columns = std::min(kKeyColumns, m);
-  const T *q_data = q.data_ptr<T>(), *k_data = k.data_ptr<T>(), *v_data = v.data_ptr<T>();
-  const T *grad_out_data = grad_out.data_ptr<T>(), *lse_data = lse.data_ptr<T>(), *dots_data = row_dots.data_ptr<T>();
-  T *grad_q_data = grad_q.data_ptr<T>(), *grad_k_data = grad_k.data_ptr<T>(), *grad_v_data = grad_v.data_ptr<T>();
+  const HeadMatrices<const T> queries(q), keys(k), values(v), grads(grad_out);
+  const HeadMatrices<T> grad_queries(grad_q), grad_keys(grad_k), grad_values(grad_v);
+  const T *lse_data = lse.data_ptr<T>(), *dots_data = row_dots.data_ptr<T>();
   at::parallel_for(0, heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<T> scores(rows * columns), probs(rows * columns), grad_probs(rows * columns);
     for (int64_t head = begin; head < end; ++head) {
@@ -304,16 +298,15 @@ void backward_blocks(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
       const T* head_dots = dots_data + head * n;
       for (int64_t first_row = 0; first_row < n; first_row += rows) {
         const int64_t block_rows = std::min(rows, n - first_row);
-        const T* queries = q_data + (head * n + first_row) * d;
-        const T* grad_block = grad_out_data + (head * n + first_row) * dv;
-        T* grad_queries = grad_q_data + (head * n + first_row) * d;
+        const T* query_block = queries.at(head, first_row);
+        const T* grad_block = grads.at(head, first_row);
         for (int64_t first_key = 0; first_key < m; first_key += columns) {
           const int64_t block_keys = std::min(columns, m - first_key);
-          const T* keys = k_data + (head * m + first_key) * d;
-          const T* values = v_data + (head * m + first_key) * dv;
-          gemm<T>(false, true, block_rows, block_keys, d, T(1), queries, d, keys, d, T(0), scores.data(), columns);
-          gemm<T>(false, true, block_rows, block_keys, dv, T(1), grad_block, dv, values, dv, T(0), grad_probs.data(),
-                  columns);
+          const T* key_block = keys.at(head, first_key);
+          gemm<T>(false, true, block_rows, block_keys, d, scale, query_block, queries.row_stride, key_block,
+                  keys.row_stride, T(0), scores.data(), columns);
+          gemm<T>(false, true, block_rows, block_keys, dv, T(1), grad_block, grads.row_stride,
+                  values.at(head, first_key), values.row_stride, T(0), grad_probs.data(), columns);
           for (int64_t i = 0; i < block_rows; ++i) {
             const T* s_row = scores.data() + i * columns;
             T* p_row = probs.data() + i * columns;
@@ -348,12 +341,12 @@ void backward_blocks(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
           }
           // β = 0 on a gradient's first block: it overwrites the uninitialised memory
           const T rows_beta = first_row == 0 ? T(0) : T(1), keys_beta = first_key == 0 ? T(0) : T(1);
-          gemm<T>(true, false, block_keys, dv, block_rows, T(1), probs.data(), columns, grad_block, dv, rows_beta,
-                  grad_v_data + (head * m + first_key) * dv, dv);
-          gemm<T>(false, false, block_rows, d, block_keys, static_cast<T>(scale), grad_probs.data(), columns, keys, d,
-                  keys_beta, grad_queries, d);
-          gemm<T>(true, false, block_keys, d, block_rows, T(1), grad_probs.data(), columns, queries, d, rows_beta,
-                  grad_k_data + (head * m + first_key) * d, d);
+          gemm<T>(true, false, block_keys, dv, block_rows, T(1), probs.data(), columns, grad_block, grads.row_stride,
+                  rows_beta, grad_values.at(head, first_key), grad_values.row_stride);
+          gemm<T>(false, false, block_rows, d, block_keys, scale, grad_probs.data(), columns, key_block,
+                  keys.row_stride, keys_beta, grad_queries.at(head, first_row), grad_queries.row_stride);
+          gemm<T>(true, false, block_keys, d, block_rows, scale, grad_probs.data(), columns, query_block,
+                  queries.row_stride, rows_beta, grad_keys.at(head, first_key), grad_keys.row_stride);
         }
       }
       // ∂σ/∂b = (t0·[x < b0], −t1·[x > b1], 2t2·max(b2 − x, 0), −2t3·max(x − b3, 0)), ∂σ/∂t = the four terms
@@ -373,26 +366,23 @@ std::vector<at::Tensor> multimax_backward(const at::Tensor& grad_out, const at::
   at::NoGradGuard no_grad;
   const int64_t B = q.size(0), h = q.size(1), n = q.size(2), d = q.size(3), m = k.size(2), dv = v.size(3);
   const double scale = std::pow(static_cast<double>(d), -0.5);
-  const at::Tensor queries = heads_first(q * scale);
-  const at::Tensor keys = heads_first(k), values = heads_first(v);
-  const at::Tensor grads = heads_first(grad_out.to(q.scalar_type()));
+  const at::Tensor grads = unit_channel_stride(grad_out.to(q.scalar_type()));
   // Σ_j P_ij dP_ij = row i of dO · O
-  const at::Tensor row_dots = (grads * heads_first(out)).sum(-1).contiguous();
+  const at::Tensor row_dots = (grads * out).sum(-1).reshape({B * h, n}).contiguous();
   const at::Tensor row_lse = lse.reshape({B * h, n}).contiguous();
-  at::Tensor grad_q = at::empty({B * h, n, d}, q.options());
-  at::Tensor grad_k = at::empty({B * h, m, d}, q.options());
-  at::Tensor grad_v = at::empty({B * h, m, dv}, q.options());
+  at::Tensor grad_q = at::empty({B, h, n, d}, q.options());
+  at::Tensor grad_k = at::empty({B, h, m, d}, q.options());
+  at::Tensor grad_v = at::empty({B, h, m, dv}, q.options());
   at::Tensor grad_params = at::zeros({B * h, 8}, q.options().dtype(at::kDouble));
   if (q.scalar_type() == at::kDouble) {
-    backward_blocks<double>(queries, keys, values, grads, row_lse, row_dots, grad_q, grad_k, grad_v, grad_params,
-                            {ranges, ts}, scale);
+    backward_blocks<double>(unit_channel_stride(q), unit_channel_stride(k), unit_channel_stride(v), grads, row_lse,
+                            row_dots, grad_q, grad_k, grad_v, grad_params, {ranges, ts}, scale);
   } else {
-    backward_blocks<float>(queries, keys, values, grads, row_lse, row_dots, grad_q, grad_k, grad_v, grad_params,
-                           {ranges, ts}, scale);
+    backward_blocks<float>(unit_channel_stride(q), unit_channel_stride(k), unit_channel_stride(v), grads, row_lse,
+                           row_dots, grad_q, grad_k, grad_v, grad_params, {ranges, ts}, static_cast<float>(scale));
   }
   const at::Tensor params = grad_params.sum(0);
-  return {grad_q.view({B, h, n, d}), grad_k.view({B, h, m, d}), grad_v.view({B, h, m, dv}),
-          params.narrow(0, 0, 4).clone(), params.narrow(0, 4, 4).clone()};
+  return {grad_q, grad_k, grad_v, params.narrow(0, 0, 4).clone(), params.narrow(0, 4, 4).clone()};
 }
 
 }  // namespace
