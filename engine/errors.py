@@ -40,8 +40,9 @@ def exit_at_once(signum: int, message: str) -> NoReturn:
 
     For a second signal: an exception raised from a signal handler can land in a clean-up (a DataLoader's
     `__del__`, where Python prints and ignores it) or chain onto the first stop's, while an exit at once cannot.
-    Nothing half-written stays: checkpoints are replaced atomically, and the lock and temporary files of a
-    process that ended are taken over by the next run.
+    Nothing half-written stays: checkpoints are replaced atomically, a signal handler removes the temporary file of
+    a write in progress first (`remove_unfinished_writes`), and the next run takes over the lock of a process that
+    ended.
     """
     if _reports():
         os.write(sys.stderr.fileno(), f"\nerror: {message}\n".encode())  # a handler must not re-enter buffered io

@@ -20,7 +20,7 @@ from yacs.config import CfgNode as CN
 
 from .build import (autocast_dtype, check_model_config, create_criterion, create_model, create_optimizer,
                     create_scheduler, read_weights)
-from .checkpoint import LAST, OutputLock, TrainingCheckpoint, remove_stale_temp_files
+from .checkpoint import LAST, OutputLock, TrainingCheckpoint, remove_stale_temp_files, remove_unfinished_writes
 from .compile import CompileTimer, compile_errors_reported, compile_model
 from .config import ema_decay, scaled_lrs, total_batch_size
 from .data import (build_eval_loader, build_mixup, build_train_loader, check_images, check_splits, eval_batch_size,
@@ -88,6 +88,7 @@ class StopSignal:
         if self.received is not None:
             if self._is_torchrun_copy(signum):
                 return
+            remove_unfinished_writes()
             exit_at_once(signum, f"stopped at once by a second {signal.Signals(signum).name}, without saving; the "
                                  f"checkpoints saved before are unchanged")
         self.received, self.received_at = signum, time.monotonic()

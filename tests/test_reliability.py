@@ -307,6 +307,40 @@ def test_a_second_signal_stops_at_once_without_saving(tmp_path, digits, one_epoc
     assert run_cli(train_main, train_argv(output, digits)) == 0  # the lock of the ended run is taken over
 
 
+# A first SIGINT at update 3, and a second one while the checkpoint it asks for is being written (its bytes are
+# out, it is neither synced nor renamed yet).
+SECOND_SIGNAL_MID_WRITE = SIGNALS_AT.format(sends=[(3, int(signal.SIGINT))]).replace(
+    'engine.loops.any_rank = any_rank_sending', """engine.loops.any_rank = any_rank_sending
+import signal
+import torch
+
+save = torch.save
+
+
+def save_then_signal(obj, f, *args, **kwargs):
+    save(obj, f, *args, **kwargs)
+    if len(calls) >= 3:
+        os.kill(os.getpid(), signal.SIGINT)
+
+
+torch.save = save_then_signal""")
+
+
+def test_a_second_signal_during_a_checkpoint_write_leaves_no_temporary_file(tmp_path, digits, one_epoch):
+    output = tmp_path / 'run'
+    shutil.copytree(one_epoch, output)
+    saved = checkpoints(output)
+    script = tmp_path / 'script.py'
+    script.write_text(SECOND_SIGNAL_MID_WRITE)
+    result = subprocess.run([sys.executable, str(script), *train_argv(output, digits)], cwd=tmp_path, text=True,
+                            capture_output=True, timeout=120, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert result.returncode == 128 + signal.SIGINT, result.stderr[-3000:]
+    assert result.stderr.splitlines()[-1].startswith('error: stopped at once by a second SIGINT')
+    assert checkpoints(output) == saved
+    assert not [p.name for p in output.iterdir() if p.name.endswith('.tmp')]
+    assert run_cli(train_main, train_argv(output, digits)) == 0
+
+
 def test_the_copy_of_a_signal_that_torchrun_passes_on_is_not_a_second_one(tmp_path, digits, one_epoch, monkeypatch,
                                                                            capsys):
     output = tmp_path / 'run'
