@@ -1,0 +1,69 @@
+"""Linear layers through oneDNN for CPU inference.
+
+PyTorch computes a float32 `nn.Linear` on the CPU with its BLAS library (MKL in the official wheels). On CPUs for
+which that library takes a narrower vector path than the machine has (MKL on AMD's AVX-512 CPUs), oneDNN, the
+deep-learning library PyTorch also ships, multiplies at up to twice the rate: 240 against 105 GFLOP/s for a
+2048² product on one core of the benchmark machine (`docs/benchmarks.md`). `convert_linear_to_onednn` swaps a
+model's `nn.Linear` modules for `OneDNNLinear`, which keeps their parameters and state-dict keys and multiplies
+through oneDNN where nothing needs a gradient.
+
+The outputs differ from `F.linear`'s by float32 rounding (the two libraries sum in different orders). Training,
+autocast, `torch.compile` (whose lowering of the oneDNN op needs frozen weights), TorchScript and export take
+`F.linear` as before.
+"""
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .attention.mixer import is_exporting
+
+__all__ = ['OneDNNLinear', 'convert_linear_to_onednn', 'onednn_available', 'onednn_linear']
+
+
+def onednn_available() -> bool:
+    """Whether this PyTorch build has oneDNN (`torch.backends.mkldnn`) and it is enabled."""
+    return torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled
+
+
+def onednn_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+    """`F.linear` by oneDNN, without autograd. x: (*, in), weight: (out, in), bias: (out,) -> (*, out)."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, 'none', [], '')
+
+
+class OneDNNLinear(nn.Linear):
+    """`nn.Linear` whose float32 CPU inference runs through oneDNN. x: (*, in_features) -> (*, out_features)."""
+
+    def _uses_onednn(self, x: Tensor) -> bool:
+        if torch.compiler.is_compiling() or is_exporting() or torch.onnx.is_in_onnx_export():
+            return False
+        if torch.is_autocast_enabled('cpu'):
+            return False
+        if x.device.type != 'cpu' or x.dtype != torch.float32 or self.weight.dtype != torch.float32:
+            return False
+        needs_grad = x.requires_grad or self.weight.requires_grad or (
+            self.bias is not None and self.bias.requires_grad)
+        return not (torch.is_grad_enabled() and needs_grad)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not torch.jit.is_scripting():
+            if self._uses_onednn(x):
+                return onednn_linear(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
+
+
+def convert_linear_to_onednn(module: nn.Module) -> nn.Module:
+    """Make every `nn.Linear` in `module` (itself included, subclasses excluded) a `OneDNNLinear` in place and return
+    `module`.
+
+    Only the modules' class changes, as `torch.nn.utils.parametrize` changes it: parameters, buffers, hooks and
+    state-dict keys stay, so optimizers and checkpoints see the same model.
+    """
+    if not onednn_available():
+        raise RuntimeError("oneDNN is not available in this PyTorch build, or torch.backends.mkldnn.enabled is False; "
+                           "expected torch.backends.mkldnn.is_available() to be True")
+    for child in module.modules():
+        if type(child) is nn.Linear:
+            child.__class__ = OneDNNLinear
+    return module

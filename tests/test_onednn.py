@@ -1,0 +1,103 @@
+"""`convert_linear_to_onednn`: float32 CPU inference of the linear layers through oneDNN, to float32 rounding of the
+float64 formula, with the model's state-dict keys and values unchanged; training, autocast, torch.compile and
+TorchScript keep `F.linear`.
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import timm
+
+import models
+from models.onednn import OneDNNLinear, convert_linear_to_onednn
+
+ONEDNN_LINEAR = torch.ops.mkldnn._linear_pointwise.default
+TINY_DEIT = dict(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, num_classes=5)
+
+
+class OpRecorder(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func)
+        return func(*args, **(kwargs or {}))
+
+
+def recorded_ops(fn, *args):
+    with OpRecorder() as recorder:
+        out = fn(*args)
+    return out, recorder.ops
+
+
+def tiny_pair(name: str = 'inline_deit_tiny'):
+    torch.manual_seed(0)
+    plain = timm.create_model(name, **TINY_DEIT).eval()
+    converted = timm.create_model(name, **TINY_DEIT).eval()
+    converted.load_state_dict(plain.state_dict())
+    return plain, convert_linear_to_onednn(converted)
+
+
+@pytest.mark.parametrize('shape, bias', [((7, 48), True), ((3, 5, 48), True), ((2, 3, 4, 48), False)])
+def test_the_layer_is_the_float64_formula_to_float32_rounding(shape, bias):
+    torch.manual_seed(0)
+    layer = convert_linear_to_onednn(nn.Linear(48, 80, bias=bias))
+    x = torch.randn(*shape)
+    with torch.no_grad():
+        out, ops = recorded_ops(layer, x)
+    assert type(layer) is OneDNNLinear and ops == [ONEDNN_LINEAR]
+    reference = F.linear(x.double(), layer.weight.double(), None if layer.bias is None else layer.bias.double())
+    assert out.shape == (*shape[:-1], 80) and out.dtype == torch.float32
+    assert (out.double() - reference).abs().max().item() < 48 * 2 ** -24 * reference.abs().max().item()
+
+
+def test_a_converted_model_keeps_its_state_dict_and_outputs():
+    plain, converted = tiny_pair()
+    linears = [m for m in converted.modules() if isinstance(m, nn.Linear)]
+    assert linears and all(type(m) is OneDNNLinear for m in linears)
+    assert list(converted.state_dict()) == list(plain.state_dict())
+    assert all(torch.equal(a, b) for a, b in zip(converted.state_dict().values(), plain.state_dict().values()))
+    converted.load_state_dict(plain.state_dict(), strict=True)
+    x = torch.randn(2, 3, 32, 32)
+    with torch.inference_mode():
+        expected = plain(x)
+        out, ops = recorded_ops(converted, x)
+    assert ops.count(ONEDNN_LINEAR) == len(linears)
+    assert (out - expected).abs().max().item() < 1e-5
+
+
+def test_training_autocast_compile_and_torchscript_take_f_linear():
+    plain, converted = tiny_pair()
+    x = torch.randn(2, 3, 32, 32)
+    # training: the gradients are F.linear's, exactly
+    plain.train(), converted.train()
+    (plain(x) ** 2).sum().backward()
+    out, ops = recorded_ops(converted, x)
+    (out ** 2).sum().backward()
+    assert ONEDNN_LINEAR not in ops
+    for (name, p), q in zip(plain.named_parameters(), converted.parameters()):
+        assert torch.equal(p.grad, q.grad), name
+    plain.eval(), converted.eval()
+    with torch.no_grad(), torch.autocast('cpu', dtype=torch.bfloat16):
+        out, ops = recorded_ops(converted, x)
+        assert ONEDNN_LINEAR not in ops and torch.equal(out, plain(x))
+    with torch.no_grad():
+        expected = plain(x)
+        compiled = torch.compile(converted, fullgraph=True, backend='eager')
+        assert (compiled(x) - expected).abs().max().item() < 1e-5
+        scripted = torch.jit.script(converted)
+        assert torch.equal(scripted(x), expected)
+
+
+def test_without_onednn_the_conversion_is_one_line(monkeypatch):
+    monkeypatch.setattr(torch.backends.mkldnn, 'is_available', lambda: False)
+    with pytest.raises(RuntimeError, match=r"^oneDNN is not available in this PyTorch build, or "
+                                           r"torch\.backends\.mkldnn\.enabled is False; expected "):
+        convert_linear_to_onednn(nn.Linear(4, 4))
+
+
+def test_the_package_exports_the_conversion():
+    assert models.convert_linear_to_onednn is convert_linear_to_onednn
