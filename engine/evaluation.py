@@ -3,10 +3,11 @@ from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
 import timm
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from yacs.config import CfgNode as CN
 
 from models.checkpoint import CheckpointError, load_checkpoint_file, released_weights_file
+from models.onednn import convert_linear_to_onednn
 
 from .build import autocast_dtype, check_model_name, classifier_rows, create_model, read_weights
 from .compile import CompileTimer, compile_errors_reported, compile_model
@@ -99,11 +100,32 @@ def _load_weights(cfg: CN, checkpoint: str, ema: bool, adopt_classes: bool) -> T
     return cfg, weights
 
 
+def check_onednn_linear(info: DistInfo, amp: bool, compile: bool) -> None:
+    """`--onednn-linear` speeds up float32 eager inference on the CPU only: say so before any work."""
+    if info.device.type != 'cpu':
+        raise UsageError(f"--onednn-linear runs the linear layers on the CPU, but the device is {info.device}; "
+                         f"expected DEVICE cpu")
+    if amp or compile:
+        flag = '--amp' if amp else '--compile'
+        raise UsageError(f"--onednn-linear with {flag}: the linear layers would take their usual path; expected "
+                         f"float32 eager inference (leave out {flag} or --onednn-linear)")
+
+
+def _inference_model(model: nn.Module, cfg: CN, onednn_linear: bool, compile: bool) -> nn.Module:
+    if onednn_linear:
+        convert_linear_to_onednn(model)
+    if compile:
+        model = compile_model(model, cfg.TRAIN.COMPILE_MODE, cfg.TRAIN.COMPILE_BACKEND)
+    return model
+
+
 def evaluate_weights(cfg: CN, info: DistInfo, checkpoint: str, *, ema: bool = False, amp: bool = False,
-                     adopt_classes: bool = False, check_data: bool = False, compile: bool = False) -> Dict[str, Any]:
+                     adopt_classes: bool = False, check_data: bool = False, compile: bool = False,
+                     onednn_linear: bool = False) -> Dict[str, Any]:
     """Top-1 / top-5 of the weights in `checkpoint` on the validation folder, exact over processes; with
     `check_data`, every image is decoded first; with `compile`, the model runs compiled (TRAIN.COMPILE_MODE,
-    TRAIN.COMPILE_BACKEND). Under DATA.BAD_IMAGES 'skip' the bad files are left out of the counts."""
+    TRAIN.COMPILE_BACKEND), with `onednn_linear` its linear layers run through oneDNN (`check_onednn_linear`).
+    Under DATA.BAD_IMAGES 'skip' the bad files are left out of the counts."""
     cfg, weights = _load_weights(cfg, checkpoint, ema, adopt_classes)
     source = f"checkpoint {checkpoint!r}"
     root = resolve_data_root(cfg, info)
@@ -118,21 +140,22 @@ def evaluate_weights(cfg: CN, info: DistInfo, checkpoint: str, *, ema: bool = Fa
     del weights
     loader = build_eval_loader(cfg, val_set, info, eval_batch_size(cfg))
     dtype = autocast_dtype(cfg, info.device, amp)
-    if compile:
-        model = compile_model(model, cfg.TRAIN.COMPILE_MODE, cfg.TRAIN.COMPILE_BACKEND)
+    model = _inference_model(model, cfg, onednn_linear, compile)
     with compile_errors_reported(cfg.MODEL.NAME):
         metrics = evaluate(model, loader, info, amp=amp, amp_dtype=dtype, desc='eval',
                            compile_timer=CompileTimer('evaluation', compile))
     return dict(model=cfg.MODEL.NAME, checkpoint=checkpoint, weights='ema' if ema else 'model', data=root,
                 img_size=cfg.DATA.IMG_SIZE, crop_pct=cfg.TEST.CROP_PCT, crop_mode=cfg.TEST.CROP_MODE,
-                precision=dtype if amp else 'float32', world_size=info.world_size, compiled=compile, **metrics)
+                precision=dtype if amp else 'float32', world_size=info.world_size, compiled=compile,
+                onednn_linear=onednn_linear, **metrics)
 
 
 def throughput(cfg: CN, info: DistInfo, batch_size: int, checkpoint: Optional[str] = None, *, ema: bool = False,
                amp: bool = False, adopt_classes: bool = False, warmup: int = 50, timed: int = 30,
-               compile: bool = False) -> Dict[str, Any]:
+               compile: bool = False, onednn_linear: bool = False) -> Dict[str, Any]:
     """Images/s of one process on a batch of `batch_size` images at DATA.IMG_SIZE (`warmup` forwards, then
-    `timed` forwards timed; 50 and 30 as the official scripts), compiled with `compile`.
+    `timed` forwards timed; 50 and 30 as the official scripts), compiled with `compile`, the linear layers
+    through oneDNN with `onednn_linear`.
 
     The input is random: the time of a forward does not depend on the pixels.
     """
@@ -143,11 +166,10 @@ def throughput(cfg: CN, info: DistInfo, batch_size: int, checkpoint: Optional[st
     generator = torch.Generator().manual_seed(cfg.SEED)
     images = torch.randn(batch_size, 3, cfg.DATA.IMG_SIZE, cfg.DATA.IMG_SIZE, generator=generator)
     dtype = autocast_dtype(cfg, info.device, amp)
-    if compile:
-        model = compile_model(model, cfg.TRAIN.COMPILE_MODE, cfg.TRAIN.COMPILE_BACKEND)
+    model = _inference_model(model, cfg, onednn_linear, compile)
     with compile_errors_reported(cfg.MODEL.NAME):
         rate = measure_throughput(model, images, info, amp=amp, amp_dtype=dtype, warmup=warmup, timed=timed,
                                   compile_timer=CompileTimer('the forward pass', compile))
     return dict(model=cfg.MODEL.NAME, batch_size=batch_size, img_size=cfg.DATA.IMG_SIZE,
                 precision=dtype if amp else 'float32', device=str(info.device), warmup=warmup, timed=timed,
-                compiled=compile, throughput=rate)
+                compiled=compile, onednn_linear=onednn_linear, throughput=rate)

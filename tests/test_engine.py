@@ -552,6 +552,26 @@ def test_throughput_prints_images_per_second(capsys):
     assert out.startswith('batch_size 4 throughput ') and 'images/s' in out
 
 
+def test_onednn_linear_evaluates_to_the_same_accuracy_and_refuses_what_it_cannot_speed_up(tmp_path, digits,
+                                                                                            tiny_cfg, capsys):
+    official = _tiny_checkpoint(tmp_path, tiny_cfg, official=True)
+    argv = ['--model', 'inline_deit_tiny', '--checkpoint', official, '--data-path', str(digits), '--opts',
+            *TINY_MODEL_OPTS]
+    results = []
+    for extra in ([], ['--onednn-linear']):
+        code, out, _ = _run(eval_main, extra + argv, capsys)
+        assert code == 0
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    assert [r['onednn_linear'] for r in results] == [False, True]
+    assert results[0]['top1'] == results[1]['top1'] and results[0]['top5'] == results[1]['top5']
+    for flag in ('--compile', '--amp'):
+        code, out, err = _run(eval_main, ['--onednn-linear', flag] + argv, capsys)
+        assert code == USAGE_EXIT_CODE and out == ''
+        assert err.strip().splitlines() == [
+            f"error: --onednn-linear with {flag}: the linear layers would take their usual path; expected float32 "
+            f"eager inference (leave out {flag} or --onednn-linear)"]
+
+
 def test_the_script_itself_exits_2_without_a_traceback(tmp_path):
     result = subprocess.run([sys.executable, str(REPO / 'train.py'), '--cfg', TINY, '--opts', 'TRAIN.BASE_LR', 'x'],
                             capture_output=True, text=True, cwd=tmp_path, timeout=120)
