@@ -13,7 +13,10 @@ by `torch.utils.flop_counter.FlopCounterMode` on the eager model (2 per multiply
 convolutions; the CPU kernel of `scaled_dot_product_attention`, which the counter sees as 0, by its formula
 2·B·h·n·m·(d + d_v), twice that backward), divided by the time, as a share of the matrix-multiply rate: a square
 matrix product in the models' precision, timed in every round beside them with the same threads. The share is
-the median over the rounds of each round's ratio.
+the median over the rounds of each round's ratio. `% mm` takes `torch.matmul`'s rate (the BLAS library on the
+CPU); on the CPU `% best` takes the faster of it and oneDNN's, since the two libraries reach different rates on
+some CPUs (MKL runs a narrower vector path on AMD's AVX-512 CPUs). `--onednn-linear` runs the eager models'
+linear layers through oneDNN in inference (`models.convert_linear_to_onednn`).
 
 Peak memory is what a forward pass (inference) or a training step (forward, backward, AdamW) allocates above
 what the model already holds: on CUDA the allocator's peak, on CPU the peak of live tensor bytes recorded by the
@@ -50,6 +53,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import models  # noqa: E402,F401  (registers the families)
 from engine.compile import compile_model  # noqa: E402
 from models.attention import forms_score_matrix, list_attentions  # noqa: E402
+from models.onednn import convert_linear_to_onednn, onednn_available, onednn_linear  # noqa: E402
 
 # The attention every `×softmax` ratio compares against.
 BASELINE = 'softmax'
@@ -120,17 +124,24 @@ def efficiency(flops: float, seconds: Sequence[float], matmul_flops: float, matm
     return 100 * statistics.median(flops / t / (matmul_flops / m) for t, m in zip(seconds, matmul_seconds))
 
 
-def matmul_step(device: torch.device, size: int) -> Tuple[Callable[[], None], int]:
-    """A `size`² matrix product in the models' precision (float32; bfloat16 on CUDA) and its FLOPs."""
+def matmul_steps(device: torch.device, size: int) -> Tuple[Dict[str, Callable[[], None]], int]:
+    """`size`² matrix products in the models' precision (float32; bfloat16 on CUDA) by library, and their FLOPs:
+    `torch.matmul`, and on a CPU with oneDNN also oneDNN's product."""
     dtype = torch.bfloat16 if device.type == 'cuda' else torch.float32
     generator = torch.Generator(device=device).manual_seed(0)
     a, b = (torch.randn(size, size, device=device, dtype=dtype, generator=generator) for _ in range(2))
     out = torch.empty_like(a)
 
-    def step(a=a, b=b, out=out):
+    def matmul(a=a, b=b, out=out):
         torch.matmul(a, b, out=out)
 
-    return step, 2 * size ** 3
+    steps = {'matmul': matmul}
+    if device.type == 'cpu' and onednn_available():
+        def onednn(a=a, b=b):
+            onednn_linear(a, b)  # a @ b.T
+
+        steps['onednn'] = onednn
+    return steps, 2 * size ** 3
 
 
 def model_spec(attention: str, family: str, size: str, resolution: int) -> Tuple[str, Dict]:
@@ -216,6 +227,8 @@ def measure(args: argparse.Namespace) -> List[Dict]:
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
             flops = dict(infer=count_flops(model, x, train=False),
                          train=count_flops(model, x, train=True) if args.train else None)
+            if args.onednn_linear:  # after counting: the FLOP counter has no formula for oneDNN's product
+                convert_linear_to_onednn(model)
             variants = [model] + ([compile_model(model)] if args.compile else [])
         except Exception as e:  # a configuration a model cannot take (or memory) is reported, not fatal
             results += [_error_result(e, device)] * (2 if args.compile else 1)
@@ -247,10 +260,10 @@ def measure(args: argparse.Namespace) -> List[Dict]:
                 result = _error_result(e, device)
             results.append(result)
 
-    matmul, matmul_flops = matmul_step(device, args.matmul_size)
+    matmuls, matmul_flops = matmul_steps(device, args.matmul_size)
 
     def time_rounds(steps: List[Callable[[], None]], iters: int) -> List[List[float]]:
-        """Seconds of each step in each round; the matrix product is the last step."""
+        """Seconds of each step in each round."""
         for step in steps:
             for _ in range(args.warmup):
                 step()
@@ -273,12 +286,17 @@ def measure(args: argparse.Namespace) -> List[Dict]:
     for mode, key, step_of, iters in modes:
         for model, *_ in runners:
             model.train(mode == 'train')
-        *times, matmul_times = time_rounds([step_of(r) for r in runners] + [matmul], iters)
+        times = time_rounds([step_of(r) for r in runners] + list(matmuls.values()), iters)
+        times, matmul_times = times[:len(runners)], dict(zip(matmuls, times[len(runners):]))
+        # each round's faster library
+        best_times = [min(round_times) for round_times in zip(*matmul_times.values())]
         for model_times, (*_, result, flops) in zip(times, runners):
             seconds = pick(model_times)
             result[key] = args.batch_size / seconds if mode == 'infer' else 1000 * seconds
-            result[f'{mode}_mm_pct'] = efficiency(flops[mode], model_times, matmul_flops, matmul_times)
-            result['matmul_gflop_s'] = matmul_flops / statistics.median(matmul_times) / 1e9
+            result[f'{mode}_mm_pct'] = efficiency(flops[mode], model_times, matmul_flops, matmul_times['matmul'])
+            result[f'{mode}_best_pct'] = efficiency(flops[mode], model_times, matmul_flops, best_times)
+            for library, library_times in matmul_times.items():
+                result[f'{library}_gflop_s'] = matmul_flops / statistics.median(library_times) / 1e9
     return results
 
 
@@ -294,6 +312,7 @@ def run_group(args: argparse.Namespace, specs: List[Dict], resolution: int, trai
            '--iters', str(args.iters), '--train-iters', str(args.train_iters), '--warmup', str(args.warmup),
            '--threads', str(args.threads), '--stat', args.stat, '--matmul-size', str(args.matmul_size)]
     cmd += ['--compile'] * args.compile + ['--channels-last'] * args.channels_last
+    cmd += ['--onednn-linear'] * args.onednn_linear
     cmd += ['--train' if train else '--no-train']
     env = dict(os.environ, **STEADY_MALLOC) if args.steady_malloc else None
     variants = 2 if args.compile else 1
@@ -336,6 +355,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help='side of the square matrix product whose rate the efficiency is a share of')
     parser.add_argument('--note', default='', help='a line for the header of OUT.md, e.g. what else ran')
     parser.add_argument('--channels-last', action='store_true')
+    parser.add_argument('--onednn-linear', action='store_true',
+                        help="CPU: the eager models' linear layers through oneDNN in inference "
+                             "(models.convert_linear_to_onednn)")
     parser.add_argument('--steady-malloc', action=argparse.BooleanOptionalAction, default=True,
                         help="keep freed memory in the measuring processes (glibc's MALLOC_MMAP_THRESHOLD_ and "
                              "MALLOC_TRIM_THRESHOLD_), so that timings do not depend on when the system allocator "
@@ -389,8 +411,9 @@ def result_row(res: Dict, results: Dict[str, Dict], spec: Dict, suffix: str, **w
     return dict(
         **where, attention=spec['label'], model=spec['model'] + suffix, compiled=bool(suffix),
         params_m=res['params_m'], gflops=res['gflops'], infer_img_s=res['infer_img_s'],
-        infer_mm_pct=res['infer_mm_pct'], train_step_ms=res.get('train_step_ms'),
-        train_mm_pct=res.get('train_mm_pct'), matmul_gflop_s=res['matmul_gflop_s'],
+        infer_mm_pct=res['infer_mm_pct'], infer_best_pct=res['infer_best_pct'], train_step_ms=res.get('train_step_ms'),
+        train_mm_pct=res.get('train_mm_pct'), train_best_pct=res.get('train_best_pct'),
+        matmul_gflop_s=res['matmul_gflop_s'], onednn_gflop_s=res.get('onednn_gflop_s'),
         infer_mem_mib=res['infer_mem_mib'], train_mem_mib=res.get('train_mem_mib'),
         infer_vs_timm=_ratio(res, reference, 'infer_img_s'),
         train_vs_timm=_ratio(res, reference, 'train_step_ms', inverse=True),
@@ -512,26 +535,31 @@ def write_outputs(args: argparse.Namespace, rows: List[Dict], skipped: List[str]
         f'after {args.warmup} warm-up calls, models of a row group interleaved'
         + (', bfloat16 autocast' if args.device == 'cuda' else ', float32')
         + (', eager and torch.compile(fullgraph=True) rows' if args.compile else '')
-        + (', steady allocator (freed memory kept in the process)' if args.steady_malloc else ''),
+        + (', steady allocator (freed memory kept in the process)' if args.steady_malloc else '')
+        + (", the eager models' linear layers through oneDNN in inference" if args.onednn_linear else ''),
         f'- matrix-multiply rate ({args.matmul_size}² product, {matmul_dtype}, median of each process\'s rounds): '
-        f'{_span(r["matmul_gflop_s"] for r in rows)} GFLOP/s',
+        f'`torch.matmul` {_span(r["matmul_gflop_s"] for r in rows)} GFLOP/s'
+        + (f', oneDNN {_span(r["onednn_gflop_s"] for r in rows)} GFLOP/s'
+           if any(r['onednn_gflop_s'] for r in rows) else ''),
         f'- load average (1 min) of the machine at the start and end: {args.load_at_start:.1f}, '
         f'{os.getloadavg()[0]:.1f}', '',
         'Ratios are taken between models timed in the same process, above 1 meaning faster: `×timm` against '
         "timm's own model of the same architecture, `×softmax` against our softmax model (compiled rows against "
         'compiled ones), `×eager` against the same model uncompiled (throughput for inference, step time for '
         'training). GFLOPs: one image\'s forward pass (2 per multiply-add). `% mm`: the FLOP rate of inference and '
-        'of a training step (forward and backward FLOPs) as a share of the matrix-multiply rate of the same rounds, '
-        'median over the rounds. Memory is the peak allocated above the built model.', '',
-        '| model | res | params (M) | GFLOPs | infer img/s | infer % mm | train step ms | train % mm | infer MiB '
-        '| train MiB | infer ×timm | train ×timm | infer ×softmax | train ×softmax '
+        'of a training step (forward and backward FLOPs) as a share of `torch.matmul`\'s rate in the same rounds, '
+        '`% best` of the faster of `torch.matmul` and oneDNN, median over the rounds. Memory is the peak allocated '
+        'above the built model.', '',
+        '| model | res | params (M) | GFLOPs | infer img/s | infer % mm | infer % best | train step ms | train % mm '
+        '| train % best | infer MiB | train MiB | infer ×timm | train ×timm | infer ×softmax | train ×softmax '
         + ('| infer ×eager | train ×eager |' if args.compile else '|'),
-        '|---' * (14 + 2 * args.compile) + '|',
+        '|---' * (16 + 2 * args.compile) + '|',
     ]
     for r in rows:
         lines.append(f"| {r['model']} | {r['resolution']} | {r['params_m']:.1f} | {fmt(r['gflops'])} "
-                     f"| {fmt(r['infer_img_s'])} | {fmt(r['infer_mm_pct'], 1)} | {fmt(r['train_step_ms'], 0)} "
-                     f"| {fmt(r['train_mm_pct'], 1)} | {fmt(r['infer_mem_mib'], 0)} | {fmt(r['train_mem_mib'], 0)} "
+                     f"| {fmt(r['infer_img_s'])} | {fmt(r['infer_mm_pct'], 1)} | {fmt(r['infer_best_pct'], 1)} "
+                     f"| {fmt(r['train_step_ms'], 0)} | {fmt(r['train_mm_pct'], 1)} | {fmt(r['train_best_pct'], 1)} "
+                     f"| {fmt(r['infer_mem_mib'], 0)} | {fmt(r['train_mem_mib'], 0)} "
                      f"| {fmt(r['infer_vs_timm'])} | {fmt(r['train_vs_timm'])} "
                      f"| {fmt(r['infer_vs_softmax'])} | {fmt(r['train_vs_softmax'])} |"
                      + (f" {fmt(r['infer_vs_eager'])} | {fmt(r['train_vs_eager'])} |" if args.compile else ''))

@@ -1,4 +1,5 @@
 """The benchmark and the zoo table take their attentions from the registry, so a new attention shows in both."""
+import csv
 import importlib.util
 import os
 import re
@@ -91,14 +92,29 @@ def test_benchmark_efficiency_is_the_median_share_of_the_matmul_rate_and_the_tab
     args.load_at_start = 0.0
     monkeypatch.setattr(sys, 'argv', ['scripts/benchmark.py', '--compile'])
     row = dict(family='deit', size='tiny', attention='softmax', resolution=64, model='softmax_deit_tiny',
-               compiled=False, params_m=5.5, gflops=0.1, infer_img_s=10.0, infer_mm_pct=20.0, train_step_ms=None,
-               train_mm_pct=None, matmul_gflop_s=50.0, infer_mem_mib=1.0, train_mem_mib=None)
+               compiled=False, params_m=5.5, gflops=0.1, infer_img_s=10.0, infer_mm_pct=20.0, infer_best_pct=9.1,
+               train_step_ms=None, train_mm_pct=None, train_best_pct=None, matmul_gflop_s=50.0, onednn_gflop_s=110.0,
+               infer_mem_mib=1.0, train_mem_mib=None)
     row.update({f'{mode}_vs_{base}': None for mode in ('infer', 'train') for base in ('timm', 'softmax', 'eager')})
     benchmark.write_outputs(args, [row], [], 60.0)
     text = (tmp_path / 'b.md').read_text()
     for needle in ('- date: ', 'shared machine', f'torch {torch.__version__}, timm {timm.__version__}',
-                   '- command: `python scripts/benchmark.py --compile`', '50.0 GFLOP/s', '| 20.0 |'):
+                   '- command: `python scripts/benchmark.py --compile`',
+                   '`torch.matmul` 50.0 GFLOP/s, oneDNN 110.0 GFLOP/s', '| 20.0 | 9.1 |'):
         assert needle in text, needle
+
+
+def test_benchmark_times_both_cpu_matrix_product_libraries_and_runs_linear_layers_through_onednn(tmp_path):
+    steps, flops = benchmark.matmul_steps(torch.device('cpu'), 64)
+    assert sorted(steps) == ['matmul', 'onednn'] and flops == 2 * 64 ** 3
+    out = tmp_path / 'b'
+    benchmark.main(['--device', 'cpu', '--families', 'deit', '--sizes', 'tiny', '--attentions', 'softmax',
+                    '--resolutions', '32', '--no-reference', '--no-train', '--iters', '1', '--warmup', '0',
+                    '--matmul-size', '64', '--onednn-linear', '--out', str(out)])
+    with open(str(out) + '.csv') as f:
+        row = next(csv.DictReader(f))
+    assert float(row['onednn_gflop_s']) > 0 and float(row['infer_best_pct']) <= float(row['infer_mm_pct']) + 1e-9
+    assert "linear layers through oneDNN in inference" in (tmp_path / 'b.md').read_text()
 
 
 def test_train_throughput_measures_loader_and_step_on_imagenet_shaped_images(tmp_path):
