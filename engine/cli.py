@@ -77,8 +77,8 @@ def eval_main(argv: Sequence[str]) -> int:
                         help='torch.compile the whole model, without graph breaks, with TRAIN.COMPILE_MODE and '
                              'TRAIN.COMPILE_BACKEND (the config\'s TRAIN.COMPILE is for training)')
     parser.add_argument('--onednn-linear', action='store_true',
-                        help='CPU, float32, eager: run the linear layers through oneDNN, which some CPUs run up to '
-                             'twice as fast as the default library (outputs equal to float32 rounding)')
+                        help='CPU, float32: run the linear layers through oneDNN, which some CPUs run up to twice as '
+                             'fast as the default library (outputs equal to float32 rounding; eager or --compile)')
     parser.add_argument('--throughput', action='store_true',
                         help='print images/s at --batch-size (50 warm-up forwards, 30 timed) instead of accuracy')
     parser.add_argument('--warmup-forwards', type=int, default=50, metavar='N',
@@ -101,7 +101,7 @@ def eval_main(argv: Sequence[str]) -> int:
     setup_logging(info, stream=sys.stderr)  # stdout keeps only the results
     try:
         if args.onednn_linear:
-            check_onednn_linear(info, args.amp, args.compile)
+            check_onednn_linear(info, args.amp)
         if args.throughput:
             batch_size = args.batch_size or cfg.DATA.BATCH_SIZE
             result = throughput(cfg, info, batch_size, args.checkpoint, ema=args.ema, amp=args.amp,

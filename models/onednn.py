@@ -7,15 +7,18 @@ deep-learning library PyTorch also ships, multiplies at up to twice the rate: 24
 model's `nn.Linear` modules for `OneDNNLinear`, which keeps their parameters and state-dict keys and multiplies
 through oneDNN where nothing needs a gradient.
 
-The outputs differ from `F.linear`'s by float32 rounding (the two libraries sum in different orders). Training,
-autocast, `torch.compile` (whose lowering of the oneDNN op needs frozen weights), TorchScript and export take
-`F.linear` as before.
+The outputs differ from `F.linear`'s by float32 rounding (the two libraries sum in different orders). The product
+is the custom op `zoo::onednn_linear`, which `torch.compile` calls as it stands (inductor's own lowering of
+oneDNN's op takes frozen weights only) and `torch.utils.flop_counter` counts. Training, autocast, TorchScript and
+export take `F.linear` as before.
 """
+import math
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.flop_counter import register_flop_formula
 
 from .attention.mixer import is_exporting
 
@@ -27,16 +30,29 @@ def onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled
 
 
+@torch.library.custom_op('zoo::onednn_linear', mutates_args=(), device_types='cpu')
 def onednn_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
-    """`F.linear` by oneDNN, without autograd. x: (*, in), weight: (out, in), bias: (out,) -> (*, out)."""
-    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, 'none', [], '')
+    """`F.linear` by oneDNN, without autograd. x: (*, in), weight: (out, in), bias: (out,) -> (*, out),
+    contiguous."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, 'none', [], '').contiguous()
+
+
+@onednn_linear.register_fake
+def _onednn_linear_shape(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+    return x.new_empty(x.shape[:-1] + weight.shape[:1])
+
+
+@register_flop_formula(torch.ops.zoo.onednn_linear)
+def _onednn_linear_flops(x_shape, weight_shape, *args, out_shape=None, **kwargs) -> int:
+    """2 per multiply-add, as `torch.utils.flop_counter` counts `F.linear`."""
+    return 2 * math.prod(x_shape) * weight_shape[0]
 
 
 class OneDNNLinear(nn.Linear):
     """`nn.Linear` whose float32 CPU inference runs through oneDNN. x: (*, in_features) -> (*, out_features)."""
 
     def _uses_onednn(self, x: Tensor) -> bool:
-        if torch.compiler.is_compiling() or is_exporting() or torch.onnx.is_in_onnx_export():
+        if is_exporting() or torch.onnx.is_in_onnx_export():
             return False
         if torch.is_autocast_enabled('cpu'):
             return False
