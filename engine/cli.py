@@ -47,11 +47,13 @@ def train_main(argv: Sequence[str]) -> int:
     parser.add_argument('--pretrained', help='weights to start from (MODEL.PRETRAINED), e.g. for fine-tuning')
     parser.add_argument('--compile', action='store_true', default=None,
                         help='torch.compile the whole model, without graph breaks (TRAIN.COMPILE)')
+    parser.add_argument('--onednn-linear', action='store_true', default=None,
+                        help='CPU, AMP off: the linear layers through oneDNN (TRAIN.ONEDNN_LINEAR)')
     _common_arguments(parser)
     args = parser.parse_args(argv)
     cfg = load_config(args.cfg, args.opts, _overrides(args, dict(
         data_path='DATA.DATA_PATH', batch_size='DATA.BATCH_SIZE', output='OUTPUT', resume='MODEL.RESUME',
-        pretrained='MODEL.PRETRAINED', compile='TRAIN.COMPILE')))
+        pretrained='MODEL.PRETRAINED', compile='TRAIN.COMPILE', onednn_linear='TRAIN.ONEDNN_LINEAR')))
     info = init_distributed(cfg.DEVICE, cfg.DIST.BACKEND, cfg.DIST.TIMEOUT_MIN)
     try:
         train(cfg, info, check_data=args.check_data)

@@ -18,6 +18,8 @@ from timm.utils import ModelEmaV3
 from torch.nn.parallel import DistributedDataParallel
 from yacs.config import CfgNode as CN
 
+from models.onednn import convert_linear_to_onednn
+
 from .build import (autocast_dtype, check_model_config, create_criterion, create_model, create_optimizer,
                     create_scheduler, read_weights)
 from .checkpoint import LAST, OutputLock, TrainingCheckpoint, remove_stale_temp_files, remove_unfinished_writes
@@ -161,6 +163,9 @@ def train(cfg: CN, info: DistInfo, check_data: bool = False) -> Dict[str, Any]:
     With `check_data`, every image is decoded before training. Rank 0 holds the output folder's lock for the whole
     run. A run stopped by SIGTERM / SIGINT saves, then raises `Stopped`."""
     check_model_config(cfg)
+    if cfg.TRAIN.ONEDNN_LINEAR and info.device.type != 'cpu':
+        raise UsageError(f"TRAIN.ONEDNN_LINEAR runs the linear layers on the CPU, but the device is {info.device}; "
+                         f"expected DEVICE cpu")
     lock = OutputLock(cfg.OUTPUT)
     try:
         return _train(cfg, info, lock, check_data)
@@ -217,6 +222,8 @@ def _train(cfg: CN, info: DistInfo, lock: OutputLock, check_data: bool) -> Dict[
     if cfg.MODEL.PRETRAINED and stored is None:
         pretrained = read_weights(cfg.MODEL.PRETRAINED)
     model = create_model(cfg, pretrained, source=cfg.MODEL.PRETRAINED)
+    if cfg.TRAIN.ONEDNN_LINEAR:
+        convert_linear_to_onednn(model)
     if cfg.TRAIN.USE_CHECKPOINT:
         model.set_grad_checkpointing(True)
     model.to(info.device)
@@ -268,7 +275,8 @@ def _train(cfg: CN, info: DistInfo, lock: OutputLock, check_data: bool) -> Dict[
                     f"{total_batch_size(cfg, info.world_size)}, lr {lrs['lr']:.3e}, {updates_per_epoch} updates "
                     f"per epoch, {num_epochs} epochs; output {output}"
                     + (f"; compiled (torch.compile, backend {cfg.TRAIN.COMPILE_BACKEND}, mode "
-                       f"{cfg.TRAIN.COMPILE_MODE})" if compiled else ''))
+                       f"{cfg.TRAIN.COMPILE_MODE})" if compiled else '')
+                    + ('; linear layers through oneDNN' if cfg.TRAIN.ONEDNN_LINEAR else ''))
 
     record: Dict[str, Any] = {}
     epochs_run, stopped = 0, False

@@ -1,16 +1,16 @@
-"""Linear layers through oneDNN for CPU inference.
+"""Linear layers through oneDNN on the CPU.
 
 PyTorch computes a float32 `nn.Linear` on the CPU with its BLAS library (MKL in the official wheels). On CPUs for
 which that library takes a narrower vector path than the machine has (MKL on AMD's AVX-512 CPUs), oneDNN, the
 deep-learning library PyTorch also ships, multiplies at up to twice the rate: 240 against 105 GFLOP/s for a
 2048² product on one core of the benchmark machine (`docs/benchmarks.md`). `convert_linear_to_onednn` swaps a
 model's `nn.Linear` modules for `OneDNNLinear`, which keeps their parameters and state-dict keys and multiplies
-through oneDNN where nothing needs a gradient.
+through oneDNN in float32 on the CPU, forward and backward.
 
-The outputs differ from `F.linear`'s by float32 rounding (the two libraries sum in different orders). The product
-is the custom op `zoo::onednn_linear`, which `torch.compile` calls as it stands (inductor's own lowering of
-oneDNN's op takes frozen weights only) and `torch.utils.flop_counter` counts. Training, autocast, TorchScript and
-export take `F.linear` as before.
+The outputs and gradients differ from `F.linear`'s by float32 rounding (the two libraries sum in different orders).
+The product is the custom op `zoo::onednn_linear`, which `torch.compile` calls as it stands (inductor's own
+lowering of oneDNN's op takes frozen weights only) and `torch.utils.flop_counter` counts. Autocast, other dtypes
+and devices, TorchScript and export take `F.linear` as before.
 """
 import math
 from typing import Optional
@@ -32,7 +32,7 @@ def onednn_available() -> bool:
 
 @torch.library.custom_op('zoo::onednn_linear', mutates_args=(), device_types='cpu')
 def onednn_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
-    """`F.linear` by oneDNN, without autograd. x: (*, in), weight: (out, in), bias: (out,) -> (*, out),
+    """`F.linear` by oneDNN, differentiable. x: (*, in), weight: (out, in), bias: (out,) -> (*, out),
     contiguous."""
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, 'none', [], '').contiguous()
 
@@ -42,6 +42,30 @@ def _onednn_linear_shape(x: Tensor, weight: Tensor, bias: Optional[Tensor] = Non
     return x.new_empty(x.shape[:-1] + weight.shape[:1])
 
 
+def _save_inputs(ctx, inputs, output) -> None:
+    x, weight, bias = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.with_bias = bias is not None
+
+
+def _onednn_linear_backward(ctx, grad: Tensor):
+    """The three products of the backward pass through oneDNN as well: grad_x = grad·W, grad_W = gradᵀ·x (oneDNN
+    reads the transposed rows through their strides, no copy); grad_b = the sum of grad's rows."""
+    x, weight = ctx.saved_tensors
+    rows = grad.reshape(-1, grad.shape[-1])
+    grad_x = grad_weight = grad_bias = None
+    if ctx.needs_input_grad[0]:
+        grad_x = onednn_linear(grad, weight.t().contiguous())
+    if ctx.needs_input_grad[1]:
+        grad_weight = onednn_linear(rows.t(), x.reshape(-1, x.shape[-1]).t())
+    if ctx.with_bias and ctx.needs_input_grad[2]:
+        grad_bias = rows.sum(dim=0)
+    return grad_x, grad_weight, grad_bias
+
+
+onednn_linear.register_autograd(_onednn_linear_backward, setup_context=_save_inputs)
+
+
 @register_flop_formula(torch.ops.zoo.onednn_linear)
 def _onednn_linear_flops(x_shape, weight_shape, *args, out_shape=None, **kwargs) -> int:
     """2 per multiply-add, as `torch.utils.flop_counter` counts `F.linear`."""
@@ -49,18 +73,14 @@ def _onednn_linear_flops(x_shape, weight_shape, *args, out_shape=None, **kwargs)
 
 
 class OneDNNLinear(nn.Linear):
-    """`nn.Linear` whose float32 CPU inference runs through oneDNN. x: (*, in_features) -> (*, out_features)."""
+    """`nn.Linear` whose float32 CPU products run through oneDNN. x: (*, in_features) -> (*, out_features)."""
 
     def _uses_onednn(self, x: Tensor) -> bool:
         if is_exporting() or torch.onnx.is_in_onnx_export():
             return False
         if torch.is_autocast_enabled('cpu'):
             return False
-        if x.device.type != 'cpu' or x.dtype != torch.float32 or self.weight.dtype != torch.float32:
-            return False
-        needs_grad = x.requires_grad or self.weight.requires_grad or (
-            self.bias is not None and self.bias.requires_grad)
-        return not (torch.is_grad_enabled() and needs_grad)
+        return x.device.type == 'cpu' and x.dtype == torch.float32 and self.weight.dtype == torch.float32
 
     def forward(self, x: Tensor) -> Tensor:
         if not torch.jit.is_scripting():

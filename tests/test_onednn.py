@@ -1,7 +1,10 @@
-"""`convert_linear_to_onednn`: float32 CPU inference of the linear layers through oneDNN, to float32 rounding of the
-float64 formula, with the model's state-dict keys and values unchanged, eager and compiled by inductor, counted by
-the FLOP counter as `F.linear`; training, autocast and TorchScript keep `F.linear`.
+"""`convert_linear_to_onednn`: the float32 CPU products of the linear layers through oneDNN, outputs and gradients
+to float32 rounding of the float64 formula, with the model's state-dict keys and values unchanged, eager and
+compiled by inductor, counted by the FLOP counter as `F.linear`; autocast and TorchScript keep `F.linear`.
 """
+import json
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -11,12 +14,16 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import timm
 
 import models
+from engine.cli import train_main
+from engine.data import prepare_digits
+from engine.errors import USAGE_EXIT_CODE, run_cli
 from models.onednn import OneDNNLinear, convert_linear_to_onednn
 
 from torch.utils.flop_counter import FlopCounterMode
 
 ONEDNN_LINEAR = torch.ops.zoo.onednn_linear.default
 BLAS_PRODUCTS = {torch.ops.aten.addmm.default, torch.ops.aten.mm.default, torch.ops.aten.bmm.default}
+TINY_DEMO = str(Path(__file__).resolve().parents[1] / 'configs' / 'demo' / 'digits_tiny.yaml')
 TINY_DEIT = dict(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, num_classes=5)
 
 
@@ -45,16 +52,23 @@ def tiny_pair(name: str = 'inline_deit_tiny'):
 
 
 @pytest.mark.parametrize('shape, bias', [((7, 48), True), ((3, 5, 48), True), ((2, 3, 4, 48), False)])
-def test_the_layer_is_the_float64_formula_to_float32_rounding(shape, bias):
+def test_the_layer_and_its_gradients_are_the_float64_formula_to_float32_rounding(shape, bias):
     torch.manual_seed(0)
     layer = convert_linear_to_onednn(nn.Linear(48, 80, bias=bias))
-    x = torch.randn(*shape)
-    with torch.no_grad():
-        out, ops = recorded_ops(layer, x)
+    x = torch.randn(*shape, requires_grad=True)
+    grad = torch.randn(*shape[:-1], 80)
+    out, ops = recorded_ops(layer, x)
+    _, backward_ops = recorded_ops(out.backward, grad)
     assert type(layer) is OneDNNLinear and ops.count(ONEDNN_LINEAR) == 1 and not BLAS_PRODUCTS & set(ops)
-    reference = F.linear(x.double(), layer.weight.double(), None if layer.bias is None else layer.bias.double())
+    assert backward_ops.count(ONEDNN_LINEAR) == 2 and not BLAS_PRODUCTS & set(backward_ops)
+    params = [x, layer.weight] + ([layer.bias] if bias else [])
+    exact = [p.detach().double().requires_grad_() for p in params]
+    reference = F.linear(*exact[:2], exact[2] if bias else None)
+    reference.backward(grad.double())
     assert out.shape == (*shape[:-1], 80) and out.dtype == torch.float32
-    assert (out.double() - reference).abs().max().item() < 48 * 2 ** -24 * reference.abs().max().item()
+    for value, expected in [(out, reference)] + [(p.grad, e.grad) for p, e in zip(params, exact)]:
+        # float32 rounding of sums of up to 48 (forward, grad_x) or 42 (grad_W, grad_b) products
+        assert (value.double() - expected).abs().max().item() < 80 * 2 ** -24 * expected.abs().max().item()
 
 
 def test_a_converted_model_keeps_its_state_dict_and_outputs():
@@ -84,7 +98,7 @@ def test_the_flop_counter_counts_the_onednn_product_as_f_linear():
     assert counts[0] == counts[1] > 0
 
 
-def test_inductor_compiles_the_onednn_product_without_frozen_weights():
+def test_inductor_compiles_the_onednn_product_and_its_backward_without_frozen_weights():
     torch.compiler.reset()
     plain, converted = tiny_pair()
     graphs = []
@@ -103,23 +117,31 @@ def test_inductor_compiles_the_onednn_product_without_frozen_weights():
             p.mul_(0.5)
         plain.load_state_dict(converted.state_dict())
         assert (compiled(x) - plain(x)).abs().max().item() < 1e-5
-    assert len(graphs) == 1 and graphs[0].count('zoo.onednn_linear') == len(
-        [m for m in converted.modules() if isinstance(m, nn.Linear)])
+    linears = len([m for m in converted.modules() if isinstance(m, nn.Linear)])
+    assert len(graphs) == 1 and graphs[0].count('zoo.onednn_linear') == linears
+    # training: the compiled forward and backward passes give the plain model's gradients
+    plain.train(), converted.train()
+    (plain(x) ** 2).sum().backward()
+    (compiled(x) ** 2).sum().backward()
+    assert len(graphs) == 2 and graphs[1].count('zoo.onednn_linear') == linears
+    for (name, p), q in zip(plain.named_parameters(), converted.parameters()):
+        assert (p.grad - q.grad).abs().max().item() <= 1e-4 * p.grad.abs().max().item() + 1e-7, name
     torch.compiler.reset()
 
 
-def test_training_autocast_and_torchscript_take_f_linear():
+def test_a_converted_model_trains_to_the_gradients_of_the_plain_one():
+    plain, converted = tiny_pair()
+    plain.train(), converted.train()
+    x = torch.randn(2, 3, 32, 32)
+    (plain(x) ** 2).sum().backward()
+    (converted(x) ** 2).sum().backward()
+    for (name, p), q in zip(plain.named_parameters(), converted.parameters()):
+        assert (p.grad - q.grad).abs().max().item() <= 1e-4 * p.grad.abs().max().item() + 1e-7, name
+
+
+def test_autocast_and_torchscript_take_f_linear():
     plain, converted = tiny_pair()
     x = torch.randn(2, 3, 32, 32)
-    # training: the gradients are F.linear's, exactly
-    plain.train(), converted.train()
-    (plain(x) ** 2).sum().backward()
-    out, ops = recorded_ops(converted, x)
-    (out ** 2).sum().backward()
-    assert ONEDNN_LINEAR not in ops
-    for (name, p), q in zip(plain.named_parameters(), converted.parameters()):
-        assert torch.equal(p.grad, q.grad), name
-    plain.eval(), converted.eval()
     with torch.no_grad(), torch.autocast('cpu', dtype=torch.bfloat16):
         out, ops = recorded_ops(converted, x)
         assert ONEDNN_LINEAR not in ops and torch.equal(out, plain(x))
@@ -137,3 +159,29 @@ def test_without_onednn_the_conversion_is_one_line(monkeypatch):
 
 def test_the_package_exports_the_conversion():
     assert models.convert_linear_to_onednn is convert_linear_to_onednn
+
+
+def test_train_py_with_onednn_linear_trains_as_the_plain_run_and_checks_its_settings(tmp_path, capsys):
+    digits = prepare_digits(str(tmp_path / 'digits'))
+    records = []
+    for extra in ([], ['--onednn-linear']):
+        output = tmp_path / f'run{len(records)}'
+        argv = ['--cfg', TINY_DEMO, '--output', str(output), '--data-path', digits, *extra, '--opts',
+                'DATA.BATCH_SIZE', '64', 'TRAIN.EPOCHS_PER_RUN', '1']
+        assert run_cli(train_main, argv) == 0
+        assert ('; linear layers through oneDNN' in capsys.readouterr().out) == bool(extra)
+        with open(output / 'log.jsonl') as f:
+            records.append(json.loads(f.readline()))
+        checkpoint = torch.load(output / 'last.pth', weights_only=True)
+        assert checkpoint['model'].keys() == checkpoint['model_ema'].keys()
+    plain, onednn = records
+    assert onednn['train_loss'] == pytest.approx(plain['train_loss'], rel=1e-5)
+    assert abs(onednn['val_top1'] - plain['val_top1']) <= 100 / 360 + 1e-9  # one validation image at most
+    capsys.readouterr()
+    for opts, message in ((['AMP.ENABLED', 'True'], "config key AMP.ENABLED is True; expected False with "
+                                                    "TRAIN.ONEDNN_LINEAR"),
+                          (['DEVICE', 'cuda'], "config key DEVICE is 'cuda'; expected 'cpu' or 'auto' with "
+                                               "TRAIN.ONEDNN_LINEAR")):
+        code = run_cli(train_main, ['--cfg', TINY_DEMO, '--onednn-linear', '--opts', *opts])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert code == USAGE_EXIT_CODE and len(err) == 1 and message in err[0], err
