@@ -13,12 +13,14 @@ from yacs.config import CfgNode as CN
 
 import models  # noqa: F401  (registers the zoo's families with timm)
 from models.checkpoint import CheckpointError, checkpoint_state_dict, load_checkpoint_file
+from models.onednn import onednn_available
 
 from .config import ConfigError, mixup_active, model_kwargs
 from .errors import UsageError
 
 __all__ = ['check_model_name', 'check_model_config', 'classifier_rows', 'read_weights', 'create_model',
-           'weight_changes', 'create_optimizer', 'create_scheduler', 'create_criterion', 'autocast_dtype']
+           'weight_changes', 'create_optimizer', 'create_scheduler', 'create_criterion', 'autocast_dtype',
+           'check_onednn_linear']
 
 MODEL_KEYS = ('model', 'state_dict')
 EMA_KEYS = ('model_ema', 'state_dict_ema')
@@ -119,6 +121,20 @@ def check_model_config(cfg: CN) -> None:
     """Build the model on the meta device, which allocates nothing, so that a name, keyword or value it refuses fails
     on one line before any data is read."""
     create_model(cfg, device='meta')
+
+
+def check_onednn_linear(device: torch.device, amp: Optional[str], setting: str) -> None:
+    """oneDNN's linear layers (`setting`: the flag or config key that asks for them) speed up float32 products on
+    the CPU only (`amp`: the setting that turned autocast on, None if off): say so before any work."""
+    if device.type != 'cpu':
+        raise UsageError(f"{setting} runs the linear layers on the CPU, but the device is {device}; expected DEVICE "
+                         f"cpu")
+    if amp:
+        raise UsageError(f"{setting} with {amp}: the linear layers would take autocast's path; expected float32 "
+                         f"(leave out {amp} or {setting})")
+    if not onednn_available():
+        raise UsageError(f"{setting}: this PyTorch build has no oneDNN, or torch.backends.mkldnn.enabled is False; "
+                         f"expected torch.backends.mkldnn.is_available()")
 
 
 def create_optimizer(cfg: CN, model: nn.Module, lr: float) -> torch.optim.Optimizer:

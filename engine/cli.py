@@ -4,9 +4,10 @@ import json
 import sys
 from typing import Any, Dict, Sequence
 
+from .build import check_onednn_linear
 from .config import load_config
 from .distributed import cleanup_distributed, init_distributed
-from .evaluation import check_onednn_linear, eval_config, evaluate_weights, released_checkpoint, throughput
+from .evaluation import eval_config, evaluate_weights, released_checkpoint, throughput
 from .trainer import setup_logging, train
 
 __all__ = ['train_main', 'eval_main']
@@ -103,7 +104,7 @@ def eval_main(argv: Sequence[str]) -> int:
     setup_logging(info, stream=sys.stderr)  # stdout keeps only the results
     try:
         if args.onednn_linear:
-            check_onednn_linear(info, args.amp)
+            check_onednn_linear(info.device, '--amp' if args.amp else None, '--onednn-linear')
         if args.throughput:
             batch_size = args.batch_size or cfg.DATA.BATCH_SIZE
             result = throughput(cfg, info, batch_size, args.checkpoint, ema=args.ema, amp=args.amp,

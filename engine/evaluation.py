@@ -100,16 +100,6 @@ def _load_weights(cfg: CN, checkpoint: str, ema: bool, adopt_classes: bool) -> T
     return cfg, weights
 
 
-def check_onednn_linear(info: DistInfo, amp: bool) -> None:
-    """`--onednn-linear` speeds up float32 inference on the CPU only: say so before any work."""
-    if info.device.type != 'cpu':
-        raise UsageError(f"--onednn-linear runs the linear layers on the CPU, but the device is {info.device}; "
-                         f"expected DEVICE cpu")
-    if amp:
-        raise UsageError("--onednn-linear with --amp: the linear layers would take autocast's path; expected "
-                         "float32 inference (leave out --amp or --onednn-linear)")
-
-
 def _inference_model(model: nn.Module, cfg: CN, onednn_linear: bool, compile: bool) -> nn.Module:
     if onednn_linear:
         convert_linear_to_onednn(model)

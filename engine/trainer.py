@@ -20,8 +20,8 @@ from yacs.config import CfgNode as CN
 
 from models.onednn import convert_linear_to_onednn
 
-from .build import (autocast_dtype, check_model_config, create_criterion, create_model, create_optimizer,
-                    create_scheduler, read_weights)
+from .build import (autocast_dtype, check_model_config, check_onednn_linear, create_criterion, create_model,
+                    create_optimizer, create_scheduler, read_weights)
 from .checkpoint import LAST, OutputLock, TrainingCheckpoint, remove_stale_temp_files, remove_unfinished_writes
 from .compile import CompileTimer, compile_errors_reported, compile_model
 from .config import ema_decay, scaled_lrs, total_batch_size
@@ -163,9 +163,8 @@ def train(cfg: CN, info: DistInfo, check_data: bool = False) -> Dict[str, Any]:
     With `check_data`, every image is decoded before training. Rank 0 holds the output folder's lock for the whole
     run. A run stopped by SIGTERM / SIGINT saves, then raises `Stopped`."""
     check_model_config(cfg)
-    if cfg.TRAIN.ONEDNN_LINEAR and info.device.type != 'cpu':
-        raise UsageError(f"TRAIN.ONEDNN_LINEAR runs the linear layers on the CPU, but the device is {info.device}; "
-                         f"expected DEVICE cpu")
+    if cfg.TRAIN.ONEDNN_LINEAR:
+        check_onednn_linear(info.device, 'AMP.ENABLED' if cfg.AMP.ENABLED else None, 'TRAIN.ONEDNN_LINEAR')
     lock = OutputLock(cfg.OUTPUT)
     try:
         return _train(cfg, info, lock, check_data)

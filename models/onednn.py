@@ -49,8 +49,8 @@ def _save_inputs(ctx, inputs, output) -> None:
 
 
 def _onednn_linear_backward(ctx, grad: Tensor):
-    """The three products of the backward pass through oneDNN as well: grad_x = grad·W, grad_W = gradᵀ·x (oneDNN
-    reads the transposed rows through their strides, no copy); grad_b = the sum of grad's rows."""
+    """The backward pass's products through oneDNN as well: grad_x = grad·W and grad_W = gradᵀ·x (the transposed
+    activations go in as strided views, which oneDNN takes faster than copies); grad_b = the sum of grad's rows."""
     x, weight = ctx.saved_tensors
     rows = grad.reshape(-1, grad.shape[-1])
     grad_x = grad_weight = grad_bias = None

@@ -568,8 +568,8 @@ def test_onednn_linear_evaluates_to_the_same_accuracy_and_refuses_what_it_cannot
     code, out, err = _run(eval_main, ['--onednn-linear', '--amp'] + argv, capsys)
     assert code == USAGE_EXIT_CODE and out == ''
     assert err.strip().splitlines() == [
-        "error: --onednn-linear with --amp: the linear layers would take autocast's path; expected float32 inference "
-        "(leave out --amp or --onednn-linear)"]
+        "error: --onednn-linear with --amp: the linear layers would take autocast's path; expected float32 (leave "
+        "out --amp or --onednn-linear)"]
 
 
 def test_the_script_itself_exits_2_without_a_traceback(tmp_path):

@@ -13,6 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import timm
 
+import engine.build
 import models
 from engine.cli import train_main
 from engine.data import prepare_digits
@@ -161,7 +162,7 @@ def test_the_package_exports_the_conversion():
     assert models.convert_linear_to_onednn is convert_linear_to_onednn
 
 
-def test_train_py_with_onednn_linear_trains_as_the_plain_run_and_checks_its_settings(tmp_path, capsys):
+def test_train_py_with_onednn_linear_trains_as_the_plain_run_and_checks_its_settings(tmp_path, capsys, monkeypatch):
     digits = prepare_digits(str(tmp_path / 'digits'))
     records = []
     for extra in ([], ['--onednn-linear']):
@@ -185,3 +186,9 @@ def test_train_py_with_onednn_linear_trains_as_the_plain_run_and_checks_its_sett
         code = run_cli(train_main, ['--cfg', TINY_DEMO, '--onednn-linear', '--opts', *opts])
         err = capsys.readouterr().err.strip().splitlines()
         assert code == USAGE_EXIT_CODE and len(err) == 1 and message in err[0], err
+    monkeypatch.setattr(engine.build, 'onednn_available', lambda: False)
+    code = run_cli(train_main, ['--cfg', TINY_DEMO, '--output', str(tmp_path / 'none'), '--onednn-linear'])
+    assert code == USAGE_EXIT_CODE and capsys.readouterr().err.strip().splitlines() == [
+        "error: TRAIN.ONEDNN_LINEAR: this PyTorch build has no oneDNN, or torch.backends.mkldnn.enabled is False; "
+        "expected torch.backends.mkldnn.is_available()"]
+    assert not (tmp_path / 'none').exists()  # refused before the output folder is made
