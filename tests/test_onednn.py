@@ -151,6 +151,15 @@ def test_autocast_and_torchscript_take_f_linear():
         assert torch.equal(scripted(x), plain(x))
 
 
+def test_torch_export_of_a_converted_model_takes_f_linear():
+    plain, converted = tiny_pair()
+    x = torch.randn(2, 3, 32, 32)
+    exported = torch.export.export(converted, (x,))
+    assert 'onednn' not in str(exported.graph) and 'linear' in str(exported.graph)
+    with torch.no_grad():
+        assert (exported.module()(x) - plain(x)).abs().max().item() < 1e-6
+
+
 def test_without_onednn_the_conversion_is_one_line(monkeypatch):
     monkeypatch.setattr(torch.backends.mkldnn, 'is_available', lambda: False)
     with pytest.raises(RuntimeError, match=r"^oneDNN is not available in this PyTorch build, or "
