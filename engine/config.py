@@ -327,11 +327,6 @@ def validate_config(cfg: CN) -> None:
     _check(all(isinstance(k, str) and k.islower() for k in cfg.MODEL.KWARGS), 'MODEL.KWARGS',
            list(cfg.MODEL.KWARGS), 'lower-case constructor keyword names')
     _check(bool(cfg.MODEL.NAME), 'MODEL.NAME', cfg.MODEL.NAME, 'a registered model name')
-    if cfg.TRAIN.ONEDNN_LINEAR:
-        _check(not cfg.AMP.ENABLED, 'AMP.ENABLED', cfg.AMP.ENABLED,
-               'False with TRAIN.ONEDNN_LINEAR (autocast gives the linear layers its own path)')
-        _check(cfg.DEVICE != 'cuda', 'DEVICE', cfg.DEVICE,
-               "'cpu' or 'auto' with TRAIN.ONEDNN_LINEAR (oneDNN runs on the CPU)")
     if cfg.TRAIN.COMPILE_BACKEND != 'inductor':  # the registry is read only when another backend is asked for
         backends = compile_backends()
         _check(cfg.TRAIN.COMPILE_BACKEND in backends, 'TRAIN.COMPILE_BACKEND', cfg.TRAIN.COMPILE_BACKEND,
