@@ -8,7 +8,7 @@ training part of that record when the epoch's training finished but its validati
 `TrainingCheckpoint` owns this format.
 
 `OutputLock` keeps one run at a time in an output folder; `remove_stale_temp_files` clears the temporary files of
-writes that were killed, and `remove_unfinished_writes` those of this process's writes before it exits at once.
+writes that were killed.
 """
 import fcntl
 import logging
@@ -31,17 +31,15 @@ from models.checkpoint import CheckpointError, load_checkpoint_file, load_state_
 
 from .config import config_from_yaml_string
 from .distributed import DistInfo, all_gather_objects
-from .errors import UsageError
+from .errors import UsageError, removed_by_an_exit_at_once
 from .loops import TrainState
 
 __all__ = ['LAST', 'BEST', 'LOCK', 'TrainingCheckpoint', 'OutputLock', 'atomic_save', 'remove_stale_temp_files',
-           'remove_unfinished_writes', 'rng_state', 'set_rng_state']
+           'rng_state', 'set_rng_state']
 
 LAST, BEST, LOCK = 'last.pth', 'best.pth', '.train.lock'
 # the temporary name `atomic_save` gives: .<name>.<pid>.<8 hex digits>.tmp
 TEMP_NAME = re.compile(r'^\..+\.(\d+)\.[0-9a-f]{8}\.tmp$')
-# the temporary files this process's `atomic_save` calls are writing now
-_UNFINISHED_WRITES: set = set()
 logger = logging.getLogger('engine')
 
 
@@ -66,8 +64,7 @@ def atomic_save(obj: Any, path: str) -> None:
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
     tmp = os.path.join(folder, f'.{os.path.basename(path)}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp')
-    _UNFINISHED_WRITES.add(tmp)  # before the file exists, so that no exit at once can miss it
-    try:
+    with removed_by_an_exit_at_once(tmp):
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # permissions from the umask, like open()
         try:
             with os.fdopen(fd, 'wb') as f:
@@ -79,19 +76,7 @@ def atomic_save(obj: Any, path: str) -> None:
             if os.path.exists(tmp):
                 os.remove(tmp)
             raise
-    finally:
-        _UNFINISHED_WRITES.discard(tmp)
     _fsync_folder(folder)
-
-
-def remove_unfinished_writes() -> None:
-    """Remove the temporary files of this process's `atomic_save` calls in progress, whose targets keep their
-    previous contents: for a signal handler that ends the process at once, where no `finally` runs."""
-    for tmp in list(_UNFINISHED_WRITES):
-        try:
-            os.remove(tmp)
-        except OSError:
-            pass  # renamed already, or never created
 
 
 def _pid_alive(pid: int) -> bool:

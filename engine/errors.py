@@ -3,14 +3,17 @@ line with status 128 + the signal's number; `--debug` shows the traceback instea
 import os
 import signal
 import sys
-from typing import Callable, NoReturn, Optional, Sequence
+from contextlib import contextmanager
+from typing import Callable, Iterator, NoReturn, Optional, Sequence, Set
 
 from models.checkpoint import CheckpointError
 
 __all__ = ['UsageError', 'BadImageError', 'NonFiniteLossError', 'Stopped', 'USAGE_EXIT_CODE', 'run_cli',
-           'exit_at_once']
+           'exit_at_once', 'removed_by_an_exit_at_once']
 
 USAGE_EXIT_CODE = 2
+# files this process is writing under temporary names, which `exit_at_once` removes
+_UNFINISHED_FILES: Set[str] = set()
 
 
 class UsageError(ValueError):
@@ -40,13 +43,28 @@ def exit_at_once(signum: int, message: str) -> NoReturn:
 
     For a second signal: an exception raised from a signal handler can land in a clean-up (a DataLoader's
     `__del__`, where Python prints and ignores it) or chain onto the first stop's, while an exit at once cannot.
-    Nothing half-written stays: checkpoints are replaced atomically, a signal handler removes the temporary file of
-    a write in progress first (`remove_unfinished_writes`), and the next run takes over the lock of a process that
-    ended.
+    Nothing half-written stays: checkpoints are replaced atomically, the temporary file of a write in progress is
+    removed first (`removed_by_an_exit_at_once`), and the next run takes over the lock of a process that ended.
     """
+    for path in list(_UNFINISHED_FILES):
+        try:
+            os.remove(path)
+        except OSError:
+            pass  # renamed already, or never created
     if _reports():
         os.write(sys.stderr.fileno(), f"\nerror: {message}\n".encode())  # a handler must not re-enter buffered io
     os._exit(128 + signum)
+
+
+@contextmanager
+def removed_by_an_exit_at_once(path: str) -> Iterator[None]:
+    """While the block runs, `exit_at_once` removes `path`: a file written under a temporary name, which no
+    `finally` would remove after `os._exit`."""
+    _UNFINISHED_FILES.add(path)  # before the file exists, so that no exit at once can miss it
+    try:
+        yield
+    finally:
+        _UNFINISHED_FILES.discard(path)
 
 
 def run_cli(main: Callable[[Sequence[str]], int], argv: Optional[Sequence[str]] = None) -> int:

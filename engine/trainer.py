@@ -22,7 +22,7 @@ from models.onednn import convert_linear_to_onednn
 
 from .build import (autocast_dtype, check_model_config, check_onednn_linear, create_criterion, create_model,
                     create_optimizer, create_scheduler, read_weights)
-from .checkpoint import LAST, OutputLock, TrainingCheckpoint, remove_stale_temp_files, remove_unfinished_writes
+from .checkpoint import LAST, OutputLock, TrainingCheckpoint, remove_stale_temp_files
 from .compile import CompileTimer, compile_errors_reported, compile_model
 from .config import ema_decay, scaled_lrs, total_batch_size
 from .data import (build_eval_loader, build_mixup, build_train_loader, check_images, check_splits, eval_batch_size,
@@ -90,7 +90,6 @@ class StopSignal:
         if self.received is not None:
             if self._is_torchrun_copy(signum):
                 return
-            remove_unfinished_writes()
             exit_at_once(signum, f"stopped at once by a second {signal.Signals(signum).name}, without saving; the "
                                  f"checkpoints saved before are unchanged")
         self.received, self.received_at = signum, time.monotonic()

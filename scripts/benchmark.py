@@ -290,13 +290,14 @@ def measure(args: argparse.Namespace) -> List[Dict]:
         times, matmul_times = times[:len(runners)], dict(zip(matmuls, times[len(runners):]))
         # each round's faster library
         best_times = [min(round_times) for round_times in zip(*matmul_times.values())]
+        rates = {f'{library}_gflop_s': matmul_flops / statistics.median(library_times) / 1e9
+                 for library, library_times in matmul_times.items()}
         for model_times, (*_, result, flops) in zip(times, runners):
             seconds = pick(model_times)
             result[key] = args.batch_size / seconds if mode == 'infer' else 1000 * seconds
             result[f'{mode}_mm_pct'] = efficiency(flops[mode], model_times, matmul_flops, matmul_times['matmul'])
             result[f'{mode}_best_pct'] = efficiency(flops[mode], model_times, matmul_flops, best_times)
-            for library, library_times in matmul_times.items():
-                result[f'{library}_gflop_s'] = matmul_flops / statistics.median(library_times) / 1e9
+            result.update(rates)
     return results
 
 
