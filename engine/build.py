@@ -20,7 +20,7 @@ from .errors import UsageError
 
 __all__ = ['check_model_name', 'check_model_config', 'classifier_rows', 'read_weights', 'create_model',
            'weight_changes', 'create_optimizer', 'create_scheduler', 'create_criterion', 'autocast_dtype',
-           'check_onednn_linear']
+           'check_onednn']
 
 MODEL_KEYS = ('model', 'state_dict')
 EMA_KEYS = ('model_ema', 'state_dict_ema')
@@ -123,14 +123,14 @@ def check_model_config(cfg: CN) -> None:
     create_model(cfg, device='meta')
 
 
-def check_onednn_linear(device: torch.device, amp: Optional[str], setting: str) -> None:
-    """oneDNN's linear layers (`setting`: the flag or config key that asks for them) speed up float32 products on
-    the CPU only (`amp`: the setting that turned autocast on, None if off): say so before any work."""
+def check_onednn(device: torch.device, amp: Optional[str], setting: str) -> None:
+    """oneDNN's products (`setting`: the flag or config key that asks for them, `models.convert_to_onednn`) speed
+    up float32 on the CPU only (`amp`: the setting that turned autocast on, None if off): say so before any work."""
     if device.type != 'cpu':
-        raise UsageError(f"{setting} runs the linear layers on the CPU, but the device is {device}; expected DEVICE "
-                         f"cpu")
+        raise UsageError(f"{setting} runs the model's products on the CPU, but the device is {device}; expected "
+                         f"DEVICE cpu")
     if amp:
-        raise UsageError(f"{setting} with {amp}: the linear layers would take autocast's path; expected float32 "
+        raise UsageError(f"{setting} with {amp}: the model's products would take autocast's path; expected float32 "
                          f"(leave out {amp} or {setting})")
     if not onednn_available():
         raise UsageError(f"{setting}: this PyTorch build has no oneDNN, or torch.backends.mkldnn.enabled is False; "

@@ -4,7 +4,7 @@ import json
 import sys
 from typing import Any, Dict, Sequence
 
-from .build import check_onednn_linear
+from .build import check_onednn
 from .config import load_config
 from .distributed import cleanup_distributed, init_distributed
 from .evaluation import eval_config, evaluate_weights, released_checkpoint, throughput
@@ -48,13 +48,14 @@ def train_main(argv: Sequence[str]) -> int:
     parser.add_argument('--pretrained', help='weights to start from (MODEL.PRETRAINED), e.g. for fine-tuning')
     parser.add_argument('--compile', action='store_true', default=None,
                         help='torch.compile the whole model, without graph breaks (TRAIN.COMPILE)')
-    parser.add_argument('--onednn-linear', action='store_true', default=None,
-                        help='CPU, AMP off: the linear layers through oneDNN (TRAIN.ONEDNN_LINEAR)')
+    parser.add_argument('--onednn', action='store_true', default=None,
+                        help="CPU, AMP off: the linear layers' and attention kernels' products through oneDNN "
+                             '(TRAIN.ONEDNN)')
     _common_arguments(parser)
     args = parser.parse_args(argv)
     cfg = load_config(args.cfg, args.opts, _overrides(args, dict(
         data_path='DATA.DATA_PATH', batch_size='DATA.BATCH_SIZE', output='OUTPUT', resume='MODEL.RESUME',
-        pretrained='MODEL.PRETRAINED', compile='TRAIN.COMPILE', onednn_linear='TRAIN.ONEDNN_LINEAR')))
+        pretrained='MODEL.PRETRAINED', compile='TRAIN.COMPILE', onednn='TRAIN.ONEDNN')))
     info = init_distributed(cfg.DEVICE, cfg.DIST.BACKEND, cfg.DIST.TIMEOUT_MIN)
     try:
         train(cfg, info, check_data=args.check_data)
@@ -79,9 +80,10 @@ def eval_main(argv: Sequence[str]) -> int:
     parser.add_argument('--compile', action='store_true',
                         help='torch.compile the whole model, without graph breaks, with TRAIN.COMPILE_MODE and '
                              'TRAIN.COMPILE_BACKEND (the config\'s TRAIN.COMPILE is for training)')
-    parser.add_argument('--onednn-linear', action='store_true',
-                        help='CPU, float32: run the linear layers through oneDNN, which some CPUs run up to twice as '
-                             'fast as the default library (outputs equal to float32 rounding; eager or --compile)')
+    parser.add_argument('--onednn', action='store_true',
+                        help="CPU, float32: the linear layers' and attention kernels' products through oneDNN, which "
+                             'some CPUs run up to twice as fast as the default library (outputs equal to float32 '
+                             'rounding; eager or --compile)')
     parser.add_argument('--throughput', action='store_true',
                         help='print images/s at --batch-size (50 warm-up forwards, 30 timed) instead of accuracy')
     parser.add_argument('--warmup-forwards', type=int, default=50, metavar='N',
@@ -103,20 +105,20 @@ def eval_main(argv: Sequence[str]) -> int:
     info = init_distributed(cfg.DEVICE, cfg.DIST.BACKEND, cfg.DIST.TIMEOUT_MIN)
     setup_logging(info, stream=sys.stderr)  # stdout keeps only the results
     try:
-        if args.onednn_linear:
-            check_onednn_linear(info.device, '--amp' if args.amp else None, '--onednn-linear')
+        if args.onednn:
+            check_onednn(info.device, '--amp' if args.amp else None, '--onednn')
         if args.throughput:
             batch_size = args.batch_size or cfg.DATA.BATCH_SIZE
             result = throughput(cfg, info, batch_size, args.checkpoint, ema=args.ema, amp=args.amp,
                                 adopt_classes=bool(args.model), warmup=args.warmup_forwards,
-                                timed=args.timed_forwards, compile=args.compile, onednn_linear=args.onednn_linear)
+                                timed=args.timed_forwards, compile=args.compile, onednn=args.onednn)
             if info.is_main:
                 print(f"batch_size {batch_size} throughput {result['throughput']:.1f} images/s")
         else:
             checkpoint = args.checkpoint or released_checkpoint(args.model, info)
             result = evaluate_weights(cfg, info, checkpoint, ema=args.ema, amp=args.amp,
                                       adopt_classes=bool(args.model), check_data=args.check_data,
-                                      compile=args.compile, onednn_linear=args.onednn_linear)
+                                      compile=args.compile, onednn=args.onednn)
             if info.is_main:
                 print(f"{result['model']} ({result['weights']} weights, {result['precision']}): top-1 "
                       f"{result['top1']:.3f} top-5 {result['top5']:.3f} on {result['count']} images")

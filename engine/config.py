@@ -74,9 +74,10 @@ _C.TRAIN.USE_CHECKPOINT = False  # gradient checkpointing
 _C.TRAIN.COMPILE = False
 _C.TRAIN.COMPILE_MODE = 'default'
 _C.TRAIN.COMPILE_BACKEND = 'inductor'
-# the linear layers' float32 CPU products through oneDNN (models.convert_linear_to_onednn), training and validation:
-# up to twice as fast on CPUs where the BLAS library runs a narrow vector path; CPU only, AMP off
-_C.TRAIN.ONEDNN_LINEAR = False
+# the float32 CPU products of the linear layers and of softmax's and MultiMax's fused kernel through oneDNN
+# (models.convert_to_onednn), training and validation: up to twice as fast on CPUs where the BLAS library runs a
+# narrow vector path; CPU only, AMP off
+_C.TRAIN.ONEDNN = False
 _C.TRAIN.AUTO_RESUME = True
 _C.TRAIN.MAX_NONFINITE_STEPS = 0  # updates skipped for a non-finite loss before the run stops with an error
 _C.TRAIN.LR_SCHEDULER = CN()

@@ -7,7 +7,7 @@ from torch import Tensor, nn
 from yacs.config import CfgNode as CN
 
 from models.checkpoint import CheckpointError, load_checkpoint_file, released_weights_file
-from models.onednn import convert_linear_to_onednn
+from models.onednn import convert_to_onednn
 
 from .build import autocast_dtype, check_model_name, classifier_rows, create_model, read_weights
 from .compile import CompileTimer, compile_errors_reported, compile_model
@@ -100,9 +100,9 @@ def _load_weights(cfg: CN, checkpoint: str, ema: bool, adopt_classes: bool) -> T
     return cfg, weights
 
 
-def _inference_model(model: nn.Module, cfg: CN, onednn_linear: bool, compile: bool) -> nn.Module:
-    if onednn_linear:
-        convert_linear_to_onednn(model)
+def _inference_model(model: nn.Module, cfg: CN, onednn: bool, compile: bool) -> nn.Module:
+    if onednn:
+        convert_to_onednn(model)
     if compile:
         model = compile_model(model, cfg.TRAIN.COMPILE_MODE, cfg.TRAIN.COMPILE_BACKEND)
     return model
@@ -110,10 +110,10 @@ def _inference_model(model: nn.Module, cfg: CN, onednn_linear: bool, compile: bo
 
 def evaluate_weights(cfg: CN, info: DistInfo, checkpoint: str, *, ema: bool = False, amp: bool = False,
                      adopt_classes: bool = False, check_data: bool = False, compile: bool = False,
-                     onednn_linear: bool = False) -> Dict[str, Any]:
+                     onednn: bool = False) -> Dict[str, Any]:
     """Top-1 / top-5 of the weights in `checkpoint` on the validation folder, exact over processes; with
     `check_data`, every image is decoded first; with `compile`, the model runs compiled (TRAIN.COMPILE_MODE,
-    TRAIN.COMPILE_BACKEND), with `onednn_linear` its linear layers run through oneDNN (`check_onednn_linear`).
+    TRAIN.COMPILE_BACKEND), with `onednn` its products run through oneDNN (`check_onednn`).
     Under DATA.BAD_IMAGES 'skip' the bad files are left out of the counts."""
     cfg, weights = _load_weights(cfg, checkpoint, ema, adopt_classes)
     source = f"checkpoint {checkpoint!r}"
@@ -129,22 +129,22 @@ def evaluate_weights(cfg: CN, info: DistInfo, checkpoint: str, *, ema: bool = Fa
     del weights
     loader = build_eval_loader(cfg, val_set, info, eval_batch_size(cfg))
     dtype = autocast_dtype(cfg, info.device, amp)
-    model = _inference_model(model, cfg, onednn_linear, compile)
+    model = _inference_model(model, cfg, onednn, compile)
     with compile_errors_reported(cfg.MODEL.NAME):
         metrics = evaluate(model, loader, info, amp=amp, amp_dtype=dtype, desc='eval',
                            compile_timer=CompileTimer('evaluation', compile))
     return dict(model=cfg.MODEL.NAME, checkpoint=checkpoint, weights='ema' if ema else 'model', data=root,
                 img_size=cfg.DATA.IMG_SIZE, crop_pct=cfg.TEST.CROP_PCT, crop_mode=cfg.TEST.CROP_MODE,
                 precision=dtype if amp else 'float32', world_size=info.world_size, compiled=compile,
-                onednn_linear=onednn_linear, **metrics)
+                onednn=onednn, **metrics)
 
 
 def throughput(cfg: CN, info: DistInfo, batch_size: int, checkpoint: Optional[str] = None, *, ema: bool = False,
                amp: bool = False, adopt_classes: bool = False, warmup: int = 50, timed: int = 30,
-               compile: bool = False, onednn_linear: bool = False) -> Dict[str, Any]:
+               compile: bool = False, onednn: bool = False) -> Dict[str, Any]:
     """Images/s of one process on a batch of `batch_size` images at DATA.IMG_SIZE (`warmup` forwards, then
-    `timed` forwards timed; 50 and 30 as the official scripts), compiled with `compile`, the linear layers
-    through oneDNN with `onednn_linear`.
+    `timed` forwards timed; 50 and 30 as the official scripts), compiled with `compile`, the products through
+    oneDNN with `onednn` (`models.convert_to_onednn`).
 
     The input is random: the time of a forward does not depend on the pixels.
     """
@@ -155,10 +155,10 @@ def throughput(cfg: CN, info: DistInfo, batch_size: int, checkpoint: Optional[st
     generator = torch.Generator().manual_seed(cfg.SEED)
     images = torch.randn(batch_size, 3, cfg.DATA.IMG_SIZE, cfg.DATA.IMG_SIZE, generator=generator)
     dtype = autocast_dtype(cfg, info.device, amp)
-    model = _inference_model(model, cfg, onednn_linear, compile)
+    model = _inference_model(model, cfg, onednn, compile)
     with compile_errors_reported(cfg.MODEL.NAME):
         rate = measure_throughput(model, images, info, amp=amp, amp_dtype=dtype, warmup=warmup, timed=timed,
                                   compile_timer=CompileTimer('the forward pass', compile))
     return dict(model=cfg.MODEL.NAME, batch_size=batch_size, img_size=cfg.DATA.IMG_SIZE,
                 precision=dtype if amp else 'float32', device=str(info.device), warmup=warmup, timed=timed,
-                compiled=compile, onednn_linear=onednn_linear, throughput=rate)
+                compiled=compile, onednn=onednn, throughput=rate)

@@ -18,9 +18,9 @@ from timm.utils import ModelEmaV3
 from torch.nn.parallel import DistributedDataParallel
 from yacs.config import CfgNode as CN
 
-from models.onednn import convert_linear_to_onednn
+from models.onednn import convert_to_onednn
 
-from .build import (autocast_dtype, check_model_config, check_onednn_linear, create_criterion, create_model,
+from .build import (autocast_dtype, check_model_config, check_onednn, create_criterion, create_model,
                     create_optimizer, create_scheduler, read_weights)
 from .checkpoint import LAST, OutputLock, TrainingCheckpoint, remove_stale_temp_files
 from .compile import CompileTimer, compile_errors_reported, compile_model
@@ -162,8 +162,8 @@ def train(cfg: CN, info: DistInfo, check_data: bool = False) -> Dict[str, Any]:
     With `check_data`, every image is decoded before training. Rank 0 holds the output folder's lock for the whole
     run. A run stopped by SIGTERM / SIGINT saves, then raises `Stopped`."""
     check_model_config(cfg)
-    if cfg.TRAIN.ONEDNN_LINEAR:
-        check_onednn_linear(info.device, 'AMP.ENABLED' if cfg.AMP.ENABLED else None, 'TRAIN.ONEDNN_LINEAR')
+    if cfg.TRAIN.ONEDNN:
+        check_onednn(info.device, 'AMP.ENABLED' if cfg.AMP.ENABLED else None, 'TRAIN.ONEDNN')
     lock = OutputLock(cfg.OUTPUT)
     try:
         return _train(cfg, info, lock, check_data)
@@ -220,8 +220,8 @@ def _train(cfg: CN, info: DistInfo, lock: OutputLock, check_data: bool) -> Dict[
     if cfg.MODEL.PRETRAINED and stored is None:
         pretrained = read_weights(cfg.MODEL.PRETRAINED)
     model = create_model(cfg, pretrained, source=cfg.MODEL.PRETRAINED)
-    if cfg.TRAIN.ONEDNN_LINEAR:
-        convert_linear_to_onednn(model)
+    if cfg.TRAIN.ONEDNN:
+        convert_to_onednn(model)
     if cfg.TRAIN.USE_CHECKPOINT:
         model.set_grad_checkpointing(True)
     model.to(info.device)
@@ -274,7 +274,7 @@ def _train(cfg: CN, info: DistInfo, lock: OutputLock, check_data: bool) -> Dict[
                     f"per epoch, {num_epochs} epochs; output {output}"
                     + (f"; compiled (torch.compile, backend {cfg.TRAIN.COMPILE_BACKEND}, mode "
                        f"{cfg.TRAIN.COMPILE_MODE})" if compiled else '')
-                    + ('; linear layers through oneDNN' if cfg.TRAIN.ONEDNN_LINEAR else ''))
+                    + ('; products through oneDNN' if cfg.TRAIN.ONEDNN else ''))
 
     record: Dict[str, Any] = {}
     epochs_run, stopped = 0, False

@@ -9,4 +9,4 @@ from .attention import (
 from . import vit, pvt, pvt_v2
 from . import swin, cswin
 from . import xcit_sima
-from .onednn import OneDNNLinear, convert_linear_to_onednn
+from .onednn import OneDNNLinear, convert_to_onednn

@@ -1,16 +1,17 @@
-"""Linear layers through oneDNN on the CPU.
+"""Linear layers and attention products through oneDNN on the CPU.
 
 PyTorch computes a float32 `nn.Linear` on the CPU with its BLAS library (MKL in the official wheels). On CPUs for
 which that library takes a narrower vector path than the machine has (MKL on AMD's AVX-512 CPUs), oneDNN, the
 deep-learning library PyTorch also ships, multiplies at up to twice the rate: 240 against 105 GFLOP/s for a
-2048² product on one core of the benchmark machine (`docs/benchmarks.md`). `convert_linear_to_onednn` swaps a
-model's `nn.Linear` modules for `OneDNNLinear`, which keeps their parameters and state-dict keys and multiplies
-through oneDNN in float32 on the CPU, forward and backward.
+2048² product on one core of the benchmark machine (`docs/benchmarks.md`). `convert_to_onednn` swaps a model's
+`nn.Linear` modules for `OneDNNLinear`, which keeps their parameters and state-dict keys and multiplies through
+oneDNN in float32 on the CPU, forward and backward, and has softmax and MultiMax attention multiply their scores
+through oneDNN where their fused CPU kernel computes them (`attention/multimax_cpu.py`; softmax in inference).
 
 The outputs and gradients differ from `F.linear`'s by float32 rounding (the two libraries sum in different orders).
 The product is the custom op `zoo::onednn_linear`, which `torch.compile` calls as it stands (inductor's own
 lowering of oneDNN's op takes frozen weights only) and `torch.utils.flop_counter` counts. Autocast, other dtypes
-and devices, TorchScript and export take `F.linear` as before.
+and devices, TorchScript and export take `F.linear` as before, and the attentions their other paths.
 """
 import math
 from typing import Optional
@@ -21,8 +22,9 @@ from torch import Tensor, nn
 from torch.utils.flop_counter import register_flop_formula
 
 from .attention.mixer import is_exporting
+from .attention.softmax import SoftmaxMixer
 
-__all__ = ['OneDNNLinear', 'convert_linear_to_onednn', 'onednn_available', 'onednn_linear']
+__all__ = ['OneDNNLinear', 'convert_to_onednn', 'onednn_available', 'onednn_linear']
 
 
 def onednn_available() -> bool:
@@ -89,12 +91,12 @@ class OneDNNLinear(nn.Linear):
         return F.linear(x, self.weight, self.bias)
 
 
-def convert_linear_to_onednn(module: nn.Module) -> nn.Module:
-    """Make every `nn.Linear` in `module` (itself included, subclasses excluded) a `OneDNNLinear` in place and return
-    `module`.
+def convert_to_onednn(module: nn.Module) -> nn.Module:
+    """Make every `nn.Linear` in `module` (itself included, subclasses excluded) a `OneDNNLinear`, and have every
+    softmax and MultiMax mixer multiply through oneDNN in its fused CPU kernel, in place; return `module`.
 
-    Only the modules' class changes, as `torch.nn.utils.parametrize` changes it: parameters, buffers, hooks and
-    state-dict keys stay, so optimizers and checkpoints see the same model.
+    Only the linear modules' class changes, as `torch.nn.utils.parametrize` changes it, and the mixers' `onednn`
+    flag: parameters, buffers, hooks and state-dict keys stay, so optimizers and checkpoints see the same model.
     """
     if not onednn_available():
         raise RuntimeError("oneDNN is not available in this PyTorch build, or torch.backends.mkldnn.enabled is False; "
@@ -102,4 +104,6 @@ def convert_linear_to_onednn(module: nn.Module) -> nn.Module:
     for child in module.modules():
         if type(child) is nn.Linear:
             child.__class__ = OneDNNLinear
+        elif isinstance(child, SoftmaxMixer):
+            child.onednn = True
     return module

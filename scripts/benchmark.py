@@ -15,8 +15,9 @@ convolutions; the CPU kernel of `scaled_dot_product_attention`, which the counte
 matrix product in the models' precision, timed in every round beside them with the same threads. The share is
 the median over the rounds of each round's ratio. `% mm` takes `torch.matmul`'s rate (the BLAS library on the
 CPU); on the CPU `% best` takes the faster of it and oneDNN's, since the two libraries reach different rates on
-some CPUs (MKL runs a narrower vector path on AMD's AVX-512 CPUs). `--onednn-linear` runs the models' linear
-layers through oneDNN, inference and training, eager and compiled (`models.convert_linear_to_onednn`).
+some CPUs (MKL runs a narrower vector path on AMD's AVX-512 CPUs). `--onednn` runs the models' linear
+layers and softmax's and MultiMax's fused CPU kernel through oneDNN, inference and training, eager and compiled
+(`models.convert_to_onednn`).
 
 Peak memory is what a forward pass (inference) or a training step (forward, backward, AdamW) allocates above
 what the model already holds: on CUDA the allocator's peak, on CPU the peak of live tensor bytes recorded by the
@@ -53,7 +54,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import models  # noqa: E402,F401  (registers the families)
 from engine.compile import compile_model  # noqa: E402
 from models.attention import forms_score_matrix, list_attentions  # noqa: E402
-from models.onednn import convert_linear_to_onednn, onednn_available, onednn_linear  # noqa: E402
+from models.onednn import convert_to_onednn, onednn_available, onednn_linear  # noqa: E402
 
 # The attention every `×softmax` ratio compares against.
 BASELINE = 'softmax'
@@ -225,8 +226,8 @@ def measure(args: argparse.Namespace) -> List[Dict]:
             x = torch.randn(args.batch_size, 3, args.resolution, args.resolution, device=device)
             y = torch.randint(0, model.num_classes, (args.batch_size,), device=device)
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-            if args.onednn_linear:
-                convert_linear_to_onednn(model)
+            if args.onednn:
+                convert_to_onednn(model)
             flops = dict(infer=count_flops(model, x, train=False),
                          train=count_flops(model, x, train=True) if args.train else None)
             variants = [model] + ([compile_model(model)] if args.compile else [])
@@ -313,7 +314,7 @@ def run_group(args: argparse.Namespace, specs: List[Dict], resolution: int, trai
            '--iters', str(args.iters), '--train-iters', str(args.train_iters), '--warmup', str(args.warmup),
            '--threads', str(args.threads), '--stat', args.stat, '--matmul-size', str(args.matmul_size)]
     cmd += ['--compile'] * args.compile + ['--channels-last'] * args.channels_last
-    cmd += ['--onednn-linear'] * args.onednn_linear
+    cmd += ['--onednn'] * args.onednn
     cmd += ['--train' if train else '--no-train']
     env = dict(os.environ, **STEADY_MALLOC) if args.steady_malloc else None
     variants = 2 if args.compile else 1
@@ -356,8 +357,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help='side of the square matrix product whose rate the efficiency is a share of')
     parser.add_argument('--note', default='', help='a line for the header of OUT.md, e.g. what else ran')
     parser.add_argument('--channels-last', action='store_true')
-    parser.add_argument('--onednn-linear', action='store_true',
-                        help="CPU: the models' linear layers through oneDNN (models.convert_linear_to_onednn)")
+    parser.add_argument('--onednn', action='store_true',
+                        help="CPU: the models' linear layers and attention kernels through oneDNN "
+                             "(models.convert_to_onednn)")
     parser.add_argument('--steady-malloc', action=argparse.BooleanOptionalAction, default=True,
                         help="keep freed memory in the measuring processes (glibc's MALLOC_MMAP_THRESHOLD_ and "
                              "MALLOC_TRIM_THRESHOLD_), so that timings do not depend on when the system allocator "
@@ -536,7 +538,7 @@ def write_outputs(args: argparse.Namespace, rows: List[Dict], skipped: List[str]
         + (', bfloat16 autocast' if args.device == 'cuda' else ', float32')
         + (', eager and torch.compile(fullgraph=True) rows' if args.compile else '')
         + (', steady allocator (freed memory kept in the process)' if args.steady_malloc else '')
-        + (", the models' linear layers through oneDNN" if args.onednn_linear else ''),
+        + (", the models' linear layers and attention kernels through oneDNN" if args.onednn else ''),
         f'- matrix-multiply rate ({args.matmul_size}² product, {matmul_dtype}, median of each process\'s rounds): '
         f'`torch.matmul` {_span(r["matmul_gflop_s"] for r in rows)} GFLOP/s'
         + (f', oneDNN {_span(r["onednn_gflop_s"] for r in rows)} GFLOP/s'

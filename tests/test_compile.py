@@ -292,9 +292,9 @@ def test_compile_settings_are_checked_on_one_line(capsys):
         assert code == 2 and len(err) == 1 and message in err[0]
 
 
-def calls_kernel(graphs, op: str = 'zoo.multimax_cpu_forward') -> bool:
+def calls_kernel(graphs, op: str = 'zoo.multimax_cpu_attention') -> bool:
     """Whether a traced graph or one nested in it (an autograd.Function's) calls MultiMax's CPU kernel (`op`: its
-    forward or `zoo.multimax_cpu_backward`)."""
+    forward or `zoo.multimax_cpu_attention_backward`)."""
     return any(op in module.code for g in graphs for module in g.modules() if isinstance(module, torch.fx.GraphModule))
 
 
@@ -323,7 +323,7 @@ def test_compiled_cpu_multimax_training_calls_its_kernel_forward_and_backward():
     out = torch.compile(multimax_attention, fullgraph=True, backend=counter)(*differentiable)
     grads = torch.autograd.grad(out.square().sum(), differentiable)
     assert counter.frame_count == 1 and calls_kernel(counter.graphs)
-    assert calls_kernel(counter.graphs, 'zoo.multimax_cpu_backward')
+    assert calls_kernel(counter.graphs, 'zoo.multimax_cpu_attention_backward')
     wide = [t.detach().double().requires_grad_() for t in differentiable]
     expected = plain_multimax(*wide, *(t.double() for t in no_bias))
     expected_grads = torch.autograd.grad(expected.square().sum(), wide)

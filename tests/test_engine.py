@@ -552,24 +552,24 @@ def test_throughput_prints_images_per_second(capsys):
     assert out.startswith('batch_size 4 throughput ') and 'images/s' in out
 
 
-def test_onednn_linear_evaluates_to_the_same_accuracy_and_refuses_what_it_cannot_speed_up(tmp_path, digits,
-                                                                                            tiny_cfg, capsys):
+def test_onednn_evaluates_to_the_same_accuracy_and_refuses_what_it_cannot_speed_up(tmp_path, digits, tiny_cfg,
+                                                                                     capsys):
     official = _tiny_checkpoint(tmp_path, tiny_cfg, official=True)
     argv = ['--model', 'inline_deit_tiny', '--checkpoint', official, '--data-path', str(digits), '--opts',
             *TINY_MODEL_OPTS]
     results = []
-    for extra, opts in (([], []), (['--onednn-linear'], []),
-                        (['--onednn-linear', '--compile'], ['TRAIN.COMPILE_BACKEND', 'eager'])):
+    for extra, opts in (([], []), (['--onednn'], []),
+                        (['--onednn', '--compile'], ['TRAIN.COMPILE_BACKEND', 'eager'])):
         code, out, _ = _run(eval_main, extra + argv + opts, capsys)
         assert code == 0
         results.append(json.loads(out.strip().splitlines()[-1]))
-    assert [(r['onednn_linear'], r['compiled']) for r in results] == [(False, False), (True, False), (True, True)]
+    assert [(r['onednn'], r['compiled']) for r in results] == [(False, False), (True, False), (True, True)]
     assert all((r['top1'], r['top5']) == (results[0]['top1'], results[0]['top5']) for r in results)
-    code, out, err = _run(eval_main, ['--onednn-linear', '--amp'] + argv, capsys)
+    code, out, err = _run(eval_main, ['--onednn', '--amp'] + argv, capsys)
     assert code == USAGE_EXIT_CODE and out == ''
     assert err.strip().splitlines() == [
-        "error: --onednn-linear with --amp: the linear layers would take autocast's path; expected float32 (leave "
-        "out --amp or --onednn-linear)"]
+        "error: --onednn with --amp: the model's products would take autocast's path; expected float32 (leave "
+        "out --amp or --onednn)"]
 
 
 def test_the_script_itself_exits_2_without_a_traceback(tmp_path):

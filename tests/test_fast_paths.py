@@ -373,6 +373,58 @@ def test_multimax_cpu_kernel_gives_the_same_bits_on_two_threads_as_on_one():
     assert all(torch.equal(a, b) for a, b in zip(*results))
 
 
+def onednn_matmuls(capfd, fn):
+    """fn()'s result and the number of matrix products oneDNN ran meanwhile, from its verbose log (standard
+    output)."""
+    capfd.readouterr()
+    with torch.backends.mkldnn.verbose(torch.backends.mkldnn.VERBOSE_ON):
+        result = fn()
+    log = capfd.readouterr().out.splitlines()
+    return result, sum(line.startswith('onednn_verbose') and ',exec,cpu,matmul,' in line for line in log)
+
+
+def test_multimax_cpu_kernel_with_onednn_products_matches_the_float64_formula_forward_and_backward(capfd):
+    assert multimax_cpu.onednn_products_available()  # torch's x86-64 and aarch64 Linux wheels have oneDNN
+    # 64 channels: every product of the blocks (256 or 128 rows, 512 keys) is large enough to go through oneDNN
+    inputs = kernel_inputs(300, 600, batch=1, heads=2, d=64, dv=64, requires_grad=True)
+    grad_out = torch.randn(1, 2, 300, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    expected = plain_multimax(*inputs)
+    expected_grads = torch.autograd.grad(expected, inputs, grad_out)
+    results = []
+    for onednn in (False, True):
+        single = [t.detach().float().requires_grad_() for t in inputs]
+        out, forward_products = onednn_matmuls(capfd, lambda: multimax_attention(*single, onednn=onednn))
+        grads, backward_products = onednn_matmuls(capfd, lambda: torch.autograd.grad(out, single, grad_out.float()))
+        # forward: scores and values of 2 heads × 2 row blocks × 2 key blocks; backward: 5 products of 2 × 3 × 2
+        assert (forward_products, backward_products) == ((16, 60) if onednn else (0, 0))
+        # float32 rounding of scores up to about 20 (q is scaled by 3), the same with either library
+        assert max_abs_err(out.double(), expected) < 3e-5
+        # σ's scalars: sums over all 360000 scores
+        tolerances = (2e-5,) * 3 + (1e-4,) * 2
+        for name, grad, want, rel in zip(('q', 'k', 'v', 'ranges', 'ts'), grads, expected_grads, tolerances):
+            assert max_abs_err(grad.double(), want) < rel * max(1.0, want.abs().max().item()), (onednn, name)
+        results.append((out, *grads))
+    assert not torch.equal(results[0][0], results[1][0])  # two libraries, different roundings
+
+
+def test_the_onednn_products_leave_small_blocks_to_the_blas_and_give_the_same_bits_on_two_threads(capfd):
+    # 49-token windows: oneDNN's per-call cost outweighs its speed on products this small
+    small = [t.float() for t in kernel_inputs(49, 49, batch=8, d=32, dv=32)]
+    _, products = onednn_matmuls(capfd, lambda: multimax_cpu.multimax_cpu(*small, None, None, True))
+    assert products == 0
+    threads = torch.get_num_threads()
+    results = []
+    for count in (1, 2):
+        torch.set_num_threads(count)
+        try:
+            inputs = [t.float().requires_grad_() for t in kernel_inputs(300, 600, d=64, dv=64)]
+            out = multimax_attention(*inputs, onednn=True)
+            results.append((out, *torch.autograd.grad(out.square().sum(), inputs)))
+        finally:
+            torch.set_num_threads(threads)
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
 def test_multimax_cpu_kernel_second_derivatives():
     inputs = kernel_inputs(4, 6, batch=1, heads=1, d=3, dv=2, requires_grad=True)
     assert torch.autograd.gradgradcheck(lambda *t: multimax_attention(*t, use_kernel=True), inputs)

@@ -1,6 +1,8 @@
-"""`convert_linear_to_onednn`: the float32 CPU products of the linear layers through oneDNN, outputs and gradients
+"""`convert_to_onednn`: the float32 CPU products of the linear layers through oneDNN, outputs and gradients
 to float32 rounding of the float64 formula, with the model's state-dict keys and values unchanged, eager and
 compiled by inductor, counted by the FLOP counter as `F.linear`; autocast and TorchScript keep `F.linear`.
+Softmax and MultiMax attention multiply through oneDNN in their fused CPU kernel (softmax in inference, against
+128 keys or more).
 """
 import json
 from pathlib import Path
@@ -19,11 +21,12 @@ from engine.cli import train_main
 from engine.config import load_config
 from engine.data import prepare_digits
 from engine.errors import USAGE_EXIT_CODE, run_cli
-from models.onednn import OneDNNLinear, convert_linear_to_onednn
+from models.onednn import OneDNNLinear, convert_to_onednn
 
 from torch.utils.flop_counter import FlopCounterMode
 
 ONEDNN_LINEAR = torch.ops.zoo.onednn_linear.default
+ATTENTION_KERNEL = torch.ops.zoo.multimax_cpu_attention.default
 BLAS_PRODUCTS = {torch.ops.aten.addmm.default, torch.ops.aten.mm.default, torch.ops.aten.bmm.default}
 TINY_DEMO = str(Path(__file__).resolve().parents[1] / 'configs' / 'demo' / 'digits_tiny.yaml')
 TINY_DEIT = dict(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, num_classes=5)
@@ -45,18 +48,19 @@ def recorded_ops(fn, *args):
     return out, recorder.ops
 
 
-def tiny_pair(name: str = 'inline_deit_tiny'):
+def tiny_pair(name: str = 'inline_deit_tiny', **kwargs):
+    kwargs = kwargs or TINY_DEIT
     torch.manual_seed(0)
-    plain = timm.create_model(name, **TINY_DEIT).eval()
-    converted = timm.create_model(name, **TINY_DEIT).eval()
+    plain = timm.create_model(name, **kwargs).eval()
+    converted = timm.create_model(name, **kwargs).eval()
     converted.load_state_dict(plain.state_dict())
-    return plain, convert_linear_to_onednn(converted)
+    return plain, convert_to_onednn(converted)
 
 
 @pytest.mark.parametrize('shape, bias', [((7, 48), True), ((3, 5, 48), True), ((2, 3, 4, 48), False)])
 def test_the_layer_and_its_gradients_are_the_float64_formula_to_float32_rounding(shape, bias):
     torch.manual_seed(0)
-    layer = convert_linear_to_onednn(nn.Linear(48, 80, bias=bias))
+    layer = convert_to_onednn(nn.Linear(48, 80, bias=bias))
     x = torch.randn(*shape, requires_grad=True)
     grad = torch.randn(*shape[:-1], 80)
     out, ops = recorded_ops(layer, x)
@@ -165,22 +169,22 @@ def test_without_onednn_the_conversion_is_one_line(monkeypatch):
     monkeypatch.setattr(torch.backends.mkldnn, 'is_available', lambda: False)
     with pytest.raises(RuntimeError, match=r"^oneDNN is not available in this PyTorch build, or "
                                            r"torch\.backends\.mkldnn\.enabled is False; expected "):
-        convert_linear_to_onednn(nn.Linear(4, 4))
+        convert_to_onednn(nn.Linear(4, 4))
 
 
 def test_the_package_exports_the_conversion():
-    assert models.convert_linear_to_onednn is convert_linear_to_onednn
+    assert models.convert_to_onednn is convert_to_onednn
 
 
-def test_train_py_with_onednn_linear_trains_as_the_plain_run_and_checks_its_settings(tmp_path, capsys, monkeypatch):
+def test_train_py_with_onednn_trains_as_the_plain_run_and_checks_its_settings(tmp_path, capsys, monkeypatch):
     digits = prepare_digits(str(tmp_path / 'digits'))
     records = []
-    for extra in ([], ['--onednn-linear']):
+    for extra in ([], ['--onednn']):
         output = tmp_path / f'run{len(records)}'
         argv = ['--cfg', TINY_DEMO, '--output', str(output), '--data-path', digits, *extra, '--opts',
                 'DATA.BATCH_SIZE', '64', 'TRAIN.EPOCHS_PER_RUN', '1']
         assert run_cli(train_main, argv) == 0
-        assert ('; linear layers through oneDNN' in capsys.readouterr().out) == bool(extra)
+        assert ('; products through oneDNN' in capsys.readouterr().out) == bool(extra)
         with open(output / 'log.jsonl') as f:
             records.append(json.loads(f.readline()))
         checkpoint = torch.load(output / 'last.pth', weights_only=True)
@@ -189,18 +193,93 @@ def test_train_py_with_onednn_linear_trains_as_the_plain_run_and_checks_its_sett
     assert onednn['train_loss'] == pytest.approx(plain['train_loss'], rel=1e-5)
     assert abs(onednn['val_top1'] - plain['val_top1']) <= 100 / 360 + 1e-9  # one validation image at most
     capsys.readouterr()
-    code = run_cli(train_main, ['--cfg', TINY_DEMO, '--output', str(tmp_path / 'amp'), '--onednn-linear', '--opts',
+    code = run_cli(train_main, ['--cfg', TINY_DEMO, '--output', str(tmp_path / 'amp'), '--onednn', '--opts',
                                 'AMP.ENABLED', 'True'])
     assert code == USAGE_EXIT_CODE and capsys.readouterr().err.strip().splitlines() == [
-        "error: TRAIN.ONEDNN_LINEAR with AMP.ENABLED: the linear layers would take autocast's path; expected float32 "
-        "(leave out AMP.ENABLED or TRAIN.ONEDNN_LINEAR)"]
+        "error: TRAIN.ONEDNN with AMP.ENABLED: the model's products would take autocast's path; expected float32 "
+        "(leave out AMP.ENABLED or TRAIN.ONEDNN)"]
     assert not (tmp_path / 'amp').exists()
     # evaluation ignores the training key: a checkpoint's config that set it evaluates on any device
-    cfg = load_config(TINY_DEMO, ['TRAIN.ONEDNN_LINEAR', 'True', 'DEVICE', 'cuda'])
-    assert cfg.TRAIN.ONEDNN_LINEAR and cfg.DEVICE == 'cuda'
+    cfg = load_config(TINY_DEMO, ['TRAIN.ONEDNN', 'True', 'DEVICE', 'cuda'])
+    assert cfg.TRAIN.ONEDNN and cfg.DEVICE == 'cuda'
     monkeypatch.setattr(engine.build, 'onednn_available', lambda: False)
-    code = run_cli(train_main, ['--cfg', TINY_DEMO, '--output', str(tmp_path / 'none'), '--onednn-linear'])
+    code = run_cli(train_main, ['--cfg', TINY_DEMO, '--output', str(tmp_path / 'none'), '--onednn'])
     assert code == USAGE_EXIT_CODE and capsys.readouterr().err.strip().splitlines() == [
-        "error: TRAIN.ONEDNN_LINEAR: this PyTorch build has no oneDNN, or torch.backends.mkldnn.enabled is False; "
+        "error: TRAIN.ONEDNN: this PyTorch build has no oneDNN, or torch.backends.mkldnn.enabled is False; "
         "expected torch.backends.mkldnn.is_available()"]
     assert not (tmp_path / 'none').exists()  # refused before the output folder is made
+
+
+# 64 / 4 = 16² patches and a class token: 257 keys, heads of 64 channels
+LONG_DEIT = dict(img_size=64, patch_size=4, embed_dim=128, depth=1, num_heads=2, num_classes=5)
+
+
+def onednn_matmuls(capfd, fn):
+    """fn()'s result and the number of matrix products oneDNN ran meanwhile, from its verbose log (standard
+    output)."""
+    capfd.readouterr()
+    with torch.backends.mkldnn.verbose(torch.backends.mkldnn.VERBOSE_ON):
+        result = fn()
+    log = capfd.readouterr().out.splitlines()
+    return result, sum(line.startswith('onednn_verbose') and ',exec,cpu,matmul,' in line for line in log)
+
+
+def test_softmax_inference_takes_the_fused_kernel_with_onednn_products_and_training_its_own_path(capfd):
+    plain, converted = tiny_pair('softmax_deit_tiny', **LONG_DEIT)
+    assert 'onednn=True' in repr(converted.blocks[0].attn)
+    x = torch.randn(2, 3, 64, 64)
+    with torch.inference_mode():
+        expected = plain(x)
+        (out, ops), products = onednn_matmuls(capfd, lambda: recorded_ops(converted, x))
+    assert ops.count(ATTENTION_KERNEL) == 1 and torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default \
+        not in ops
+    # scores and values for 2 images × 2 heads, one block of rows and keys each (the linear layers' products are
+    # oneDNN's inner products)
+    assert products == 2 * 2 * 2
+    assert (out - expected).abs().max().item() < 1e-5
+    plain.train(), converted.train()
+    (plain(x) ** 2).sum().backward()
+    loss, ops = recorded_ops(lambda: (converted(x) ** 2).sum())
+    loss.backward()
+    assert ATTENTION_KERNEL not in ops
+    for (name, p), q in zip(plain.named_parameters(), converted.parameters()):
+        assert (p.grad - q.grad).abs().max().item() <= 1e-4 * p.grad.abs().max().item() + 1e-7, name
+
+
+def test_multimax_trains_through_its_kernel_with_onednn_products(capfd):
+    plain, converted = tiny_pair('softmax_deit_tiny', attn_type='multimax', **LONG_DEIT)
+    plain.train(), converted.train()
+    x = torch.randn(2, 3, 64, 64)
+    (plain(x) ** 2).sum().backward()
+    _, products = onednn_matmuls(capfd, lambda: (converted(x) ** 2).sum().backward())
+    # oneDNN's matrix products (the linear layers' are its inner products): for each of 2 images × 2 heads, the
+    # kernel's 2 forward ones and 5 backward ones for each block of 128 of the 257 query rows
+    assert products == 4 * (2 + 5 * 3)
+    for (name, p), q in zip(plain.named_parameters(), converted.parameters()):
+        assert (p.grad - q.grad).abs().max().item() <= 1e-4 * p.grad.abs().max().item() + 1e-7, name
+
+
+def test_shifted_windows_of_49_tokens_keep_scaled_dot_product_attention():
+    plain, converted = tiny_pair('softmax_swin_tiny', img_size=56, window_size=7, embed_dim=32, depths=(2,),
+                                 num_heads=(2,), num_classes=5)
+    x = torch.randn(2, 3, 56, 56)
+    with torch.inference_mode():
+        out, ops = recorded_ops(converted, x)
+        assert ATTENTION_KERNEL not in ops and (out - plain(x)).abs().max().item() < 1e-5
+
+
+def test_compiled_inference_of_a_converted_softmax_model_calls_the_kernel_in_one_graph():
+    torch.compiler.reset()
+    plain, converted = tiny_pair('softmax_deit_tiny', **LONG_DEIT)
+    graphs = []
+
+    def inspect_then_inductor(gm, example_inputs):
+        graphs.append(str(gm.graph))
+        return torch._inductor.compile(gm, example_inputs)
+
+    compiled = torch.compile(converted, fullgraph=True, backend=inspect_then_inductor)
+    x = torch.randn(2, 3, 64, 64)
+    with torch.no_grad():
+        assert (compiled(x) - plain(x)).abs().max().item() < 1e-5
+    assert len(graphs) == 1 and graphs[0].count('zoo.multimax_cpu_attention') == 1
+    torch.compiler.reset()

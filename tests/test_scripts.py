@@ -110,11 +110,11 @@ def test_benchmark_times_both_cpu_matrix_product_libraries_and_runs_linear_layer
     out = tmp_path / 'b'
     benchmark.main(['--device', 'cpu', '--families', 'deit', '--sizes', 'tiny', '--attentions', 'softmax',
                     '--resolutions', '32', '--no-reference', '--no-train', '--iters', '1', '--warmup', '0',
-                    '--matmul-size', '64', '--onednn-linear', '--out', str(out)])
+                    '--matmul-size', '64', '--onednn', '--out', str(out)])
     with open(str(out) + '.csv') as f:
         row = next(csv.DictReader(f))
     assert float(row['onednn_gflop_s']) > 0 and float(row['infer_best_pct']) <= float(row['infer_mm_pct']) + 1e-9
-    assert "the models' linear layers through oneDNN" in (tmp_path / 'b.md').read_text()
+    assert "the models' linear layers and attention kernels through oneDNN" in (tmp_path / 'b.md').read_text()
 
 
 def test_train_throughput_measures_loader_and_step_on_imagenet_shaped_images(tmp_path):

@@ -127,20 +127,22 @@ class _MultiMaxInRowBlocks(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, ranges: Tensor, ts: Tensor, bias: Optional[Tensor],
-                mask: Optional[Tensor], causal: bool, rows: int, forward_path: str) -> Tensor:
+                mask: Optional[Tensor], causal: bool, rows: int, forward_path: str, onednn: bool = False) -> Tensor:
         """`forward_path`: 'rows' (blocks of `rows` query rows), 'flex' (FlexAttention) or 'kernel' (the CPU
-        kernel, which also takes the backward pass; without bias, mask or causal masking)."""
+        kernel, which also takes the backward pass; without bias, mask or causal masking; `onednn` as
+        `multimax_cpu` takes it)."""
         if forward_path == 'flex':  # detached: this function, not FlexAttention, differentiates them
             detached = (None if t is None else t.detach() for t in (q, k, v, ranges, ts, bias))
             out, lse = _multimax_flex(*detached, mask, causal, keep_lse=True)
         elif forward_path == 'kernel':
-            out, lse = multimax_cpu(q, k, v, ranges, ts)
+            out, lse = multimax_cpu(q, k, v, ranges, ts, None, None, onednn)
         else:
             out, lse = _row_blocks_forward(q, k, v, ranges, ts, bias, mask, causal, rows, keep_lse=True)
         ctx.save_for_backward(q, k, v, ranges, ts, bias, mask, out, lse)
         ctx.rows = rows
         ctx.causal = causal
         ctx.kernel = forward_path == 'kernel'
+        ctx.onednn = onednn
         return out
 
     @staticmethod
@@ -148,11 +150,11 @@ class _MultiMaxInRowBlocks(torch.autograd.Function):
         q, k, v, ranges, ts, bias, mask, out, lse = ctx.saved_tensors
         if torch.is_grad_enabled():
             plain = _multimax_plain(q, k, v, ranges, ts, bias, mask, 0., ctx.causal)
-            return _differentiable_grads(ctx, plain, (q, k, v, ranges, ts, bias), grad_out) + (None,) * 4
+            return _differentiable_grads(ctx, plain, (q, k, v, ranges, ts, bias), grad_out) + (None,) * 5
         need_q, need_k, need_v, need_ranges, need_ts, need_bias = ctx.needs_input_grad[:6]
         if ctx.kernel:
-            grads = multimax_cpu_backward(grad_out.contiguous(), q, k, v, out, lse, ranges, ts)
-            return tuple(g if need else None for g, need in zip(grads, ctx.needs_input_grad[:5])) + (None,) * 5
+            grads = multimax_cpu_backward(grad_out.contiguous(), q, k, v, out, lse, ranges, ts, ctx.onednn)
+            return tuple(g if need else None for g, need in zip(grads, ctx.needs_input_grad[:5])) + (None,) * 6
         work = torch.promote_types(q.dtype, torch.float32)
         scale = q.shape[-1] ** -0.5
         with autocast_off(q.device):
@@ -186,7 +188,7 @@ class _MultiMaxInRowBlocks(torch.autograd.Function):
                 if need_q:
                     grad_q[..., block, :] = (grad_scores @ keys).mul_(scale)
         return (_cast(grad_q, q), _cast(grad_k, k), _cast(grad_v, v), _cast(grad_b if need_ranges else None, ranges),
-                _cast(grad_t if need_ts else None, ts), _cast(grad_bias, bias), None, None, None, None)
+                _cast(grad_t if need_ts else None, ts), _cast(grad_bias, bias), None, None, None, None, None)
 
 
 def _cast(grad: Optional[Tensor], like: Optional[Tensor]) -> Optional[Tensor]:
@@ -216,6 +218,7 @@ def multimax_attention(
         use_flex: Optional[bool] = None,
         causal: bool = False,
         use_kernel: Optional[bool] = None,
+        onednn: bool = False,
 ) -> Tensor:
     """q: (B, h, n, d), k, v: (B, h, m, d) -> (B, h, n, d).
 
@@ -227,7 +230,8 @@ def multimax_attention(
     True forces FlexAttention (compiled on CUDA, its unfused reference elsewhere) for the forward pass, with the
     backward pass in row blocks. `use_kernel`: None takes the fused CPU kernel (`multimax_cpu.py`) on the CPU
     without causal masking or dropout, in inference and in training without bias or mask, eager or compiled (not
-    export), where it builds; True forces it there.
+    export), where it builds; True forces it there. `onednn`: the kernel's large float32 products through oneDNN
+    (`models.convert_to_onednn`), where this torch has them.
     """
     if torch.jit.is_scripting():  # the plain path without the custom autograd functions
         return _multimax_plain(q, k, v, ranges, ts, bias, mask, dropout_p)
@@ -247,9 +251,9 @@ def multimax_attention(
         with autocast_off(q.device):
             q, k, v, ranges, ts = (t.to(work) for t in (q, k, v, ranges, ts))
             if training:
-                out = _MultiMaxInRowBlocks.apply(q, k, v, ranges, ts, None, None, False, n, 'kernel')
+                out = _MultiMaxInRowBlocks.apply(q, k, v, ranges, ts, None, None, False, n, 'kernel', onednn)
             else:
-                out = multimax_cpu(q, k, v, ranges, ts, bias, mask)[0]
+                out = multimax_cpu(q, k, v, ranges, ts, bias, mask, onednn)[0]
         return out.to(out_dtype)
     if use_flex is None:
         use_flex = (flex_attention is not None and not dropout_p
@@ -429,5 +433,5 @@ class MultiMaxMixer(SoftmaxMixer):
     def forward(self, q: Tensor, k: Tensor, v: Tensor, ctx: MixContext) -> Tensor:
         q, k, v = self.heads(q, k, v)
         out = multimax_attention(q, k, v, self.ranges, self.ts, ctx.pos_bias, ctx.mask,
-                                 self.attn_drop if self.training else 0., causal=self.causal)
+                                 self.attn_drop if self.training else 0., causal=self.causal, onednn=self.onednn)
         return merge_heads(out)

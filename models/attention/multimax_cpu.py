@@ -5,13 +5,15 @@ forward and backward: inductor's CPU FlexAttention, which takes σ as its `score
 runs compiled inference only; the unfused path writes and rereads every score several times. With the kernel,
 MultiMax-DeiT-T takes 1.06× softmax's time for inference and 1.05× for a training step at 224² (batch 8), and 1.05×
 and 1.10× at 1024², eager, where the unfused path took 1.27× at 224² (`docs/benchmarks.md`). It is
-registered as the custom ops `zoo::multimax_cpu_forward` and `zoo::multimax_cpu_backward`, so
+registered as the custom ops `zoo::multimax_cpu_attention` and `zoo::multimax_cpu_attention_backward`, so
 `torch.compile(fullgraph=True)` calls them as they stand.
 
 The build needs a C++ compiler and ninja (torch's `cpp_extension`), and is cached in torch's extension folder,
 keyed by the source, the flags and the machine's instruction set (it is compiled for the CPU it runs on). Its
 matrix products call the BLAS inside torch by its Fortran names (`sgemm_`, `dgemm_`, exported by torch's x86-64
-Linux wheels, which link MKL). Where it cannot be built or loaded, MultiMax keeps its other paths, and says why once.
+Linux wheels, which link MKL). With `onednn=True`, its large float32 products go through oneDNN instead (ATen's own
+oneDNN matrix product), as `models.convert_to_onednn` asks for, which gives softmax attention the kernel too (σ with
+zero scalars is the identity). Where it cannot be built or loaded, MultiMax keeps its other paths, and says why once.
 """
 import hashlib
 import logging
@@ -24,7 +26,7 @@ import torch
 from torch import Tensor
 from torch.utils.flop_counter import register_flop_formula
 
-__all__ = ['multimax_cpu', 'multimax_cpu_backward', 'cpu_kernel_available']
+__all__ = ['multimax_cpu', 'multimax_cpu_backward', 'cpu_kernel_available', 'onednn_products_available']
 
 _logger = logging.getLogger(__name__)
 
@@ -68,43 +70,53 @@ def cpu_kernel_available() -> bool:
     return _load() is not None
 
 
+@torch.compiler.assume_constant_result
+def onednn_products_available() -> bool:
+    """Whether the kernel is built and this torch has the oneDNN matrix product its `onednn` option calls."""
+    return cpu_kernel_available() and _load().onednn_products_available()
+
+
 # Inductor's on-disk cache keys a compiled graph by the ops it calls, not by their fake implementations: a change
 # of an op's arguments or output layout takes a new name, or graphs compiled before it would call it wrongly.
-@torch.library.custom_op('zoo::multimax_cpu_forward', mutates_args=(), device_types='cpu')
+@torch.library.custom_op('zoo::multimax_cpu_attention', mutates_args=(), device_types='cpu')
 def multimax_cpu(q: Tensor, k: Tensor, v: Tensor, ranges: Tensor, ts: Tensor, bias: Optional[Tensor] = None,
-                 mask: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+                 mask: Optional[Tensor] = None, onednn: bool = False) -> Tuple[Tensor, Tensor]:
     """softmax(σ(q·kᵀ/√d + bias) + mask) v without storing the scores. q: (B, h, n, d), k: (B, h, m, d),
     v: (B, h, m, dv), float32 or float64, `ranges`, `ts`: (4,), `bias` broadcasting to (B, h, n, m), `mask`
     (nW, n, m) with batch entry b taking mask[b % nW] -> output (B, h, n, dv) and each row's log-sum-exp
-    (B, h, n, 1). Not differentiable itself: `multimax_cpu_backward` gives the gradients without bias or mask."""
-    out, lse = _load().multimax_forward(q, k, v, ranges, ts, bias, mask)
+    (B, h, n, 1). `onednn`: large float32 products through oneDNN (`onednn_products_available`). Not
+    differentiable itself: `multimax_cpu_backward` gives the gradients without bias or mask."""
+    out, lse = _load().multimax_forward(q, k, v, ranges, ts, bias, mask, onednn)
     return out, lse
 
 
 @multimax_cpu.register_fake
 def _multimax_cpu_shapes(q: Tensor, k: Tensor, v: Tensor, ranges: Tensor, ts: Tensor, bias: Optional[Tensor] = None,
-                         mask: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+                         mask: Optional[Tensor] = None, onednn: bool = False) -> Tuple[Tensor, Tensor]:
     # the kernel writes the output (B, n, h, dv), so that merging its heads is a view
     B, h, n, _ = q.shape
     return q.new_empty((B, n, h, v.shape[-1])).transpose(1, 2), q.new_empty(q.shape[:-1] + (1,))
 
 
-@torch.library.custom_op('zoo::multimax_cpu_backward', mutates_args=(), device_types='cpu')
+@torch.library.custom_op('zoo::multimax_cpu_attention_backward', mutates_args=(), device_types='cpu')
 def multimax_cpu_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                          ranges: Tensor, ts: Tensor) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                          ranges: Tensor, ts: Tensor, onednn: bool = False
+                          ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Gradients of `multimax_cpu`'s output for q, k, v, `ranges` and `ts` from its output and log-sum-exp,
-    recomputing the scores a block at a time."""
-    grad_q, grad_k, grad_v, grad_ranges, grad_ts = _load().multimax_backward(grad_out, q, k, v, out, lse, ranges, ts)
+    recomputing the scores a block at a time; `onednn` as the forward pass took it."""
+    grad_q, grad_k, grad_v, grad_ranges, grad_ts = _load().multimax_backward(grad_out, q, k, v, out, lse, ranges, ts,
+                                                                              onednn)
     return grad_q, grad_k, grad_v, grad_ranges.to(ranges.dtype), grad_ts.to(ts.dtype)
 
 
 @multimax_cpu_backward.register_fake
 def _multimax_cpu_backward_shapes(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                                  ranges: Tensor, ts: Tensor) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                                  ranges: Tensor, ts: Tensor, onednn: bool = False
+                                  ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     return tuple(t.new_empty(t.shape) for t in (q, k, v, ranges, ts))  # contiguous, as the kernel returns them
 
 
-@register_flop_formula(torch.ops.zoo.multimax_cpu_forward)
+@register_flop_formula(torch.ops.zoo.multimax_cpu_attention)
 def _forward_flops(q_shape, k_shape, v_shape, *args, out_shape=None, **kwargs) -> int:
     """The two matrix products, 2·B·h·n·m·(d + dv), as `torch.utils.flop_counter` counts attention (σ and the
     softmax are element-wise and not counted)."""
@@ -112,7 +124,7 @@ def _forward_flops(q_shape, k_shape, v_shape, *args, out_shape=None, **kwargs) -
     return 2 * math.prod(batch) * n * k_shape[-2] * (d + v_shape[-1])
 
 
-@register_flop_formula(torch.ops.zoo.multimax_cpu_backward)
+@register_flop_formula(torch.ops.zoo.multimax_cpu_attention_backward)
 def _backward_flops(grad_out_shape, q_shape, k_shape, v_shape, *args, out_shape=None, **kwargs) -> int:
     """Twice the forward pass's products, as for attention's backward pass (the recomputed scores not counted)."""
     return 2 * _forward_flops(q_shape, k_shape, v_shape)

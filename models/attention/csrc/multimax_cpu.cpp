@@ -3,11 +3,15 @@
 // that a block of scores stays in the core's cache between the product that writes it and the one that reads it.
 // The softmax is the online one of fused attention kernels: a row's running maximum and sum are rescaled when a
 // later block raises the maximum. The backward pass (without bias or mask) recomputes each block's scores from
-// the saved log-sum-exp.
+// the saved log-sum-exp. With σ's eight scalars zero, σ is the identity and the kernel is softmax attention.
 //
 // The matrix products call the BLAS that torch links (its Fortran interface, `sgemm_` / `dgemm_`) on raw pointers:
 // at 4097 tokens one head's backward pass multiplies about 1500 pairs of blocks, and through ATen each product
-// cost a dispatch and three tensor views besides. σ and the exponentials run in loops the compiler vectorises.
+// cost a dispatch and three tensor views besides. On request (`onednn`), float32 products of at least
+// `kOneDnnMinProducts` multiply-adds go through oneDNN instead, by ATen's `at::native::mkldnn_matmul`, the function
+// behind its own oneDNN matrix products: on CPUs where the BLAS takes a narrower vector path than the machine has,
+// oneDNN multiplies these blocks about 1.8 times as fast, and below that size its per-call cost outweighs the gain.
+// σ and the exponentials run in loops the compiler vectorises.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -16,6 +20,7 @@
 #include <limits>
 #include <optional>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 extern "C" {
@@ -27,17 +32,54 @@ void dgemm_(const char* trans_a, const char* trans_b, const int* m, const int* n
             const int* ldc);
 }
 
+// result = beta·result + alpha·(mat1·mat2), in libtorch_cpu but in no installed header. Declared weak, so that a
+// torch without it still loads the kernel: its address is then null, and the products stay with the BLAS.
+namespace at::native {
+__attribute__((weak)) void mkldnn_matmul(const at::Tensor& mat1, const at::Tensor& mat2, const at::Tensor& result,
+                                         float beta, float alpha);
+}
+
 namespace {
 
+// Products smaller than this many multiply-adds stay with the BLAS where oneDNN is requested: a 49-token window's
+// scores (49·49·32) ran at a quarter of the BLAS's speed through oneDNN, a 197-token image's (197·197·64) at 1.4
+// times it, the backward pass's 128-row blocks of those at the same speed.
+constexpr int64_t kOneDnnMinProducts = int64_t(2) << 20;
+
+bool onednn_products_available() { return &at::native::mkldnn_matmul != nullptr; }
+
+// Whether the products of (rows × inner) by (inner × cols) blocks go through oneDNN: requested, float32 and large
+// enough. Decided once per kind of product from its full block, not per call, so that a short last block does
+// not change library.
+template <typename T>
+bool through_onednn(bool requested, int64_t rows, int64_t cols, int64_t inner) {
+  return requested && std::is_same_v<T, float> && rows * cols * inner >= kOneDnnMinProducts &&
+         onednn_products_available();
+}
+
+// A row-major (rows × cols) matrix at `data` with rows `ld` apart, or its transpose, as a tensor over the memory.
+at::Tensor matrix_view(const float* data, bool transposed, int64_t rows, int64_t cols, int64_t ld) {
+  const auto options = at::TensorOptions().dtype(at::kFloat);
+  float* memory = const_cast<float*>(data);
+  return transposed ? at::from_blob(memory, {rows, cols}, {1, ld}, options)
+                    : at::from_blob(memory, {rows, cols}, {ld, 1}, options);
+}
+
 // Row-major C (m×n) = alpha·op(A)·op(B) + beta·C, op(X) = Xᵀ where `trans_x`; beta = 0 leaves C's memory unread.
-// The column-major BLAS sees the row-major matrices transposed, so it computes Cᵀ = op(B)ᵀ·op(A)ᵀ.
+// The column-major BLAS sees the row-major matrices transposed, so it computes Cᵀ = op(B)ᵀ·op(A)ᵀ. `onednn`:
+// through oneDNN instead (float32 only; see `through_onednn`).
 template <typename T>
 void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, T alpha, const T* a, int64_t lda,
-          const T* b, int64_t ldb, T beta, T* c, int64_t ldc) {
+          const T* b, int64_t ldb, T beta, T* c, int64_t ldc, bool onednn) {
   const char op_a = trans_a ? 'T' : 'N', op_b = trans_b ? 'T' : 'N';
   const int rows = static_cast<int>(m), cols = static_cast<int>(n), inner = static_cast<int>(k);
   const int ld_a = static_cast<int>(lda), ld_b = static_cast<int>(ldb), ld_c = static_cast<int>(ldc);
   if constexpr (std::is_same_v<T, float>) {
+    if (onednn) {
+      at::native::mkldnn_matmul(matrix_view(a, trans_a, m, k, lda), matrix_view(b, trans_b, k, n, ldb),
+                                matrix_view(c, false, m, n, ldc), beta, alpha);
+      return;
+    }
     sgemm_(&op_b, &op_a, &cols, &rows, &inner, &alpha, b, &ld_b, a, &ld_a, &beta, c, &ld_c);
   } else {
     dgemm_(&op_b, &op_a, &cols, &rows, &inner, &alpha, b, &ld_b, a, &ld_a, &beta, c, &ld_c);
@@ -53,6 +95,12 @@ constexpr int64_t kBlockScores = kQueryRows * kKeyColumns;
 // The backward pass multiplies five pairs of matrices per block instead of two and keeps three blocks of scores:
 // 128 rows (against 64 and 256, all within 3 % at 197 to 4097 tokens).
 constexpr int64_t kBackwardQueryRows = 128;
+
+// The forward pass's block of scores for n queries against m keys: (rows, columns).
+std::pair<int64_t, int64_t> forward_block(int64_t n, int64_t m) {
+  const int64_t columns = std::min(kKeyColumns, m);
+  return {std::min(std::max(kQueryRows, kBlockScores / columns), n), columns};
+}
 
 template <typename T>
 inline T positive(T x) { return x > T(0) ? x : T(0); }
@@ -187,9 +235,11 @@ void normalise_rows(const T* acc, T* out, int64_t out_row_stride, T* lse, const 
 // dimension; lse: (B·h, n). The scores are scaled by `scale` = 1/√d.
 template <typename T>
 void forward_blocks(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out,
-                    at::Tensor& lse, T scale, const Modulation<T> sigma, const ScoreTerms<T> terms) {
+                    at::Tensor& lse, T scale, const Modulation<T> sigma, const ScoreTerms<T> terms, bool onednn) {
   const int64_t heads = q.size(0) * q.size(1), n = q.size(2), m = k.size(2), d = q.size(3), dv = v.size(3);
-  const int64_t columns = std::min(kKeyColumns, m), rows = std::min(std::max(kQueryRows, kBlockScores / columns), n);
+  const auto [rows, columns] = forward_block(n, m);
+  const bool onednn_scores = through_onednn<T>(onednn, rows, columns, d);
+  const bool onednn_values = through_onednn<T>(onednn, rows, dv, columns);
   const int64_t row_blocks = (n + rows - 1) / rows;
   const HeadMatrices<const T> queries(q), keys(k), values(v);
   const HeadMatrices<T> outputs(out);
@@ -202,7 +252,7 @@ void forward_blocks(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
       for (int64_t first_key = 0; first_key < m; first_key += columns) {
         const int64_t block_keys = std::min(columns, m - first_key);
         gemm<T>(false, true, block_rows, block_keys, d, scale, queries.at(head, first_row), queries.row_stride,
-                keys.at(head, first_key), keys.row_stride, T(0), scores.data(), columns);
+                keys.at(head, first_key), keys.row_stride, T(0), scores.data(), columns, onednn_scores);
         for (int64_t i = 0; i < block_rows; ++i) {
           const int64_t row = first_row + i;
           softmax_block_row(scores.data() + i * columns, terms.bias_at(head, row, first_key),
@@ -210,7 +260,7 @@ void forward_blocks(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
                             row_sum[i], acc.data() + i * dv, dv);
         }
         gemm<T>(false, false, block_rows, dv, block_keys, T(1), scores.data(), columns, values.at(head, first_key),
-                values.row_stride, first_key == 0 ? T(0) : T(1), acc.data(), dv);
+                values.row_stride, first_key == 0 ? T(0) : T(1), acc.data(), dv, onednn_values);
       }
       normalise_rows(acc.data(), outputs.at(head, first_row), outputs.row_stride, lse_data + head * n + first_row,
                      row_max, row_sum, block_rows, dv);
@@ -248,7 +298,7 @@ at::Tensor bias_by_strides(const at::Tensor& bias, const at::Tensor& q, int64_t 
 std::vector<at::Tensor> multimax_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                          const at::Tensor& ranges, const at::Tensor& ts,
                                          const std::optional<at::Tensor>& bias,
-                                         const std::optional<at::Tensor>& mask) {
+                                         const std::optional<at::Tensor>& mask, bool onednn) {
   check_query("multimax_forward", q);
   at::NoGradGuard no_grad;
   const int64_t B = q.size(0), h = q.size(1), n = q.size(2), d = q.size(3), m = k.size(2), dv = v.size(3);
@@ -266,10 +316,10 @@ std::vector<at::Tensor> multimax_forward(const at::Tensor& q, const at::Tensor& 
   const double scale = std::pow(static_cast<double>(d), -0.5);
   if (q.scalar_type() == at::kDouble) {
     forward_blocks<double>(unit_channel_stride(q), unit_channel_stride(k), unit_channel_stride(v), out, lse, scale,
-                           {ranges, ts}, {bias_bhnm, mask_wnm, h});
+                           {ranges, ts}, {bias_bhnm, mask_wnm, h}, onednn);
   } else {
     forward_blocks<float>(unit_channel_stride(q), unit_channel_stride(k), unit_channel_stride(v), out, lse,
-                          static_cast<float>(scale), {ranges, ts}, {bias_bhnm, mask_wnm, h});
+                          static_cast<float>(scale), {ranges, ts}, {bias_bhnm, mask_wnm, h}, onednn);
   }
   return {out, lse.view({B, h, n, 1})};
 }
@@ -284,9 +334,16 @@ std::vector<at::Tensor> multimax_forward(const at::Tensor& q, const at::Tensor& 
 template <typename T>
 void backward_blocks(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& grad_out,
                      const at::Tensor& lse, const at::Tensor& row_dots, at::Tensor& grad_q, at::Tensor& grad_k,
-                     at::Tensor& grad_v, at::Tensor& grad_params, const Modulation<T> sigma, T scale) {
+                     at::Tensor& grad_v, at::Tensor& grad_params, const Modulation<T> sigma, T scale,
+                     bool onednn) {
   const int64_t heads = q.size(0) * q.size(1), n = q.size(2), m = k.size(2), d = q.size(3), dv = v.size(3);
   const int64_t rows = std::min(kBackwardQueryRows, n), columns = std::min(kKeyColumns, m);
+  // the scores through the forward pass's library, whose rows are then the same to the last bit
+  const bool onednn_scores = through_onednn<T>(onednn, forward_block(n, m).first, columns, d);
+  const bool onednn_grad_probs = through_onednn<T>(onednn, rows, columns, dv);
+  const bool onednn_grad_values = through_onednn<T>(onednn, columns, dv, rows);
+  const bool onednn_grad_keys = through_onednn<T>(onednn, columns, d, rows);
+  const bool onednn_grad_queries = through_onednn<T>(onednn, rows, d, columns);
   const HeadMatrices<const T> queries(q), keys(k), values(v), grads(grad_out);
   const HeadMatrices<T> grad_queries(grad_q), grad_keys(grad_k), grad_values(grad_v);
   const T *lse_data = lse.data_ptr<T>(), *dots_data = row_dots.data_ptr<T>();
@@ -304,9 +361,9 @@ void backward_blocks(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
           const int64_t block_keys = std::min(columns, m - first_key);
           const T* key_block = keys.at(head, first_key);
           gemm<T>(false, true, block_rows, block_keys, d, scale, query_block, queries.row_stride, key_block,
-                  keys.row_stride, T(0), scores.data(), columns);
+                  keys.row_stride, T(0), scores.data(), columns, onednn_scores);
           gemm<T>(false, true, block_rows, block_keys, dv, T(1), grad_block, grads.row_stride,
-                  values.at(head, first_key), values.row_stride, T(0), grad_probs.data(), columns);
+                  values.at(head, first_key), values.row_stride, T(0), grad_probs.data(), columns, onednn_grad_probs);
           for (int64_t i = 0; i < block_rows; ++i) {
             const T* s_row = scores.data() + i * columns;
             T* p_row = probs.data() + i * columns;
@@ -342,11 +399,12 @@ void backward_blocks(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
           // β = 0 on a gradient's first block: it overwrites the uninitialised memory
           const T rows_beta = first_row == 0 ? T(0) : T(1), keys_beta = first_key == 0 ? T(0) : T(1);
           gemm<T>(true, false, block_keys, dv, block_rows, T(1), probs.data(), columns, grad_block, grads.row_stride,
-                  rows_beta, grad_values.at(head, first_key), grad_values.row_stride);
+                  rows_beta, grad_values.at(head, first_key), grad_values.row_stride, onednn_grad_values);
           gemm<T>(false, false, block_rows, d, block_keys, scale, grad_probs.data(), columns, key_block,
-                  keys.row_stride, keys_beta, grad_queries.at(head, first_row), grad_queries.row_stride);
+                  keys.row_stride, keys_beta, grad_queries.at(head, first_row), grad_queries.row_stride,
+                  onednn_grad_queries);
           gemm<T>(true, false, block_keys, d, block_rows, scale, grad_probs.data(), columns, query_block,
-                  queries.row_stride, rows_beta, grad_keys.at(head, first_key), grad_keys.row_stride);
+                  queries.row_stride, rows_beta, grad_keys.at(head, first_key), grad_keys.row_stride, onednn_grad_keys);
         }
       }
       // ∂σ/∂b = (t0·[x < b0], −t1·[x > b1], 2t2·max(b2 − x, 0), −2t3·max(x − b3, 0)), ∂σ/∂t = the four terms
@@ -361,7 +419,7 @@ void backward_blocks(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
 // Gradients of `multimax_forward` for q, k, v (their shapes) and for ranges and ts (4 each, float64).
 std::vector<at::Tensor> multimax_backward(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
                                           const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
-                                          const at::Tensor& ranges, const at::Tensor& ts) {
+                                          const at::Tensor& ranges, const at::Tensor& ts, bool onednn) {
   check_query("multimax_backward", q);
   at::NoGradGuard no_grad;
   const int64_t B = q.size(0), h = q.size(1), n = q.size(2), d = q.size(3), m = k.size(2), dv = v.size(3);
@@ -376,10 +434,11 @@ std::vector<at::Tensor> multimax_backward(const at::Tensor& grad_out, const at::
   at::Tensor grad_params = at::zeros({B * h, 8}, q.options().dtype(at::kDouble));
   if (q.scalar_type() == at::kDouble) {
     backward_blocks<double>(unit_channel_stride(q), unit_channel_stride(k), unit_channel_stride(v), grads, row_lse,
-                            row_dots, grad_q, grad_k, grad_v, grad_params, {ranges, ts}, scale);
+                            row_dots, grad_q, grad_k, grad_v, grad_params, {ranges, ts}, scale, onednn);
   } else {
     backward_blocks<float>(unit_channel_stride(q), unit_channel_stride(k), unit_channel_stride(v), grads, row_lse,
-                           row_dots, grad_q, grad_k, grad_v, grad_params, {ranges, ts}, static_cast<float>(scale));
+                           row_dots, grad_q, grad_k, grad_v, grad_params, {ranges, ts}, static_cast<float>(scale),
+                           onednn);
   }
   const at::Tensor params = grad_params.sum(0);
   return {grad_q, grad_k, grad_v, params.narrow(0, 0, 4).clone(), params.narrow(0, 4, 4).clone()};
@@ -390,4 +449,6 @@ std::vector<at::Tensor> multimax_backward(const at::Tensor& grad_out, const at::
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("multimax_forward", &multimax_forward, "MultiMax attention forward on CPU: (out, lse)");
   module.def("multimax_backward", &multimax_backward, "its gradients: (grad_q, grad_k, grad_v, grad_ranges, grad_ts)");
+  module.def("onednn_products_available", &onednn_products_available,
+             "whether this torch has the oneDNN matrix product that `onednn` calls");
 }
