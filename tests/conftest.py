@@ -1,5 +1,21 @@
-"""Test-wide settings."""
+"""Test-wide settings and fixtures."""
+from typing import Any, Callable, Tuple
+
+import pytest
 import torch
 
 # The tests run many tiny models; on a small machine intra-op threads cost more than they save.
 torch.set_num_threads(1)
+
+
+@pytest.fixture
+def onednn_matmuls(capfd) -> Callable[[Callable[[], Any]], Tuple[Any, int]]:
+    """A function that runs fn() and returns its result and the number of matrix products oneDNN ran meanwhile,
+    counted in oneDNN's verbose log (written to standard output)."""
+    def run(fn: Callable[[], Any]) -> Tuple[Any, int]:
+        capfd.readouterr()
+        with torch.backends.mkldnn.verbose(torch.backends.mkldnn.VERBOSE_ON):
+            result = fn()
+        log = capfd.readouterr().out.splitlines()
+        return result, sum(line.startswith('onednn_verbose') and ',exec,cpu,matmul,' in line for line in log)
+    return run

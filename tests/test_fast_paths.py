@@ -373,17 +373,8 @@ def test_multimax_cpu_kernel_gives_the_same_bits_on_two_threads_as_on_one():
     assert all(torch.equal(a, b) for a, b in zip(*results))
 
 
-def onednn_matmuls(capfd, fn):
-    """fn()'s result and the number of matrix products oneDNN ran meanwhile, from its verbose log (standard
-    output)."""
-    capfd.readouterr()
-    with torch.backends.mkldnn.verbose(torch.backends.mkldnn.VERBOSE_ON):
-        result = fn()
-    log = capfd.readouterr().out.splitlines()
-    return result, sum(line.startswith('onednn_verbose') and ',exec,cpu,matmul,' in line for line in log)
-
-
-def test_multimax_cpu_kernel_with_onednn_products_matches_the_float64_formula_forward_and_backward(capfd):
+def test_multimax_cpu_kernel_with_onednn_products_matches_the_float64_formula_forward_and_backward(
+        onednn_matmuls):
     assert multimax_cpu.onednn_products_available()  # torch's x86-64 and aarch64 Linux wheels have oneDNN
     # 64 channels: every product of the blocks (256 or 128 rows, 512 keys) is large enough to go through oneDNN
     inputs = kernel_inputs(300, 600, batch=1, heads=2, d=64, dv=64, requires_grad=True)
@@ -393,8 +384,8 @@ def test_multimax_cpu_kernel_with_onednn_products_matches_the_float64_formula_fo
     results = []
     for onednn in (False, True):
         single = [t.detach().float().requires_grad_() for t in inputs]
-        out, forward_products = onednn_matmuls(capfd, lambda: multimax_attention(*single, onednn=onednn))
-        grads, backward_products = onednn_matmuls(capfd, lambda: torch.autograd.grad(out, single, grad_out.float()))
+        out, forward_products = onednn_matmuls(lambda: multimax_attention(*single, onednn=onednn))
+        grads, backward_products = onednn_matmuls(lambda: torch.autograd.grad(out, single, grad_out.float()))
         # forward: scores and values of 2 heads × 2 row blocks × 2 key blocks; backward: 5 products of 2 × 3 × 2
         assert (forward_products, backward_products) == ((16, 60) if onednn else (0, 0))
         # float32 rounding of scores up to about 20 (q is scaled by 3), the same with either library
@@ -407,10 +398,11 @@ def test_multimax_cpu_kernel_with_onednn_products_matches_the_float64_formula_fo
     assert not torch.equal(results[0][0], results[1][0])  # two libraries, different roundings
 
 
-def test_the_onednn_products_leave_small_blocks_to_the_blas_and_give_the_same_bits_on_two_threads(capfd):
+def test_the_onednn_products_leave_small_blocks_to_the_blas_and_give_the_same_bits_on_two_threads(
+        onednn_matmuls):
     # 49-token windows: oneDNN's per-call cost outweighs its speed on products this small
     small = [t.float() for t in kernel_inputs(49, 49, batch=8, d=32, dv=32)]
-    _, products = onednn_matmuls(capfd, lambda: multimax_cpu.multimax_cpu(*small, None, None, True))
+    _, products = onednn_matmuls(lambda: multimax_cpu.multimax_cpu(*small, None, None, True))
     assert products == 0
     threads = torch.get_num_threads()
     results = []

@@ -1,8 +1,8 @@
 """`convert_to_onednn`: the float32 CPU products of the linear layers through oneDNN, outputs and gradients
 to float32 rounding of the float64 formula, with the model's state-dict keys and values unchanged, eager and
 compiled by inductor, counted by the FLOP counter as `F.linear`; autocast and TorchScript keep `F.linear`.
-Softmax and MultiMax attention multiply through oneDNN in their fused CPU kernel (softmax in inference, against
-128 keys or more).
+Softmax and MultiMax attention multiply through oneDNN in their fused CPU kernel (softmax against 128 keys or
+more), forward and backward.
 """
 import json
 from pathlib import Path
@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import timm
@@ -27,6 +28,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 ONEDNN_LINEAR = torch.ops.zoo.onednn_linear.default
 ATTENTION_KERNEL = torch.ops.zoo.multimax_cpu_attention.default
+ATTENTION_KERNEL_BACKWARD = torch.ops.zoo.multimax_cpu_attention_backward.default
+SDPA_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 BLAS_PRODUCTS = {torch.ops.aten.addmm.default, torch.ops.aten.mm.default, torch.ops.aten.bmm.default}
 TINY_DEMO = str(Path(__file__).resolve().parents[1] / 'configs' / 'demo' / 'digits_tiny.yaml')
 TINY_DEIT = dict(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, num_classes=5)
@@ -214,44 +217,53 @@ def test_train_py_with_onednn_trains_as_the_plain_run_and_checks_its_settings(tm
 LONG_DEIT = dict(img_size=64, patch_size=4, embed_dim=128, depth=1, num_heads=2, num_classes=5)
 
 
-def onednn_matmuls(capfd, fn):
-    """fn()'s result and the number of matrix products oneDNN ran meanwhile, from its verbose log (standard
-    output)."""
-    capfd.readouterr()
-    with torch.backends.mkldnn.verbose(torch.backends.mkldnn.VERBOSE_ON):
-        result = fn()
-    log = capfd.readouterr().out.splitlines()
-    return result, sum(line.startswith('onednn_verbose') and ',exec,cpu,matmul,' in line for line in log)
-
-
-def test_softmax_inference_takes_the_fused_kernel_with_onednn_products_and_training_its_own_path(capfd):
+def test_softmax_takes_the_fused_kernel_with_onednn_products_in_inference_and_training(onednn_matmuls):
     plain, converted = tiny_pair('softmax_deit_tiny', **LONG_DEIT)
     assert 'onednn=True' in repr(converted.blocks[0].attn)
     x = torch.randn(2, 3, 64, 64)
     with torch.inference_mode():
         expected = plain(x)
-        (out, ops), products = onednn_matmuls(capfd, lambda: recorded_ops(converted, x))
-    assert ops.count(ATTENTION_KERNEL) == 1 and torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default \
-        not in ops
+        (out, ops), products = onednn_matmuls(lambda: recorded_ops(converted, x))
+    assert ops.count(ATTENTION_KERNEL) == 1 and SDPA_CPU not in ops
     # scores and values for 2 images × 2 heads, one block of rows and keys each (the linear layers' products are
     # oneDNN's inner products)
     assert products == 2 * 2 * 2
     assert (out - expected).abs().max().item() < 1e-5
     plain.train(), converted.train()
     (plain(x) ** 2).sum().backward()
-    loss, ops = recorded_ops(lambda: (converted(x) ** 2).sum())
-    loss.backward()
-    assert ATTENTION_KERNEL not in ops
+    (loss, ops), products = onednn_matmuls(lambda: recorded_ops(lambda: (converted(x) ** 2).sum()))
+    (_, backward_ops), backward_products = onednn_matmuls(lambda: recorded_ops(loss.backward))
+    assert ops.count(ATTENTION_KERNEL) == 1 and backward_ops.count(ATTENTION_KERNEL_BACKWARD) == 1
+    # the backward pass: 5 products for each block of 128 of the 257 query rows
+    assert (products, backward_products) == (2 * 4, 5 * 3 * 4)
     for (name, p), q in zip(plain.named_parameters(), converted.parameters()):
         assert (p.grad - q.grad).abs().max().item() <= 1e-4 * p.grad.abs().max().item() + 1e-7, name
 
 
-def test_multimax_trains_through_its_kernel_with_onednn_products(capfd):
+def test_a_gradient_penalty_through_the_softmax_kernel_differentiates_the_formula():
+    plain, converted = tiny_pair('softmax_deit_tiny', **LONG_DEIT)
+    x = torch.randn(2, 3, 64, 64)
+    penalties = []
+    for model in (plain, converted):
+        images = x.clone().requires_grad_()
+        # the plain model through the math backend: the CPU's fused kernel has no second derivative
+        with sdpa_kernel(SDPBackend.MATH):
+            (grad,) = torch.autograd.grad(model(images).square().sum(), images, create_graph=True)
+        penalty = grad.square().sum()
+        penalty.backward()
+        penalties.append((penalty, [p.grad for p in model.parameters()]))
+    (expected, expected_grads), (penalty, grads) = penalties
+    assert (penalty - expected).abs().item() <= 1e-4 * expected.abs().item()
+    for want, got in zip(expected_grads, grads):
+        assert (got - want).abs().max().item() <= 1e-3 * want.abs().max().item() + 1e-7
+
+
+def test_multimax_trains_through_its_kernel_with_onednn_products(onednn_matmuls):
     plain, converted = tiny_pair('softmax_deit_tiny', attn_type='multimax', **LONG_DEIT)
     plain.train(), converted.train()
     x = torch.randn(2, 3, 64, 64)
     (plain(x) ** 2).sum().backward()
-    _, products = onednn_matmuls(capfd, lambda: (converted(x) ** 2).sum().backward())
+    _, products = onednn_matmuls(lambda: (converted(x) ** 2).sum().backward())
     # oneDNN's matrix products (the linear layers' are its inner products): for each of 2 images × 2 heads, the
     # kernel's 2 forward ones and 5 backward ones for each block of 128 of the 257 query rows
     assert products == 4 * (2 + 5 * 3)
@@ -268,7 +280,7 @@ def test_shifted_windows_of_49_tokens_keep_scaled_dot_product_attention():
         assert ATTENTION_KERNEL not in ops and (out - plain(x)).abs().max().item() < 1e-5
 
 
-def test_compiled_inference_of_a_converted_softmax_model_calls_the_kernel_in_one_graph():
+def test_a_compiled_converted_softmax_model_calls_the_kernel_and_trains_to_the_plain_gradients():
     torch.compiler.reset()
     plain, converted = tiny_pair('softmax_deit_tiny', **LONG_DEIT)
     graphs = []
@@ -282,4 +294,10 @@ def test_compiled_inference_of_a_converted_softmax_model_calls_the_kernel_in_one
     with torch.no_grad():
         assert (compiled(x) - plain(x)).abs().max().item() < 1e-5
     assert len(graphs) == 1 and graphs[0].count('zoo.multimax_cpu_attention') == 1
+    plain.train(), converted.train()
+    (plain(x) ** 2).sum().backward()
+    (compiled(x) ** 2).sum().backward()
+    assert len(graphs) == 2
+    for (name, p), q in zip(plain.named_parameters(), converted.parameters()):
+        assert (p.grad - q.grad).abs().max().item() <= 1e-4 * p.grad.abs().max().item() + 1e-7, name
     torch.compiler.reset()

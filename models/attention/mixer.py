@@ -16,14 +16,14 @@ backbone passes one `attn_kwargs` dict and each mixer takes the options it decla
 """
 import contextlib
 import inspect
-from typing import Any, ClassVar, ContextManager, Dict, NamedTuple, Optional, Tuple
+from typing import Any, ClassVar, ContextManager, Dict, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
 
 from .layout import Grid, split_heads
 
-__all__ = ['Mixer', 'MixContext', 'autocast_off', 'is_exporting']
+__all__ = ['Mixer', 'MixContext', 'autocast_off', 'differentiable_grads', 'is_exporting']
 
 # Device types with an autocast mode; others (the meta device used to count parameters and FLOPs) have none to turn off.
 _AUTOCAST_DEVICES = frozenset(d for d in ('cpu', 'cuda', 'xpu', 'mps', 'hpu') if torch.amp.is_autocast_available(d))
@@ -38,6 +38,15 @@ def is_exporting() -> bool:
     """True while torch.export traces the model (torch 2.6 and later; earlier versions do not say)."""
     exporting = getattr(torch.compiler, 'is_exporting', None)
     return exporting is not None and exporting()
+
+
+def differentiable_grads(ctx, out: Tensor, inputs: Sequence[Optional[Tensor]], grad: Tensor) -> Tuple:
+    """The gradients an autograd.Function's backward pass returns under create_graph=True: through autograd of
+    `out`, the function of `inputs` recomputed with autograd, so that they can be differentiated again."""
+    needs = ctx.needs_input_grad[:len(inputs)]
+    wanted = [t for t, need in zip(inputs, needs) if need]
+    grads = iter(torch.autograd.grad(out, wanted, grad, create_graph=True))
+    return tuple(next(grads) if need else None for need in needs)
 
 
 class MixContext(NamedTuple):

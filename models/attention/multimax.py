@@ -23,7 +23,7 @@ shared by every score, by atomic adds from every score into the same eight addre
 Causal form (`causal=True`): on every path, key j > i gets −inf in query i's logits after σ, like the mask.
 """
 import math
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -33,7 +33,7 @@ from timm.layers import trunc_normal_
 
 from .causal import later_tokens
 from .layout import Grid, merge_heads
-from .mixer import MixContext, autocast_off, is_exporting
+from .mixer import MixContext, autocast_off, differentiable_grads, is_exporting
 from .multimax_cpu import cpu_kernel_available, multimax_cpu, multimax_cpu_backward
 from .registry import register_attention
 from .softmax import SoftmaxMixer
@@ -101,18 +101,9 @@ class _Modulation(torch.autograd.Function):
     def backward(ctx, grad: Tensor):
         x, ranges, ts = ctx.saved_tensors
         if torch.is_grad_enabled():  # create_graph=True: the formula's own backward is differentiable
-            return _differentiable_grads(ctx, multimax_modulation(x, ranges, ts), (x, ranges, ts), grad)
+            return differentiable_grads(ctx, multimax_modulation(x, ranges, ts), (x, ranges, ts), grad)
         grad_x, grad_ranges, grad_ts = _modulation_backward(x, grad, ranges, ts, any(ctx.needs_input_grad[1:]))
         return grad_x, grad_ranges, grad_ts
-
-
-def _differentiable_grads(ctx, out: Tensor, inputs: Sequence[Optional[Tensor]], grad: Tensor) -> Tuple:
-    """The gradients a backward pass returns, through autograd of `out` = the function of `inputs` recomputed
-    with autograd, so that they can be differentiated again."""
-    needs = ctx.needs_input_grad[:len(inputs)]
-    wanted = [t for t, need in zip(inputs, needs) if need]
-    grads = iter(torch.autograd.grad(out, wanted, grad, create_graph=True))
-    return tuple(next(grads) if need else None for need in needs)
 
 
 class _MultiMaxInRowBlocks(torch.autograd.Function):
@@ -150,7 +141,7 @@ class _MultiMaxInRowBlocks(torch.autograd.Function):
         q, k, v, ranges, ts, bias, mask, out, lse = ctx.saved_tensors
         if torch.is_grad_enabled():
             plain = _multimax_plain(q, k, v, ranges, ts, bias, mask, 0., ctx.causal)
-            return _differentiable_grads(ctx, plain, (q, k, v, ranges, ts, bias), grad_out) + (None,) * 5
+            return differentiable_grads(ctx, plain, (q, k, v, ranges, ts, bias), grad_out) + (None,) * 5
         need_q, need_k, need_v, need_ranges, need_ts, need_bias = ctx.needs_input_grad[:6]
         if ctx.kernel:
             grads = multimax_cpu_backward(grad_out.contiguous(), q, k, v, out, lse, ranges, ts, ctx.onednn)

@@ -9,11 +9,12 @@ learned position bias in training); there the plain formula is cheaper than the 
 Causal form (`causal=True`): key j > i is masked out of query i's softmax, by the kernels' own causal mask
 where there is no bias, else added to the bias as −inf.
 
-With oneDNN's products (`onednn`, set by `models.convert_to_onednn`), CPU inference in float32 against at least
+With oneDNN's products (`onednn`, set by `models.convert_to_onednn`), float32 CPU attention against at least
 128 keys takes MultiMax's fused kernel with σ the identity (`multimax_cpu.py`), whose large products go through
 oneDNN, where the fused kernel of `scaled_dot_product_attention` multiplies by the BLAS: 1.4× its speed at 197
-tokens, 1.6× at 4097 (one thread). Windows of 49 tokens stay with `scaled_dot_product_attention`, whose products
-are too small for oneDNN to gain (the kernel took 1.1× its time there), and so does training.
+tokens, 1.6× at 4097 (one thread, forward); inference with a bias and a mask too, training (forward and backward)
+without them. Windows of 49 tokens stay with `scaled_dot_product_attention`, whose products are too small for
+oneDNN to gain (the kernel took 1.1× its time there).
 """
 import math
 from typing import Optional
@@ -24,8 +25,8 @@ from torch import Tensor
 
 from .causal import later_tokens
 from .layout import Grid, merge_heads
-from .mixer import Mixer, MixContext, is_exporting
-from .multimax_cpu import multimax_cpu, onednn_products_available
+from .mixer import Mixer, MixContext, differentiable_grads, is_exporting
+from .multimax_cpu import multimax_cpu, multimax_cpu_backward, onednn_products_available
 from .registry import register_attention
 
 __all__ = ['softmax_attention', 'window_bias', 'fold_windows', 'unfold_windows', 'SoftmaxMixer']
@@ -93,7 +94,9 @@ class SoftmaxMixer(Mixer):
         dropout_p = self.attn_drop if self.training else 0.
         mask = ctx.mask
         if not torch.jit.is_scripting():
-            if self.onednn and _onednn_kernel_takes(q, k, v, ctx.pos_bias, dropout_p, self.causal):
+            if self.onednn and _onednn_kernel_takes(q, k, v, ctx.pos_bias, mask, dropout_p, self.causal):
+                if ctx.pos_bias is None and mask is None:
+                    return merge_heads(_KernelSoftmaxAttention.apply(q, k, v))
                 identity = q.new_zeros(4)  # σ's scalars: σ(x) = x
                 return merge_heads(multimax_cpu(q, k, v, identity, identity, ctx.pos_bias, mask, True)[0])
         if mask is None:
@@ -104,14 +107,39 @@ class SoftmaxMixer(Mixer):
         return merge_heads(unfold_windows(out, h))
 
 
-def _onednn_kernel_takes(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], dropout_p: float,
-                         causal: bool) -> bool:
-    """Whether the fused CPU kernel with oneDNN's products computes this call: float32 CPU inference (no input
-    needing a gradient) against `_ONEDNN_KERNEL_MIN_KEYS` keys or more, eager or compiled but not exported or under
-    autocast, without dropout or causal masking."""
+def _onednn_kernel_takes(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], mask: Optional[Tensor],
+                         dropout_p: float, causal: bool) -> bool:
+    """Whether the fused CPU kernel with oneDNN's products computes this call: float32 on the CPU against
+    `_ONEDNN_KERNEL_MIN_KEYS` keys or more, eager or compiled but not exported or under autocast, without dropout or
+    causal masking; a bias or a mask in inference only (no input needing a gradient)."""
     if is_exporting() or dropout_p or causal or k.shape[-2] < _ONEDNN_KERNEL_MIN_KEYS:
         return False
-    inputs = (q, k, v) if bias is None else (q, k, v, bias)
+    inputs = [t for t in (q, k, v, bias) if t is not None]
+    training = torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
     return (q.device.type == 'cpu' and not torch.is_autocast_enabled('cpu')
-            and all(t.dtype == torch.float32 and not t.requires_grad for t in inputs)
-            and onednn_products_available())
+            and all(t.dtype == torch.float32 for t in inputs)
+            and not (training and (bias is not None or mask is not None)) and onednn_products_available())
+
+
+class _KernelSoftmaxAttention(torch.autograd.Function):
+    """softmax(q·kᵀ/√d) v by MultiMax's CPU kernel with σ the identity and oneDNN's products, forward and backward
+    (from the output and each row's log-sum-exp). q: (B, h, n, d), k, v: (B, h, m, d) -> (B, h, n, d). A backward
+    pass that builds a graph (create_graph=True) differentiates the plain formula instead."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        identity = q.new_zeros(4)
+        out, lse = multimax_cpu(q, k, v, identity, identity, None, None, True)
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        q, k, v, out, lse = ctx.saved_tensors
+        if torch.is_grad_enabled():  # the formula, which, unlike the fused kernels, is differentiable twice
+            weights = torch.matmul(q * q.shape[-1] ** -0.5, k.transpose(-2, -1)).softmax(dim=-1)
+            return differentiable_grads(ctx, torch.matmul(weights, v), (q, k, v), grad_out)
+        identity = q.new_zeros(4)
+        grad_q, grad_k, grad_v, _, _ = multimax_cpu_backward(grad_out.contiguous(), q, k, v, out, lse, identity,
+                                                             identity, True)
+        return grad_q, grad_k, grad_v
