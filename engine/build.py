@@ -13,14 +13,14 @@ from yacs.config import CfgNode as CN
 
 import models  # noqa: F401  (registers the zoo's families with timm)
 from models.checkpoint import CheckpointError, checkpoint_state_dict, load_checkpoint_file
-from models.onednn import onednn_available
+from models.onednn import convert_to_onednn, onednn_available
 
 from .config import ConfigError, mixup_active, model_kwargs
 from .errors import UsageError
 
 __all__ = ['check_model_name', 'check_model_config', 'classifier_rows', 'read_weights', 'create_model',
            'weight_changes', 'create_optimizer', 'create_scheduler', 'create_criterion', 'autocast_dtype',
-           'check_onednn']
+           'check_onednn', 'create_training_model']
 
 MODEL_KEYS = ('model', 'state_dict')
 EMA_KEYS = ('model_ema', 'state_dict_ema')
@@ -121,6 +121,18 @@ def check_model_config(cfg: CN) -> None:
     """Build the model on the meta device, which allocates nothing, so that a name, keyword or value it refuses fails
     on one line before any data is read."""
     create_model(cfg, device='meta')
+
+
+def create_training_model(cfg: CN, device: torch.device, weights: Optional[Dict[str, Tensor]] = None,
+                          source: str = 'checkpoint') -> nn.Module:
+    """`create_model` as training runs it, on `device`: through oneDNN with TRAIN.ONEDNN, with gradient
+    checkpointing with TRAIN.USE_CHECKPOINT."""
+    model = create_model(cfg, weights, source=source)
+    if cfg.TRAIN.ONEDNN:
+        convert_to_onednn(model)
+    if cfg.TRAIN.USE_CHECKPOINT:
+        model.set_grad_checkpointing(True)
+    return model.to(device)
 
 
 def check_onednn(device: torch.device, amp: Optional[str], setting: str) -> None:

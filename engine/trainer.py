@@ -18,10 +18,8 @@ from timm.utils import ModelEmaV3
 from torch.nn.parallel import DistributedDataParallel
 from yacs.config import CfgNode as CN
 
-from models.onednn import convert_to_onednn
-
-from .build import (autocast_dtype, check_model_config, check_onednn, create_criterion, create_model,
-                    create_optimizer, create_scheduler, read_weights)
+from .build import (autocast_dtype, check_model_config, check_onednn, create_criterion, create_optimizer,
+                    create_scheduler, create_training_model, read_weights)
 from .checkpoint import LAST, OutputLock, TrainingCheckpoint, remove_stale_temp_files
 from .compile import CompileTimer, compile_errors_reported, compile_model
 from .config import ema_decay, scaled_lrs, total_batch_size
@@ -219,12 +217,7 @@ def _train(cfg: CN, info: DistInfo, lock: OutputLock, check_data: bool) -> Dict[
     pretrained = None
     if cfg.MODEL.PRETRAINED and stored is None:
         pretrained = read_weights(cfg.MODEL.PRETRAINED)
-    model = create_model(cfg, pretrained, source=cfg.MODEL.PRETRAINED)
-    if cfg.TRAIN.ONEDNN:
-        convert_to_onednn(model)
-    if cfg.TRAIN.USE_CHECKPOINT:
-        model.set_grad_checkpointing(True)
-    model.to(info.device)
+    model = create_training_model(cfg, info.device, pretrained, source=cfg.MODEL.PRETRAINED)
     ema = None
     if cfg.EMA.ENABLED:
         ema = ModelEmaV3(model, decay=ema_decay(cfg, info.world_size),

@@ -38,12 +38,11 @@ sys.path.insert(0, ROOT)
 
 import timm  # noqa: E402
 
-from engine.build import autocast_dtype, create_criterion, create_model, create_optimizer  # noqa: E402
+from engine.build import autocast_dtype, create_criterion, create_optimizer, create_training_model  # noqa: E402
 from engine.config import load_config  # noqa: E402
 from engine.data import build_mixup, build_train_loader, load_split, train_transform  # noqa: E402
 from engine.distributed import DistInfo  # noqa: E402
 from engine.loops import autocast  # noqa: E402
-from models.onednn import convert_to_onednn  # noqa: E402
 
 # ImageNet-1k's median image is 500x375; its JPEGs average about 110 KB.
 IMAGE_SIZE = (500, 375)
@@ -105,9 +104,7 @@ def loader_rate(cfg, info: DistInfo, batches: int, repeats: int) -> float:
 def model_rate(cfg, info: DistInfo, steps: int, repeats: int) -> float:
     """Median images/s of the training step on one batch held in memory."""
     torch.manual_seed(cfg.SEED)
-    model = create_model(cfg).to(info.device).train()
-    if cfg.TRAIN.ONEDNN:  # as train.py builds it
-        convert_to_onednn(model)
+    model = create_training_model(cfg, info.device).train()  # as train.py builds it
     optimizer = create_optimizer(cfg, model, cfg.TRAIN.BASE_LR)
     criterion = create_criterion(cfg)
     size, batch = cfg.DATA.IMG_SIZE, cfg.DATA.BATCH_SIZE
