@@ -215,6 +215,8 @@ def test_train_py_with_onednn_trains_as_the_plain_run_and_checks_its_settings(tm
 
 # 64 / 4 = 16² patches and a class token: 257 keys, heads of 64 channels
 LONG_DEIT = dict(img_size=64, patch_size=4, embed_dim=128, depth=1, num_heads=2, num_classes=5)
+# 32² patches and a class token: 1025 keys, as many as softmax needs to train through the kernel
+LONGER_DEIT = dict(LONG_DEIT, img_size=128)
 
 
 def test_softmax_takes_the_fused_kernel_with_onednn_products_in_inference_and_training(onednn_matmuls):
@@ -229,20 +231,28 @@ def test_softmax_takes_the_fused_kernel_with_onednn_products_in_inference_and_tr
     # oneDNN's inner products)
     assert products == 2 * 2 * 2
     assert (out - expected).abs().max().item() < 1e-5
+    # training against fewer than 1024 keys keeps scaled_dot_product_attention, which is as fast there
+    converted.train()
+    loss, ops = recorded_ops(lambda: (converted(x) ** 2).sum())
+    assert ATTENTION_KERNEL not in ops
+    # against 1025 keys it takes the kernel forward and backward
+    plain, converted = tiny_pair('softmax_deit_tiny', **LONGER_DEIT)
     plain.train(), converted.train()
+    x = torch.randn(2, 3, 128, 128)
     (plain(x) ** 2).sum().backward()
     (loss, ops), products = onednn_matmuls(lambda: recorded_ops(lambda: (converted(x) ** 2).sum()))
     (_, backward_ops), backward_products = onednn_matmuls(lambda: recorded_ops(loss.backward))
     assert ops.count(ATTENTION_KERNEL) == 1 and backward_ops.count(ATTENTION_KERNEL_BACKWARD) == 1
-    # the backward pass: 5 products for each block of 128 of the 257 query rows
-    assert (products, backward_products) == (2 * 4, 5 * 3 * 4)
+    # for 2 images × 2 heads, 2 products per block forward (5 blocks of 256 query rows × 3 of 512 keys) and 5
+    # backward (9 blocks of 128 rows × 3)
+    assert (products, backward_products) == (4 * 2 * 5 * 3, 4 * 5 * 9 * 3)
     for (name, p), q in zip(plain.named_parameters(), converted.parameters()):
         assert (p.grad - q.grad).abs().max().item() <= 1e-4 * p.grad.abs().max().item() + 1e-7, name
 
 
 def test_a_gradient_penalty_through_the_softmax_kernel_differentiates_the_formula():
-    plain, converted = tiny_pair('softmax_deit_tiny', **LONG_DEIT)
-    x = torch.randn(2, 3, 64, 64)
+    plain, converted = tiny_pair('softmax_deit_tiny', **LONGER_DEIT)
+    x = torch.randn(1, 3, 128, 128)
     penalties = []
     for model in (plain, converted):
         images = x.clone().requires_grad_()
@@ -280,9 +290,9 @@ def test_shifted_windows_of_49_tokens_keep_scaled_dot_product_attention():
         assert ATTENTION_KERNEL not in ops and (out - plain(x)).abs().max().item() < 1e-5
 
 
-def test_a_compiled_converted_softmax_model_calls_the_kernel_and_trains_to_the_plain_gradients():
+def test_a_compiled_converted_softmax_model_calls_the_kernel_and_trains_to_the_plain_gradients(onednn_matmuls):
     torch.compiler.reset()
-    plain, converted = tiny_pair('softmax_deit_tiny', **LONG_DEIT)
+    plain, converted = tiny_pair('softmax_deit_tiny', **LONGER_DEIT)
     graphs = []
 
     def inspect_then_inductor(gm, example_inputs):
@@ -290,14 +300,15 @@ def test_a_compiled_converted_softmax_model_calls_the_kernel_and_trains_to_the_p
         return torch._inductor.compile(gm, example_inputs)
 
     compiled = torch.compile(converted, fullgraph=True, backend=inspect_then_inductor)
-    x = torch.randn(2, 3, 64, 64)
+    x = torch.randn(1, 3, 128, 128)
     with torch.no_grad():
         assert (compiled(x) - plain(x)).abs().max().item() < 1e-5
     assert len(graphs) == 1 and graphs[0].count('zoo.multimax_cpu_attention') == 1
     plain.train(), converted.train()
     (plain(x) ** 2).sum().backward()
-    (compiled(x) ** 2).sum().backward()
-    assert len(graphs) == 2
+    loss = (compiled(x) ** 2).sum()
+    _, backward_products = onednn_matmuls(loss.backward)
+    assert len(graphs) == 2 and backward_products == 2 * 5 * 9 * 3  # the kernel's backward pass, as eager
     for (name, p), q in zip(plain.named_parameters(), converted.parameters()):
         assert (p.grad - q.grad).abs().max().item() <= 1e-4 * p.grad.abs().max().item() + 1e-7, name
     torch.compiler.reset()
