@@ -6,7 +6,8 @@ deep-learning library PyTorch also ships, multiplies at up to twice the rate: 24
 2048² product on one core of the benchmark machine (`docs/benchmarks.md`). `convert_to_onednn` swaps a model's
 `nn.Linear` modules for `OneDNNLinear`, which keeps their parameters and state-dict keys and multiplies through
 oneDNN in float32 on the CPU, forward and backward, and has softmax and MultiMax attention multiply their scores
-through oneDNN where their fused CPU kernel computes them (`attention/multimax_cpu.py`; softmax in inference).
+through oneDNN where their fused CPU kernel computes them (`attention/multimax_cpu.py`; softmax against long
+sequences, where the kernel is faster than `scaled_dot_product_attention`).
 
 The outputs and gradients differ from `F.linear`'s by float32 rounding (the two libraries sum in different orders).
 The product is the custom op `zoo::onednn_linear`, which `torch.compile` calls as it stands (inductor's own
