@@ -237,7 +237,9 @@ template <typename T>
 void forward_blocks(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out,
                     at::Tensor& lse, T scale, const Modulation<T> sigma, const ScoreTerms<T> terms, bool onednn) {
   const int64_t heads = q.size(0) * q.size(1), n = q.size(2), m = k.size(2), d = q.size(3), dv = v.size(3);
-  const auto [rows, columns] = forward_block(n, m);
+  // plain variables, not a structured binding, which C++17 does not let the lambda below capture
+  const std::pair<int64_t, int64_t> block = forward_block(n, m);
+  const int64_t rows = block.first, columns = block.second;
   const bool onednn_scores = through_onednn<T>(onednn, rows, columns, d);
   const bool onednn_values = through_onednn<T>(onednn, rows, dv, columns);
   const int64_t row_blocks = (n + rows - 1) / rows;
