@@ -9,13 +9,12 @@ learned position bias in training); there the plain formula is cheaper than the 
 Causal form (`causal=True`): key j > i is masked out of query i's softmax, by the kernels' own causal mask
 where there is no bias, else added to the bias as −inf.
 
-With oneDNN's products (`onednn`, set by `models.convert_to_onednn`), float32 CPU attention takes MultiMax's
-fused kernel with σ the identity (`multimax_cpu.py`), whose large products go through oneDNN, where the fused
-kernel of `scaled_dot_product_attention` multiplies by the BLAS: inference against 128 keys or more, with a bias
-and a mask too (1.4× its speed at 197 tokens, 1.6× at 4097, one thread), training (forward and backward) without
-them against 1024 keys or more (1.20× at 1025 tokens, 1.31× at 4097; at 197 DeiT-T's training step took 1.07× its
-time through the kernel). Windows of 49 tokens stay with `scaled_dot_product_attention`, whose products are too
-small for oneDNN to gain (the kernel took 1.1× its time there).
+With oneDNN's products (`onednn`, set by `models.convert_to_onednn`), float32 CPU attention against 128 keys or
+more takes MultiMax's fused kernel with σ the identity (`multimax_cpu.py`), whose large products go through
+oneDNN, where the fused kernel of `scaled_dot_product_attention` multiplies by the BLAS: inference with a bias and
+a mask too (1.4× its speed at 197 tokens, 1.6× at 4097, one thread), training (forward and backward) without them
+(1.27× at 197 tokens, 1.56× at 4097). Windows of 49 tokens stay with `scaled_dot_product_attention`, whose
+products are too small for oneDNN to gain (the kernel took 1.1× its time there).
 """
 import math
 from typing import Optional
@@ -33,7 +32,6 @@ from .registry import register_attention
 __all__ = ['softmax_attention', 'window_bias', 'fold_windows', 'unfold_windows', 'SoftmaxMixer']
 
 _ONEDNN_KERNEL_MIN_KEYS = 128
-_ONEDNN_KERNEL_MIN_TRAINING_KEYS = 1024
 
 
 def softmax_attention(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor] = None, dropout_p: float = 0.,
@@ -111,20 +109,16 @@ class SoftmaxMixer(Mixer):
 
 def _onednn_kernel_takes(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], mask: Optional[Tensor],
                          dropout_p: float, causal: bool) -> bool:
-    """Whether the fused CPU kernel with oneDNN's products computes this call: float32 on the CPU, eager or compiled
-    but not exported or under autocast, without dropout or causal masking; in inference (no input needing a
-    gradient) against `_ONEDNN_KERNEL_MIN_KEYS` keys or more, in training against
-    `_ONEDNN_KERNEL_MIN_TRAINING_KEYS` or more and without bias or mask."""
-    if is_exporting() or dropout_p or causal:
+    """Whether the fused CPU kernel with oneDNN's products computes this call: float32 on the CPU against
+    `_ONEDNN_KERNEL_MIN_KEYS` keys or more, eager or compiled but not exported or under autocast, without dropout or
+    causal masking; a bias or a mask in inference only (no input needing a gradient)."""
+    if is_exporting() or dropout_p or causal or k.shape[-2] < _ONEDNN_KERNEL_MIN_KEYS:
         return False
     inputs = [t for t in (q, k, v, bias) if t is not None]
-    if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
-        if bias is not None or mask is not None or k.shape[-2] < _ONEDNN_KERNEL_MIN_TRAINING_KEYS:
-            return False
-    elif k.shape[-2] < _ONEDNN_KERNEL_MIN_KEYS:
-        return False
+    training = torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
     return (q.device.type == 'cpu' and not torch.is_autocast_enabled('cpu')
-            and all(t.dtype == torch.float32 for t in inputs) and onednn_products_available())
+            and all(t.dtype == torch.float32 for t in inputs)
+            and not (training and (bias is not None or mask is not None)) and onednn_products_available())
 
 
 class _KernelSoftmaxAttention(torch.autograd.Function):

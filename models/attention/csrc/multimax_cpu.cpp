@@ -10,7 +10,8 @@
 // cost a dispatch and three tensor views besides. On request (`onednn`), float32 products of at least
 // `kOneDnnMinProducts` multiply-adds go through oneDNN instead, by ATen's `at::native::mkldnn_matmul`, the function
 // behind its own oneDNN matrix products: on CPUs where the BLAS takes a narrower vector path than the machine has,
-// oneDNN multiplies these blocks about 1.8 times as fast, and below that size its per-call cost outweighs the gain.
+// oneDNN multiplies these blocks about 1.8 times as fast (in blocks of 512 query rows, forward and backward), and
+// below that size its per-call cost outweighs the gain.
 // σ and the exponentials run in loops the compiler vectorises.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -43,18 +44,22 @@ namespace {
 
 // Products smaller than this many multiply-adds stay with the BLAS where oneDNN is requested: a 49-token window's
 // scores (49·49·32) ran at a quarter of the BLAS's speed through oneDNN, a 197-token image's (197·197·64) at 1.4
-// times it, the backward pass's 128-row blocks of those at the same speed.
+// times it.
 constexpr int64_t kOneDnnMinProducts = int64_t(2) << 20;
 
 bool onednn_products_available() { return &at::native::mkldnn_matmul != nullptr; }
 
-// Whether the products of (rows × inner) by (inner × cols) blocks go through oneDNN: requested, float32 and large
-// enough. Decided once per kind of product from its full block, not per call, so that a short last block does
-// not change library.
+// Whether oneDNN's products can serve: requested, float32, and in this torch.
 template <typename T>
-bool through_onednn(bool requested, int64_t rows, int64_t cols, int64_t inner) {
-  return requested && std::is_same_v<T, float> && rows * cols * inner >= kOneDnnMinProducts &&
-         onednn_products_available();
+bool onednn_usable(bool requested) {
+  return requested && std::is_same_v<T, float> && onednn_products_available();
+}
+
+// Whether the products of (rows × inner) by (inner × cols) blocks go through oneDNN: usable and large enough.
+// Decided once per kind of product from its full block, not per call, so that a short last block does not change
+// library.
+bool through_onednn(bool usable, int64_t rows, int64_t cols, int64_t inner) {
+  return usable && rows * cols * inner >= kOneDnnMinProducts;
 }
 
 // A row-major (rows × cols) matrix at `data` with rows `ld` apart, or its transpose, as a tensor over the memory.
@@ -95,11 +100,17 @@ constexpr int64_t kBlockScores = kQueryRows * kKeyColumns;
 // The backward pass multiplies five pairs of matrices per block instead of two and keeps three blocks of scores:
 // 128 rows (against 64 and 256, all within 3 % at 197 to 4097 tokens).
 constexpr int64_t kBackwardQueryRows = 128;
+// Through oneDNN, both passes take 512 rows: its products gain more from the larger blocks than the blocks lose by
+// leaving the L2 cache (forward 1.08–1.10× over 256 rows at 1025 to 4097 tokens, backward 1.23–1.39× over 128 rows
+// at 197 to 4097; 768 and 1024 rows no faster).
+constexpr int64_t kOneDnnQueryRows = 512;
 
-// The forward pass's block of scores for n queries against m keys: (rows, columns).
-std::pair<int64_t, int64_t> forward_block(int64_t n, int64_t m) {
+// The forward pass's block of scores for n queries against m keys, `onednn` where oneDNN's products are usable:
+// (rows, columns).
+std::pair<int64_t, int64_t> forward_block(int64_t n, int64_t m, bool onednn) {
   const int64_t columns = std::min(kKeyColumns, m);
-  return {std::min(std::max(kQueryRows, kBlockScores / columns), n), columns};
+  const int64_t min_rows = onednn ? kOneDnnQueryRows : kQueryRows;
+  return {std::min(std::max(min_rows, kBlockScores / columns), n), columns};
 }
 
 template <typename T>
@@ -238,10 +249,11 @@ void forward_blocks(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
                     at::Tensor& lse, T scale, const Modulation<T> sigma, const ScoreTerms<T> terms, bool onednn) {
   const int64_t heads = q.size(0) * q.size(1), n = q.size(2), m = k.size(2), d = q.size(3), dv = v.size(3);
   // plain variables, not a structured binding, which C++17 does not let the lambda below capture
-  const std::pair<int64_t, int64_t> block = forward_block(n, m);
+  const bool usable = onednn_usable<T>(onednn);
+  const std::pair<int64_t, int64_t> block = forward_block(n, m, usable);
   const int64_t rows = block.first, columns = block.second;
-  const bool onednn_scores = through_onednn<T>(onednn, rows, columns, d);
-  const bool onednn_values = through_onednn<T>(onednn, rows, dv, columns);
+  const bool onednn_scores = through_onednn(usable, rows, columns, d);
+  const bool onednn_values = through_onednn(usable, rows, dv, columns);
   const int64_t row_blocks = (n + rows - 1) / rows;
   const HeadMatrices<const T> queries(q), keys(k), values(v);
   const HeadMatrices<T> outputs(out);
@@ -339,13 +351,15 @@ void backward_blocks(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
                      at::Tensor& grad_v, at::Tensor& grad_params, const Modulation<T> sigma, T scale,
                      bool onednn) {
   const int64_t heads = q.size(0) * q.size(1), n = q.size(2), m = k.size(2), d = q.size(3), dv = v.size(3);
-  const int64_t rows = std::min(kBackwardQueryRows, n), columns = std::min(kKeyColumns, m);
+  const bool usable = onednn_usable<T>(onednn);
+  const int64_t rows = std::min(usable ? kOneDnnQueryRows : kBackwardQueryRows, n);
+  const int64_t columns = std::min(kKeyColumns, m);
   // the scores through the forward pass's library, whose rows are then the same to the last bit
-  const bool onednn_scores = through_onednn<T>(onednn, forward_block(n, m).first, columns, d);
-  const bool onednn_grad_probs = through_onednn<T>(onednn, rows, columns, dv);
-  const bool onednn_grad_values = through_onednn<T>(onednn, columns, dv, rows);
-  const bool onednn_grad_keys = through_onednn<T>(onednn, columns, d, rows);
-  const bool onednn_grad_queries = through_onednn<T>(onednn, rows, d, columns);
+  const bool onednn_scores = through_onednn(usable, forward_block(n, m, usable).first, columns, d);
+  const bool onednn_grad_probs = through_onednn(usable, rows, columns, dv);
+  const bool onednn_grad_values = through_onednn(usable, columns, dv, rows);
+  const bool onednn_grad_keys = through_onednn(usable, columns, d, rows);
+  const bool onednn_grad_queries = through_onednn(usable, rows, d, columns);
   const HeadMatrices<const T> queries(q), keys(k), values(v), grads(grad_out);
   const HeadMatrices<T> grad_queries(grad_q), grad_keys(grad_k), grad_values(grad_v);
   const T *lse_data = lse.data_ptr<T>(), *dots_data = row_dots.data_ptr<T>();
