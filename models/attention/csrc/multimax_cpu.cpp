@@ -248,7 +248,8 @@ template <typename T>
 void forward_blocks(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out,
                     at::Tensor& lse, T scale, const Modulation<T> sigma, const ScoreTerms<T> terms, bool onednn) {
   const int64_t heads = q.size(0) * q.size(1), n = q.size(2), m = k.size(2), d = q.size(3), dv = v.size(3);
-  // plain variables, not a structured binding, which C++17 does not let the lambda below capture
+  // plain variables, not a structured binding, which the lambda below may capture only from C++20 on (earlier
+  // torch releases build extensions as C++17)
   const bool usable = onednn_usable<T>(onednn);
   const std::pair<int64_t, int64_t> block = forward_block(n, m, usable);
   const int64_t rows = block.first, columns = block.second;
