@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.flop_counter import register_flop_formula
 
-from .attention.mixer import is_exporting
+from .attention.mixer import cpu_float32_kernels_apply
 from .attention.softmax import SoftmaxMixer
 
 __all__ = ['OneDNNLinear', 'convert_to_onednn', 'onednn_available', 'onednn_linear']
@@ -78,16 +78,9 @@ def _onednn_linear_flops(x_shape, weight_shape, *args, out_shape=None, **kwargs)
 class OneDNNLinear(nn.Linear):
     """`nn.Linear` whose float32 CPU products run through oneDNN. x: (*, in_features) -> (*, out_features)."""
 
-    def _uses_onednn(self, x: Tensor) -> bool:
-        if is_exporting() or torch.onnx.is_in_onnx_export():
-            return False
-        if torch.is_autocast_enabled('cpu'):
-            return False
-        return x.device.type == 'cpu' and x.dtype == torch.float32 and self.weight.dtype == torch.float32
-
     def forward(self, x: Tensor) -> Tensor:
         if not torch.jit.is_scripting():
-            if self._uses_onednn(x):
+            if cpu_float32_kernels_apply(x, self.weight):
                 return onednn_linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 

@@ -242,6 +242,18 @@ def test_softmax_takes_the_fused_kernel_with_onednn_products_in_inference_and_tr
         assert (p.grad - q.grad).abs().max().item() <= 1e-4 * p.grad.abs().max().item() + 1e-7, name
 
 
+def test_autocast_and_export_keep_softmax_off_the_kernel():
+    plain, converted = tiny_pair('softmax_deit_tiny', **LONG_DEIT)
+    x = torch.randn(2, 3, 64, 64)
+    with torch.no_grad(), torch.autocast('cpu', dtype=torch.bfloat16):
+        out, ops = recorded_ops(converted, x)
+        assert ATTENTION_KERNEL not in ops and torch.equal(out, plain(x))
+    exported = torch.export.export(converted, (x,))
+    assert 'multimax_cpu' not in str(exported.graph)
+    with torch.no_grad():
+        assert (exported.module()(x) - plain(x)).abs().max().item() < 1e-5
+
+
 def test_a_gradient_penalty_through_the_softmax_kernel_differentiates_the_formula():
     plain, converted = tiny_pair('softmax_deit_tiny', **LONGER_DEIT)
     x = torch.randn(1, 3, 128, 128)

@@ -23,7 +23,8 @@ from torch import Tensor, nn
 
 from .layout import Grid, split_heads
 
-__all__ = ['Mixer', 'MixContext', 'autocast_off', 'differentiable_grads', 'is_exporting']
+__all__ = ['Mixer', 'MixContext', 'autocast_off', 'cpu_float32_kernels_apply', 'differentiable_grads',
+           'is_exporting']
 
 # Device types with an autocast mode; others (the meta device used to count parameters and FLOPs) have none to turn off.
 _AUTOCAST_DEVICES = frozenset(d for d in ('cpu', 'cuda', 'xpu', 'mps', 'hpu') if torch.amp.is_autocast_available(d))
@@ -38,6 +39,15 @@ def is_exporting() -> bool:
     """True while torch.export traces the model (torch 2.6 and later; earlier versions do not say)."""
     exporting = getattr(torch.compiler, 'is_exporting', None)
     return exporting is not None and exporting()
+
+
+def cpu_float32_kernels_apply(*tensors: Tensor) -> bool:
+    """Whether the zoo's float32 CPU kernels (oneDNN's products, `models.onednn`) may compute on `tensors`: all
+    float32 on the CPU, without CPU autocast, and not while an exporter (torch.export, ONNX) traces them, which
+    takes the standard operators."""
+    if is_exporting() or torch.onnx.is_in_onnx_export() or torch.is_autocast_enabled('cpu'):
+        return False
+    return all(t.device.type == 'cpu' and t.dtype == torch.float32 for t in tensors)
 
 
 def differentiable_grads(ctx, out: Tensor, inputs: Sequence[Optional[Tensor]], grad: Tensor) -> Tuple:

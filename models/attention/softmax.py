@@ -25,7 +25,7 @@ from torch import Tensor
 
 from .causal import later_tokens
 from .layout import Grid, merge_heads
-from .mixer import Mixer, MixContext, differentiable_grads, is_exporting
+from .mixer import Mixer, MixContext, cpu_float32_kernels_apply, differentiable_grads
 from .multimax_cpu import multimax_cpu, multimax_cpu_backward, onednn_products_available
 from .registry import register_attention
 
@@ -110,15 +110,15 @@ class SoftmaxMixer(Mixer):
 def _onednn_kernel_takes(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], mask: Optional[Tensor],
                          dropout_p: float, causal: bool) -> bool:
     """Whether the fused CPU kernel with oneDNN's products computes this call: float32 on the CPU against
-    `_ONEDNN_KERNEL_MIN_KEYS` keys or more, eager or compiled but not exported or under autocast, without dropout or
-    causal masking; a bias or a mask in inference only (no input needing a gradient)."""
-    if is_exporting() or dropout_p or causal or k.shape[-2] < _ONEDNN_KERNEL_MIN_KEYS:
+    `_ONEDNN_KERNEL_MIN_KEYS` keys or more (`cpu_float32_kernels_apply`: eager or compiled, not exported or under
+    autocast), without dropout or causal masking; a bias or a mask in inference only (no input needing a
+    gradient)."""
+    if dropout_p or causal or k.shape[-2] < _ONEDNN_KERNEL_MIN_KEYS:
         return False
     inputs = [t for t in (q, k, v, bias) if t is not None]
     training = torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
-    return (q.device.type == 'cpu' and not torch.is_autocast_enabled('cpu')
-            and all(t.dtype == torch.float32 for t in inputs)
-            and not (training and (bias is not None or mask is not None)) and onednn_products_available())
+    return (cpu_float32_kernels_apply(*inputs) and not (training and (bias is not None or mask is not None))
+            and onednn_products_available())
 
 
 class _KernelSoftmaxAttention(torch.autograd.Function):
