@@ -448,9 +448,9 @@ def test_multimax_cpu_kernel_with_bias_and_mask_matches_the_formula_in_float64(n
 
 
 def test_multimax_on_cpu_takes_the_kernel_by_default_in_inference_and_in_training_without_bias_or_mask(monkeypatch):
-    calls = []
-    monkeypatch.setattr('models.attention.multimax.multimax_cpu',
-                        lambda *a: calls.append(a) or multimax_cpu.multimax_cpu(*a))
+    calls, kernel = [], multimax_cpu.multimax_cpu
+    for caller in ('models.attention.multimax', 'models.attention.multimax_cpu'):  # inference, training
+        monkeypatch.setattr(f'{caller}.multimax_cpu', lambda *a: calls.append(a) or kernel(*a))
     q, k, v, ranges, ts = kernel_inputs(6, 6)
     _, _, _, pos_bias, mask = windows(batch=1, num_windows=2, heads=3, n=6)
     with torch.no_grad():
@@ -481,7 +481,8 @@ def test_multimax_without_its_kernel_warns_once_and_runs_unfused(monkeypatch, ca
         multimax_attention(q, k, v, ranges, ts)
     # only this module's records: importing torch's cpp_extension the first time logs a line of its own
     assert [r.getMessage() for r in caplog.records if r.name == multimax_cpu.__name__] == [
-        f"MultiMax's CPU kernel could not be built or loaded ({failure}); MultiMax runs unfused on CPU"]
+        f"MultiMax's CPU kernel could not be built or loaded ({failure}); MultiMax runs unfused on CPU, and softmax "
+        "attention keeps scaled_dot_product_attention"]
     assert max_abs_err(out, plain_multimax(q, k, v, ranges, ts)) < 1e-13
 
 

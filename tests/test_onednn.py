@@ -22,6 +22,7 @@ from engine.cli import train_main
 from engine.config import load_config
 from engine.data import prepare_digits
 from engine.errors import USAGE_EXIT_CODE, run_cli
+from models.attention import multimax_cpu
 from models.onednn import OneDNNLinear, convert_to_onednn
 
 from torch.utils.flop_counter import FlopCounterMode
@@ -252,6 +253,25 @@ def test_autocast_and_export_keep_softmax_off_the_kernel():
     assert 'multimax_cpu' not in str(exported.graph)
     with torch.no_grad():
         assert (exported.module()(x) - plain(x)).abs().max().item() < 1e-5
+
+
+def test_without_the_kernel_a_converted_softmax_model_keeps_sdpa_and_says_so_once(monkeypatch, caplog):
+    def failing_build(*args, **kwargs):
+        raise RuntimeError("Ninja is required to load C++ extensions")
+
+    plain, converted = tiny_pair('softmax_deit_tiny', **LONG_DEIT)
+    monkeypatch.setattr(multimax_cpu, '_extension', multimax_cpu._NOT_LOADED)
+    monkeypatch.setattr('torch.utils.cpp_extension.load', failing_build)
+    x = torch.randn(2, 3, 64, 64)
+    with caplog.at_level('WARNING', logger=multimax_cpu.__name__), torch.no_grad():
+        out, ops = recorded_ops(converted, x)
+        converted(x)
+    assert ATTENTION_KERNEL not in ops and ops.count(SDPA_CPU) == 1
+    assert [r.getMessage() for r in caplog.records if r.name == multimax_cpu.__name__] == [
+        "MultiMax's CPU kernel could not be built or loaded (Ninja is required to load C++ extensions); MultiMax runs "
+        "unfused on CPU, and softmax attention keeps scaled_dot_product_attention"]
+    with torch.no_grad():
+        assert (out - plain(x)).abs().max().item() < 1e-5
 
 
 def test_a_gradient_penalty_through_the_softmax_kernel_differentiates_the_formula():

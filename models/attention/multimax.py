@@ -34,7 +34,7 @@ from timm.layers import trunc_normal_
 from .causal import later_tokens
 from .layout import Grid, merge_heads
 from .mixer import MixContext, autocast_off, differentiable_grads, is_exporting
-from .multimax_cpu import cpu_kernel_available, multimax_cpu, multimax_cpu_backward
+from .multimax_cpu import KernelAttention, cpu_kernel_available, multimax_cpu, multimax_modulation
 from .registry import register_attention
 from .softmax import SoftmaxMixer
 
@@ -48,12 +48,6 @@ except ImportError:  # older torch: the plain path everywhere
 _CPU_FLEX_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 __all__ = ['multimax_modulation', 'multimax_attention', 'MultiMaxMixer']
-
-
-def multimax_modulation(x: Tensor, ranges: Tensor, ts: Tensor) -> Tensor:
-    """Element-wise σ(x) with `ranges` = (b₀, b₁, b₂, b₃) and `ts` = (t₀, t₁, t₂, t₃); zeros give σ(x) = x."""
-    return (x + ts[0] * torch.relu(ranges[0] - x) + ts[1] * torch.relu(x - ranges[1])
-            + ts[2] * torch.relu(ranges[2] - x).square() + ts[3] * torch.relu(x - ranges[3]).square())
 
 
 def _modulated(x: Tensor, ranges: Tensor, ts: Tensor) -> Tensor:
@@ -110,30 +104,23 @@ class _MultiMaxInRowBlocks(torch.autograd.Function):
     """The plain path a block of query rows at a time, forward and backward, for score matrices too large to
     keep (σ and the softmax are row-wise, so this is exact).
 
-    Forward keeps the output and each row's log-sum-exp, computed in row blocks, by FlexAttention or by the CPU
-    kernel; backward recomputes a block's scores and probabilities from them, the way fused softmax kernels do
-    (the CPU kernel's own backward pass after its forward pass), so training holds one block of scores instead
-    of several n×m tensors per head.
+    Forward keeps the output and each row's log-sum-exp, computed in row blocks or by FlexAttention; backward
+    recomputes a block's scores and probabilities from them, the way fused softmax kernels do, so training holds
+    one block of scores instead of several n×m tensors per head.
     """
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, ranges: Tensor, ts: Tensor, bias: Optional[Tensor],
-                mask: Optional[Tensor], causal: bool, rows: int, forward_path: str, onednn: bool = False) -> Tensor:
-        """`forward_path`: 'rows' (blocks of `rows` query rows), 'flex' (FlexAttention) or 'kernel' (the CPU
-        kernel, which also takes the backward pass; without bias, mask or causal masking; `onednn` as
-        `multimax_cpu` takes it)."""
-        if forward_path == 'flex':  # detached: this function, not FlexAttention, differentiates them
+                mask: Optional[Tensor], causal: bool, rows: int, use_flex: bool) -> Tensor:
+        """The forward pass in blocks of `rows` query rows, or, with `use_flex`, by FlexAttention."""
+        if use_flex:  # detached: this function, not FlexAttention, differentiates them
             detached = (None if t is None else t.detach() for t in (q, k, v, ranges, ts, bias))
             out, lse = _multimax_flex(*detached, mask, causal, keep_lse=True)
-        elif forward_path == 'kernel':
-            out, lse = multimax_cpu(q, k, v, ranges, ts, None, None, onednn)
         else:
             out, lse = _row_blocks_forward(q, k, v, ranges, ts, bias, mask, causal, rows, keep_lse=True)
         ctx.save_for_backward(q, k, v, ranges, ts, bias, mask, out, lse)
         ctx.rows = rows
         ctx.causal = causal
-        ctx.kernel = forward_path == 'kernel'
-        ctx.onednn = onednn
         return out
 
     @staticmethod
@@ -141,11 +128,8 @@ class _MultiMaxInRowBlocks(torch.autograd.Function):
         q, k, v, ranges, ts, bias, mask, out, lse = ctx.saved_tensors
         if torch.is_grad_enabled():
             plain = _multimax_plain(q, k, v, ranges, ts, bias, mask, 0., ctx.causal)
-            return differentiable_grads(ctx, plain, (q, k, v, ranges, ts, bias), grad_out) + (None,) * 5
+            return differentiable_grads(ctx, plain, (q, k, v, ranges, ts, bias), grad_out) + (None,) * 4
         need_q, need_k, need_v, need_ranges, need_ts, need_bias = ctx.needs_input_grad[:6]
-        if ctx.kernel:
-            grads = multimax_cpu_backward(grad_out.contiguous(), q, k, v, out, lse, ranges, ts, ctx.onednn)
-            return tuple(g if need else None for g, need in zip(grads, ctx.needs_input_grad[:5])) + (None,) * 6
         work = torch.promote_types(q.dtype, torch.float32)
         scale = q.shape[-1] ** -0.5
         with autocast_off(q.device):
@@ -179,7 +163,7 @@ class _MultiMaxInRowBlocks(torch.autograd.Function):
                 if need_q:
                     grad_q[..., block, :] = (grad_scores @ keys).mul_(scale)
         return (_cast(grad_q, q), _cast(grad_k, k), _cast(grad_v, v), _cast(grad_b if need_ranges else None, ranges),
-                _cast(grad_t if need_ts else None, ts), _cast(grad_bias, bias), None, None, None, None, None)
+                _cast(grad_t if need_ts else None, ts), _cast(grad_bias, bias), None, None, None, None)
 
 
 def _cast(grad: Optional[Tensor], like: Optional[Tensor]) -> Optional[Tensor]:
@@ -242,7 +226,7 @@ def multimax_attention(
         with autocast_off(q.device):
             q, k, v, ranges, ts = (t.to(work) for t in (q, k, v, ranges, ts))
             if training:
-                out = _MultiMaxInRowBlocks.apply(q, k, v, ranges, ts, None, None, False, n, 'kernel', onednn)
+                out = KernelAttention.apply(q, k, v, ranges, ts, onednn)
             else:
                 out = multimax_cpu(q, k, v, ranges, ts, bias, mask, onednn)[0]
         return out.to(out_dtype)
@@ -254,13 +238,13 @@ def multimax_attention(
             raise ValueError(f"the FlexAttention path of MultiMax has no attention dropout, got dropout_p={dropout_p}")
         if training:
             rows = max(1, _FLEX_BACKWARD_BLOCK_BYTES // row_bytes)
-            return _MultiMaxInRowBlocks.apply(q, k, v, ranges, ts, bias, mask, causal, rows, 'flex')
+            return _MultiMaxInRowBlocks.apply(q, k, v, ranges, ts, bias, mask, causal, rows, True)
         return _multimax_flex(q, k, v, ranges, ts, bias, mask, causal)[0]
     rows = max(1, _ROW_BLOCK_BYTES // row_bytes)
     if dropout_p or rows >= n or (training and n * row_bytes <= _PLAIN_TRAINING_BYTES):
         return _multimax_plain(q, k, v, ranges, ts, bias, mask, dropout_p, causal)
     if training:
-        return _MultiMaxInRowBlocks.apply(q, k, v, ranges, ts, bias, mask, causal, rows, 'rows')
+        return _MultiMaxInRowBlocks.apply(q, k, v, ranges, ts, bias, mask, causal, rows, False)
     return _row_blocks_forward(q, k, v, ranges, ts, bias, mask, causal, rows, keep_lse=False)[0]
 
 

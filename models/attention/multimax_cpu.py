@@ -14,6 +14,10 @@ matrix products call the BLAS inside torch by its Fortran names (`sgemm_`, `dgem
 Linux wheels, which link MKL). With `onednn=True`, its large float32 products go through oneDNN instead (ATen's own
 oneDNN matrix product), as `models.convert_to_onednn` asks for, which gives softmax attention the kernel too (σ with
 zero scalars is the identity). Where it cannot be built or loaded, MultiMax keeps its other paths, and says why once.
+
+σ's formula (`multimax_modulation`) lives here, beside the kernel that fuses it, so that `KernelAttention`, the
+kernel's autograd function through which MultiMax and softmax attention both train, can differentiate the formula
+where a second derivative is asked for; softmax attention's module cannot import MultiMax's, which subclasses it.
 """
 import hashlib
 import logging
@@ -26,7 +30,10 @@ import torch
 from torch import Tensor
 from torch.utils.flop_counter import register_flop_formula
 
-__all__ = ['multimax_cpu', 'multimax_cpu_backward', 'cpu_kernel_available', 'onednn_products_available']
+from .mixer import differentiable_grads
+
+__all__ = ['multimax_modulation', 'multimax_cpu', 'multimax_cpu_backward', 'KernelAttention', 'cpu_kernel_available',
+           'onednn_products_available']
 
 _logger = logging.getLogger(__name__)
 
@@ -59,9 +66,15 @@ def _load() -> Optional[Any]:
         except (OSError, RuntimeError, ImportError, ValueError) as e:  # no compiler or ninja, a failed build or load
             reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             _logger.warning(f"MultiMax's CPU kernel could not be built or loaded ({reason}); MultiMax runs unfused "
-                            "on CPU")
+                            "on CPU, and softmax attention keeps scaled_dot_product_attention")
             _extension = None
     return _extension
+
+
+def multimax_modulation(x: Tensor, ranges: Tensor, ts: Tensor) -> Tensor:
+    """Element-wise σ(x) with `ranges` = (b₀, b₁, b₂, b₃) and `ts` = (t₀, t₁, t₂, t₃); zeros give σ(x) = x."""
+    return (x + ts[0] * torch.relu(ranges[0] - x) + ts[1] * torch.relu(x - ranges[1])
+            + ts[2] * torch.relu(ranges[2] - x).square() + ts[3] * torch.relu(x - ranges[3]).square())
 
 
 @torch.compiler.assume_constant_result
@@ -128,3 +141,27 @@ def _forward_flops(q_shape, k_shape, v_shape, *args, out_shape=None, **kwargs) -
 def _backward_flops(grad_out_shape, q_shape, k_shape, v_shape, *args, out_shape=None, **kwargs) -> int:
     """Twice the forward pass's products, as for attention's backward pass (the recomputed scores not counted)."""
     return 2 * _forward_flops(q_shape, k_shape, v_shape)
+
+
+class KernelAttention(torch.autograd.Function):
+    """softmax(σ(q·kᵀ/√d)) v by the kernel, forward and backward (from the output and each row's log-sum-exp);
+    softmax attention with `ranges` and `ts` zero. q: (B, h, n, d), k, v: (B, h, m, d) -> (B, h, n, d), float32 or
+    float64; `onednn` as `multimax_cpu` takes it. A backward pass that builds a graph (create_graph=True)
+    differentiates the formula instead, which, unlike the kernel, is differentiable twice."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, ranges: Tensor, ts: Tensor, onednn: bool) -> Tensor:
+        out, lse = multimax_cpu(q, k, v, ranges, ts, None, None, onednn)
+        ctx.save_for_backward(q, k, v, ranges, ts, out, lse)
+        ctx.onednn = onednn
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        q, k, v, ranges, ts, out, lse = ctx.saved_tensors
+        if torch.is_grad_enabled():
+            scores = torch.matmul(q * q.shape[-1] ** -0.5, k.transpose(-2, -1))
+            formula = torch.matmul(multimax_modulation(scores, ranges, ts).softmax(dim=-1), v)
+            return differentiable_grads(ctx, formula, (q, k, v, ranges, ts), grad_out) + (None,)
+        grads = multimax_cpu_backward(grad_out.contiguous(), q, k, v, out, lse, ranges, ts, ctx.onednn)
+        return tuple(g if need else None for g, need in zip(grads, ctx.needs_input_grad[:5])) + (None,)

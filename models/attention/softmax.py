@@ -25,8 +25,8 @@ from torch import Tensor
 
 from .causal import later_tokens
 from .layout import Grid, merge_heads
-from .mixer import Mixer, MixContext, cpu_float32_kernels_apply, differentiable_grads
-from .multimax_cpu import multimax_cpu, multimax_cpu_backward, onednn_products_available
+from .mixer import Mixer, MixContext, cpu_float32_kernels_apply
+from .multimax_cpu import KernelAttention, multimax_cpu, onednn_products_available
 from .registry import register_attention
 
 __all__ = ['softmax_attention', 'window_bias', 'fold_windows', 'unfold_windows', 'SoftmaxMixer']
@@ -95,10 +95,11 @@ class SoftmaxMixer(Mixer):
         mask = ctx.mask
         if not torch.jit.is_scripting():
             if self.onednn and _onednn_kernel_takes(q, k, v, ctx.pos_bias, mask, dropout_p, self.causal):
+                # σ's scalars, zero: σ(x) = x (two tensors: compiled autograd functions take no input twice)
+                ranges, ts = q.new_zeros(4), q.new_zeros(4)
                 if ctx.pos_bias is None and mask is None:
-                    return merge_heads(_KernelSoftmaxAttention.apply(q, k, v))
-                identity = q.new_zeros(4)  # σ's scalars: σ(x) = x
-                return merge_heads(multimax_cpu(q, k, v, identity, identity, ctx.pos_bias, mask, True)[0])
+                    return merge_heads(KernelAttention.apply(q, k, v, ranges, ts, True))
+                return merge_heads(multimax_cpu(q, k, v, ranges, ts, ctx.pos_bias, mask, True)[0])
         if mask is None:
             return merge_heads(softmax_attention(q, k, v, ctx.pos_bias, dropout_p, self.causal))
         nW = mask.shape[0]
@@ -119,27 +120,3 @@ def _onednn_kernel_takes(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor]
     training = torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
     return (cpu_float32_kernels_apply(*inputs) and not (training and (bias is not None or mask is not None))
             and onednn_products_available())
-
-
-class _KernelSoftmaxAttention(torch.autograd.Function):
-    """softmax(q·kᵀ/√d) v by MultiMax's CPU kernel with σ the identity and oneDNN's products, forward and backward
-    (from the output and each row's log-sum-exp). q: (B, h, n, d), k, v: (B, h, m, d) -> (B, h, n, d). A backward
-    pass that builds a graph (create_graph=True) differentiates the plain formula instead."""
-
-    @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        identity = q.new_zeros(4)
-        out, lse = multimax_cpu(q, k, v, identity, identity, None, None, True)
-        ctx.save_for_backward(q, k, v, out, lse)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out: Tensor):
-        q, k, v, out, lse = ctx.saved_tensors
-        if torch.is_grad_enabled():  # the formula, which, unlike the fused kernels, is differentiable twice
-            weights = torch.matmul(q * q.shape[-1] ** -0.5, k.transpose(-2, -1)).softmax(dim=-1)
-            return differentiable_grads(ctx, torch.matmul(weights, v), (q, k, v), grad_out)
-        identity = q.new_zeros(4)
-        grad_q, grad_k, grad_v, _, _ = multimax_cpu_backward(grad_out.contiguous(), q, k, v, out, lse, identity,
-                                                             identity, True)
-        return grad_q, grad_k, grad_v
