@@ -417,6 +417,27 @@ def test_the_onednn_products_leave_small_blocks_to_the_blas_and_give_the_same_bi
     assert all(torch.equal(a, b) for a, b in zip(*results))
 
 
+def test_through_onednn_the_kernel_packs_strided_heads_once_not_once_per_block():
+    """Heads split from one projection have rows 2·h·d apart, and oneDNN's product copies any block whose rows are
+    not packed: the kernel packs q, k, v (and the output's gradient) once each, so the copies do not grow with the
+    number of blocks; the results are those of packed inputs, bit for bit."""
+    ranges, ts = (t.float() for t in spec_parameters())
+    copies = []
+    for tokens in (600, 1800):  # 2 and 4 blocks of 512 rows, against 2 and 4 blocks of 512 keys
+        q, k, v, grad = (heads_in_place(1, tokens, 2, 64, torch.float32) for _ in range(4))
+        with torch.no_grad(), torch.profiler.profile() as profile:
+            out, lse = multimax_cpu.multimax_cpu(q, k, v, ranges, ts, None, None, True)
+            grads = multimax_cpu.multimax_cpu_backward(grad, q, k, v, out, lse, ranges, ts, True)
+        copies.append(sum(event.count for event in profile.key_averages() if event.key == 'aten::copy_'))
+        packed = [t.contiguous() for t in (q, k, v, grad)]
+        with torch.no_grad():
+            out_packed, lse_packed = multimax_cpu.multimax_cpu(*packed[:3], ranges, ts, None, None, True)
+            grads_packed = multimax_cpu.multimax_cpu_backward(packed[3], *packed[:3], out_packed, lse_packed,
+                                                              ranges, ts, True)
+        assert torch.equal(out, out_packed) and all(torch.equal(a, b) for a, b in zip(grads, grads_packed))
+    assert copies[0] == copies[1]
+
+
 def test_multimax_cpu_kernel_second_derivatives():
     inputs = kernel_inputs(4, 6, batch=1, heads=1, d=3, dv=2, requires_grad=True)
     assert torch.autograd.gradgradcheck(lambda *t: multimax_attention(*t, use_kernel=True), inputs)

@@ -266,15 +266,17 @@ void forward_blocks(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
       const int64_t block_rows = std::min(rows, n - first_row);
       for (int64_t first_key = 0; first_key < m; first_key += columns) {
         const int64_t block_keys = std::min(columns, m - first_key);
+        // the block's scores packed, block_keys apart, so that oneDNN reads and writes a ragged last block of keys
+        // in place too
         gemm<T>(false, true, block_rows, block_keys, d, scale, queries.at(head, first_row), queries.row_stride,
-                keys.at(head, first_key), keys.row_stride, T(0), scores.data(), columns, onednn_scores);
+                keys.at(head, first_key), keys.row_stride, T(0), scores.data(), block_keys, onednn_scores);
         for (int64_t i = 0; i < block_rows; ++i) {
           const int64_t row = first_row + i;
-          softmax_block_row(scores.data() + i * columns, terms.bias_at(head, row, first_key),
+          softmax_block_row(scores.data() + i * block_keys, terms.bias_at(head, row, first_key),
                             terms.mask_at(head, row, first_key), block_keys, sigma, first_key == 0, row_max[i],
                             row_sum[i], acc.data() + i * dv, dv);
         }
-        gemm<T>(false, false, block_rows, dv, block_keys, T(1), scores.data(), columns, values.at(head, first_key),
+        gemm<T>(false, false, block_rows, dv, block_keys, T(1), scores.data(), block_keys, values.at(head, first_key),
                 values.row_stride, first_key == 0 ? T(0) : T(1), acc.data(), dv, onednn_values);
       }
       normalise_rows(acc.data(), outputs.at(head, first_row), outputs.row_stride, lse_data + head * n + first_row,
@@ -290,9 +292,12 @@ void check_query(const char* op, const at::Tensor& q) {
               op, ": expected float32 or float64, got ", q.scalar_type());
 }
 
-// x itself where BLAS can read each head's matrix in place (unit stride along channels, rows no closer than a
-// row's length), a contiguous copy otherwise.
-at::Tensor unit_channel_stride(const at::Tensor& x) {
+// x as the products read it. The BLAS reads each head's matrix in place wherever channels have unit stride and
+// rows are no closer than a row's length (q, k and v split from one projection are rows 3·C apart). oneDNN's
+// product copies any block whose rows are not packed before multiplying it, so that a query block would be copied
+// once for every block of keys: there, one contiguous copy of the whole tensor instead.
+at::Tensor readable(const at::Tensor& x, bool onednn) {
+  if (onednn && x.scalar_type() == at::kFloat && onednn_products_available()) return x.contiguous();
   return x.stride(3) == 1 && x.stride(2) >= x.size(3) ? x : x.contiguous();
 }
 
@@ -329,12 +334,12 @@ std::vector<at::Tensor> multimax_forward(const at::Tensor& q, const at::Tensor& 
   at::Tensor out = at::empty({B, n, h, dv}, q.options()).transpose(1, 2);
   at::Tensor lse = at::empty({B * h, n}, q.options());
   const double scale = std::pow(static_cast<double>(d), -0.5);
+  const at::Tensor queries = readable(q, onednn), keys = readable(k, onednn), values = readable(v, onednn);
   if (q.scalar_type() == at::kDouble) {
-    forward_blocks<double>(unit_channel_stride(q), unit_channel_stride(k), unit_channel_stride(v), out, lse, scale,
-                           {ranges, ts}, {bias_bhnm, mask_wnm, h}, onednn);
+    forward_blocks<double>(queries, keys, values, out, lse, scale, {ranges, ts}, {bias_bhnm, mask_wnm, h}, onednn);
   } else {
-    forward_blocks<float>(unit_channel_stride(q), unit_channel_stride(k), unit_channel_stride(v), out, lse,
-                          static_cast<float>(scale), {ranges, ts}, {bias_bhnm, mask_wnm, h}, onednn);
+    forward_blocks<float>(queries, keys, values, out, lse, static_cast<float>(scale), {ranges, ts},
+                          {bias_bhnm, mask_wnm, h}, onednn);
   }
   return {out, lse.view({B, h, n, 1})};
 }
@@ -344,8 +349,8 @@ std::vector<at::Tensor> multimax_forward(const at::Tensor& q, const at::Tensor& 
 // pass: each block's scores and probabilities are recomputed instead of stored. Per block (rows i, keys j):
 //   P = exp(σ(S) − lse), dV += Pᵀ dO, dP = dO Vᵀ, dX = P ∘ (dP − rowsum(dO ∘ O)), dS = dX ∘ σ'(S),
 //   dQ += dS K / √d, dK += dSᵀ Q / √d, and the gradients of σ's eight scalars are sums of dX times σ's partials.
-// q, k, v and dO are read in place as in the forward pass, and S is scaled the same way, so that P's rows are the
-// forward pass's to the last bit; the gradients are written contiguous (B, h, ·, ·).
+// q, k, v and dO are read as the forward pass reads them (`readable`), and S is scaled the same way, so that P's
+// rows are the forward pass's to the last bit; the gradients are written contiguous (B, h, ·, ·).
 template <typename T>
 void backward_blocks(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& grad_out,
                      const at::Tensor& lse, const at::Tensor& row_dots, at::Tensor& grad_q, at::Tensor& grad_k,
@@ -377,14 +382,16 @@ void backward_blocks(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
         for (int64_t first_key = 0; first_key < m; first_key += columns) {
           const int64_t block_keys = std::min(columns, m - first_key);
           const T* key_block = keys.at(head, first_key);
+          // blocks of scores packed, block_keys apart, as in the forward pass
           gemm<T>(false, true, block_rows, block_keys, d, scale, query_block, queries.row_stride, key_block,
-                  keys.row_stride, T(0), scores.data(), columns, onednn_scores);
+                  keys.row_stride, T(0), scores.data(), block_keys, onednn_scores);
           gemm<T>(false, true, block_rows, block_keys, dv, T(1), grad_block, grads.row_stride,
-                  values.at(head, first_key), values.row_stride, T(0), grad_probs.data(), columns, onednn_grad_probs);
+                  values.at(head, first_key), values.row_stride, T(0), grad_probs.data(), block_keys,
+                  onednn_grad_probs);
           for (int64_t i = 0; i < block_rows; ++i) {
-            const T* s_row = scores.data() + i * columns;
-            T* p_row = probs.data() + i * columns;
-            T* d_row = grad_probs.data() + i * columns;
+            const T* s_row = scores.data() + i * block_keys;
+            T* p_row = probs.data() + i * block_keys;
+            T* d_row = grad_probs.data() + i * block_keys;
             const T row_lse = head_lse[first_row + i], row_dot = head_dots[first_row + i];
             // the exponentials in a loop of their own, which the compiler vectorises with its vector exp
 #pragma omp simd
@@ -415,12 +422,12 @@ void backward_blocks(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
           }
           // β = 0 on a gradient's first block: it overwrites the uninitialised memory
           const T rows_beta = first_row == 0 ? T(0) : T(1), keys_beta = first_key == 0 ? T(0) : T(1);
-          gemm<T>(true, false, block_keys, dv, block_rows, T(1), probs.data(), columns, grad_block, grads.row_stride,
+          gemm<T>(true, false, block_keys, dv, block_rows, T(1), probs.data(), block_keys, grad_block, grads.row_stride,
                   rows_beta, grad_values.at(head, first_key), grad_values.row_stride, onednn_grad_values);
-          gemm<T>(false, false, block_rows, d, block_keys, scale, grad_probs.data(), columns, key_block,
+          gemm<T>(false, false, block_rows, d, block_keys, scale, grad_probs.data(), block_keys, key_block,
                   keys.row_stride, keys_beta, grad_queries.at(head, first_row), grad_queries.row_stride,
                   onednn_grad_queries);
-          gemm<T>(true, false, block_keys, d, block_rows, scale, grad_probs.data(), columns, query_block,
+          gemm<T>(true, false, block_keys, d, block_rows, scale, grad_probs.data(), block_keys, query_block,
                   queries.row_stride, rows_beta, grad_keys.at(head, first_key), grad_keys.row_stride, onednn_grad_keys);
         }
       }
@@ -441,7 +448,7 @@ std::vector<at::Tensor> multimax_backward(const at::Tensor& grad_out, const at::
   at::NoGradGuard no_grad;
   const int64_t B = q.size(0), h = q.size(1), n = q.size(2), d = q.size(3), m = k.size(2), dv = v.size(3);
   const double scale = std::pow(static_cast<double>(d), -0.5);
-  const at::Tensor grads = unit_channel_stride(grad_out.to(q.scalar_type()));
+  const at::Tensor grads = readable(grad_out.to(q.scalar_type()), onednn);
   // Σ_j P_ij dP_ij = row i of dO · O
   const at::Tensor row_dots = (grads * out).sum(-1).reshape({B * h, n}).contiguous();
   const at::Tensor row_lse = lse.reshape({B * h, n}).contiguous();
@@ -449,13 +456,13 @@ std::vector<at::Tensor> multimax_backward(const at::Tensor& grad_out, const at::
   at::Tensor grad_k = at::empty({B, h, m, d}, q.options());
   at::Tensor grad_v = at::empty({B, h, m, dv}, q.options());
   at::Tensor grad_params = at::zeros({B * h, 8}, q.options().dtype(at::kDouble));
+  const at::Tensor queries = readable(q, onednn), keys = readable(k, onednn), values = readable(v, onednn);
   if (q.scalar_type() == at::kDouble) {
-    backward_blocks<double>(unit_channel_stride(q), unit_channel_stride(k), unit_channel_stride(v), grads, row_lse,
-                            row_dots, grad_q, grad_k, grad_v, grad_params, {ranges, ts}, scale, onednn);
+    backward_blocks<double>(queries, keys, values, grads, row_lse, row_dots, grad_q, grad_k, grad_v, grad_params,
+                            {ranges, ts}, scale, onednn);
   } else {
-    backward_blocks<float>(unit_channel_stride(q), unit_channel_stride(k), unit_channel_stride(v), grads, row_lse,
-                           row_dots, grad_q, grad_k, grad_v, grad_params, {ranges, ts}, static_cast<float>(scale),
-                           onednn);
+    backward_blocks<float>(queries, keys, values, grads, row_lse, row_dots, grad_q, grad_k, grad_v, grad_params,
+                           {ranges, ts}, static_cast<float>(scale), onednn);
   }
   const at::Tensor params = grad_params.sum(0);
   return {grad_q, grad_k, grad_v, params.narrow(0, 0, 4).clone(), params.narrow(0, 4, 4).clone()};
