@@ -347,6 +347,26 @@ def test_multimax_cpu_kernel_matches_the_formula_in_float64_forward_and_backward
         assert max_abs_err(grad, want) < 1e-12 * max(1.0, want.abs().max().item()), name
 
 
+# zero weights: σ is the identity, which the kernel skips, and its backward pass skips σ's derivative where no
+# gradient of σ's scalars is asked for (softmax attention); asked for, that of `ts` is not zero
+@pytest.mark.parametrize('scalar_grads', [False, True], ids=['softmax', 'zero-weights'])
+def test_with_zero_weights_the_kernel_is_softmax_attention_forward_and_backward(scalar_grads):
+    q, k, v, ranges, _ = kernel_inputs(300, 1100, requires_grad=True)
+    ts = torch.zeros(4, dtype=torch.float64)
+    inputs = [q, k, v] + [t.detach().requires_grad_(scalar_grads) for t in (ranges, ts)]
+    out = multimax_attention(*inputs, use_kernel=True)
+    expected = torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1]), dim=-1) @ v
+    assert max_abs_err(out, expected) < 1e-13
+    grad_out = torch.randn_like(out)
+    wanted = inputs if scalar_grads else inputs[:3]
+    grads = torch.autograd.grad(out, wanted, grad_out)
+    expected_grads = torch.autograd.grad(plain_multimax(*inputs), wanted, grad_out)
+    for name, grad, want in zip(('q', 'k', 'v', 'ranges', 'ts'), grads, expected_grads):
+        assert max_abs_err(grad, want) < 1e-12 * max(1.0, want.abs().max().item()), name
+    if scalar_grads:
+        assert torch.equal(grads[3], torch.zeros(4, dtype=torch.float64)) and grads[4].abs().min().item() > 1e-3
+
+
 def test_multimax_cpu_kernel_in_float32_and_bfloat16_matches_the_float64_formula():
     inputs = kernel_inputs(130, 600)
     expected = plain_multimax(*inputs)

@@ -3,7 +3,7 @@
 // that a block of scores stays in the core's cache between the product that writes it and the one that reads it.
 // The softmax is the online one of fused attention kernels: a row's running maximum and sum are rescaled when a
 // later block raises the maximum. The backward pass (without bias or mask) recomputes each block's scores from
-// the saved log-sum-exp. With σ's eight scalars zero, σ is the identity and the kernel is softmax attention.
+// the saved log-sum-exp. With σ's four weights zero, σ is the identity, which the kernel then skips: softmax attention.
 //
 // The matrix products call the BLAS that torch links (its Fortran interface, `sgemm_` / `dgemm_`) on raw pointers:
 // at 4097 tokens one head's backward pass multiplies about 1500 pairs of blocks, and through ATen each product
@@ -121,6 +121,8 @@ inline T positive(T x) { return x > T(0) ? x : T(0); }
 template <typename T>
 struct Modulation {
   T b0, b1, b2, b3, t0, t1, t2, t3;
+  // all four weights zero: σ(x) = x exactly (x + 0·finite), so the kernel skips it (softmax attention)
+  bool identity;
 
   // ranges = (b0, b1, b2, b3), ts = (t0, t1, t2, t3), in any dtype
   Modulation(const at::Tensor& ranges, const at::Tensor& ts) {
@@ -129,6 +131,7 @@ struct Modulation {
     const T *b_data = b.data_ptr<T>(), *t_data = t.data_ptr<T>();
     b0 = b_data[0]; b1 = b_data[1]; b2 = b_data[2]; b3 = b_data[3];
     t0 = t_data[0]; t1 = t_data[1]; t2 = t_data[2]; t3 = t_data[3];
+    identity = t0 == T(0) && t1 == T(0) && t2 == T(0) && t3 == T(0);
   }
 
   // σ(x) = x + t0·max(b0 − x, 0) + t1·max(x − b1, 0) + t2·max(b2 − x, 0)² + t3·max(x − b3, 0)²
@@ -139,13 +142,13 @@ struct Modulation {
   }
 };
 
-// σ(s) + mask over a row of scores, in place, and the row's maximum.
-template <typename T, bool kMasked>
+// σ(s) + mask over a row of scores, in place, and the row's maximum; σ only where `kModulated`.
+template <typename T, bool kMasked, bool kModulated>
 T modulate_row(T* row, const T* mask_row, int64_t columns, const Modulation<T> sigma) {
   T row_max = std::numeric_limits<T>::lowest();
 #pragma omp simd reduction(max : row_max)
   for (int64_t j = 0; j < columns; ++j) {
-    T y = sigma(row[j]);
+    T y = kModulated ? sigma(row[j]) : row[j];
     if constexpr (kMasked) y += mask_row[j];
     row[j] = y;
     row_max = y > row_max ? y : row_max;
@@ -163,8 +166,14 @@ void softmax_block_row(T* row, const T* bias_row, const T* mask_row, int64_t col
 #pragma omp simd
     for (int64_t j = 0; j < columns; ++j) row[j] += bias_row[j];
   }
-  const T block_max = mask_row != nullptr ? modulate_row<T, true>(row, mask_row, columns, sigma)
-                                          : modulate_row<T, false>(row, mask_row, columns, sigma);
+  T block_max;
+  if (mask_row != nullptr) {
+    block_max = sigma.identity ? modulate_row<T, true, false>(row, mask_row, columns, sigma)
+                               : modulate_row<T, true, true>(row, mask_row, columns, sigma);
+  } else {
+    block_max = sigma.identity ? modulate_row<T, false, false>(row, mask_row, columns, sigma)
+                               : modulate_row<T, false, true>(row, mask_row, columns, sigma);
+  }
   const T new_max = first ? block_max : std::max(row_max, block_max);
   T block_sum = 0;
 #pragma omp simd reduction(+ : block_sum)
@@ -355,7 +364,9 @@ template <typename T>
 void backward_blocks(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& grad_out,
                      const at::Tensor& lse, const at::Tensor& row_dots, at::Tensor& grad_q, at::Tensor& grad_k,
                      at::Tensor& grad_v, at::Tensor& grad_params, const Modulation<T> sigma, T scale,
-                     bool onednn) {
+                     bool onednn, bool scalar_grads) {
+  // softmax attention's backward pass (σ the identity, its scalars' gradients not asked for): dS = dX
+  const bool plain_softmax = sigma.identity && !scalar_grads;
   const int64_t heads = q.size(0) * q.size(1), n = q.size(2), m = k.size(2), d = q.size(3), dv = v.size(3);
   const bool usable = onednn_usable<T>(onednn);
   const int64_t rows = std::min(usable ? kOneDnnQueryRows : kBackwardQueryRows, n);
@@ -394,6 +405,13 @@ void backward_blocks(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
             T* d_row = grad_probs.data() + i * block_keys;
             const T row_lse = head_lse[first_row + i], row_dot = head_dots[first_row + i];
             // the exponentials in a loop of their own, which the compiler vectorises with its vector exp
+            if (plain_softmax) {
+#pragma omp simd
+              for (int64_t j = 0; j < block_keys; ++j) p_row[j] = std::exp(s_row[j] - row_lse);
+#pragma omp simd
+              for (int64_t j = 0; j < block_keys; ++j) d_row[j] = p_row[j] * (d_row[j] - row_dot);
+              continue;
+            }
 #pragma omp simd
             for (int64_t j = 0; j < block_keys; ++j) p_row[j] = std::exp(sigma(s_row[j]) - row_lse);
             T s0 = 0, s1 = 0, s2 = 0, s3 = 0, s4 = 0, s5 = 0, s6 = 0, s7 = 0;
@@ -440,10 +458,12 @@ void backward_blocks(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   });
 }
 
-// Gradients of `multimax_forward` for q, k, v (their shapes) and for ranges and ts (4 each, float64).
+// Gradients of `multimax_forward` for q, k, v (their shapes) and for ranges and ts (4 each, float64); those of
+// ranges and ts are zeros unless `scalar_grads`.
 std::vector<at::Tensor> multimax_backward(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
                                           const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
-                                          const at::Tensor& ranges, const at::Tensor& ts, bool onednn) {
+                                          const at::Tensor& ranges, const at::Tensor& ts, bool onednn,
+                                          bool scalar_grads) {
   check_query("multimax_backward", q);
   at::NoGradGuard no_grad;
   const int64_t B = q.size(0), h = q.size(1), n = q.size(2), d = q.size(3), m = k.size(2), dv = v.size(3);
@@ -459,10 +479,10 @@ std::vector<at::Tensor> multimax_backward(const at::Tensor& grad_out, const at::
   const at::Tensor queries = readable(q, onednn), keys = readable(k, onednn), values = readable(v, onednn);
   if (q.scalar_type() == at::kDouble) {
     backward_blocks<double>(queries, keys, values, grads, row_lse, row_dots, grad_q, grad_k, grad_v, grad_params,
-                            {ranges, ts}, scale, onednn);
+                            {ranges, ts}, scale, onednn, scalar_grads);
   } else {
     backward_blocks<float>(queries, keys, values, grads, row_lse, row_dots, grad_q, grad_k, grad_v, grad_params,
-                           {ranges, ts}, static_cast<float>(scale), onednn);
+                           {ranges, ts}, static_cast<float>(scale), onednn, scalar_grads);
   }
   const at::Tensor params = grad_params.sum(0);
   return {grad_q, grad_k, grad_v, params.narrow(0, 0, 4).clone(), params.narrow(0, 4, 4).clone()};
