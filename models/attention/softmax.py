@@ -12,9 +12,10 @@ where there is no bias, else added to the bias as −inf.
 With oneDNN's products (`onednn`, set by `models.convert_to_onednn`), float32 CPU attention against 128 keys or
 more takes MultiMax's fused kernel with σ the identity (`multimax_cpu.py`), whose large products go through
 oneDNN, where the fused kernel of `scaled_dot_product_attention` multiplies by the BLAS: inference with a bias and
-a mask too (1.4× its speed at 197 tokens, 1.6× at 4097, one thread), training (forward and backward) without them
-(1.27× at 197 tokens, 1.56× at 4097). Windows of 49 tokens stay with `scaled_dot_product_attention`, whose
-products are too small for oneDNN to gain (the kernel took 1.1× its time there).
+a mask too (1.36× its speed at 197 tokens, 1.78× at 4097, one thread), training (forward and backward) without them
+(1.29× at 197 tokens, 1.94× at 4097). Windows of 49 tokens stay with `scaled_dot_product_attention`, whose
+products are too small for oneDNN to gain (the kernel took 1.1× its time there), and so do PVT's 49 reduced keys
+(the kernel would save PVT-T under 1.5 % of its inference time and lose in training).
 """
 import math
 from typing import Optional
