@@ -5,6 +5,7 @@ Softmax and MultiMax attention multiply through oneDNN in their fused CPU kernel
 more), forward and backward.
 """
 import json
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import timm
+from timm.layers import Mlp
 
 import engine.build
 import models
@@ -23,11 +25,12 @@ from engine.config import load_config
 from engine.data import prepare_digits
 from engine.errors import USAGE_EXIT_CODE, run_cli
 from models.attention import multimax_cpu
-from models.onednn import OneDNNLinear, convert_to_onednn
+from models.onednn import OneDNNLinear, OneDNNMlp, convert_to_onednn
 
 from torch.utils.flop_counter import FlopCounterMode
 
 ONEDNN_LINEAR = torch.ops.zoo.onednn_linear.default
+ONEDNN_LINEAR_GELU = torch.ops.zoo.onednn_linear_gelu.default
 ATTENTION_KERNEL = torch.ops.zoo.multimax_cpu_attention.default
 ATTENTION_KERNEL_BACKWARD = torch.ops.zoo.multimax_cpu_attention_backward.default
 SDPA_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
@@ -84,7 +87,9 @@ def test_the_layer_and_its_gradients_are_the_float64_formula_to_float32_rounding
 def test_a_converted_model_keeps_its_state_dict_and_outputs():
     plain, converted = tiny_pair()
     linears = [m for m in converted.modules() if isinstance(m, nn.Linear)]
+    mlps = [m for m in converted.modules() if isinstance(m, Mlp)]
     assert linears and all(type(m) is OneDNNLinear for m in linears)
+    assert mlps and all(type(m) is OneDNNMlp for m in mlps)
     assert list(converted.state_dict()) == list(plain.state_dict())
     assert all(torch.equal(a, b) for a, b in zip(converted.state_dict().values(), plain.state_dict().values()))
     converted.load_state_dict(plain.state_dict(), strict=True)
@@ -92,8 +97,34 @@ def test_a_converted_model_keeps_its_state_dict_and_outputs():
     with torch.inference_mode():
         expected = plain(x)
         out, ops = recorded_ops(converted, x)
-    assert ops.count(ONEDNN_LINEAR) == len(linears) and not BLAS_PRODUCTS & set(ops)
+    # each MLP's first layer and its GELU in one product (InLine's residual has a GELU of its own)
+    gelus = [m for m in converted.modules() if isinstance(m, nn.GELU)]
+    assert ops.count(ONEDNN_LINEAR_GELU) == len(mlps) and ops.count(ONEDNN_LINEAR) == len(linears) - len(mlps)
+    assert not BLAS_PRODUCTS & set(ops) and ops.count(torch.ops.aten.gelu.default) == len(gelus) - len(mlps)
     assert (out - expected).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize('approximate', ['none', 'tanh'])
+def test_the_mlp_applies_gelu_inside_its_first_product_in_inference_only(approximate):
+    torch.manual_seed(0)
+    mlp = Mlp(48, 96, act_layer=partial(nn.GELU, approximate=approximate))
+    exact = Mlp(48, 96, act_layer=partial(nn.GELU, approximate=approximate)).double()
+    exact.load_state_dict(mlp.state_dict())
+    convert_to_onednn(mlp)
+    x = torch.randn(3, 7, 48)
+    with torch.no_grad():
+        out, ops = recorded_ops(mlp, x)
+        expected = exact(x.double())
+    assert type(mlp) is OneDNNMlp and ops.count(ONEDNN_LINEAR_GELU) == 1 and torch.ops.aten.gelu.default not in ops
+    # float32 rounding of sums of 48 and 96 products
+    assert (out.double() - expected).abs().max().item() < 100 * 2 ** -24 * expected.abs().max().item()
+    # with gradients, the product and GELU apart: GELU's backward needs the product
+    out, ops = recorded_ops(mlp, x)
+    assert ONEDNN_LINEAR_GELU not in ops and ops.count(torch.ops.aten.gelu.default) == 1
+    out.sum().backward()
+    exact(x.double()).sum().backward()
+    for (name, p), want in zip(mlp.named_parameters(), exact.parameters()):
+        assert (p.grad.double() - want.grad).abs().max().item() < 1e-5 * want.grad.abs().max().item(), name
 
 
 def test_the_flop_counter_counts_the_onednn_product_as_f_linear():
@@ -128,12 +159,15 @@ def test_inductor_compiles_the_onednn_product_and_its_backward_without_frozen_we
         plain.load_state_dict(converted.state_dict())
         assert (compiled(x) - plain(x)).abs().max().item() < 1e-5
     linears = len([m for m in converted.modules() if isinstance(m, nn.Linear)])
+    mlps = len([m for m in converted.modules() if isinstance(m, Mlp)])
     assert len(graphs) == 1 and graphs[0].count('zoo.onednn_linear') == linears
+    assert graphs[0].count('zoo.onednn_linear_gelu') == mlps
     # training: the compiled forward and backward passes give the plain model's gradients
     plain.train(), converted.train()
     (plain(x) ** 2).sum().backward()
     (compiled(x) ** 2).sum().backward()
     assert len(graphs) == 2 and graphs[1].count('zoo.onednn_linear') == linears
+    assert 'zoo.onednn_linear_gelu' not in graphs[1]
     for (name, p), q in zip(plain.named_parameters(), converted.parameters()):
         assert (p.grad - q.grad).abs().max().item() <= 1e-4 * p.grad.abs().max().item() + 1e-7, name
     torch.compiler.reset()
