@@ -8,7 +8,9 @@ deep-learning library PyTorch also ships, multiplies at up to twice the rate: 24
 oneDNN in float32 on the CPU, forward and backward, and has softmax and MultiMax attention multiply their scores
 through oneDNN where their fused CPU kernel computes them (`attention/multimax_cpu.py`; softmax against long
 sequences, where the kernel is faster than `scaled_dot_product_attention`). In inference, timm's `Mlp` applies its
-GELU inside the first layer's oneDNN product (`OneDNNMlp`), to each block of the product while it is in cache.
+GELU inside the first layer's oneDNN product (`OneDNNMlp`), and PVT v2's MLP inside its depthwise convolution
+(`onednn_conv2d_gelu`), to each block of the output while it is in cache. Modules with an `onednn` flag of their
+own (the softmax and MultiMax mixers, PVT v2's MLP) have it set.
 
 The outputs and gradients differ from `F.linear`'s by float32 rounding (the two libraries sum in different orders).
 The product is the custom op `zoo::onednn_linear`, which `torch.compile` calls as it stands (inductor's own
@@ -16,20 +18,19 @@ lowering of oneDNN's op takes frozen weights only) and `torch.utils.flop_counter
 and devices, TorchScript and export take `F.linear` as before, and the attentions their other paths.
 """
 import math
-from typing import Optional
+from typing import List, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.utils.flop_counter import register_flop_formula
+from torch.utils.flop_counter import conv_flop_count, register_flop_formula
 
 from timm.layers import Mlp
 
 from .attention.mixer import cpu_float32_kernels_apply
-from .attention.softmax import SoftmaxMixer
 
-__all__ = ['OneDNNLinear', 'OneDNNMlp', 'convert_to_onednn', 'onednn_available', 'onednn_linear',
-           'onednn_linear_gelu']
+__all__ = ['OneDNNLinear', 'OneDNNMlp', 'convert_to_onednn', 'fuses_in_inference', 'onednn_available',
+           'onednn_conv2d_gelu', 'onednn_linear', 'onednn_linear_gelu']
 
 
 def onednn_available() -> bool:
@@ -94,6 +95,40 @@ def _onednn_linear_flops(x_shape, weight_shape, *args, out_shape=None, **kwargs)
     return 2 * math.prod(x_shape) * weight_shape[0]
 
 
+@torch.library.custom_op('zoo::onednn_conv2d_gelu', mutates_args=(), device_types='cpu')
+def onednn_conv2d_gelu(x: Tensor, weight: Tensor, bias: Optional[Tensor], padding: List[int], groups: int,
+                       approximate: str = 'none') -> Tensor:
+    """`F.gelu(F.conv2d(x, weight, bias, padding=padding, groups=groups), approximate=approximate)` (stride and
+    dilation 1) in one oneDNN convolution, which applies GELU to each block of its output while the block is in
+    cache. Not differentiable. x: (B, C, H, W) -> (B, C_out, H', W'), channels-last."""
+    out = torch.ops.mkldnn._convolution_pointwise(x, weight, bias, padding, [1, 1], [1, 1], groups, 'gelu', [],
+                                                  approximate)
+    return out.contiguous(memory_format=torch.channels_last)
+
+
+@onednn_conv2d_gelu.register_fake
+def _onednn_conv2d_gelu_shape(x: Tensor, weight: Tensor, bias: Optional[Tensor], padding: List[int], groups: int,
+                              approximate: str = 'none') -> Tensor:
+    B, _, H, W = x.shape
+    shape = (B, weight.shape[0], H + 2 * padding[0] - weight.shape[2] + 1, W + 2 * padding[1] - weight.shape[3] + 1)
+    return x.new_empty(shape).contiguous(memory_format=torch.channels_last)
+
+
+@register_flop_formula(torch.ops.zoo.onednn_conv2d_gelu)
+def _onednn_conv2d_gelu_flops(x_shape, weight_shape, *args, out_shape=None, **kwargs) -> int:
+    """As `torch.utils.flop_counter` counts the convolution (GELU is not counted)."""
+    return conv_flop_count(x_shape, weight_shape, out_shape)
+
+
+def fuses_in_inference(*tensors: Optional[Tensor]) -> bool:
+    """Whether an activation may run inside the oneDNN product or convolution before it, on `tensors` (its input
+    and parameters): no gradient required of them (the activation's backward pass needs what the fused op never
+    stores), and float32 on the CPU where the zoo's kernels apply (`cpu_float32_kernels_apply`)."""
+    inputs = [t for t in tensors if t is not None]
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
+    return not needs_grad and cpu_float32_kernels_apply(*inputs)
+
+
 class OneDNNLinear(nn.Linear):
     """`nn.Linear` whose float32 CPU products run through oneDNN. x: (*, in_features) -> (*, out_features)."""
 
@@ -113,18 +148,13 @@ class OneDNNMlp(Mlp):
 
     def forward(self, x: Tensor) -> Tensor:
         if not torch.jit.is_scripting():
-            if self._fuses_activation(x):
+            if fuses_in_inference(x, self.fc1.weight, self.fc1.bias):
                 return self._after_activation(onednn_linear_gelu(x, self.fc1.weight, self.fc1.bias,
                                                                  self.act.approximate))
         return self._after_activation(self.act(self.fc1(x)))
 
     def _after_activation(self, x: Tensor) -> Tensor:
         return self.drop2(self.fc2(self.norm(self.drop1(x))))
-
-    def _fuses_activation(self, x: Tensor) -> bool:
-        inputs = [t for t in (x, self.fc1.weight, self.fc1.bias) if t is not None]
-        needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
-        return not needs_grad and cpu_float32_kernels_apply(*inputs)
 
 
 def _fusable_mlp(module: nn.Module) -> bool:
@@ -135,10 +165,11 @@ def _fusable_mlp(module: nn.Module) -> bool:
 
 def convert_to_onednn(module: nn.Module) -> nn.Module:
     """Make every `nn.Linear` in `module` (itself included, subclasses excluded) a `OneDNNLinear` and every timm
-    `Mlp` with GELU a `OneDNNMlp`, and have every softmax and MultiMax mixer multiply through oneDNN in its fused
-    CPU kernel, in place; return `module`.
+    `Mlp` with GELU a `OneDNNMlp`, and set the `onednn` flag of every module that has one (softmax and MultiMax
+    mixers multiply through oneDNN in their fused CPU kernel, PVT v2's MLP fuses its GELU), in place; return
+    `module`.
 
-    Only the modules' class changes, as `torch.nn.utils.parametrize` changes it, and the mixers' `onednn` flag:
+    Only the modules' class changes, as `torch.nn.utils.parametrize` changes it, and the `onednn` flags:
     parameters, buffers, hooks and state-dict keys stay, so optimizers and checkpoints see the same model.
     """
     if not onednn_available():
@@ -149,6 +180,6 @@ def convert_to_onednn(module: nn.Module) -> nn.Module:
             child.__class__ = OneDNNLinear
         elif _fusable_mlp(child):
             child.__class__ = OneDNNMlp
-        elif isinstance(child, SoftmaxMixer):
+        elif isinstance(getattr(child, 'onednn', None), bool):
             child.onednn = True
     return module

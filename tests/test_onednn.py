@@ -25,12 +25,15 @@ from engine.config import load_config
 from engine.data import prepare_digits
 from engine.errors import USAGE_EXIT_CODE, run_cli
 from models.attention import multimax_cpu
-from models.onednn import OneDNNLinear, OneDNNMlp, convert_to_onednn
+from models.onednn import OneDNNLinear, OneDNNMlp, convert_to_onednn, onednn_conv2d_gelu
+from models.pvt_v2 import DepthwiseConvMlp
 
 from torch.utils.flop_counter import FlopCounterMode
 
 ONEDNN_LINEAR = torch.ops.zoo.onednn_linear.default
 ONEDNN_LINEAR_GELU = torch.ops.zoo.onednn_linear_gelu.default
+ONEDNN_CONV2D_GELU = torch.ops.zoo.onednn_conv2d_gelu.default
+GELU = torch.ops.aten.gelu.default
 ATTENTION_KERNEL = torch.ops.zoo.multimax_cpu_attention.default
 ATTENTION_KERNEL_BACKWARD = torch.ops.zoo.multimax_cpu_attention_backward.default
 SDPA_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
@@ -125,6 +128,56 @@ def test_the_mlp_applies_gelu_inside_its_first_product_in_inference_only(approxi
     exact(x.double()).sum().backward()
     for (name, p), want in zip(mlp.named_parameters(), exact.parameters()):
         assert (p.grad.double() - want.grad).abs().max().item() < 1e-5 * want.grad.abs().max().item(), name
+
+
+@pytest.mark.parametrize('approximate', ['none', 'tanh'])
+def test_the_fused_depthwise_convolution_and_gelu_is_the_float64_formula_to_float32_rounding(approximate):
+    torch.manual_seed(0)
+    x = torch.randn(2, 7, 6, 48).permute(0, 3, 1, 2)  # a channels-last image of tokens, as the MLP passes it
+    weight, bias = torch.randn(48, 1, 3, 3), torch.randn(48)
+    out = onednn_conv2d_gelu(x, weight, bias, [1, 1], 48, approximate)
+    expected = F.gelu(F.conv2d(x.double(), weight.double(), bias.double(), padding=1, groups=48),
+                      approximate=approximate)
+    assert out.shape == (2, 48, 7, 6) and out.is_contiguous(memory_format=torch.channels_last)
+    # float32 rounding of sums of 9 products and a bias
+    assert (out.double() - expected).abs().max().item() < 20 * 2 ** -24 * expected.abs().max().item()
+
+
+def test_pvt_v2_applies_gelu_inside_its_depthwise_convolution_in_inference_only():
+    plain, converted = tiny_pair('softmax_pvt_v2_b0', img_size=64, depths=(1, 1, 1, 1), num_classes=5)
+    mlps = [m for m in converted.modules() if isinstance(m, DepthwiseConvMlp)]
+    assert len(mlps) == 4 and all(m.onednn for m in mlps) and not any(m.onednn for m in plain.modules()
+                                                                          if isinstance(m, DepthwiseConvMlp))
+    x = torch.randn(2, 3, 64, 64)
+    with torch.no_grad():
+        expected = plain(x)
+        out, ops = recorded_ops(converted, x)
+        assert ops.count(ONEDNN_CONV2D_GELU) == len(mlps) and GELU not in ops
+        assert (out - expected).abs().max().item() < 1e-5
+        flops = []
+        for model in (plain, converted):
+            with FlopCounterMode(display=False) as counter:
+                model(x)
+            flops.append(counter.get_total_flops())
+        assert flops[0] == flops[1]
+    torch.compiler.reset()
+    graphs = []
+
+    def inspect_then_inductor(gm, example_inputs):
+        graphs.append(str(gm.graph))
+        return torch._inductor.compile(gm, example_inputs)
+
+    with torch.no_grad():  # inductor calls the op as it stands, with its fake implementation's layout
+        compiled = torch.compile(converted, fullgraph=True, backend=inspect_then_inductor)(x)
+    assert graphs[0].count('zoo.onednn_conv2d_gelu') == len(mlps) and (compiled - expected).abs().max().item() < 1e-5
+    torch.compiler.reset()
+    plain.train(), converted.train()
+    (plain(x) ** 2).sum().backward()
+    loss, ops = recorded_ops(lambda: (converted(x) ** 2).sum())
+    assert ONEDNN_CONV2D_GELU not in ops and ops.count(GELU) == len(mlps)
+    loss.backward()
+    for (name, p), q in zip(plain.named_parameters(), converted.parameters()):
+        assert (p.grad - q.grad).abs().max().item() <= 1e-4 * p.grad.abs().max().item() + 1e-7, name
 
 
 def test_the_flop_counter_counts_the_onednn_product_as_f_linear():
