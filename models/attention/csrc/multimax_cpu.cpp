@@ -251,7 +251,17 @@ void normalise_rows(const T* acc, T* out, int64_t out_row_stride, T* lse, const 
   }
 }
 
-// q: (B, h, n, d), k: (B, h, m, d), v: (B, h, m, dv), out: (B, h, n, dv), each with unit stride along its last
+// x as the products read it, `packed` where they go through oneDNN. The BLAS reads each head's matrix in place
+// wherever channels have unit stride and rows are no closer than a row's length (q, k and v split from one
+// projection are rows 3·C apart). oneDNN's product copies any block whose rows are not packed before multiplying
+// it, so that a query block would be copied once for every block of keys: there, one contiguous copy of the whole
+// tensor instead.
+at::Tensor readable(const at::Tensor& x, bool packed) {
+  if (packed) return x.contiguous();
+  return x.stride(3) == 1 && x.stride(2) >= x.size(3) ? x : x.contiguous();
+}
+
+// q: (B, h, n, d), k: (B, h, m, d), v: (B, h, m, dv), out: (B, h, n, dv) with unit stride along its last
 // dimension; lse: (B·h, n). The scores are scaled by `scale` = 1/√d.
 template <typename T>
 void forward_blocks(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out,
@@ -265,7 +275,8 @@ void forward_blocks(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
   const bool onednn_scores = through_onednn(usable, rows, columns, d);
   const bool onednn_values = through_onednn(usable, rows, dv, columns);
   const int64_t row_blocks = (n + rows - 1) / rows;
-  const HeadMatrices<const T> queries(q), keys(k), values(v);
+  const at::Tensor q_read = readable(q, usable), k_read = readable(k, usable), v_read = readable(v, usable);
+  const HeadMatrices<const T> queries(q_read), keys(k_read), values(v_read);
   const HeadMatrices<T> outputs(out);
   T* lse_data = lse.data_ptr<T>();
   at::parallel_for(0, heads * row_blocks, 1, [&](int64_t begin, int64_t end) {
@@ -301,15 +312,6 @@ void check_query(const char* op, const at::Tensor& q) {
               op, ": expected float32 or float64, got ", q.scalar_type());
 }
 
-// x as the products read it. The BLAS reads each head's matrix in place wherever channels have unit stride and
-// rows are no closer than a row's length (q, k and v split from one projection are rows 3·C apart). oneDNN's
-// product copies any block whose rows are not packed before multiplying it, so that a query block would be copied
-// once for every block of keys: there, one contiguous copy of the whole tensor instead.
-at::Tensor readable(const at::Tensor& x, bool onednn) {
-  if (onednn && x.scalar_type() == at::kFloat && onednn_products_available()) return x.contiguous();
-  return x.stride(3) == 1 && x.stride(2) >= x.size(3) ? x : x.contiguous();
-}
-
 // The bias as (B, h, n, m) in the kernel's dtype, broadcast by strides, with unit stride along the keys.
 at::Tensor bias_by_strides(const at::Tensor& bias, const at::Tensor& q, int64_t m) {
   TORCH_CHECK(bias.dim() <= 4, "multimax_forward: expected a bias of at most 4 dimensions, got ", bias.sizes());
@@ -343,12 +345,11 @@ std::vector<at::Tensor> multimax_forward(const at::Tensor& q, const at::Tensor& 
   at::Tensor out = at::empty({B, n, h, dv}, q.options()).transpose(1, 2);
   at::Tensor lse = at::empty({B * h, n}, q.options());
   const double scale = std::pow(static_cast<double>(d), -0.5);
-  const at::Tensor queries = readable(q, onednn), keys = readable(k, onednn), values = readable(v, onednn);
   if (q.scalar_type() == at::kDouble) {
-    forward_blocks<double>(queries, keys, values, out, lse, scale, {ranges, ts}, {bias_bhnm, mask_wnm, h}, onednn);
+    forward_blocks<double>(q, k, v, out, lse, scale, {ranges, ts}, {bias_bhnm, mask_wnm, h}, onednn);
   } else {
-    forward_blocks<float>(queries, keys, values, out, lse, static_cast<float>(scale), {ranges, ts},
-                          {bias_bhnm, mask_wnm, h}, onednn);
+    forward_blocks<float>(q, k, v, out, lse, static_cast<float>(scale), {ranges, ts}, {bias_bhnm, mask_wnm, h},
+                          onednn);
   }
   return {out, lse.view({B, h, n, 1})};
 }
@@ -377,7 +378,9 @@ void backward_blocks(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   const bool onednn_grad_values = through_onednn(usable, columns, dv, rows);
   const bool onednn_grad_keys = through_onednn(usable, columns, d, rows);
   const bool onednn_grad_queries = through_onednn(usable, rows, d, columns);
-  const HeadMatrices<const T> queries(q), keys(k), values(v), grads(grad_out);
+  const at::Tensor q_read = readable(q, usable), k_read = readable(k, usable), v_read = readable(v, usable);
+  const at::Tensor grad_read = readable(grad_out, usable);
+  const HeadMatrices<const T> queries(q_read), keys(k_read), values(v_read), grads(grad_read);
   const HeadMatrices<T> grad_queries(grad_q), grad_keys(grad_k), grad_values(grad_v);
   const T *lse_data = lse.data_ptr<T>(), *dots_data = row_dots.data_ptr<T>();
   at::parallel_for(0, heads, 1, [&](int64_t begin, int64_t end) {
@@ -468,7 +471,7 @@ std::vector<at::Tensor> multimax_backward(const at::Tensor& grad_out, const at::
   at::NoGradGuard no_grad;
   const int64_t B = q.size(0), h = q.size(1), n = q.size(2), d = q.size(3), m = k.size(2), dv = v.size(3);
   const double scale = std::pow(static_cast<double>(d), -0.5);
-  const at::Tensor grads = readable(grad_out.to(q.scalar_type()), onednn);
+  const at::Tensor grads = grad_out.to(q.scalar_type());
   // Σ_j P_ij dP_ij = row i of dO · O
   const at::Tensor row_dots = (grads * out).sum(-1).reshape({B * h, n}).contiguous();
   const at::Tensor row_lse = lse.reshape({B * h, n}).contiguous();
@@ -476,12 +479,11 @@ std::vector<at::Tensor> multimax_backward(const at::Tensor& grad_out, const at::
   at::Tensor grad_k = at::empty({B, h, m, d}, q.options());
   at::Tensor grad_v = at::empty({B, h, m, dv}, q.options());
   at::Tensor grad_params = at::zeros({B * h, 8}, q.options().dtype(at::kDouble));
-  const at::Tensor queries = readable(q, onednn), keys = readable(k, onednn), values = readable(v, onednn);
   if (q.scalar_type() == at::kDouble) {
-    backward_blocks<double>(queries, keys, values, grads, row_lse, row_dots, grad_q, grad_k, grad_v, grad_params,
+    backward_blocks<double>(q, k, v, grads, row_lse, row_dots, grad_q, grad_k, grad_v, grad_params,
                             {ranges, ts}, scale, onednn, scalar_grads);
   } else {
-    backward_blocks<float>(queries, keys, values, grads, row_lse, row_dots, grad_q, grad_k, grad_v, grad_params,
+    backward_blocks<float>(q, k, v, grads, row_lse, row_dots, grad_q, grad_k, grad_v, grad_params,
                            {ranges, ts}, static_cast<float>(scale), onednn, scalar_grads);
   }
   const at::Tensor params = grad_params.sum(0);
