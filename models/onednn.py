@@ -27,7 +27,7 @@ from torch.utils.flop_counter import conv_flop_count, register_flop_formula
 
 from timm.layers import Mlp
 
-from .attention.mixer import cpu_float32_kernels_apply
+from .attention.mixer import cpu_float32_kernels_apply, needs_grad
 
 __all__ = ['OneDNNLinear', 'OneDNNMlp', 'convert_to_onednn', 'fuses_in_inference', 'onednn_available',
            'onednn_conv2d_gelu', 'onednn_linear', 'onednn_linear_gelu']
@@ -124,9 +124,7 @@ def fuses_in_inference(*tensors: Optional[Tensor]) -> bool:
     """Whether an activation may run inside the oneDNN product or convolution before it, on `tensors` (its input
     and parameters): no gradient required of them (the activation's backward pass needs what the fused op never
     stores), and float32 on the CPU where the zoo's kernels apply (`cpu_float32_kernels_apply`)."""
-    inputs = [t for t in tensors if t is not None]
-    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
-    return not needs_grad and cpu_float32_kernels_apply(*inputs)
+    return not needs_grad(*tensors) and cpu_float32_kernels_apply(*(t for t in tensors if t is not None))
 
 
 class OneDNNLinear(nn.Linear):

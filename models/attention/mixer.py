@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from .layout import Grid, split_heads
 
 __all__ = ['Mixer', 'MixContext', 'autocast_off', 'cpu_float32_kernels_apply', 'differentiable_grads',
-           'is_exporting']
+           'is_exporting', 'needs_grad']
 
 # Device types with an autocast mode; others (the meta device used to count parameters and FLOPs) have none to turn off.
 _AUTOCAST_DEVICES = frozenset(d for d in ('cpu', 'cuda', 'xpu', 'mps', 'hpu') if torch.amp.is_autocast_available(d))
@@ -48,6 +48,12 @@ def cpu_float32_kernels_apply(*tensors: Tensor) -> bool:
     if is_exporting() or torch.onnx.is_in_onnx_export() or torch.is_autocast_enabled('cpu'):
         return False
     return all(t.device.type == 'cpu' and t.dtype == torch.float32 for t in tensors)
+
+
+def needs_grad(*tensors: Optional[Tensor]) -> bool:
+    """Whether autograd will differentiate through `tensors` (None entries ignored): training rather than
+    inference, for the paths that take a bias, a mask or a fused activation in inference only."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 def differentiable_grads(ctx, out: Tensor, inputs: Sequence[Optional[Tensor]], grad: Tensor) -> Tuple:

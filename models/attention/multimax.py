@@ -33,7 +33,7 @@ from timm.layers import trunc_normal_
 
 from .causal import later_tokens
 from .layout import Grid, merge_heads
-from .mixer import MixContext, autocast_off, differentiable_grads, is_exporting
+from .mixer import MixContext, autocast_off, differentiable_grads, is_exporting, needs_grad
 from .multimax_cpu import KernelAttention, cpu_kernel_available, multimax_cpu, multimax_modulation
 from .registry import register_attention
 from .softmax import SoftmaxMixer
@@ -215,7 +215,7 @@ def multimax_attention(
     # are static, so that one graph serves every batch size
     images = 1 if is_exporting() else B
     row_bytes = images * h * k.shape[-2] * 4
-    training = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, ranges, ts, bias))
+    training = needs_grad(q, k, v, ranges, ts, bias)
     kernel_scores = not causal and not dropout_p and not (training and (bias is not None or mask is not None))
     if use_kernel is None:
         use_kernel = (q.device.type == 'cpu' and kernel_scores and not use_flex and not is_exporting()

@@ -26,7 +26,7 @@ from torch import Tensor
 
 from .causal import later_tokens
 from .layout import Grid, merge_heads
-from .mixer import Mixer, MixContext, cpu_float32_kernels_apply
+from .mixer import Mixer, MixContext, cpu_float32_kernels_apply, needs_grad
 from .multimax_cpu import KernelAttention, multimax_cpu, onednn_products_available
 from .registry import register_attention
 
@@ -118,6 +118,5 @@ def _onednn_kernel_takes(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor]
     if dropout_p or causal or k.shape[-2] < _ONEDNN_KERNEL_MIN_KEYS:
         return False
     inputs = [t for t in (q, k, v, bias) if t is not None]
-    training = torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
-    return (cpu_float32_kernels_apply(*inputs) and not (training and (bias is not None or mask is not None))
+    return (cpu_float32_kernels_apply(*inputs) and not (needs_grad(*inputs) and (bias is not None or mask is not None))
             and onednn_products_available())
