@@ -1,11 +1,20 @@
 """Test-wide settings and fixtures."""
-from typing import Any, Callable, Tuple
+from typing import Any, Callable, Iterator, Tuple
 
 import pytest
 import torch
 
 # The tests run many tiny models; on a small machine intra-op threads cost more than they save.
 torch.set_num_threads(1)
+
+
+@pytest.fixture(scope='session', autouse=True)
+def child_temporaries(tmp_path_factory) -> Iterator[None]:
+    """The processes the tests start write their temporary files under pytest's base folder, which pytest prunes:
+    torchrun leaves a `torchelastic_*` log folder in the temporary directory at every launch."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv('TMPDIR', str(tmp_path_factory.mktemp('tmp')))
+        yield
 
 
 @pytest.fixture
