@@ -7,10 +7,11 @@ deep-learning library PyTorch also ships, multiplies at up to twice the rate: 24
 `nn.Linear` modules for `OneDNNLinear`, which keeps their parameters and state-dict keys and multiplies through
 oneDNN in float32 on the CPU, forward and backward, and has softmax and MultiMax attention multiply their scores
 through oneDNN where their fused CPU kernel computes them (`attention/multimax_cpu.py`; softmax against long
-sequences, where the kernel is faster than `scaled_dot_product_attention`). In inference, timm's `Mlp` applies its
+sequences, where the kernel is faster than `scaled_dot_product_attention`), and the linear attentions (InLine,
+FLatten, SimA, linear) their keys, values and states by oneDNN's batched product (`zoo::onednn_bmm`). In inference, timm's `Mlp` applies its
 GELU inside the first layer's oneDNN product (`OneDNNMlp`), and PVT v2's MLP inside its depthwise convolution
 (`onednn_conv2d_gelu`), to each block of the output while it is in cache. Modules with an `onednn` flag of their
-own (the softmax and MultiMax mixers, PVT v2's MLP) have it set.
+own (every attention mixer, PVT v2's MLP) have it set.
 
 The outputs and gradients differ from `F.linear`'s by float32 rounding (the two libraries sum in different orders).
 The product is the custom op `zoo::onednn_linear`, which `torch.compile` calls as it stands (inductor's own
@@ -164,8 +165,8 @@ def _fusable_mlp(module: nn.Module) -> bool:
 def convert_to_onednn(module: nn.Module) -> nn.Module:
     """Make every `nn.Linear` in `module` (itself included, subclasses excluded) a `OneDNNLinear` and every timm
     `Mlp` with GELU a `OneDNNMlp`, and set the `onednn` flag of every module that has one (softmax and MultiMax
-    mixers multiply through oneDNN in their fused CPU kernel, PVT v2's MLP fuses its GELU), in place; return
-    `module`.
+    mixers multiply through oneDNN in their fused CPU kernel, the linear attentions by its batched product, PVT
+    v2's MLP fuses its GELU), in place; return `module`.
 
     Only the modules' class changes, as `torch.nn.utils.parametrize` changes it, and the `onednn` flags:
     parameters, buffers, hooks and state-dict keys stay, so optimizers and checkpoints see the same model.

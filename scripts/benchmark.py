@@ -16,8 +16,8 @@ matrix product in the models' precision, timed in every round beside them with t
 the median over the rounds of each round's ratio. `% mm` takes `torch.matmul`'s rate (the BLAS library on the
 CPU); on the CPU `% best` takes the faster of it and oneDNN's, since the two libraries reach different rates on
 some CPUs (MKL runs a narrower vector path on AMD's AVX-512 CPUs). `--onednn` runs the models' linear
-layers and softmax's and MultiMax's fused CPU kernel through oneDNN, inference and training, eager and compiled,
-and in inference the GELU of timm's `Mlp` and of PVT v2's MLP inside the product or convolution before it
+layers, softmax's and MultiMax's fused CPU kernel and the linear attentions' batched products through oneDNN,
+inference and training, eager and compiled, and in inference the GELU of timm's `Mlp` and of PVT v2's MLP inside the product or convolution before it
 (`models.convert_to_onednn`).
 
 Peak memory is what a forward pass (inference) or a training step (forward, backward, AdamW) allocates above
@@ -359,7 +359,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument('--note', default='', help='a line for the header of OUT.md, e.g. what else ran')
     parser.add_argument('--channels-last', action='store_true')
     parser.add_argument('--onednn', action='store_true',
-                        help="CPU: the models' linear layers, attention kernels and, in inference, their MLPs' GELU "
+                        help="CPU: the models' linear layers, attention products and, in inference, their MLPs' GELU "
                              "through oneDNN (models.convert_to_onednn)")
     parser.add_argument('--steady-malloc', action=argparse.BooleanOptionalAction, default=True,
                         help="keep freed memory in the measuring processes (glibc's MALLOC_MMAP_THRESHOLD_ and "
@@ -539,7 +539,7 @@ def write_outputs(args: argparse.Namespace, rows: List[Dict], skipped: List[str]
         + (', bfloat16 autocast' if args.device == 'cuda' else ', float32')
         + (', eager and torch.compile(fullgraph=True) rows' if args.compile else '')
         + (', steady allocator (freed memory kept in the process)' if args.steady_malloc else '')
-        + (", the models' linear layers, attention kernels and, in inference, their MLPs' GELU through oneDNN"
+        + (", the models' linear layers, attention products and, in inference, their MLPs' GELU through oneDNN"
            if args.onednn else ''),
         f'- matrix-multiply rate ({args.matmul_size}² product, {matmul_dtype}, median of each process\'s rounds): '
         f'`torch.matmul` {_span(r["matmul_gflop_s"] for r in rows)} GFLOP/s'

@@ -522,8 +522,8 @@ def test_multimax_without_its_kernel_warns_once_and_runs_unfused(monkeypatch, ca
         multimax_attention(q, k, v, ranges, ts)
     # only this module's records: importing torch's cpp_extension the first time logs a line of its own
     assert [r.getMessage() for r in caplog.records if r.name == multimax_cpu.__name__] == [
-        f"MultiMax's CPU kernel could not be built or loaded ({failure}); MultiMax runs unfused on CPU, and softmax "
-        "attention keeps scaled_dot_product_attention"]
+        f"MultiMax's CPU kernel could not be built or loaded ({failure}); MultiMax runs unfused on CPU, softmax "
+        "attention keeps scaled_dot_product_attention, and the linear attentions torch's matmul"]
     assert max_abs_err(out, plain_multimax(q, k, v, ranges, ts)) < 1e-13
 
 

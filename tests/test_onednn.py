@@ -2,7 +2,7 @@
 to float32 rounding of the float64 formula, with the model's state-dict keys and values unchanged, eager and
 compiled by inductor, counted by the FLOP counter as `F.linear`; autocast and TorchScript keep `F.linear`.
 Softmax and MultiMax attention multiply through oneDNN in their fused CPU kernel (softmax against 128 keys or
-more), forward and backward.
+more), forward and backward, and the linear attentions by oneDNN's batched product.
 """
 import json
 from functools import partial
@@ -34,10 +34,12 @@ ONEDNN_LINEAR = torch.ops.zoo.onednn_linear.default
 ONEDNN_LINEAR_GELU = torch.ops.zoo.onednn_linear_gelu.default
 ONEDNN_CONV2D_GELU = torch.ops.zoo.onednn_conv2d_gelu.default
 GELU = torch.ops.aten.gelu.default
+ONEDNN_BMM = torch.ops.zoo.onednn_bmm.default
 ATTENTION_KERNEL = torch.ops.zoo.multimax_cpu_attention.default
 ATTENTION_KERNEL_BACKWARD = torch.ops.zoo.multimax_cpu_attention_backward.default
 SDPA_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
-BLAS_PRODUCTS = {torch.ops.aten.addmm.default, torch.ops.aten.mm.default, torch.ops.aten.bmm.default}
+BLAS_PRODUCTS = {torch.ops.aten.addmm.default, torch.ops.aten.mm.default, torch.ops.aten.bmm.default,
+                 torch.ops.aten.baddbmm.default}
 TINY_DEMO = str(Path(__file__).resolve().parents[1] / 'configs' / 'demo' / 'digits_tiny.yaml')
 TINY_DEIT = dict(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, num_classes=5)
 
@@ -356,7 +358,8 @@ def test_without_the_kernel_a_converted_softmax_model_keeps_sdpa_and_says_so_onc
     assert ATTENTION_KERNEL not in ops and ops.count(SDPA_CPU) == 1
     assert [r.getMessage() for r in caplog.records if r.name == multimax_cpu.__name__] == [
         "MultiMax's CPU kernel could not be built or loaded (Ninja is required to load C++ extensions); MultiMax runs "
-        "unfused on CPU, and softmax attention keeps scaled_dot_product_attention"]
+        "unfused on CPU, softmax attention keeps scaled_dot_product_attention, and the linear attentions torch's "
+        "matmul"]
     with torch.no_grad():
         assert (out - plain(x)).abs().max().item() < 1e-5
 
@@ -423,3 +426,77 @@ def test_a_compiled_converted_softmax_model_calls_the_kernel_and_trains_to_the_p
     for (name, p), q in zip(plain.named_parameters(), converted.parameters()):
         assert (p.grad - q.grad).abs().max().item() <= 1e-4 * p.grad.abs().max().item() + 1e-7, name
     torch.compiler.reset()
+
+
+@pytest.mark.parametrize('transposed', [(False, False), (True, False), (False, True), (True, True)])
+def test_the_batched_product_and_its_gradients_are_the_float64_formula_to_float32_rounding(transposed):
+    torch.manual_seed(0)
+    exact = [torch.randn(5, 37, 24, dtype=torch.float64), torch.randn(5, 24, 19, dtype=torch.float64)]
+    # operands as the attentions pass them: packed, or transposed views of packed tensors
+    a, b = [(x.transpose(1, 2).contiguous().transpose(1, 2) if t else x).float().requires_grad_()
+            for x, t in zip(exact, transposed)]
+    grad = torch.randn(5, 37, 19, dtype=torch.float64)
+    out = multimax_cpu.onednn_bmm(a, b)
+    out.backward(grad.float())
+    exact = [x.requires_grad_() for x in exact]
+    (exact[0] @ exact[1]).backward(grad)
+    assert out.shape == (5, 37, 19) and out.is_contiguous()
+    for value, expected in [(out, exact[0].detach() @ exact[1].detach()), (a.grad, exact[0].grad),
+                            (b.grad, exact[1].grad)]:
+        # float32 rounding of sums of up to 37 products of unit normal numbers
+        assert (value.double() - expected).abs().max().item() < 64 * 2 ** -24 * expected.abs().max().item()
+
+
+@pytest.mark.parametrize('attention, products', [('inline', 2), ('flatten', 2), ('linear', 2), ('sima', 2)])
+def test_the_linear_attentions_multiply_through_onednn_in_inference_and_training(attention, products,
+                                                                                 onednn_matmuls):
+    plain, converted = tiny_pair('softmax_deit_tiny', attn_type=attention, **TINY_DEIT)
+    blocks = len(converted.blocks)
+    x = torch.randn(2, 3, 32, 32)
+    with torch.inference_mode():
+        expected = plain(x)
+        (out, ops), executed = onednn_matmuls(lambda: recorded_ops(converted, x))
+    assert ops.count(ONEDNN_BMM) == products * blocks and not BLAS_PRODUCTS & set(ops)
+    assert executed == products * blocks  # one oneDNN matrix product for all images and heads
+    assert (out - expected).abs().max().item() < 1e-5
+    plain.train(), converted.train()
+    (plain(x) ** 2).sum().backward()
+    (loss, ops), _ = onednn_matmuls(lambda: recorded_ops(lambda: (converted(x) ** 2).sum()))
+    (_, backward_ops), backward_products = onednn_matmuls(lambda: recorded_ops(loss.backward))
+    assert ops.count(ONEDNN_BMM) == products * blocks
+    assert backward_ops.count(ONEDNN_BMM) == 2 * products * blocks and backward_products == 2 * products * blocks
+    for (name, p), q in zip(plain.named_parameters(), converted.parameters()):
+        assert (p.grad - q.grad).abs().max().item() <= 1e-4 * p.grad.abs().max().item() + 1e-7, name
+
+
+def test_a_compiled_converted_linear_attention_model_calls_the_batched_product():
+    torch.compiler.reset()
+    plain, converted = tiny_pair('softmax_deit_tiny', attn_type='flatten', **TINY_DEIT)
+    graphs = []
+
+    def inspect_then_inductor(gm, example_inputs):
+        graphs.append(str(gm.graph))
+        return torch._inductor.compile(gm, example_inputs)
+
+    compiled = torch.compile(converted, fullgraph=True, backend=inspect_then_inductor)
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        assert (compiled(x) - plain(x)).abs().max().item() < 1e-5
+    assert len(graphs) == 1 and graphs[0].count('zoo.onednn_bmm') == 2 * len(converted.blocks)
+    torch.compiler.reset()
+
+
+def test_without_the_kernel_a_converted_linear_attention_model_keeps_torch_matmul(monkeypatch, caplog):
+    def failing_build(*args, **kwargs):
+        raise RuntimeError("Ninja is required to load C++ extensions")
+
+    plain, converted = tiny_pair('softmax_deit_tiny', attn_type='inline', **TINY_DEIT)
+    monkeypatch.setattr(multimax_cpu, '_extension', multimax_cpu._NOT_LOADED)
+    monkeypatch.setattr('torch.utils.cpp_extension.load', failing_build)
+    x = torch.randn(2, 3, 32, 32)
+    with caplog.at_level('WARNING', logger=multimax_cpu.__name__), torch.no_grad():
+        out, ops = recorded_ops(converted, x)
+    assert ONEDNN_BMM not in ops and ops.count(torch.ops.aten.baddbmm.default) == len(converted.blocks)
+    assert len([r for r in caplog.records if r.name == multimax_cpu.__name__]) == 1
+    with torch.no_grad():
+        assert (out - plain(x)).abs().max().item() < 1e-5

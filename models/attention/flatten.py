@@ -23,6 +23,7 @@ from ..checkpoint import resample_grid_embedding, resize_grid_embedding
 from .causal import no_causal_form
 from .layout import Grid, image_to_tokens, merge_heads, tokens_to_image
 from .mixer import Mixer, MixContext, autocast_off
+from .multimax_cpu import attention_matmul
 from .registry import register_attention
 
 __all__ = ['focused_feature_map', 'focused_linear_attention', 'FocusedLinearMixer']
@@ -44,25 +45,26 @@ def _focused_feature_map(x: Tensor, scale: Tensor, focusing_factor: float) -> Te
                       / torch.linalg.vector_norm(powered, dim=-1, keepdim=True))
 
 
-def focused_linear_attention(phi_q: Tensor, phi_k: Tensor, v: Tensor, eps: float = 1e-6) -> Tensor:
+def focused_linear_attention(phi_q: Tensor, phi_k: Tensor, v: Tensor, eps: float = 1e-6, onednn: bool = False
+                             ) -> Tensor:
     """phi_q, phi_k: (B, h, n, d) non-negative features, v: (B, h, n, e) -> (B, h, n, e) in v's dtype.
 
     Σ_j (φq_i·φk_j) v_j / (Σ_j φq_i·φk_j + n·eps); keys and values are scaled by n^-½ each so that KᵀV is an
-    average rather than a sum over the tokens.
+    average rather than a sum over the tokens. `onednn`: KᵀV's products through oneDNN (`attention_matmul`).
     """
     if not torch.jit.is_scripting():  # TorchScript has no autocast to turn off
         with autocast_off(v.device):
-            return _focused_linear_attention(phi_q, phi_k, v, eps)
-    return _focused_linear_attention(phi_q, phi_k, v, eps)
+            return _focused_linear_attention(phi_q, phi_k, v, eps, onednn)
+    return _focused_linear_attention(phi_q, phi_k, v, eps, onednn)
 
 
-def _focused_linear_attention(phi_q: Tensor, phi_k: Tensor, v: Tensor, eps: float) -> Tensor:
+def _focused_linear_attention(phi_q: Tensor, phi_k: Tensor, v: Tensor, eps: float, onednn: bool) -> Tensor:
     dtype = torch.promote_types(torch.promote_types(phi_q.dtype, v.dtype), torch.float32)
     n = phi_k.shape[-2]
     phi_q, phi_k, values = phi_q.to(dtype), phi_k.to(dtype), v.to(dtype)
     z = 1 / (phi_q @ phi_k.mean(dim=-2, keepdim=True).transpose(-2, -1) + eps)
-    kv = (phi_k.transpose(-2, -1) * n ** -0.5) @ (values * n ** -0.5)
-    return ((phi_q @ kv) * z).to(v.dtype)
+    kv = attention_matmul(phi_k.transpose(-2, -1) * n ** -0.5, values * n ** -0.5, onednn)
+    return (attention_matmul(phi_q, kv, onednn) * z).to(v.dtype)
 
 
 @register_attention('flatten')
@@ -136,7 +138,7 @@ class FocusedLinearMixer(Mixer):
         phi_q = focused_feature_map(q, self.scale, power)
         phi_k = focused_feature_map(k, self.scale, power)
         phi_q, phi_k, vh = self.heads(phi_q, phi_k, v)
-        out = merge_heads(focused_linear_attention(phi_q, phi_k, vh))
+        out = merge_heads(focused_linear_attention(phi_q, phi_k, vh, onednn=self.onednn))
         local = self.depthwise_local(v[:, num_prefix:], grid)
         if num_prefix:
             local = F.pad(local, (0, 0, num_prefix, 0))

@@ -18,21 +18,27 @@ from torch import Tensor, nn
 from .causal import no_causal_form
 from .layout import Grid, image_to_tokens, merge_heads, tokens_to_image
 from .mixer import Mixer, MixContext, is_exporting
+from .multimax_cpu import attention_matmul, onednn_matmul_applies
 from .registry import register_attention
 
 __all__ = ['inline_attention', 'inline_local_residual', 'InLineMixer']
 
 
-def inline_attention(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+def inline_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, onednn: bool = False) -> Tensor:
     """q, k: (B, h, n, d), v: (B, h, n, e) -> (B, h, n, e), Σ_j A_ij v_j with A as in the module docstring.
 
     The k̄ term folds into the d×e state: Σ_j A_ij v_j = v̄ + (s/n)·q_i·Σ_j k_j (v_j − v̄)ᵀ, one state product and
     one fused multiply-add per query. Centring and scaling V before the product keeps the state an average of
     the scale of the inputs (no float16 overflow) and avoids the cancellation of subtracting q·k̄ afterwards.
+    `onednn`: both products through oneDNN (`attention_matmul`), where it applies.
     """
     B, h, n, d = q.shape
     v_mean = v.mean(dim=-2, keepdim=True)
-    state = k.transpose(-2, -1) @ ((v - v_mean) * (scale / k.shape[-2]))
+    state = attention_matmul(k.transpose(-2, -1), (v - v_mean) * (scale / k.shape[-2]), onednn)
+    if not torch.jit.is_scripting():
+        if onednn_matmul_applies(onednn, q, state):
+            # oneDNN's batched product adds no term that broadcasts over the rows: v̄ after it
+            return attention_matmul(q, state, onednn) + v_mean
     out = torch.baddbmm(v_mean.flatten(0, 1), q.reshape(B * h, n, d), state.flatten(0, 1))
     return out.view(B, h, n, -1)
 
@@ -99,7 +105,7 @@ class InLineMixer(Mixer):
         if tokens is None:
             raise ValueError("inline attention needs the grouped attention input (MixContext.tokens), got None")
         qh, kh, vh = self.heads(q, k, v)
-        out = merge_heads(inline_attention(qh, kh, vh, self.head_dim ** -0.5))
+        out = merge_heads(inline_attention(qh, kh, vh, self.head_dim ** -0.5, self.onednn))
         num_prefix = ctx.num_prefix_tokens
         local = inline_local_residual(v[:, num_prefix:], ctx.grid, self.residual_kernels(tokens))
         if num_prefix:

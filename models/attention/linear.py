@@ -20,6 +20,7 @@ from torch import Tensor
 from .causal import CAUSAL_CHUNK, chunk_tokens, later_tokens
 from .layout import Grid, merge_heads
 from .mixer import Mixer, MixContext, autocast_off
+from .multimax_cpu import attention_matmul
 from .registry import register_attention
 
 __all__ = ['elu_feature_map', 'linear_attention', 'causal_linear_attention', 'LinearMixer']
@@ -33,24 +34,25 @@ def elu_feature_map(x: Tensor) -> Tensor:
     return (x - positive_part).exp() + positive_part
 
 
-def linear_attention(q: Tensor, k: Tensor, v: Tensor, eps: float = 1e-6) -> Tensor:
+def linear_attention(q: Tensor, k: Tensor, v: Tensor, eps: float = 1e-6, onednn: bool = False) -> Tensor:
     """q: (B, h, n, d), k: (B, h, m, d), v: (B, h, m, e) -> (B, h, n, e) in v's dtype.
 
-    Σⱼ (φqᵢ·φkⱼ) vⱼ / (Σⱼ φqᵢ·φkⱼ + eps), both sums divided by m before the division.
+    Σⱼ (φqᵢ·φkⱼ) vⱼ / (Σⱼ φqᵢ·φkⱼ + eps), both sums divided by m before the division. `onednn`: the state's
+    products through oneDNN (`attention_matmul`).
     """
     if not torch.jit.is_scripting():  # TorchScript has no autocast to turn off
         with autocast_off(v.device):
-            return _linear_attention(q, k, v, eps)
-    return _linear_attention(q, k, v, eps)
+            return _linear_attention(q, k, v, eps, onednn)
+    return _linear_attention(q, k, v, eps, onednn)
 
 
-def _linear_attention(q: Tensor, k: Tensor, v: Tensor, eps: float) -> Tensor:
+def _linear_attention(q: Tensor, k: Tensor, v: Tensor, eps: float, onednn: bool) -> Tensor:
     work = torch.promote_types(torch.promote_types(q.dtype, v.dtype), torch.float32)
     m = k.shape[-2]
     phi_q, phi_k = elu_feature_map(q.to(work)), elu_feature_map(k.to(work))
-    state = phi_k.transpose(-2, -1) @ (v.to(work) / m)
+    state = attention_matmul(phi_k.transpose(-2, -1), v.to(work) / m, onednn)
     normaliser = phi_q @ phi_k.mean(dim=-2, keepdim=True).transpose(-2, -1) + eps / m
-    return ((phi_q @ state) / normaliser).to(v.dtype)
+    return (attention_matmul(phi_q, state, onednn) / normaliser).to(v.dtype)
 
 
 def causal_linear_attention(q: Tensor, k: Tensor, v: Tensor, eps: float = 1e-6,
@@ -101,7 +103,9 @@ class LinearMixer(Mixer):
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, ctx: MixContext) -> Tensor:
         q, k, v = self.heads(q, k, v)
-        return merge_heads(causal_linear_attention(q, k, v) if self.causal else linear_attention(q, k, v))
+        if self.causal:
+            return merge_heads(causal_linear_attention(q, k, v))
+        return merge_heads(linear_attention(q, k, v, onednn=self.onednn))
 
     def extra_repr(self) -> str:
         return 'causal=True' if self.causal else ''

@@ -107,6 +107,8 @@ class Mixer(nn.Module):
         self.head_dim = dim // num_heads
         self.group_grid: Optional[Grid] = None if group_grid is None else tuple(group_grid)
         self.attn_drop = attn_drop
+        # attention products through oneDNN where this mixer has a path for them: `models.convert_to_onednn`
+        self.onednn = False
 
     @classmethod
     def option_names(cls) -> Tuple[str, ...]:

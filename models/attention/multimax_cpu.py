@@ -3,8 +3,8 @@
 Hand-written because no maintained library fuses an element-wise function of the scores into CPU attention
 forward and backward: inductor's CPU FlexAttention, which takes σ as its `score_mod`, has no backward pass and
 runs compiled inference only; the unfused path writes and rereads every score several times. With the kernel,
-MultiMax-DeiT-T takes 1.06× softmax's time for inference and 1.05× for a training step at 224² (batch 8), and 1.05×
-and 1.10× at 1024², eager, where the unfused path took 1.27× at 224² (`docs/benchmarks.md`). It is
+MultiMax-DeiT-T takes 1.04–1.07× softmax's time for inference and 0.95–1.04× for a training step from 224² (batch
+8) to 1024², eager, both through oneDNN, where the unfused path took 1.27× at 224² (`docs/benchmarks.md`). It is
 registered as the custom ops `zoo::multimax_cpu_attention` and `zoo::multimax_cpu_attention_backward`, so
 `torch.compile(fullgraph=True)` calls them as they stand.
 
@@ -14,6 +14,10 @@ matrix products call the BLAS inside torch by its Fortran names (`sgemm_`, `dgem
 Linux wheels, which link MKL). With `onednn=True`, its large float32 products go through oneDNN instead (ATen's own
 oneDNN matrix product), as `models.convert_to_onednn` asks for, which gives softmax attention the kernel too (σ with
 zero scalars is the identity). Where it cannot be built or loaded, MultiMax keeps its other paths, and says why once.
+
+The extension also gives the linear attentions oneDNN's batched product (`onednn_bmm`, through
+`attention_matmul`): torch's `bmm` takes the BLAS, which on the CPUs above multiplies their (n × d)·(d × e) state
+products at 0.41–0.49× oneDNN's rate.
 
 σ's formula (`multimax_modulation`) lives here, beside the kernel that fuses it, so that `KernelAttention`, the
 kernel's autograd function through which MultiMax and softmax attention both train, can differentiate the formula
@@ -30,10 +34,10 @@ import torch
 from torch import Tensor
 from torch.utils.flop_counter import register_flop_formula
 
-from .mixer import differentiable_grads
+from .mixer import cpu_float32_kernels_apply, differentiable_grads
 
 __all__ = ['multimax_modulation', 'multimax_cpu', 'multimax_cpu_backward', 'KernelAttention', 'cpu_kernel_available',
-           'onednn_products_available']
+           'onednn_products_available', 'onednn_bmm', 'onednn_matmul_applies', 'attention_matmul']
 
 _logger = logging.getLogger(__name__)
 
@@ -66,7 +70,8 @@ def _load() -> Optional[Any]:
         except (OSError, RuntimeError, ImportError, ValueError) as e:  # no compiler or ninja, a failed build or load
             reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             _logger.warning(f"MultiMax's CPU kernel could not be built or loaded ({reason}); MultiMax runs unfused "
-                            "on CPU, and softmax attention keeps scaled_dot_product_attention")
+                            "on CPU, softmax attention keeps scaled_dot_product_attention, and the linear attentions "
+                            "torch's matmul")
             _extension = None
     return _extension
 
@@ -169,3 +174,56 @@ class KernelAttention(torch.autograd.Function):
         grads = multimax_cpu_backward(grad_out.contiguous(), q, k, v, out, lse, ranges, ts, ctx.onednn,
                                       any(ctx.needs_input_grad[3:5]))
         return tuple(g if need else None for g, need in zip(grads, ctx.needs_input_grad[:5])) + (None,)
+
+
+@torch.library.custom_op('zoo::onednn_bmm', mutates_args=(), device_types='cpu')
+def onednn_bmm(a: Tensor, b: Tensor) -> Tensor:
+    """`torch.bmm(a, b)` by oneDNN, differentiable: a (B, m, k), b (B, k, n), float32 -> (B, m, n), contiguous.
+    Needs `onednn_products_available()`."""
+    return _load().onednn_bmm(a, b)
+
+
+@onednn_bmm.register_fake
+def _onednn_bmm_shape(a: Tensor, b: Tensor) -> Tensor:
+    return a.new_empty((a.shape[0], a.shape[1], b.shape[2]))
+
+
+def _save_operands(ctx, inputs, output) -> None:
+    ctx.save_for_backward(*inputs)
+
+
+def _onednn_bmm_backward(ctx, grad: Tensor):
+    """Both gradients' products through oneDNN as well, the transposed operands as strided views (which oneDNN
+    reads in place)."""
+    a, b = ctx.saved_tensors
+    grad_a = onednn_bmm(grad, b.transpose(1, 2)) if ctx.needs_input_grad[0] else None
+    grad_b = onednn_bmm(a.transpose(1, 2), grad) if ctx.needs_input_grad[1] else None
+    return grad_a, grad_b
+
+
+onednn_bmm.register_autograd(_onednn_bmm_backward, setup_context=_save_operands)
+
+
+@register_flop_formula(torch.ops.zoo.onednn_bmm)
+def _onednn_bmm_flops(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
+    """2 per multiply-add, as `torch.utils.flop_counter` counts `bmm`."""
+    batch, m, k = a_shape
+    return 2 * batch * m * k * b_shape[-1]
+
+
+def onednn_matmul_applies(onednn: bool, a: Tensor, b: Tensor) -> bool:
+    """Whether `attention_matmul(a, b, onednn)` multiplies through oneDNN: asked (`models.convert_to_onednn`), the
+    zoo's float32 CPU kernels apply to `a` and `b`, and this torch has oneDNN's matrix product."""
+    return onednn and cpu_float32_kernels_apply(a, b) and onednn_products_available()
+
+
+def attention_matmul(a: Tensor, b: Tensor, onednn: bool) -> Tensor:
+    """`a @ b` for operands of the same batch shape, (*, m, k) and (*, k, n) -> (*, m, n), through oneDNN's batched
+    product (`onednn_bmm`) where `onednn_matmul_applies`, as the linear attentions multiply their queries, keys,
+    values and states."""
+    if not torch.jit.is_scripting():
+        if onednn_matmul_applies(onednn, a, b):
+            batch = a.shape[:-2]
+            out = onednn_bmm(a.reshape(-1, a.shape[-2], a.shape[-1]), b.reshape(-1, b.shape[-2], b.shape[-1]))
+            return out.view(batch + out.shape[-2:])
+    return a @ b

@@ -14,6 +14,7 @@ from torch import Tensor
 from .causal import no_causal_form
 from .layout import Grid, merge_heads
 from .mixer import Mixer, MixContext
+from .multimax_cpu import attention_matmul
 from .registry import register_attention
 
 __all__ = ['l1_normalize_tokens', 'sima_attention', 'SimAMixer']
@@ -29,12 +30,13 @@ def l1_normalize_tokens(x: Tensor, eps: float = 1e-12) -> Tensor:
     return (wide / wide.abs().sum(dim=-2, keepdim=True).clamp_min(eps)).to(x.dtype)
 
 
-def sima_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-    """q: (B, h, n, d), k, v: (B, h, m, d) -> (B, h, n, d)."""
+def sima_attention(q: Tensor, k: Tensor, v: Tensor, onednn: bool = False) -> Tensor:
+    """q: (B, h, n, d), k, v: (B, h, m, d) -> (B, h, n, d); `onednn`: the products through oneDNN
+    (`attention_matmul`)."""
     q, k = l1_normalize_tokens(q), l1_normalize_tokens(k)
     if q.shape[-2] < q.shape[-1]:
-        return torch.matmul(torch.matmul(q, k.transpose(-2, -1)), v)
-    return torch.matmul(q, torch.matmul(k.transpose(-2, -1), v))
+        return attention_matmul(attention_matmul(q, k.transpose(-2, -1), onednn), v, onednn)
+    return attention_matmul(q, attention_matmul(k.transpose(-2, -1), v, onednn), onednn)
 
 
 @register_attention('sima')
@@ -51,4 +53,4 @@ class SimAMixer(Mixer):
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, ctx: MixContext) -> Tensor:
         q, k, v = self.heads(q, k, v)
-        return merge_heads(sima_attention(q, k, v))
+        return merge_heads(sima_attention(q, k, v, self.onednn))

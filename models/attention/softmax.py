@@ -84,7 +84,6 @@ class SoftmaxMixer(Mixer):
                  causal: bool = False):
         super().__init__(dim, num_heads, group_grid, attn_drop)
         self.causal = causal
-        self.onednn = False  # products through oneDNN where a kernel has them: `models.convert_to_onednn`
 
     def extra_repr(self) -> str:
         return ', '.join(option for option, on in (('causal=True', self.causal), ('onednn=True', self.onednn)) if on)

@@ -494,11 +494,30 @@ std::vector<at::Tensor> multimax_backward(const at::Tensor& grad_out, const at::
   return {grad_q, grad_k, grad_v, params.narrow(0, 0, 4).clone(), params.narrow(0, 4, 4).clone()};
 }
 
+// a·b for (B, m, k) and (B, k, n) float32 CPU tensors, through oneDNN in one call for the whole batch: the linear
+// attentions' products, which torch's `bmm` gives to the BLAS (at 2.1–2.4 times the time on the CPUs where the
+// BLAS takes a narrower vector path). Operands whose last two dimensions are neither packed nor transposed are
+// copied by `mkldnn_matmul` first.
+at::Tensor onednn_bmm(const at::Tensor& a, const at::Tensor& b) {
+  TORCH_CHECK(onednn_products_available(), "onednn_bmm: this torch has no oneDNN matrix product (mkldnn_matmul)");
+  TORCH_CHECK(a.device().is_cpu() && b.device().is_cpu() && a.scalar_type() == at::kFloat &&
+              b.scalar_type() == at::kFloat, "onednn_bmm: expected float32 CPU tensors, got ", a.scalar_type(),
+              " and ", b.scalar_type());
+  TORCH_CHECK(a.dim() == 3 && b.dim() == 3 && a.size(0) == b.size(0) && a.size(2) == b.size(1),
+              "onednn_bmm: expected (B, m, k) and (B, k, n), got ", a.sizes(), " and ", b.sizes());
+  at::Tensor out = at::empty({a.size(0), a.size(1), b.size(2)}, a.options());
+  if (out.numel() == 0) return out;
+  if (a.size(2) == 0) return out.zero_();
+  at::native::mkldnn_matmul(a, b, out, 0.0f, 1.0f);
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("multimax_forward", &multimax_forward, "MultiMax attention forward on CPU: (out, lse)");
   module.def("multimax_backward", &multimax_backward, "its gradients: (grad_q, grad_k, grad_v, grad_ranges, grad_ts)");
+  module.def("onednn_bmm", &onednn_bmm, "a·b for (B, m, k) and (B, k, n) float32 tensors through oneDNN");
   module.def("onednn_products_available", &onednn_products_available,
              "whether this torch has the oneDNN matrix product that `onednn` calls");
 }
