@@ -49,7 +49,7 @@ def train_main(argv: Sequence[str]) -> int:
     parser.add_argument('--compile', action='store_true', default=None,
                         help='torch.compile the whole model, without graph breaks (TRAIN.COMPILE)')
     parser.add_argument('--onednn', action='store_true', default=None,
-                        help="CPU, AMP off: the linear layers' and attention kernels' products through oneDNN "
+                        help="CPU, AMP off: the linear layers' and attention products through oneDNN "
                              '(TRAIN.ONEDNN)')
     _common_arguments(parser)
     args = parser.parse_args(argv)
@@ -81,7 +81,7 @@ def eval_main(argv: Sequence[str]) -> int:
                         help='torch.compile the whole model, without graph breaks, with TRAIN.COMPILE_MODE and '
                              'TRAIN.COMPILE_BACKEND (the config\'s TRAIN.COMPILE is for training)')
     parser.add_argument('--onednn', action='store_true',
-                        help="CPU, float32: the linear layers' and attention kernels' products through oneDNN, which "
+                        help="CPU, float32: the linear layers' and attention products through oneDNN, which "
                              'some CPUs run up to twice as fast as the default library (outputs equal to float32 '
                              'rounding; eager or --compile)')
     parser.add_argument('--throughput', action='store_true',

@@ -74,7 +74,8 @@ _C.TRAIN.USE_CHECKPOINT = False  # gradient checkpointing
 _C.TRAIN.COMPILE = False
 _C.TRAIN.COMPILE_MODE = 'default'
 _C.TRAIN.COMPILE_BACKEND = 'inductor'
-# the float32 CPU products of the linear layers and of softmax's and MultiMax's fused kernel through oneDNN
+# the float32 CPU products of the linear layers and of the attentions (softmax's and MultiMax's fused kernel, the
+# linear attentions' batched products) through oneDNN
 # (models.convert_to_onednn), training and validation: up to twice as fast on CPUs where the BLAS library runs a
 # narrow vector path; CPU only, AMP off
 _C.TRAIN.ONEDNN = False
