@@ -60,6 +60,18 @@ def recorded_ops(fn, *args):
     return out, recorder.ops
 
 
+def compile_recording_graphs(model: nn.Module):
+    """`torch.compile(model, fullgraph=True)` by inductor, and the list into which each graph it compiles is written
+    as text."""
+    graphs = []
+
+    def inspect_then_inductor(gm, example_inputs):
+        graphs.append(str(gm.graph))
+        return torch._inductor.compile(gm, example_inputs)
+
+    return torch.compile(model, fullgraph=True, backend=inspect_then_inductor), graphs
+
+
 def tiny_pair(name: str = 'inline_deit_tiny', **kwargs):
     kwargs = kwargs or TINY_DEIT
     torch.manual_seed(0)
@@ -163,15 +175,10 @@ def test_pvt_v2_applies_gelu_inside_its_depthwise_convolution_in_inference_only(
             flops.append(counter.get_total_flops())
         assert flops[0] == flops[1]
     torch.compiler.reset()
-    graphs = []
-
-    def inspect_then_inductor(gm, example_inputs):
-        graphs.append(str(gm.graph))
-        return torch._inductor.compile(gm, example_inputs)
-
+    compiled, graphs = compile_recording_graphs(converted)
     with torch.no_grad():  # inductor calls the op as it stands, with its fake implementation's layout
-        compiled = torch.compile(converted, fullgraph=True, backend=inspect_then_inductor)(x)
-    assert graphs[0].count('zoo.onednn_conv2d_gelu') == len(mlps) and (compiled - expected).abs().max().item() < 1e-5
+        out = compiled(x)
+    assert graphs[0].count('zoo.onednn_conv2d_gelu') == len(mlps) and (out - expected).abs().max().item() < 1e-5
     torch.compiler.reset()
     plain.train(), converted.train()
     (plain(x) ** 2).sum().backward()
@@ -197,14 +204,8 @@ def test_the_flop_counter_counts_the_onednn_product_as_f_linear():
 def test_inductor_compiles_the_onednn_product_and_its_backward_without_frozen_weights():
     torch.compiler.reset()
     plain, converted = tiny_pair()
-    graphs = []
-
-    def inspect_then_inductor(gm, example_inputs):
-        graphs.append(str(gm.graph))
-        return torch._inductor.compile(gm, example_inputs)
-
     x = torch.randn(2, 3, 32, 32)
-    compiled = torch.compile(converted, fullgraph=True, backend=inspect_then_inductor)
+    compiled, graphs = compile_recording_graphs(converted)
     with torch.no_grad():
         out, expected = compiled(x), plain(x)
         assert (out - expected).abs().max().item() < 1e-5
@@ -407,13 +408,7 @@ def test_shifted_windows_of_49_tokens_keep_scaled_dot_product_attention():
 def test_a_compiled_converted_softmax_model_calls_the_kernel_and_trains_to_the_plain_gradients(onednn_matmuls):
     torch.compiler.reset()
     plain, converted = tiny_pair('softmax_deit_tiny', **LONGER_DEIT)
-    graphs = []
-
-    def inspect_then_inductor(gm, example_inputs):
-        graphs.append(str(gm.graph))
-        return torch._inductor.compile(gm, example_inputs)
-
-    compiled = torch.compile(converted, fullgraph=True, backend=inspect_then_inductor)
+    compiled, graphs = compile_recording_graphs(converted)
     x = torch.randn(1, 3, 128, 128)
     with torch.no_grad():
         assert (compiled(x) - plain(x)).abs().max().item() < 1e-5
@@ -472,13 +467,7 @@ def test_the_linear_attentions_multiply_through_onednn_in_inference_and_training
 def test_a_compiled_converted_linear_attention_model_calls_the_batched_product():
     torch.compiler.reset()
     plain, converted = tiny_pair('softmax_deit_tiny', attn_type='flatten', **TINY_DEIT)
-    graphs = []
-
-    def inspect_then_inductor(gm, example_inputs):
-        graphs.append(str(gm.graph))
-        return torch._inductor.compile(gm, example_inputs)
-
-    compiled = torch.compile(converted, fullgraph=True, backend=inspect_then_inductor)
+    compiled, graphs = compile_recording_graphs(converted)
     x = torch.randn(2, 3, 32, 32)
     with torch.no_grad():
         assert (compiled(x) - plain(x)).abs().max().item() < 1e-5
