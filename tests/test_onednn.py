@@ -464,14 +464,24 @@ def test_the_linear_attentions_multiply_through_onednn_in_inference_and_training
         assert (p.grad - q.grad).abs().max().item() <= 1e-4 * p.grad.abs().max().item() + 1e-7, name
 
 
-def test_a_compiled_converted_linear_attention_model_calls_the_batched_product():
+def test_a_compiled_converted_linear_attention_model_calls_the_batched_product_and_trains_to_the_plain_gradients(
+        onednn_matmuls):
     torch.compiler.reset()
     plain, converted = tiny_pair('softmax_deit_tiny', attn_type='flatten', **TINY_DEIT)
+    blocks = len(converted.blocks)
     compiled, graphs = compile_recording_graphs(converted)
     x = torch.randn(2, 3, 32, 32)
     with torch.no_grad():
         assert (compiled(x) - plain(x)).abs().max().item() < 1e-5
-    assert len(graphs) == 1 and graphs[0].count('zoo.onednn_bmm') == 2 * len(converted.blocks)
+    assert len(graphs) == 1 and graphs[0].count('zoo.onednn_bmm') == 2 * blocks
+    plain.train(), converted.train()
+    (plain(x) ** 2).sum().backward()
+    loss = (compiled(x) ** 2).sum()
+    _, backward_products = onednn_matmuls(loss.backward)
+    # the compiled backward pass: two oneDNN products for each of the forward pass's two per block
+    assert len(graphs) == 2 and graphs[1].count('zoo.onednn_bmm') == 2 * blocks and backward_products == 4 * blocks
+    for (name, p), q in zip(plain.named_parameters(), converted.parameters()):
+        assert (p.grad - q.grad).abs().max().item() <= 1e-4 * p.grad.abs().max().item() + 1e-7, name
     torch.compiler.reset()
 
 
