@@ -37,7 +37,7 @@ from torch.utils.flop_counter import register_flop_formula
 from .mixer import cpu_float32_kernels_apply, differentiable_grads
 
 __all__ = ['multimax_modulation', 'multimax_cpu', 'multimax_cpu_backward', 'KernelAttention', 'cpu_kernel_available',
-           'onednn_products_available', 'onednn_bmm', 'onednn_matmul_applies', 'attention_matmul']
+           'onednn_products_available', 'onednn_products_apply', 'onednn_bmm', 'attention_matmul']
 
 _logger = logging.getLogger(__name__)
 
@@ -211,18 +211,18 @@ def _onednn_bmm_flops(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
     return 2 * batch * m * k * b_shape[-1]
 
 
-def onednn_matmul_applies(onednn: bool, a: Tensor, b: Tensor) -> bool:
-    """Whether `attention_matmul(a, b, onednn)` multiplies through oneDNN: asked (`models.convert_to_onednn`), the
-    zoo's float32 CPU kernels apply to `a` and `b`, and this torch has oneDNN's matrix product."""
-    return onednn and cpu_float32_kernels_apply(a, b) and onednn_products_available()
+def onednn_products_apply(*tensors: Tensor) -> bool:
+    """Whether oneDNN's matrix product (the kernel's `onednn` option, `onednn_bmm`) may compute on `tensors`: the
+    zoo's float32 CPU kernels apply to them (`cpu_float32_kernels_apply`) and this torch has the product."""
+    return cpu_float32_kernels_apply(*tensors) and onednn_products_available()
 
 
 def attention_matmul(a: Tensor, b: Tensor, onednn: bool) -> Tensor:
     """`a @ b` for operands of the same batch shape, (*, m, k) and (*, k, n) -> (*, m, n), through oneDNN's batched
-    product (`onednn_bmm`) where `onednn_matmul_applies`, as the linear attentions multiply their queries, keys,
-    values and states."""
+    product (`onednn_bmm`) where `onednn` (`models.convert_to_onednn`) and `onednn_products_apply`, as the linear
+    attentions multiply their queries, keys, values and states."""
     if not torch.jit.is_scripting():
-        if onednn_matmul_applies(onednn, a, b):
+        if onednn and onednn_products_apply(a, b):
             batch = a.shape[:-2]
             out = onednn_bmm(a.reshape(-1, a.shape[-2], a.shape[-1]), b.reshape(-1, b.shape[-2], b.shape[-1]))
             return out.view(batch + out.shape[-2:])

@@ -26,8 +26,8 @@ from torch import Tensor
 
 from .causal import later_tokens
 from .layout import Grid, merge_heads
-from .mixer import Mixer, MixContext, cpu_float32_kernels_apply, needs_grad
-from .multimax_cpu import KernelAttention, multimax_cpu, onednn_products_available
+from .mixer import Mixer, MixContext, needs_grad
+from .multimax_cpu import KernelAttention, multimax_cpu, onednn_products_apply
 from .registry import register_attention
 
 __all__ = ['softmax_attention', 'window_bias', 'fold_windows', 'unfold_windows', 'SoftmaxMixer']
@@ -111,11 +111,10 @@ class SoftmaxMixer(Mixer):
 def _onednn_kernel_takes(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], mask: Optional[Tensor],
                          dropout_p: float, causal: bool) -> bool:
     """Whether the fused CPU kernel with oneDNN's products computes this call: float32 on the CPU against
-    `_ONEDNN_KERNEL_MIN_KEYS` keys or more (`cpu_float32_kernels_apply`: eager or compiled, not exported or under
+    `_ONEDNN_KERNEL_MIN_KEYS` keys or more (`onednn_products_apply`: eager or compiled, not exported or under
     autocast), without dropout or causal masking; a bias or a mask in inference only (no input needing a
     gradient)."""
     if dropout_p or causal or k.shape[-2] < _ONEDNN_KERNEL_MIN_KEYS:
         return False
     inputs = [t for t in (q, k, v, bias) if t is not None]
-    return (cpu_float32_kernels_apply(*inputs) and not (needs_grad(*inputs) and (bias is not None or mask is not None))
-            and onednn_products_available())
+    return onednn_products_apply(*inputs) and not (needs_grad(*inputs) and (bias is not None or mask is not None))
