@@ -8,9 +8,9 @@ deep-learning library PyTorch also ships, multiplies at up to twice the rate: 24
 oneDNN in float32 on the CPU, forward and backward, and has softmax and MultiMax attention multiply their scores
 through oneDNN where their fused CPU kernel computes them (`attention/multimax_cpu.py`; softmax against long
 sequences, where the kernel is faster than `scaled_dot_product_attention`), and the linear attentions (InLine,
-FLatten, SimA, linear) their keys, values and states by oneDNN's batched product (`zoo::onednn_bmm`). In inference, timm's `Mlp` applies its
-GELU inside the first layer's oneDNN product (`OneDNNMlp`), and PVT v2's MLP inside its depthwise convolution
-(`onednn_conv2d_gelu`), to each block of the output while it is in cache. Modules with an `onednn` flag of their
+FLatten, SimA, linear) their keys, values and states by oneDNN's batched product (`zoo::onednn_bmm`). In
+inference, timm's `Mlp` applies its GELU inside the first layer's oneDNN product (`OneDNNMlp`), and PVT v2's MLP
+inside its depthwise convolution (`onednn_conv2d_gelu`), to each block of the output while it is in cache. Modules with an `onednn` flag of their
 own (every attention mixer, PVT v2's MLP) have it set.
 
 The outputs and gradients differ from `F.linear`'s by float32 rounding (the two libraries sum in different orders).

@@ -17,8 +17,8 @@ the median over the rounds of each round's ratio. `% mm` takes `torch.matmul`'s 
 CPU); on the CPU `% best` takes the faster of it and oneDNN's, since the two libraries reach different rates on
 some CPUs (MKL runs a narrower vector path on AMD's AVX-512 CPUs). `--onednn` runs the models' linear
 layers, softmax's and MultiMax's fused CPU kernel and the linear attentions' batched products through oneDNN,
-inference and training, eager and compiled, and in inference the GELU of timm's `Mlp` and of PVT v2's MLP inside the product or convolution before it
-(`models.convert_to_onednn`).
+inference and training, eager and compiled, and in inference the GELU of timm's `Mlp` and of PVT v2's MLP inside
+the product or convolution before it (`models.convert_to_onednn`).
 
 Peak memory is what a forward pass (inference) or a training step (forward, backward, AdamW) allocates above
 what the model already holds: on CUDA the allocator's peak, on CPU the peak of live tensor bytes recorded by the
