@@ -502,3 +502,13 @@ def test_without_the_kernel_a_converted_linear_attention_model_keeps_torch_matmu
     assert [r.getMessage() for r in caplog.records if r.name == multimax_cpu.__name__] == [KERNEL_BUILD_WARNING]
     with torch.no_grad():
         assert (out - plain(x)).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize('op, args', [
+    ('onednn_bmm', lambda: (torch.randn(2, 3, 4), torch.randn(2, 4, 5))),
+    ('multimax_cpu_attention', lambda: (torch.randn(1, 2, 3, 4),) * 3 + (torch.zeros(4),) * 2),
+])
+def test_without_the_kernel_its_ops_called_directly_say_so_in_one_sentence(kernel_build_fails, op, args):
+    with pytest.raises(RuntimeError, match=rf"^zoo::{op} needs MultiMax's CPU kernel, which could not be built or "
+                                           r"loaded \(the warning above says why\)"):
+        getattr(torch.ops.zoo, op)(*args())

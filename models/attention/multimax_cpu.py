@@ -76,6 +76,16 @@ def _load() -> Optional[Any]:
     return _extension
 
 
+def _built(op: str) -> Any:
+    """The kernel's extension for the custom op `op`: one sentence, not an AttributeError, where it could not be
+    built or loaded."""
+    extension = _load()
+    if extension is None:
+        raise RuntimeError(f"zoo::{op} needs MultiMax's CPU kernel, which could not be built or loaded (the warning "
+                           "above says why); the zoo checks cpu_kernel_available() before calling it")
+    return extension
+
+
 def multimax_modulation(x: Tensor, ranges: Tensor, ts: Tensor) -> Tensor:
     """Element-wise σ(x) with `ranges` = (b₀, b₁, b₂, b₃) and `ts` = (t₀, t₁, t₂, t₃); zeros give σ(x) = x."""
     return (x + ts[0] * torch.relu(ranges[0] - x) + ts[1] * torch.relu(x - ranges[1])
@@ -105,7 +115,7 @@ def multimax_cpu(q: Tensor, k: Tensor, v: Tensor, ranges: Tensor, ts: Tensor, bi
     (nW, n, m) with batch entry b taking mask[b % nW] -> output (B, h, n, dv) and each row's log-sum-exp
     (B, h, n, 1). `onednn`: large float32 products through oneDNN (`onednn_products_available`). Not
     differentiable itself: `multimax_cpu_backward` gives the gradients without bias or mask."""
-    out, lse = _load().multimax_forward(q, k, v, ranges, ts, bias, mask, onednn)
+    out, lse = _built('multimax_cpu_attention').multimax_forward(q, k, v, ranges, ts, bias, mask, onednn)
     return out, lse
 
 
@@ -125,8 +135,9 @@ def multimax_cpu_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out
     recomputing the scores a block at a time; `onednn` as the forward pass took it. Without `scalar_grads`, those
     of `ranges` and `ts` are zeros, and with all of `ts` zero (softmax attention) the pass skips σ: 1.20–1.28×
     faster on one thread at 197 to 4097 tokens."""
-    grad_q, grad_k, grad_v, grad_ranges, grad_ts = _load().multimax_backward(grad_out, q, k, v, out, lse, ranges, ts,
-                                                                              onednn, scalar_grads)
+    extension = _built('multimax_cpu_attention_backward')
+    grad_q, grad_k, grad_v, grad_ranges, grad_ts = extension.multimax_backward(grad_out, q, k, v, out, lse, ranges, ts,
+                                                                               onednn, scalar_grads)
     return grad_q, grad_k, grad_v, grad_ranges.to(ranges.dtype), grad_ts.to(ts.dtype)
 
 
@@ -180,7 +191,7 @@ class KernelAttention(torch.autograd.Function):
 def onednn_bmm(a: Tensor, b: Tensor) -> Tensor:
     """`torch.bmm(a, b)` by oneDNN, differentiable: a (B, m, k), b (B, k, n), float32 -> (B, m, n), contiguous.
     Needs `onednn_products_available()`."""
-    return _load().onednn_bmm(a, b)
+    return _built('onednn_bmm').onednn_bmm(a, b)
 
 
 @onednn_bmm.register_fake
