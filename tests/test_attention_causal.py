@@ -6,7 +6,6 @@ import pytest
 import timm
 import torch
 from torch.autograd import gradcheck, gradgradcheck
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 import models  # noqa: F401  (registers the families)
@@ -15,6 +14,7 @@ from models.attention.additive import additive_attention, causal_additive_pool
 from models.attention.linear import causal_linear_attention
 from models.attention.multimax import multimax_attention
 from models.attention.softmax import softmax_attention
+from dispatch import DispatchRecorder
 from reference import (
     SPEC_RANGES, SPEC_TS, dense, later_keys, max_abs_err, naive_causal_softmax, naive_sigma,
 )
@@ -277,27 +277,12 @@ def count_flops(name, n):
     return counter.get_total_flops()
 
 
-class LargestTensor(TorchDispatchMode):
-    """Records the largest number of elements of any tensor an operation returns."""
-
-    def __init__(self):
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in (out if isinstance(out, (tuple, list)) else (out,)):
-            if isinstance(t, torch.Tensor):
-                self.largest = max(self.largest, t.numel())
-        return out
-
-
 def largest_tensor(name, n):
     attn = build_attention(name, 64, 4, None, attn_kwargs=dict(causal=True))
     x = torch.randn(1, n, 64, requires_grad=True)
-    with LargestTensor() as record:
+    with DispatchRecorder() as record:
         attn(x, (1, n)).sum().backward()
-    return record.largest
+    return record.largest()
 
 
 @pytest.mark.parametrize('name', ['additive', 'linear'])

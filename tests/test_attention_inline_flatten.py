@@ -5,13 +5,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
 from models.attention import CrossShapedAttention, MixContext, build_attention, forms_score_matrix
 from models.attention.flatten import focused_feature_map, focused_linear_attention
 from models.attention.inline import inline_attention
+from dispatch import DispatchRecorder
 from golden import load_golden
 
 DIM, HEADS, GRID = 16, 4, (4, 6)
@@ -299,24 +298,11 @@ def test_flatten_pure_functions_keep_half_inputs_finite():
 # ----------------------------------------------------------------------------------------------------------------
 # cost: linear in tokens, no N×N tensor
 
-class LargestTensor(TorchDispatchMode):
-    """Records the largest number of elements of any tensor an operator returns."""
-
-    def __init__(self):
-        super().__init__()
-        self.numel = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        self.numel = max([self.numel] + [t.numel() for t in tree_leaves(out) if isinstance(t, Tensor)])
-        return out
-
-
 def count(fn: Callable[[], Tensor]) -> Tuple[int, int]:
     """(FLOPs, largest tensor) of fn()."""
-    with torch.no_grad(), FlopCounterMode(display=False) as flops, LargestTensor() as largest:
+    with torch.no_grad(), FlopCounterMode(display=False) as flops, DispatchRecorder() as record:
         fn()
-    return flops.get_total_flops(), largest.numel
+    return flops.get_total_flops(), record.largest()
 
 
 def pure_inline(side: int) -> Callable[[], Tensor]:

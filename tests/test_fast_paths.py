@@ -9,7 +9,6 @@ import math
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from models.attention import MixContext, build_attention
@@ -17,6 +16,8 @@ from models.attention import multimax_cpu
 from models.attention.multimax import _Modulation, multimax_attention, multimax_modulation
 from models.attention.softmax import SoftmaxMixer, fold_windows, unfold_windows
 from reference import max_abs_err
+
+from dispatch import DispatchRecorder
 
 SPEC_RANGES = (0.1, 0.2, -0.3, 0.4)
 SPEC_TS = (0.5, 0.3, 0.2, 0.1)
@@ -88,24 +89,6 @@ def test_windowed_softmax_mix_matches_plain_formula(with_pos_bias, grad):
             assert max_abs_err(g, e) < 1e-10
 
 
-class LargestScoreTensor(TorchDispatchMode):
-    """Records the operations run and the largest tensor with n×n trailing dimensions that any of them returns."""
-
-    def __init__(self, n: int):
-        super().__init__()
-        self.n = n
-        self.largest = 0
-        self.ops = set()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.add(str(func.overloadpacket))
-        out = func(*args, **(kwargs or {}))
-        for t in (out if isinstance(out, (tuple, list)) else (out,)):
-            if isinstance(t, torch.Tensor) and t.dim() >= 2 and tuple(t.shape[-2:]) == (self.n, self.n):
-                self.largest = max(self.largest, t.numel())
-        return out
-
-
 @pytest.mark.parametrize('shift', [2, 0])
 def test_windowed_softmax_inference_is_fused_and_its_bias_does_not_grow_with_the_batch(shift):
     heads, grid, window = 2, (8, 8), 4
@@ -115,10 +98,10 @@ def test_windowed_softmax_inference_is_fused_and_its_bias_does_not_grow_with_the
     largest = {}
     for batch in (1, 8):
         x = torch.randn(batch, 64, 24)
-        with torch.no_grad(), LargestScoreTensor(n) as record:
+        with torch.no_grad(), DispatchRecorder() as record:
             attn(x, grid)
-        largest[batch] = record.largest
-        assert 'aten._scaled_dot_product_flash_attention_for_cpu' in record.ops
+        largest[batch] = record.largest((n, n))
+        assert torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default in record.ops
     # one (1, nW·h, n, n) bias per forward (nW = 1 without a mask), however many images: no (B·nW, ·, n, n) copy
     assert largest[1] == largest[8] == (num_windows if shift else 1) * heads * n * n
 
@@ -189,13 +172,13 @@ def test_multimax_inference_runs_in_row_blocks_that_match_the_formula(monkeypatc
     mask = mask if masked else None
     batch, heads, n, _ = q.shape
     monkeypatch.setattr('models.attention.multimax._ROW_BLOCK_BYTES', row_block_bytes(q))
-    with torch.no_grad(), LargestScoreTensor(n) as record:
+    with torch.no_grad(), DispatchRecorder() as record:
         out = multimax_attention(3 * q, k, v, ranges, ts, pos_bias, mask, use_flex=False, use_kernel=False)
-    assert record.largest == 0
+    assert record.largest((n, n)) == 0
     assert max_abs_err(out, plain_multimax(3 * q, k, v, ranges, ts, pos_bias, mask)) < 1e-12
-    with LargestScoreTensor(n) as record:  # with autograd, below the training budget: the whole matrix at once
+    with DispatchRecorder() as record:  # with autograd, below the training budget: the whole matrix at once
         multimax_attention(3 * q, k, v, ranges, ts.requires_grad_(), pos_bias, mask, use_flex=False, use_kernel=False)
-    assert record.largest == batch * heads * n * n
+    assert record.largest((n, n)) == batch * heads * n * n
 
 
 def row_blocks(monkeypatch, q, rows=2):
@@ -216,10 +199,11 @@ def test_multimax_training_in_row_blocks_matches_the_formula_and_keeps_no_score_
     bias = {'none': None, 'per_row': pos_bias, 'row_broadcast': pos_bias[:, :1].detach().requires_grad_()}[bias_kind]
     mask = mask if masked else None
     row_blocks(monkeypatch, q)
-    with LargestScoreTensor(q.shape[-2]) as record:
+    n = q.shape[-2]
+    with DispatchRecorder() as record:
         out = multimax_attention(3 * q, k, v, ranges, ts, bias, mask, use_flex=False, use_kernel=False)
         grads = grads_of_square_sum(out, q, k, v, ranges, ts, bias)
-    assert record.largest == (pos_bias.numel() if bias_kind == 'per_row' else 0)
+    assert record.largest((n, n)) == (pos_bias.numel() if bias_kind == 'per_row' else 0)
     assert_matches_formula(out, grads, q, k, v, ranges, ts, bias, mask)
 
 

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import FlopCounterMode
 
 import timm
 from timm.layers import Mlp
@@ -28,7 +28,7 @@ from models.attention import multimax_cpu
 from models.onednn import OneDNNLinear, OneDNNMlp, convert_to_onednn, onednn_conv2d_gelu
 from models.pvt_v2 import DepthwiseConvMlp
 
-from torch.utils.flop_counter import FlopCounterMode
+from dispatch import recorded_ops
 
 ONEDNN_LINEAR = torch.ops.zoo.onednn_linear.default
 ONEDNN_LINEAR_GELU = torch.ops.zoo.onednn_linear_gelu.default
@@ -42,22 +42,6 @@ BLAS_PRODUCTS = {torch.ops.aten.addmm.default, torch.ops.aten.mm.default, torch.
                  torch.ops.aten.baddbmm.default}
 TINY_DEMO = str(Path(__file__).resolve().parents[1] / 'configs' / 'demo' / 'digits_tiny.yaml')
 TINY_DEIT = dict(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, num_classes=5)
-
-
-class OpRecorder(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.ops = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.append(func)
-        return func(*args, **(kwargs or {}))
-
-
-def recorded_ops(fn, *args):
-    with OpRecorder() as recorder:
-        out = fn(*args)
-    return out, recorder.ops
 
 
 def compile_recording_graphs(model: nn.Module):
