@@ -20,6 +20,13 @@ layers, softmax's and MultiMax's fused CPU kernel and the linear attentions' bat
 inference and training, eager and compiled, and in inference the GELU of timm's `Mlp` and of PVT v2's MLP inside
 the product or convolution before it (`models.convert_to_onednn`).
 
+Ceiling (`--ceiling`): the ops whose FLOPs are counted (matrix products, convolutions, fused attention kernels),
+recorded with their inputs in one pass of the eager model and replayed alone in the same rounds, give the share
+the model would reach if everything else it does (normalisations, element-wise work, copies) took no time: a
+model below the target because its products themselves run below the square product's rate cannot be brought to
+it by removing other work. The replayed products read inputs that earlier ones wrote long before, so they miss
+the caches the model's own products hit: the ceiling is a slight underestimate.
+
 Peak memory is what a forward pass (inference) or a training step (forward, backward, AdamW) allocates above
 what the model already holds: on CUDA the allocator's peak, on CPU the peak of live tensor bytes recorded by the
 profiler. A training step's peak includes the gradients (constant in the resolution).
@@ -47,7 +54,8 @@ import time
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
-from torch.utils.flop_counter import FlopCounterMode, conv_flop_count, register_flop_formula
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import FlopCounterMode, conv_flop_count, flop_registry, register_flop_formula
 
 import timm
 
@@ -108,10 +116,14 @@ def _cpu_attention_backward_flops(grad_out_shape, query_shape, key_shape, value_
     return 2 * _cpu_attention_flops(query_shape, key_shape, value_shape)
 
 
+def flop_counter() -> FlopCounterMode:
+    """The FLOP counter of the efficiency: torch's, with the gradients of a grouped convolution counted right."""
+    return FlopCounterMode(display=False, custom_mapping={torch.ops.aten.convolution_backward: _conv_backward_flops})
+
+
 def count_flops(model: torch.nn.Module, x: torch.Tensor, train: bool) -> int:
     """FLOPs of one forward pass of `model` on `x` (`train`: forward and backward of the sum of the outputs)."""
-    counter = FlopCounterMode(display=False,
-                              custom_mapping={torch.ops.aten.convolution_backward: _conv_backward_flops})
+    counter = flop_counter()
     model.train(train)
     with counter, torch.set_grad_enabled(train):
         out = model(x)
@@ -124,6 +136,34 @@ def count_flops(model: torch.nn.Module, x: torch.Tensor, train: bool) -> int:
 def efficiency(flops: float, seconds: Sequence[float], matmul_flops: float, matmul_seconds: Sequence[float]) -> float:
     """The median over rounds of a model's FLOP rate as a share (%) of the matrix product's rate in the same round."""
     return 100 * statistics.median(flops / t / (matmul_flops / m) for t, m in zip(seconds, matmul_seconds))
+
+
+class CountedOpsRecorder(TorchDispatchMode):
+    """Records the calls of the ops the FLOP counter counts (those with a FLOP formula), with their arguments."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: List[Tuple[Callable, tuple, Dict]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func._overloadpacket in flop_registry:
+            self.calls.append((func, args, kwargs))
+        return func(*args, **kwargs)
+
+
+def counted_ops_alone(step: Callable[[], None]) -> Callable[[], None]:
+    """Runs `step` once and returns a step that replays only its counted ops, each on the inputs it had."""
+    with CountedOpsRecorder() as recorder:
+        step()
+    calls = recorder.calls
+
+    def replay() -> None:
+        with torch.no_grad():
+            for func, args, kwargs in calls:
+                func(*args, **kwargs)
+
+    return replay
 
 
 def matmul_steps(device: torch.device, size: int) -> Tuple[Dict[str, Callable[[], None]], int]:
@@ -212,7 +252,7 @@ def measure(args: argparse.Namespace) -> List[Dict]:
             torch.cuda.synchronize()
 
     results: List[Dict] = []
-    runners = []  # (model, inference step, training step, result, FLOPs of each)
+    runners = []  # (model, inference step, training step, result, FLOPs of each, eager)
     specs = json.loads(args.specs)
     if args.compile:
         # The models of a process share their modules' code, so each compiled model recompiles that code; the
@@ -257,7 +297,7 @@ def measure(args: argparse.Namespace) -> List[Dict]:
                     model.train()
                     train_step()  # creates the optimizer state (and compiles), so the measured step is a steady one
                     result['train_mem_mib'] = peak_memory_mib(train_step, device)
-                runners.append((model, infer, train_step, result, flops))
+                runners.append((model, infer, train_step, result, flops, run is model))
             except Exception as e:
                 result = _error_result(e, device)
             results.append(result)
@@ -288,18 +328,24 @@ def measure(args: argparse.Namespace) -> List[Dict]:
     for mode, key, step_of, iters in modes:
         for model, *_ in runners:
             model.train(mode == 'train')
-        times = time_rounds([step_of(r) for r in runners] + list(matmuls.values()), iters)
-        times, matmul_times = times[:len(runners)], dict(zip(matmuls, times[len(runners):]))
+        # the ceiling of an eager model; a compiled one calls the same products and shares it
+        alone = [(r[3], r[4], counted_ops_alone(step_of(r))) for r in runners if args.ceiling and r[5]]
+        steps = [step_of(r) for r in runners] + [replay for *_, replay in alone] + list(matmuls.values())
+        times = time_rounds(steps, iters)
+        alone_times = times[len(runners):len(runners) + len(alone)]
+        times, matmul_times = times[:len(runners)], dict(zip(matmuls, times[len(runners) + len(alone):]))
         # each round's faster library
         best_times = [min(round_times) for round_times in zip(*matmul_times.values())]
         rates = {f'{library}_gflop_s': matmul_flops / statistics.median(library_times) / 1e9
                  for library, library_times in matmul_times.items()}
-        for model_times, (*_, result, flops) in zip(times, runners):
+        for model_times, (_, _, _, result, flops, _) in zip(times, runners):
             seconds = pick(model_times)
             result[key] = args.batch_size / seconds if mode == 'infer' else 1000 * seconds
             result[f'{mode}_mm_pct'] = efficiency(flops[mode], model_times, matmul_flops, matmul_times['matmul'])
             result[f'{mode}_best_pct'] = efficiency(flops[mode], model_times, matmul_flops, best_times)
             result.update(rates)
+        for replay_times, (result, flops, _) in zip(alone_times, alone):
+            result[f'{mode}_ceiling_pct'] = efficiency(flops[mode], replay_times, matmul_flops, best_times)
     return results
 
 
@@ -315,7 +361,7 @@ def run_group(args: argparse.Namespace, specs: List[Dict], resolution: int, trai
            '--iters', str(args.iters), '--train-iters', str(args.train_iters), '--warmup', str(args.warmup),
            '--threads', str(args.threads), '--stat', args.stat, '--matmul-size', str(args.matmul_size)]
     cmd += ['--compile'] * args.compile + ['--channels-last'] * args.channels_last
-    cmd += ['--onednn'] * args.onednn
+    cmd += ['--onednn'] * args.onednn + ['--ceiling'] * args.ceiling
     cmd += ['--train' if train else '--no-train']
     env = dict(os.environ, **STEADY_MALLOC) if args.steady_malloc else None
     variants = 2 if args.compile else 1
@@ -361,6 +407,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument('--onednn', action='store_true',
                         help="CPU: the models' linear layers, attention products and, in inference, their MLPs' GELU "
                              "through oneDNN (models.convert_to_onednn)")
+    parser.add_argument('--ceiling', action='store_true',
+                        help="also time each model's counted ops (products, convolutions, fused attention kernels) "
+                             "replayed alone: the share the model would reach if its other work took no time")
     parser.add_argument('--steady-malloc', action=argparse.BooleanOptionalAction, default=True,
                         help="keep freed memory in the measuring processes (glibc's MALLOC_MMAP_THRESHOLD_ and "
                              "MALLOC_TRIM_THRESHOLD_), so that timings do not depend on when the system allocator "
@@ -411,11 +460,13 @@ def result_row(res: Dict, results: Dict[str, Dict], spec: Dict, suffix: str, **w
     itself uncompiled."""
     reference, baseline = results.get(REFERENCE + suffix), results.get(BASELINE + suffix)
     eager = results.get(spec['label']) if suffix else None
+    ceilings = eager or res  # a compiled model's products are its eager twin's
     return dict(
         **where, attention=spec['label'], model=spec['model'] + suffix, compiled=bool(suffix),
         params_m=res['params_m'], gflops=res['gflops'], infer_img_s=res['infer_img_s'],
         infer_mm_pct=res['infer_mm_pct'], infer_best_pct=res['infer_best_pct'], train_step_ms=res.get('train_step_ms'),
         train_mm_pct=res.get('train_mm_pct'), train_best_pct=res.get('train_best_pct'),
+        infer_ceiling_pct=ceilings.get('infer_ceiling_pct'), train_ceiling_pct=ceilings.get('train_ceiling_pct'),
         matmul_gflop_s=res['matmul_gflop_s'], onednn_gflop_s=res.get('onednn_gflop_s'),
         infer_mem_mib=res['infer_mem_mib'], train_mem_mib=res.get('train_mem_mib'),
         infer_vs_timm=_ratio(res, reference, 'infer_img_s'),
@@ -553,20 +604,25 @@ def write_outputs(args: argparse.Namespace, rows: List[Dict], skipped: List[str]
         'training). GFLOPs: one image\'s forward pass (2 per multiply-add). `% mm`: the FLOP rate of inference and '
         'of a training step (forward and backward FLOPs) as a share of `torch.matmul`\'s rate in the same rounds, '
         '`% best` of the faster of `torch.matmul` and oneDNN, median over the rounds. Memory is the peak allocated '
-        'above the built model.', '',
-        '| model | res | params (M) | GFLOPs | infer img/s | infer % mm | infer % best | train step ms | train % mm '
-        '| train % best | infer MiB | train MiB | infer ×timm | train ×timm | infer ×softmax | train ×softmax '
-        + ('| infer ×eager | train ×eager |' if args.compile else '|'),
-        '|---' * (16 + 2 * args.compile) + '|',
+        'above the built model.'
+        + (" `ceiling %`: the model's FLOPs over the time of its counted ops (products, convolutions, fused "
+           'attention kernels) replayed alone, as a share of the faster rate: what the model would reach if its '
+           'other work took no time (a compiled row shows its eager twin\'s).' if args.ceiling else ''), '',
     ]
-    for r in rows:
-        lines.append(f"| {r['model']} | {r['resolution']} | {r['params_m']:.1f} | {fmt(r['gflops'])} "
-                     f"| {fmt(r['infer_img_s'])} | {fmt(r['infer_mm_pct'], 1)} | {fmt(r['infer_best_pct'], 1)} "
-                     f"| {fmt(r['train_step_ms'], 0)} | {fmt(r['train_mm_pct'], 1)} | {fmt(r['train_best_pct'], 1)} "
-                     f"| {fmt(r['infer_mem_mib'], 0)} | {fmt(r['train_mem_mib'], 0)} "
-                     f"| {fmt(r['infer_vs_timm'])} | {fmt(r['train_vs_timm'])} "
-                     f"| {fmt(r['infer_vs_softmax'])} | {fmt(r['train_vs_softmax'])} |"
-                     + (f" {fmt(r['infer_vs_eager'])} | {fmt(r['train_vs_eager'])} |" if args.compile else ''))
+    columns = [('model', 'model', None), ('res', 'resolution', None), ('params (M)', 'params_m', 1),
+               ('GFLOPs', 'gflops', 2)]  # (title, key, digits; None: as it is)
+    for mode, rate_title, rate_key, rate_digits in (('infer', 'infer img/s', 'infer_img_s', 2),
+                                                    ('train', 'train step ms', 'train_step_ms', 0)):
+        columns += [(rate_title, rate_key, rate_digits), (f'{mode} % mm', f'{mode}_mm_pct', 1),
+                    (f'{mode} % best', f'{mode}_best_pct', 1)]
+        if args.ceiling:
+            columns.append((f'{mode} ceiling %', f'{mode}_ceiling_pct', 1))
+    ratios = (('MiB', 'mem_mib', 0), ('×timm', 'vs_timm', 2), ('×softmax', 'vs_softmax', 2))
+    for title, key, digits in ratios + ((('×eager', 'vs_eager', 2),) if args.compile else ()):
+        columns += [(f'{mode} {title}', f'{mode}_{key}', digits) for mode in ('infer', 'train')]
+    lines += ['| ' + ' | '.join(title for title, *_ in columns) + ' |', '|---' * len(columns) + '|']
+    lines += ['| ' + ' | '.join(str(r[key]) if digits is None else fmt(r[key], digits) for _, key, digits in columns)
+              + ' |' for r in rows]
     targets = target_lines([r for r in rows if not r['compiled']], args.device)
     if targets:
         lines += ['', '## Targets', ''] + targets

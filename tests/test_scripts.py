@@ -9,8 +9,11 @@ from types import ModuleType
 import timm
 import torch
 from PIL import Image
+from torch.utils.flop_counter import flop_registry
 
 from models.attention import WindowAttention, forms_score_matrix, list_attentions
+
+from dispatch import DispatchRecorder
 
 SCRIPTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'scripts')
 
@@ -139,3 +142,46 @@ def test_train_throughput_measures_loader_and_step_on_imagenet_shaped_images(tmp
     text = train_throughput.write_table(args, cfg, dict(rates, **{'train.py (both)': rates['model step alone']}), 1.)
     assert (tmp_path / 't.md').read_text() == text
     assert '| train.py (both) |' in text and '| 1.00 |' in text and 'recipe configs/base/deit.yaml' in text
+
+
+def test_benchmark_ceiling_replays_exactly_the_counted_ops_of_a_pass():
+    """The ceiling's replay of a tiny softmax DeiT (patch convolution, linear layers, the CPU attention kernel)
+    runs only ops the FLOP counter counts, and all of them: the same FLOPs as the pass, forward and backward."""
+    model = timm.create_model('softmax_deit_tiny', img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2,
+                              num_classes=5)
+    x = torch.randn(2, 3, 32, 32)
+
+    def infer():
+        with torch.no_grad():
+            model(x)
+
+    def train_step():
+        model(x).sum().backward()
+
+    for train, step in ((False, infer), (True, train_step)):
+        model.train(train)
+        replay = benchmark.counted_ops_alone(step)
+        counter = benchmark.flop_counter()
+        with counter, DispatchRecorder() as recorder:
+            replay()
+        assert counter.get_total_flops() == benchmark.count_flops(model, x, train) > 0
+        assert {op._overloadpacket for op in recorder.ops} <= set(flop_registry)
+        assert torch.ops.aten.native_layer_norm.default not in recorder.ops
+
+
+def test_benchmark_ceiling_column_gives_each_model_and_its_compiled_twin_the_eager_models_ceiling(tmp_path):
+    out = tmp_path / 'b'
+    benchmark.main(['--device', 'cpu', '--families', 'deit', '--sizes', 'tiny', '--attentions', 'softmax',
+                    '--resolutions', '32', '--no-reference', '--iters', '1', '--train-iters', '1', '--warmup', '0',
+                    '--matmul-size', '64', '--ceiling', '--out', str(out)])
+    with open(str(out) + '.csv') as f:
+        row = next(csv.DictReader(f))
+    assert float(row['infer_ceiling_pct']) > 0 and float(row['train_ceiling_pct']) > 0
+    assert '| infer % best | infer ceiling % | train step ms |' in (tmp_path / 'b.md').read_text()
+    eager = dict(params_m=1.0, gflops=1.0, infer_img_s=1.0, infer_mm_pct=1.0, infer_best_pct=1.0,
+                 infer_ceiling_pct=70.0, train_ceiling_pct=60.0, matmul_gflop_s=1.0, infer_mem_mib=1.0)
+    compiled = dict(eager, infer_ceiling_pct=None, train_ceiling_pct=None)
+    spec = dict(label='softmax', model='softmax_deit_tiny')
+    row = benchmark.result_row(compiled, {'softmax': eager, 'softmax' + benchmark.COMPILED: compiled}, spec,
+                               benchmark.COMPILED)
+    assert (row['infer_ceiling_pct'], row['train_ceiling_pct']) == (70.0, 60.0)
