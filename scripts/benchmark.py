@@ -51,7 +51,7 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -239,6 +239,16 @@ def peak_memory_mib(fn: Callable[[], None], device: torch.device) -> float:
     return peak / 2 ** 20
 
 
+class Runner(NamedTuple):
+    """A model timed in a child process: its steps, its result (filled in) and FLOPs by mode."""
+    model: torch.nn.Module
+    infer: Callable[[], None]
+    train_step: Callable[[], None]
+    result: Dict
+    flops: Dict[str, Optional[int]]
+    eager: bool
+
+
 def measure(args: argparse.Namespace) -> List[Dict]:
     """Child process: build every model of one configuration (and its compiled twin with `--compile`), count its
     FLOPs, measure memory, then time it in interleaved rounds beside a matrix product."""
@@ -252,7 +262,7 @@ def measure(args: argparse.Namespace) -> List[Dict]:
             torch.cuda.synchronize()
 
     results: List[Dict] = []
-    runners = []  # (model, inference step, training step, result, FLOPs of each, eager)
+    runners: List[Runner] = []
     specs = json.loads(args.specs)
     if args.compile:
         # The models of a process share their modules' code, so each compiled model recompiles that code; the
@@ -297,7 +307,7 @@ def measure(args: argparse.Namespace) -> List[Dict]:
                     model.train()
                     train_step()  # creates the optimizer state (and compiles), so the measured step is a steady one
                     result['train_mem_mib'] = peak_memory_mib(train_step, device)
-                runners.append((model, infer, train_step, result, flops, run is model))
+                runners.append(Runner(model, infer, train_step, result, flops, eager=run is model))
             except Exception as e:
                 result = _error_result(e, device)
             results.append(result)
@@ -322,15 +332,15 @@ def measure(args: argparse.Namespace) -> List[Dict]:
         return times
 
     pick = min if args.stat == 'min' else statistics.median
-    modes = [('infer', 'infer_img_s', lambda r: r[1], args.iters)]
+    modes = [('infer', 'infer_img_s', lambda r: r.infer, args.iters)]
     if args.train:
-        modes.append(('train', 'train_step_ms', lambda r: r[2], args.train_iters))
+        modes.append(('train', 'train_step_ms', lambda r: r.train_step, args.train_iters))
     for mode, key, step_of, iters in modes:
-        for model, *_ in runners:
-            model.train(mode == 'train')
+        for runner in runners:
+            runner.model.train(mode == 'train')
         # the ceiling of an eager model; a compiled one calls the same products and shares it
-        alone = [(r[3], r[4], counted_ops_alone(step_of(r))) for r in runners if args.ceiling and r[5]]
-        steps = [step_of(r) for r in runners] + [replay for *_, replay in alone] + list(matmuls.values())
+        alone = [(r, counted_ops_alone(step_of(r))) for r in runners if args.ceiling and r.eager]
+        steps = [step_of(r) for r in runners] + [replay for _, replay in alone] + list(matmuls.values())
         times = time_rounds(steps, iters)
         alone_times = times[len(runners):len(runners) + len(alone)]
         times, matmul_times = times[:len(runners)], dict(zip(matmuls, times[len(runners) + len(alone):]))
@@ -338,14 +348,15 @@ def measure(args: argparse.Namespace) -> List[Dict]:
         best_times = [min(round_times) for round_times in zip(*matmul_times.values())]
         rates = {f'{library}_gflop_s': matmul_flops / statistics.median(library_times) / 1e9
                  for library, library_times in matmul_times.items()}
-        for model_times, (_, _, _, result, flops, _) in zip(times, runners):
-            seconds = pick(model_times)
+        for model_times, runner in zip(times, runners):
+            seconds, result, flops = pick(model_times), runner.result, runner.flops[mode]
             result[key] = args.batch_size / seconds if mode == 'infer' else 1000 * seconds
-            result[f'{mode}_mm_pct'] = efficiency(flops[mode], model_times, matmul_flops, matmul_times['matmul'])
-            result[f'{mode}_best_pct'] = efficiency(flops[mode], model_times, matmul_flops, best_times)
+            result[f'{mode}_mm_pct'] = efficiency(flops, model_times, matmul_flops, matmul_times['matmul'])
+            result[f'{mode}_best_pct'] = efficiency(flops, model_times, matmul_flops, best_times)
             result.update(rates)
-        for replay_times, (result, flops, _) in zip(alone_times, alone):
-            result[f'{mode}_ceiling_pct'] = efficiency(flops[mode], replay_times, matmul_flops, best_times)
+        for replay_times, (runner, _) in zip(alone_times, alone):
+            runner.result[f'{mode}_ceiling_pct'] = efficiency(runner.flops[mode], replay_times, matmul_flops,
+                                                              best_times)
     return results
 
 
