@@ -65,12 +65,13 @@ def tiny_pair(name: str = 'inline_deit_tiny', **kwargs):
     return plain, convert_to_onednn(converted)
 
 
+@pytest.mark.parametrize('out_features', [80, 24])  # the weight gradient's two orders of operands
 @pytest.mark.parametrize('shape, bias', [((7, 48), True), ((3, 5, 48), True), ((2, 3, 4, 48), False)])
-def test_the_layer_and_its_gradients_are_the_float64_formula_to_float32_rounding(shape, bias):
+def test_the_layer_and_its_gradients_are_the_float64_formula_to_float32_rounding(shape, bias, out_features):
     torch.manual_seed(0)
-    layer = convert_to_onednn(nn.Linear(48, 80, bias=bias))
+    layer = convert_to_onednn(nn.Linear(48, out_features, bias=bias))
     x = torch.randn(*shape, requires_grad=True)
-    grad = torch.randn(*shape[:-1], 80)
+    grad = torch.randn(*shape[:-1], out_features)
     out, ops = recorded_ops(layer, x)
     _, backward_ops = recorded_ops(out.backward, grad)
     assert type(layer) is OneDNNLinear and ops.count(ONEDNN_LINEAR) == 1 and not BLAS_PRODUCTS & set(ops)
@@ -79,10 +80,25 @@ def test_the_layer_and_its_gradients_are_the_float64_formula_to_float32_rounding
     exact = [p.detach().double().requires_grad_() for p in params]
     reference = F.linear(*exact[:2], exact[2] if bias else None)
     reference.backward(grad.double())
-    assert out.shape == (*shape[:-1], 80) and out.dtype == torch.float32
+    assert out.shape == (*shape[:-1], out_features) and out.dtype == torch.float32
     for value, expected in [(out, reference)] + [(p.grad, e.grad) for p, e in zip(params, exact)]:
-        # float32 rounding of sums of up to 48 (forward, grad_x) or 42 (grad_W, grad_b) products
+        # float32 rounding of sums of up to 80 (forward, grad_x) or 42 (grad_W, grad_b) products
         assert (value.double() - expected).abs().max().item() < 80 * 2 ** -24 * expected.abs().max().item()
+
+
+@pytest.mark.parametrize('out_features', [80, 24])
+def test_a_head_on_the_class_token_gets_the_float64_gradients(out_features):
+    """A head's input pooled as the class token of every image is a strided view, and a loss summed over its
+    outputs gives a gradient of stride 0: both reach the weight gradient's products as they are."""
+    torch.manual_seed(0)
+    layer = convert_to_onednn(nn.Linear(48, out_features))
+    tokens = torch.randn(6, 17, 48, requires_grad=True)
+    layer(tokens[:, 0]).sum().backward()
+    exact = [t.detach().double().requires_grad_() for t in (tokens, layer.weight, layer.bias)]
+    F.linear(exact[0][:, 0], *exact[1:]).sum().backward()
+    for value, expected in zip((tokens.grad, layer.weight.grad, layer.bias.grad), (e.grad for e in exact)):
+        assert (value.double() - expected).abs().max().item() < 48 * 2 ** -24 * expected.abs().max().item()
+    assert layer.weight.grad.is_contiguous()
 
 
 def test_a_converted_model_keeps_its_state_dict_and_outputs():
