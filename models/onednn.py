@@ -10,8 +10,8 @@ through oneDNN where their fused CPU kernel computes them (`attention/multimax_c
 sequences, where the kernel is faster than `scaled_dot_product_attention`), and the linear attentions (InLine,
 FLatten, SimA, linear) their keys, values and states by oneDNN's batched product (`zoo::onednn_bmm`). In
 inference, timm's `Mlp` applies its GELU inside the first layer's oneDNN product (`OneDNNMlp`), and PVT v2's MLP
-inside its depthwise convolution (`onednn_conv2d_gelu`), to each block of the output while it is in cache. Modules with an `onednn` flag of their
-own (every attention mixer, PVT v2's MLP) have it set.
+inside its depthwise convolution (`onednn_conv2d_gelu`), to each block of the output while it is in cache.
+Modules with an `onednn` flag of their own (every attention mixer, PVT v2's MLP) have it set.
 
 The outputs and gradients differ from `F.linear`'s by float32 rounding (the two libraries sum in different orders).
 The product is the custom op `zoo::onednn_linear`, which `torch.compile` calls as it stands (inductor's own

@@ -250,7 +250,8 @@ def test_multimax_training_takes_row_blocks_only_past_the_plain_budget(monkeypat
     paths = {}
     for budget in (batch * heads * n * n * 4, batch * heads * n * n * 4 - 1):
         monkeypatch.setattr('models.attention.multimax._PLAIN_TRAINING_BYTES', budget)
-        paths[budget] = type(multimax_attention(q, k, v, ranges, ts, pos_bias, mask, use_flex=False, use_kernel=False).grad_fn).__name__
+        out = multimax_attention(q, k, v, ranges, ts, pos_bias, mask, use_flex=False, use_kernel=False)
+        paths[budget] = type(out.grad_fn).__name__
     assert list(paths.values()) == ['UnsafeViewBackward0', '_MultiMaxInRowBlocksBackward']
     out = multimax_attention(q, k, v, ranges, ts, pos_bias, mask, dropout_p=0.5, use_flex=False, use_kernel=False)
     assert type(out.grad_fn).__name__ != '_MultiMaxInRowBlocksBackward'  # dropout: the plain path
@@ -525,7 +526,8 @@ def test_flop_counter_counts_the_kernel_as_attention_forward_and_backward():
 def test_forcing_the_kernel_names_what_it_cannot_take(monkeypatch):
     q, k, v, ranges, ts = kernel_inputs(6, 6)
     _, _, _, pos_bias, mask = windows(batch=1, num_windows=2, heads=3, n=6)
-    for kwargs, named in ((dict(mask=mask, causal=True), 'got causal=True$'), (dict(dropout_p=0.1), 'got dropout_p=0.1$')):
+    for kwargs, named in ((dict(mask=mask, causal=True), 'got causal=True$'),
+                          (dict(dropout_p=0.1), 'got dropout_p=0.1$')):
         with pytest.raises(ValueError, match=named):
             multimax_attention(q, k, v, ranges, ts, use_kernel=True, **kwargs)
     with pytest.raises(ValueError, match="in inference only, got bias and mask with gradients required$"):

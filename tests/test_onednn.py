@@ -346,9 +346,9 @@ def test_autocast_and_export_keep_softmax_off_the_kernel():
 
 
 # what the zoo says once where its CPU kernel cannot be built (`kernel_build_fails`)
-KERNEL_BUILD_WARNING = ("MultiMax's CPU kernel could not be built or loaded (Ninja is required to load C++ extensions); "
-                        "MultiMax runs unfused on CPU, softmax attention keeps scaled_dot_product_attention, and the "
-                        "linear attentions torch's matmul")
+KERNEL_BUILD_WARNING = ("MultiMax's CPU kernel could not be built or loaded (Ninja is required to load C++ "
+                        "extensions); MultiMax runs unfused on CPU, softmax attention keeps "
+                        "scaled_dot_product_attention, and the linear attentions torch's matmul")
 
 
 @pytest.fixture
