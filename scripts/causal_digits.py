@@ -107,7 +107,8 @@ def train(
     model.eval()
     with torch.no_grad():
         held_out = next_pixel_loss(model, val_pixels).item()
-    print(f"held-out loss {held_out:.3f} nats/pixel; grey-level frequencies alone {frequency_loss(train_pixels, val_pixels):.3f}")
+    print(f"held-out loss {held_out:.3f} nats/pixel; "
+          f"grey-level frequencies alone {frequency_loss(train_pixels, val_pixels):.3f}")
     return losses
 
 

@@ -14,7 +14,8 @@ The loop keeps the model busy when train.py's rate is close to the model's, whic
 it. Each figure is the median over `--repeats` timed passes; the table states the device, versions, command and
 date. Example (one process, the DeiT recipe):
 
-    python scripts/train_throughput.py --cfg configs/base/deit.yaml --model softmax_deit_tiny --out docs/train_throughput
+    python scripts/train_throughput.py --cfg configs/base/deit.yaml --model softmax_deit_tiny \
+        --out docs/train_throughput
 """
 import argparse
 import datetime

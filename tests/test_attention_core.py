@@ -48,7 +48,8 @@ def naive_additive(attn, x):
     d = C // h
     qkv = dense(x, attn.qkv)
     q, k, v = qkv[..., :C], qkv[..., C:2 * C], qkv[..., 2 * C:]
-    wq, bq, wk, bk = attn.mixer.query_att.weight, attn.mixer.query_att.bias, attn.mixer.key_att.weight, attn.mixer.key_att.bias
+    wq, bq = attn.mixer.query_att.weight, attn.mixer.query_att.bias
+    wk, bk = attn.mixer.key_att.weight, attn.mixer.key_att.bias
 
     def pool(vectors, w, bias):
         pooled = torch.zeros(C, dtype=x.dtype)

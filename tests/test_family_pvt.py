@@ -228,7 +228,8 @@ def test_sr_ratios_apply_to_score_forming_and_la_sr_ratios_to_linear_attentions(
 
 def test_flatten_options_reach_only_flatten_attentions():
     flatten = timm.create_model('flatten_pvt_tiny', **dict(TINY, focusing_factor=2, kernel_size=3))
-    assert flatten.stages[1].blocks[0].attn.mixer.dwc.kernel_size == (3, 3) and flatten.stages[1].blocks[0].attn.mixer.focusing_factor == 2
+    mixer = flatten.stages[1].blocks[0].attn.mixer
+    assert mixer.dwc.kernel_size == (3, 3) and mixer.focusing_factor == 2
     inline = timm.create_model('inline_pvt_tiny', **dict(TINY, attn_type='LLIS', kernel_size=3))
     assert inline.stages[0].blocks[0].attn.mixer.dwc.kernel_size == (3, 3)
     assert isinstance(inline.stages[2].blocks[0].attn.mixer, InLineMixer)

@@ -90,7 +90,8 @@ def test_flatten_pvt_v2_b0_has_the_186_keys_of_the_release():
     mixer = model.stages[0].blocks[0].attn.mixer
     assert mixer.focusing_factor == 3 and mixer.dwc.kernel_size == (5, 5) and mixer.dwc.padding == (2, 2)
     assert [model.stages[i - 1].blocks[0].attn.num_heads for i in range(1, 5)] == [1, 2, 5, 8]
-    assert model.stages[0].patch_embed.norm.eps == 1e-5 and model.stages[0].blocks[0].norm1.eps == 1e-6 and model.stages[3].norm.eps == 1e-6
+    assert model.stages[0].patch_embed.norm.eps == 1e-5
+    assert model.stages[0].blocks[0].norm1.eps == 1e-6 and model.stages[3].norm.eps == 1e-6
 
 
 def test_flatten_pvt_v2_built_from_the_official_constructor_arguments():

@@ -19,7 +19,8 @@ def test_every_official_inline_and_flatten_variant_is_registered():
 
 @pytest.mark.parametrize('name', OFFICIAL)
 def test_official_variants_resize_to_a_square_then_centre_crop(name):
-    """InLine / FLatten evaluate with Resize((int(S·256/224),)*2) then CenterCrop(S) (no crop for Swin-B-384; CSwin-B-384 keeps it)."""
+    """InLine / FLatten evaluate with Resize((int(S·256/224),)*2) then CenterCrop(S) (no crop for Swin-B-384;
+    CSwin-B-384 keeps it)."""
     with torch.device('meta'):
         model = timm.create_model(name)
     size = model.pretrained_cfg['input_size'][-1]

@@ -1,7 +1,7 @@
 """timm's model contracts for tracing and export, on tiny configurations of the zoo.
 
-- FX: every registered model (two of SimA-XCiT's fourteen) traces with timm's tracer settings (its leaf modules and wrapped functions, as
-  timm's feature extraction uses them) and the traced module gives the eager outputs;
+- FX: every registered model (two of SimA-XCiT's fourteen) traces with timm's tracer settings (its leaf modules
+  and wrapped functions, as timm's feature extraction uses them) and the traced module gives the eager outputs;
 - TorchScript: every attention scripts in every grouping, and every family with every attention scripts whole,
   as timm's own model tests script it, and so does its FX graph; all give the eager outputs;
 - torch.export with a dynamic batch, for every family with every attention: one exported program runs at two
