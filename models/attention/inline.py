@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from .causal import no_causal_form
 from .layout import Grid, image_to_tokens, merge_heads, tokens_to_image
 from .mixer import Mixer, MixContext, is_exporting
-from .multimax_cpu import attention_matmul, onednn_products_apply
+from .multimax_cpu import attention_matmul, onednn_matmul, onednn_products_apply
 from .registry import register_attention
 
 __all__ = ['inline_attention', 'inline_local_residual', 'InLineMixer']
@@ -38,7 +38,7 @@ def inline_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, onednn: bool
     if not torch.jit.is_scripting():
         if onednn and onednn_products_apply(q, state):
             # oneDNN's batched product adds no term that broadcasts over the rows: v̄ after it
-            return attention_matmul(q, state, onednn) + v_mean
+            return onednn_matmul(q, state) + v_mean
     out = torch.baddbmm(v_mean.flatten(0, 1), q.reshape(B * h, n, d), state.flatten(0, 1))
     return out.view(B, h, n, -1)
 

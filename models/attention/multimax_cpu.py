@@ -37,7 +37,8 @@ from torch.utils.flop_counter import register_flop_formula
 from .mixer import cpu_float32_kernels_apply, differentiable_grads
 
 __all__ = ['multimax_modulation', 'multimax_cpu', 'multimax_cpu_backward', 'KernelAttention', 'cpu_kernel_available',
-           'onednn_products_available', 'onednn_products_apply', 'onednn_bmm', 'attention_matmul']
+           'onednn_products_available', 'onednn_products_apply', 'onednn_bmm', 'onednn_matmul',
+           'attention_matmul']
 
 _logger = logging.getLogger(__name__)
 
@@ -228,13 +229,19 @@ def onednn_products_apply(*tensors: Tensor) -> bool:
     return cpu_float32_kernels_apply(*tensors) and onednn_products_available()
 
 
+def onednn_matmul(a: Tensor, b: Tensor) -> Tensor:
+    """`a @ b` by oneDNN's batched product (`onednn_bmm`) for operands of the same batch shape, (*, m, k) and
+    (*, k, n) -> (*, m, n), where `onednn_products_apply(a, b)`: the caller checks."""
+    batch = a.shape[:-2]
+    out = onednn_bmm(a.reshape(-1, a.shape[-2], a.shape[-1]), b.reshape(-1, b.shape[-2], b.shape[-1]))
+    return out.view(batch + out.shape[-2:])
+
+
 def attention_matmul(a: Tensor, b: Tensor, onednn: bool) -> Tensor:
     """`a @ b` for operands of the same batch shape, (*, m, k) and (*, k, n) -> (*, m, n), through oneDNN's batched
-    product (`onednn_bmm`) where `onednn` (`models.convert_to_onednn`) and `onednn_products_apply`, as the linear
+    product (`onednn_matmul`) where `onednn` (`models.convert_to_onednn`) and `onednn_products_apply`, as the linear
     attentions multiply their queries, keys, values and states."""
     if not torch.jit.is_scripting():
         if onednn and onednn_products_apply(a, b):
-            batch = a.shape[:-2]
-            out = onednn_bmm(a.reshape(-1, a.shape[-2], a.shape[-1]), b.reshape(-1, b.shape[-2], b.shape[-1]))
-            return out.view(batch + out.shape[-2:])
+            return onednn_matmul(a, b)
     return a @ b
