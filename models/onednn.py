@@ -39,9 +39,9 @@ def onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled
 
 
-# A compiled training graph that torch.compile caches on disk keeps the backward formula registered below as it was
-# traced, and the cache does not see the formula change: a change of the gradients' values, not only of their
-# speed, takes a new name for the op (the weight gradient's operand order reached compiled runs with a cold cache).
+# The on-disk cache of compiled graphs keeps the backward formula registered below as it was traced (the weight
+# gradient's operand order reached compiled runs only with a cold cache): a change of the gradients' values takes
+# a new name for the op, as `attention/multimax_cpu.py` says of its ops.
 @torch.library.custom_op('zoo::onednn_linear', mutates_args=(), device_types='cpu')
 def onednn_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
     """`F.linear` by oneDNN, differentiable. x: (*, in), weight: (out, in), bias: (out,) -> (*, out),

@@ -3,7 +3,7 @@
 Hand-written because no maintained library fuses an element-wise function of the scores into CPU attention
 forward and backward: inductor's CPU FlexAttention, which takes σ as its `score_mod`, has no backward pass and
 runs compiled inference only; the unfused path writes and rereads every score several times. With the kernel,
-MultiMax-DeiT-T takes 1.04–1.07× softmax's time for inference and 0.95–1.04× for a training step from 224² (batch
+MultiMax-DeiT-T takes 1.04–1.07× softmax's time for inference and 0.99–1.06× for a training step from 224² (batch
 8) to 1024², eager, both through oneDNN, where the unfused path took 1.27× at 224² (`docs/benchmarks.md`). It is
 registered as the custom ops `zoo::multimax_cpu_attention` and `zoo::multimax_cpu_attention_backward`, so
 `torch.compile(fullgraph=True)` calls them as they stand.
@@ -107,7 +107,9 @@ def onednn_products_available() -> bool:
 
 # Inductor's on-disk cache keys a compiled graph by the ops it calls, not by their fake implementations: a change
 # of an op's arguments that earlier calls would not fit, or of its output layout, takes a new name, or graphs
-# compiled before it would call it wrongly (an argument added last with a default fits them).
+# compiled before it would call it wrongly (an argument added last with a default fits them). A compiled training
+# graph also keeps, as it was traced, the backward formula registered for an op (`onednn_bmm`'s below,
+# `models/onednn.py`'s `zoo::onednn_linear`): a change of that formula's values takes a new name as well.
 @torch.library.custom_op('zoo::multimax_cpu_attention', mutates_args=(), device_types='cpu')
 def multimax_cpu(q: Tensor, k: Tensor, v: Tensor, ranges: Tensor, ts: Tensor, bias: Optional[Tensor] = None,
                  mask: Optional[Tensor] = None, onednn: bool = False) -> Tuple[Tensor, Tensor]:
