@@ -271,6 +271,21 @@ def _loading(path: str, what: str, expected: str) -> Iterator[None]:
                               f"{detail}); expected {expected}") from None
 
 
+# Flags that choose which of torch's kernels applies an update, not what the update is.
+_KERNEL_FLAGS = ('fused', 'foreach')
+
+
+def _with_live_kernel(stored: Mapping[str, Any], optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
+    """`stored` (an optimizer's state dict) with the live `optimizer`'s kernel flags in its groups: the update then
+    follows this run's `TRAIN.OPTIMIZER.FUSED`, as the schedule follows its config. torch's `load_state_dict` takes
+    the flags from the state it loads and puts each `step` counter where the kernel they name expects it (on the
+    parameter's device for the fused one), so they are replaced before loading, not after."""
+    live = optimizer.param_groups
+    groups = [{**group, **{k: live[i][k] for k in _KERNEL_FLAGS if k in live[i]}} if i < len(live) else group
+              for i, group in enumerate(stored['param_groups'])]
+    return {**stored, 'param_groups': groups}
+
+
 class TrainingCheckpoint:
     """The checkpoint of one training run: what it holds, the atomic writing of `last.pth` / `best.pth`, reading
     one back checked, and restoring one into the live model, EMA, optimizer, scaler, schedule, state and RNG."""
@@ -373,7 +388,7 @@ class TrainingCheckpoint:
             else:
                 load_state_dict_checked(self.ema.module, checkpoint['model_ema'], f"EMA of checkpoint {path!r}")
         with _loading(path, 'an optimizer state', 'one of the same model and TRAIN.OPTIMIZER.NAME'):
-            self.optimizer.load_state_dict(checkpoint['optimizer'])
+            self.optimizer.load_state_dict(_with_live_kernel(checkpoint['optimizer'], self.optimizer))
         # a disabled scaler saves an empty state, which an enabled one refuses
         if self.scaler.is_enabled() and checkpoint['scaler']:
             with _loading(path, 'a gradient scaler state', "the state of torch's GradScaler"):

@@ -92,6 +92,9 @@ _C.TRAIN.OPTIMIZER.NAME = 'adamw'  # any timm optimizer name
 _C.TRAIN.OPTIMIZER.EPS = 1e-8
 _C.TRAIN.OPTIMIZER.BETAS = [0.9, 0.999]
 _C.TRAIN.OPTIMIZER.MOMENTUM = 0.9
+# torch's fused kernel for Adam, AdamW and SGD (one pass over all parameters, CPU and CUDA); other optimizers keep
+# their own update
+_C.TRAIN.OPTIMIZER.FUSED = True
 
 _C.AUG = CN()
 _C.AUG.SCALE = [0.08, 1.0]

@@ -187,6 +187,40 @@ def test_no_weight_decay_on_norms_biases_and_position_embeddings(tiny_cfg):
     assert all(g['lr'] == 2e-3 and g['eps'] == 1e-8 for g in optimizer.param_groups)
 
 
+@pytest.mark.parametrize('name', ['adamw', 'sgd'])
+def test_the_fused_update_is_the_per_tensor_update(tiny_cfg, name):
+    """Three steps of the fused kernel and of torch's per-tensor loop from the same float64 weights and gradients
+    end at the same weights and optimizer state."""
+    torch.manual_seed(0)
+    model = create_model(tiny_cfg).double()
+    gradients = [[torch.randn_like(p) for p in model.parameters()] for _ in range(3)]
+    states = {}
+    for fused in (True, False):
+        cfg = load_config(None, ['TRAIN.OPTIMIZER.NAME', name, 'TRAIN.OPTIMIZER.FUSED', str(fused)])
+        copy = create_model(tiny_cfg).double()
+        copy.load_state_dict(model.state_dict())
+        optimizer = create_optimizer(cfg, copy, lr=2e-3)
+        assert all(bool(g['fused']) is fused for g in optimizer.param_groups)
+        for step in gradients:
+            for p, g in zip(copy.parameters(), step):
+                p.grad = g.clone()
+            optimizer.step()
+        states[fused] = [p.detach() for p in copy.parameters()], optimizer.state_dict()['state']
+    (fused_weights, fused_state), (loop_weights, loop_state) = states[True], states[False]
+    assert max((a - b).abs().max().item() for a, b in zip(fused_weights, loop_weights)) < 1e-12
+    assert all(not torch.equal(a, p) for a, p in zip(fused_weights, model.parameters()))  # every weight moved
+    for index, buffers in loop_state.items():
+        for key, value in buffers.items():
+            torch.testing.assert_close(fused_state[index][key].double(), value.double(), rtol=1e-12, atol=1e-12)
+
+
+def test_optimizers_without_a_fused_kernel_on_every_device_keep_their_own(tiny_cfg):
+    model = create_model(tiny_cfg)
+    for name in ('adagrad', 'lamb', 'nadamw'):  # Adagrad's fused kernel runs on the CPU only
+        optimizer = create_optimizer(load_config(None, ['TRAIN.OPTIMIZER.NAME', name]), model, lr=1e-3)
+        assert not optimizer.defaults.get('fused'), name
+
+
 def test_loss_follows_mixup_and_smoothing():
     assert isinstance(create_criterion(load_config(None)), SoftTargetCrossEntropy)
     smoothing = create_criterion(load_config(None, ['AUG.MIXUP', '0.0', 'AUG.CUTMIX', '0.0']))

@@ -92,6 +92,21 @@ def test_resuming_after_an_epoch_is_exact(tmp_path, digits, uninterrupted):
                       torch.load(uninterrupted / 'last.pth', weights_only=True))
 
 
+def test_a_resumed_run_updates_with_the_kernel_its_own_config_names(tmp_path, digits, uninterrupted):
+    """TRAIN.OPTIMIZER.FUSED follows the run that resumes, as the schedule does: a checkpoint of torch's per-tensor
+    update goes on with the fused kernel and ends where the uninterrupted fused run does, up to what the two kernels'
+    float rounding grows to over 178 Adam steps (4.5e-5 between two whole runs)."""
+    train(tmp_path, digits, *RANDOM, 'TRAIN.EPOCHS_PER_RUN', '1', 'TRAIN.OPTIMIZER.FUSED', 'False')
+    paused = torch.load(tmp_path / 'last.pth', weights_only=True)
+    assert paused['step'] == 89 and not any(g['fused'] for g in paused['optimizer']['param_groups'])
+    train(tmp_path, digits, *RANDOM, 'TRAIN.EPOCHS_PER_RUN', '1')
+    last = torch.load(tmp_path / 'last.pth', weights_only=True)
+    reference = torch.load(uninterrupted / 'last.pth', weights_only=True)
+    assert last['step'] == 178 and all(g['fused'] for g in last['optimizer']['param_groups'])
+    for name, weight in reference['model'].items():
+        torch.testing.assert_close(last['model'][name], weight, rtol=1e-3, atol=2e-4, msg=name)
+
+
 def test_sigterm_saves_after_the_current_step_and_resumes_exactly(tmp_path, digits, uninterrupted, monkeypatch):
     real_any_rank = engine.loops.any_rank
     calls = []
