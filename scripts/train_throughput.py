@@ -8,11 +8,12 @@ recipe of `--cfg` (its transforms, mixup, AMP, optimizer):
 - loader: images/s of the training loader alone (decode, random resized crop, RandAugment, erasing, then mixup),
   with `DATA.NUM_WORKERS` worker processes;
 - model: images/s of the training step alone (forward, loss, backward, optimizer step) on a batch in memory;
-- train.py: images/s of one epoch of `train.py` on the same data (its `log.jsonl`), loader and model together.
+- train.py: images/s of `train.py` on the same data (its `log.jsonl`), loader and model together: the median of
+  its epochs after the first.
 
 The loop keeps the model busy when train.py's rate is close to the model's, which needs the loader's to be above
-it. Each figure is the median over `--repeats` timed passes; the table states the device, versions, command and
-date. Example (one process, the DeiT recipe):
+it. The loader's and the model's figures are medians over `--repeats` timed passes; the table states the device,
+versions, command and date. Example (one process, the DeiT recipe):
 
     python scripts/train_throughput.py --cfg configs/base/deit.yaml --model softmax_deit_tiny \
         --out docs/train_throughput
@@ -132,14 +133,14 @@ def model_rate(cfg, info: DistInfo, steps: int, repeats: int) -> float:
 
 
 def train_py_rate(args: argparse.Namespace, data: str, output: str, epochs: int) -> float:
-    """images/s that `train.py` logs for its last epoch of `epochs` on `data` (the first epoch also starts the
-    workers; later ones show the steady rate)."""
+    """Median images/s that `train.py` logs for its epochs after the first (which also starts the workers) of
+    `epochs` on `data`: one epoch's rate varies by several percent from the next."""
     command = [sys.executable, os.path.join(ROOT, 'train.py'), '--cfg', args.cfg, '--opts', *train_opts(args, data),
                'OUTPUT', output, 'TRAIN.EPOCHS', str(epochs), 'TRAIN.WARMUP_EPOCHS', '0', 'EMA.EVAL', 'False']
     subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
     with open(os.path.join(output, 'log.jsonl')) as f:
         records = [json.loads(line) for line in f if line.strip()]
-    return records[-1]['images_per_second']
+    return statistics.median(record['images_per_second'] for record in records[1:] or records)
 
 
 def train_opts(args: argparse.Namespace, data: str) -> List[str]:
@@ -194,7 +195,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument('--threads', type=int, default=0, help='torch threads of this process (0: torch default)')
     parser.add_argument('--batches', type=int, default=4, help='batches per timed pass')
     parser.add_argument('--repeats', type=int, default=3, help='timed passes; figures are their medians')
-    parser.add_argument('--epochs', type=int, default=2, help='epochs of the train.py run (the last is reported)')
+    parser.add_argument('--epochs', type=int, default=4,
+                        help='epochs of the train.py run (the median of all but the first is reported)')
     parser.add_argument('--note', default='', help='a remark for the table (e.g. a shared machine)')
     parser.add_argument('--out', default='', help='write the table to OUT.md')
     parser.add_argument('opts', nargs=argparse.REMAINDER, help='KEY VALUE config overrides (after --)')

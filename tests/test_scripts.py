@@ -1,8 +1,10 @@
 """The benchmark and the zoo table take their attentions from the registry, so a new attention shows in both."""
 import csv
 import importlib.util
+import json
 import os
 import re
+import statistics
 import sys
 from types import ModuleType
 
@@ -137,11 +139,16 @@ def test_train_throughput_measures_loader_and_step_on_imagenet_shaped_images(tmp
                                        ['OUTPUT', str(tmp_path / 'out')])
     info = train_throughput.DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device('cpu'))
     rates = {'data loader alone': train_throughput.loader_rate(cfg, info, batches=2, repeats=1),
-             'model step alone': train_throughput.model_rate(cfg, info, steps=1, repeats=1)}
+             'model step alone': train_throughput.model_rate(cfg, info, steps=1, repeats=1),
+             'train.py (both)': train_throughput.train_py_rate(args, data, str(tmp_path / 'run'), epochs=3)}
+    logged = [json.loads(line)['images_per_second'] for line in (tmp_path / 'run' / 'log.jsonl').open()]
+    assert len(logged) == 3 and rates['train.py (both)'] == statistics.median(logged[1:])
     assert all(rate > 0 for rate in rates.values())
-    text = train_throughput.write_table(args, cfg, dict(rates, **{'train.py (both)': rates['model step alone']}), 1.)
+    text = train_throughput.write_table(args, cfg, rates, 1.)
     assert (tmp_path / 't.md').read_text() == text
-    assert '| train.py (both) |' in text and '| 1.00 |' in text and 'recipe configs/base/deit.yaml' in text
+    step_alone = rates['model step alone']
+    assert f"| train.py (both) | {rates['train.py (both)']:.1f} | {rates['train.py (both)'] / step_alone:.2f} |" in text
+    assert f'| model step alone | {step_alone:.1f} | 1.00 |' in text and 'recipe configs/base/deit.yaml' in text
 
 
 def test_benchmark_ceiling_replays_exactly_the_counted_ops_of_a_pass():
