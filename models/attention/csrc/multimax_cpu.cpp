@@ -142,7 +142,8 @@ struct Modulation {
   }
 };
 
-// σ(s) + mask over a row of scores, in place, and the row's maximum; σ only where `kModulated`.
+// σ(s) + mask over a row of scores, in place, and the row's maximum; σ only where `kModulated`. Without σ and mask
+// the row is only read: a store of the values it holds would cost a pass of writes per block.
 template <typename T, bool kMasked, bool kModulated>
 T modulate_row(T* row, const T* mask_row, int64_t columns, const Modulation<T> sigma) {
   T row_max = std::numeric_limits<T>::lowest();
@@ -150,7 +151,7 @@ T modulate_row(T* row, const T* mask_row, int64_t columns, const Modulation<T> s
   for (int64_t j = 0; j < columns; ++j) {
     T y = kModulated ? sigma(row[j]) : row[j];
     if constexpr (kMasked) y += mask_row[j];
-    row[j] = y;
+    if constexpr (kMasked || kModulated) row[j] = y;
     row_max = y > row_max ? y : row_max;
   }
   return row_max;
