@@ -214,6 +214,33 @@ def test_the_fused_update_is_the_per_tensor_update(tiny_cfg, name):
             torch.testing.assert_close(fused_state[index][key].double(), value.double(), rtol=1e-12, atol=1e-12)
 
 
+def test_the_fused_update_skips_what_the_gradient_scaler_skips(tiny_cfg):
+    """Under float16 AMP the scaler hands the fused kernel its scale and inf flag instead of skipping the call:
+    over three steps, the second with an infinite gradient, the fused run ends at the per-tensor run's weights,
+    with two updates counted, and the scaler halved once by both."""
+    torch.manual_seed(0)
+    model = create_model(tiny_cfg).double()
+    gradients = [[torch.randn_like(p) for p in model.parameters()] for _ in range(3)]
+    gradients[1][0][0] = float('inf')
+    runs = {}
+    for fused in (True, False):
+        copy = create_model(tiny_cfg).double()
+        copy.load_state_dict(model.state_dict())
+        optimizer = create_optimizer(load_config(None, ['TRAIN.OPTIMIZER.FUSED', str(fused)]), copy, lr=2e-3)
+        scaler = torch.amp.GradScaler('cpu', init_scale=2.0 ** 10)
+        for step in gradients:
+            scale = scaler.scale(torch.ones((), dtype=torch.float64))  # the scaled loss's factor
+            for p, g in zip(copy.parameters(), step):
+                p.grad = g * scale
+            scaler.step(optimizer)
+            scaler.update()
+        steps = {float(s['step']) for s in optimizer.state.values()}
+        runs[fused] = [p.detach() for p in copy.parameters()], steps, scaler.get_scale()
+    (fused_weights, fused_steps, fused_scale), (loop_weights, loop_steps, loop_scale) = runs[True], runs[False]
+    assert fused_steps == loop_steps == {2.0} and fused_scale == loop_scale == 2.0 ** 9
+    assert max((a - b).abs().max().item() for a, b in zip(fused_weights, loop_weights)) < 1e-12
+
+
 def test_optimizers_without_a_fused_kernel_on_every_device_keep_their_own(tiny_cfg):
     model = create_model(tiny_cfg)
     for name in ('adagrad', 'lamb', 'nadamw'):  # Adagrad's fused kernel runs on the CPU only
