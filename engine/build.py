@@ -155,7 +155,7 @@ def create_optimizer(cfg: CN, model: nn.Module, lr: float) -> torch.optim.Optimi
     """timm's optimizer factory; no weight decay on 1-D parameters, biases and `model.no_weight_decay()` names.
 
     With `TRAIN.OPTIMIZER.FUSED` torch's Adam, AdamW and SGD update all parameters in one fused kernel: the same
-    update to float rounding, 2.4-2.9x faster than the per-tensor loop torch uses on the CPU by default.
+    update to float rounding, 2.1-2.9x faster than the per-tensor loop torch uses on the CPU by default.
     """
     opt = cfg.TRAIN.OPTIMIZER
     if opt.NAME not in list_optimizers():
