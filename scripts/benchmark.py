@@ -61,7 +61,9 @@ import timm
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import models  # noqa: E402,F401  (registers the families)
+from engine.build import create_optimizer  # noqa: E402
 from engine.compile import compile_model  # noqa: E402
+from engine.config import load_config  # noqa: E402
 from models.attention import forms_score_matrix, list_attentions  # noqa: E402
 from models.onednn import convert_to_onednn, onednn_available, onednn_linear  # noqa: E402
 
@@ -264,6 +266,7 @@ def measure(args: argparse.Namespace) -> List[Dict]:
     results: List[Dict] = []
     runners: List[Runner] = []
     specs = json.loads(args.specs)
+    recipe = load_config(None)  # the training step updates as train.py does: the recipe's AdamW, fused
     if args.compile:
         # The models of a process share their modules' code, so each compiled model recompiles that code; the
         # default limit (8 graphs per code object) would stop the later models under `fullgraph=True`.
@@ -276,7 +279,7 @@ def measure(args: argparse.Namespace) -> List[Dict]:
                 model = model.to(memory_format=torch.channels_last)
             x = torch.randn(args.batch_size, 3, args.resolution, args.resolution, device=device)
             y = torch.randint(0, model.num_classes, (args.batch_size,), device=device)
-            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)  # train.py's update
+            optimizer = create_optimizer(recipe, model, lr=1e-4)
             if args.onednn:
                 convert_to_onednn(model)
             flops = dict(infer=count_flops(model, x, train=False),
