@@ -204,8 +204,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     args.opts = [o for o in args.opts if o != '--']
+    counts = {'--batches': args.batches, '--repeats': args.repeats, '--epochs': args.epochs}
+    for flag, count in counts.items():
+        if count < 1:
+            parser.error(f'{flag} {count}: expected 1 or more')
     if args.threads:
         torch.set_num_threads(args.threads)
     start = time.perf_counter()

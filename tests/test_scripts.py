@@ -8,6 +8,7 @@ import statistics
 import sys
 from types import ModuleType
 
+import pytest
 import timm
 import torch
 from PIL import Image
@@ -149,6 +150,15 @@ def test_train_throughput_measures_loader_and_step_on_imagenet_shaped_images(tmp
     step_alone = rates['model step alone']
     assert f"| train.py (both) | {rates['train.py (both)']:.1f} | {rates['train.py (both)'] / step_alone:.2f} |" in text
     assert f'| model step alone | {step_alone:.1f} | 1.00 |' in text and 'recipe configs/base/deit.yaml' in text
+
+
+@pytest.mark.parametrize('flag', ['--batches', '--repeats', '--epochs'])
+def test_train_throughput_refuses_a_count_below_one_before_measuring(flag, tmp_path, capsys):
+    with pytest.raises(SystemExit) as stopped:
+        train_throughput.main([flag, '0', '--out', str(tmp_path / 't')])
+    assert stopped.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1].endswith(f'error: {flag} 0: expected 1 or more')
+    assert not list(tmp_path.iterdir())
 
 
 def test_benchmark_ceiling_replays_exactly_the_counted_ops_of_a_pass():
