@@ -261,8 +261,8 @@ class CSWinTransformer(ZooModel):
         self._init_output_fmt('NHWC')
         self.in_chans = in_chans
         self.num_classes = num_classes
-        self.global_pool = self._check_pool(global_pool)
         self.num_prefix_tokens = 0
+        self.global_pool = self._check_pool(global_pool)
         self.num_stages = NUM_STAGES
         self.num_features = self.head_hidden_size = embed_dim * 2 ** (NUM_STAGES - 1)
         self.attn_names = stage_attentions(attn_type, depth, mixed_linear)

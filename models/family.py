@@ -333,7 +333,10 @@ class ZooModel(nn.Module):
         raise NotImplementedError
 
     def _check_pool(self, global_pool: str) -> str:
-        return check_global_pool(global_pool, self.global_pools)
+        """`global_pool` if this family takes it, and 'token' only with a class token; else a ValueError."""
+        if check_global_pool(global_pool, self.global_pools) == 'token' and not self.num_prefix_tokens:
+            raise ValueError("global_pool 'token' needs the class token (class_token=True); use 'avg'")
+        return global_pool
 
     def _input_grid(self, x: Tensor) -> Grid:
         """The (H, W) of images `x` after checking them: their own with `dynamic_img_size`, else `img_size`."""

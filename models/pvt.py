@@ -217,11 +217,6 @@ class PyramidVisionTransformer(ZooModel):
             trunc_normal_(self.cls_token, std=.02)
         self.apply(init_weights)
 
-    def _check_pool(self, global_pool: str) -> str:
-        if super()._check_pool(global_pool) == 'token' and not self.num_prefix_tokens:
-            raise ValueError("global_pool 'token' needs the class token (class_token=True); use 'avg'")
-        return global_pool
-
     @torch.jit.ignore
     def no_weight_decay(self) -> Set[str]:
         # The official model decays the position embeddings.

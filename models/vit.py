@@ -165,11 +165,6 @@ class DeiT(ZooModel):
             trunc_normal_(self.ranges, std=.02)
             trunc_normal_(self.ts, std=.02)
 
-    def _check_pool(self, global_pool: str) -> str:
-        if super()._check_pool(global_pool) == 'token' and not self.num_prefix_tokens:
-            raise ValueError("global_pool 'token' needs the class token (class_token=True); use 'avg'")
-        return global_pool
-
     @torch.jit.ignore
     def no_weight_decay(self) -> Set[str]:
         return {'pos_embed', 'cls_token'}
