@@ -10,7 +10,7 @@ import torch.distributed as dist
 from .errors import UsageError
 
 __all__ = ['DistInfo', 'init_distributed', 'cleanup_distributed', 'all_reduce_sum', 'all_gather_objects', 'barrier',
-           'any_rank']
+           'any_rank', 'resolve_device']
 
 
 @dataclass(frozen=True)
@@ -68,6 +68,24 @@ def init_distributed(device: str = 'auto', backend: str = '', timeout_min: int =
             device_id=torch_device if use_cuda else None,
         )
     return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=torch_device)
+
+
+def resolve_device(name: str) -> torch.device:
+    """'cpu', 'cuda' or 'cuda:N' as a device this machine has; a UsageError naming `name` otherwise."""
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ('cpu', 'cuda'):
+        raise UsageError(f"device {name!r} is not supported; expected 'cpu', 'cuda' or 'cuda:N'")
+    if device.type == 'cuda':
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if not count:
+            raise UsageError(f"device {name!r}: no CUDA device is available on this machine; expected 'cpu'")
+        if device.index is not None and device.index >= count:
+            raise UsageError(f"device {name!r}: this machine has {count} CUDA device(s); expected an index below "
+                             f"{count}")
+    return device
 
 
 def cleanup_distributed() -> None:

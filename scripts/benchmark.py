@@ -64,6 +64,8 @@ import models  # noqa: E402,F401  (registers the families)
 from engine.build import create_optimizer  # noqa: E402
 from engine.compile import compile_model  # noqa: E402
 from engine.config import load_config  # noqa: E402
+from engine.distributed import resolve_device  # noqa: E402
+from engine.errors import UsageError  # noqa: E402
 from models.attention import forms_score_matrix, list_attentions  # noqa: E402
 from models.onednn import convert_to_onednn, onednn_available, onednn_linear  # noqa: E402
 
@@ -436,13 +438,55 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Dict[str, List[int]]:
+    """The resolutions of each family; or an exit through `parser.error` (one line, status 2) on a value no
+    measurement could take, before any model is built: an unusable device, a count below its minimum, a bad
+    resolution, `--onednn` off the CPU or a size some family lacks."""
+    try:
+        device = resolve_device(args.device)
+    except UsageError as e:
+        parser.error(f'--device: {e}')
+    minimums = {'--batch-size': (args.batch_size, 1), '--iters': (args.iters, 1), '--train-iters': (args.train_iters, 1),
+                '--warmup': (args.warmup, 0), '--threads': (args.threads, 0), '--matmul-size': (args.matmul_size, 1),
+                '--timeout': (args.timeout, 1), '--train-max-resolution': (args.train_max_resolution, 1)}
+    for flag, (value, least) in minimums.items():
+        if value is not None and value < least:
+            parser.error(f'{flag} {value}: expected {least} or more')
+    if args.onednn and (device.type != 'cpu' or not onednn_available()):
+        parser.error(f"--onednn runs on the CPU with oneDNN (torch.backends.mkldnn); got device {args.device!r}"
+                     + ('' if onednn_available() else ' and no oneDNN in this torch'))
+    for family in args.families:
+        for size in args.sizes:
+            for attention in args.attentions:
+                name = model_spec(attention, family, size, 224)[0]
+                if not timm.is_model(name):
+                    parser.error(f"--sizes {size}: no model {name}; {attention}_{family} has sizes "
+                                 f"{', '.join(family_sizes(family, attention))}")
+    try:
+        return parse_resolutions(args.resolutions, args.families)
+    except ValueError as e:
+        parser.error(f'--resolutions: {e}; expected positive numbers or FAMILY=R1,R2 with FAMILY one of '
+                     f'{", ".join(FAMILIES)}')
+
+
+def family_sizes(family: str, attention: str) -> List[str]:
+    """The sizes registered as `{attention}_{family}_{size}`, PVT v2's under the names `--sizes` takes too."""
+    prefix = f'{attention}_{family}_'
+    others = [f'{attention}_{f}_' for f in FAMILIES if f != family and f.startswith(family)]
+    sizes = [name[len(prefix):] for name in timm.list_models(prefix + '*')
+             if not any(name.startswith(other) for other in others)]
+    aliases = [alias for alias, size in FAMILY_SIZES.get(family, {}).items() if size in sizes]
+    return aliases + sizes
+
+
 def main(argv: Optional[Sequence[str]] = None) -> None:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if args.child:
         print(json.dumps(measure(args)))
         return
 
-    resolutions = parse_resolutions(args.resolutions, args.families)
+    resolutions = check_arguments(parser, args)
     args.load_at_start = os.getloadavg()[0]
     started = time.time()
     rows: List[Dict] = []
@@ -493,22 +537,26 @@ def result_row(res: Dict, results: Dict[str, Dict], spec: Dict, suffix: str, **w
 
 
 def parse_resolutions(items: Sequence[str], families: Sequence[str]) -> Dict[str, List[int]]:
-    """['224', '512', 'swin=224,448'] -> {family: resolutions}; numbers apply to families without their own."""
+    """['224', '512', 'swin=224,448'] -> {family: resolutions}; numbers apply to families without their own. A
+    ValueError names an unknown family or a value that is not a positive integer."""
     common: List[int] = []
     own: Dict[str, List[int]] = {}
-    try:
-        for item in items:
-            if '=' in item:
-                family, values = item.split('=', 1)
-                if family not in FAMILIES:
-                    raise ValueError(f'unknown family {family!r}')
-                own[family] = [int(v) for v in values.split(',')]
-            else:
-                common.append(int(item))
-    except ValueError as e:
-        raise SystemExit(f'--resolutions: {e}; expected numbers or FAMILY=R1,R2 with FAMILY one of '
-                         f'{", ".join(FAMILIES)}')
+    for item in items:
+        if '=' in item:
+            family, values = item.split('=', 1)
+            if family not in FAMILIES:
+                raise ValueError(f'unknown family {family!r}')
+            own[family] = [_resolution(v) for v in values.split(',')]
+        else:
+            common.append(_resolution(item))
     return {family: own.get(family, common) for family in families}
+
+
+def _resolution(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise ValueError(f'resolution {value} is below 1')
+    return value
 
 
 def _kwargs_text(kwargs: Dict) -> str:

@@ -43,7 +43,8 @@ import timm  # noqa: E402
 from engine.build import autocast_dtype, create_criterion, create_optimizer, create_training_model  # noqa: E402
 from engine.config import load_config  # noqa: E402
 from engine.data import build_mixup, build_train_loader, load_split, train_transform  # noqa: E402
-from engine.distributed import DistInfo  # noqa: E402
+from engine.distributed import DistInfo, resolve_device  # noqa: E402
+from engine.errors import UsageError  # noqa: E402
 from engine.loops import autocast  # noqa: E402
 
 # ImageNet-1k's median image is 500x375; its JPEGs average about 110 KB.
@@ -207,10 +208,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     args.opts = [o for o in args.opts if o != '--']
-    counts = {'--batches': args.batches, '--repeats': args.repeats, '--epochs': args.epochs}
-    for flag, count in counts.items():
-        if count < 1:
-            parser.error(f'{flag} {count}: expected 1 or more')
+    minimums = {'--batches': (args.batches, 1), '--repeats': (args.repeats, 1), '--epochs': (args.epochs, 1),
+                '--classes': (args.classes, 1), '--per-class': (args.per_class, 1),
+                '--batch-size': (args.batch_size, 0), '--workers': (args.workers, 0), '--threads': (args.threads, 0)}
+    for flag, (value, least) in minimums.items():
+        if value is not None and value < least:
+            parser.error(f'{flag} {value}: expected {least} or more')
+    try:
+        device = resolve_device(args.device)
+    except UsageError as e:
+        parser.error(f'--device: {e}')
     if args.threads:
         torch.set_num_threads(args.threads)
     start = time.perf_counter()
@@ -220,7 +227,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             data = os.path.join(scratch, 'data')
             write_images(data, args.classes, args.per_class)
         cfg = load_config(args.cfg, train_opts(args, data) + ['OUTPUT', os.path.join(scratch, 'unused')])
-        info = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device(args.device))
+        info = DistInfo(rank=0, world_size=1, local_rank=0, device=device)
         rates = {
             'data loader alone': loader_rate(cfg, info, args.batches, args.repeats),
             'model step alone': model_rate(cfg, info, args.batches, args.repeats),

@@ -14,6 +14,8 @@ import torch
 from PIL import Image
 from torch.utils.flop_counter import flop_registry
 
+from engine.distributed import resolve_device
+from engine.errors import UsageError
 from models.attention import WindowAttention, forms_score_matrix, list_attentions
 
 from dispatch import DispatchRecorder
@@ -152,13 +154,91 @@ def test_train_throughput_measures_loader_and_step_on_imagenet_shaped_images(tmp
     assert f'| model step alone | {step_alone:.1f} | 1.00 |' in text and 'recipe configs/base/deit.yaml' in text
 
 
-@pytest.mark.parametrize('flag', ['--batches', '--repeats', '--epochs'])
-def test_train_throughput_refuses_a_count_below_one_before_measuring(flag, tmp_path, capsys):
+@pytest.mark.parametrize('flag, value, least', [('--batches', 0, 1), ('--repeats', 0, 1), ('--epochs', 0, 1),
+                                               ('--classes', 0, 1), ('--per-class', 0, 1), ('--threads', -1, 0),
+                                               ('--workers', -1, 0), ('--batch-size', -2, 0)])
+def test_train_throughput_refuses_a_count_below_its_minimum_before_measuring(flag, value, least, tmp_path, capsys):
     with pytest.raises(SystemExit) as stopped:
-        train_throughput.main([flag, '0', '--out', str(tmp_path / 't')])
+        train_throughput.main([flag, str(value), '--out', str(tmp_path / 't')])
     assert stopped.value.code == 2
-    assert capsys.readouterr().err.splitlines()[-1].endswith(f'error: {flag} 0: expected 1 or more')
+    assert capsys.readouterr().err.splitlines()[-1].endswith(f'error: {flag} {value}: expected {least} or more')
     assert not list(tmp_path.iterdir())
+
+
+def without_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make this process see no CUDA device, as a machine without a GPU does."""
+    monkeypatch.setattr(torch.cuda, 'is_available', lambda: False)
+    monkeypatch.setattr(torch.cuda, 'device_count', lambda: 0)
+
+
+def test_train_throughput_refuses_a_device_this_machine_lacks_before_generating_data(tmp_path, monkeypatch, capsys):
+    without_cuda(monkeypatch)
+    monkeypatch.setattr(train_throughput, 'write_images', lambda *args: pytest.fail('generated data'))
+    with pytest.raises(SystemExit) as stopped:
+        train_throughput.main(['--device', 'cuda', '--out', str(tmp_path / 't')])
+    assert stopped.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1].endswith(
+        "error: --device: device 'cuda': no CUDA device is available on this machine; expected 'cpu'")
+    assert not list(tmp_path.iterdir())
+
+
+def test_resolve_device_names_the_bad_device_and_what_this_machine_has(monkeypatch):
+    assert resolve_device('cpu') == torch.device('cpu')
+    with pytest.raises(UsageError, match=r"^device 'gpu' is not supported; expected 'cpu', 'cuda' or 'cuda:N'$"):
+        resolve_device('gpu')
+    with pytest.raises(UsageError, match=r"^device 'mps' is not supported"):
+        resolve_device('mps')
+    without_cuda(monkeypatch)
+    with pytest.raises(UsageError, match=r"^device 'cuda:0': no CUDA device is available on this machine"):
+        resolve_device('cuda:0')
+    monkeypatch.setattr(torch.cuda, 'is_available', lambda: True)
+    monkeypatch.setattr(torch.cuda, 'device_count', lambda: 2)
+    assert resolve_device('cuda:1') == torch.device('cuda', 1)
+    with pytest.raises(UsageError, match=r"^device 'cuda:2': this machine has 2 CUDA device\(s\); expected an index "
+                                         r"below 2$"):
+        resolve_device('cuda:2')
+
+
+@pytest.mark.parametrize('args, message', [
+    (['--device', 'cuda'], "--device: device 'cuda': no CUDA device is available on this machine; expected 'cpu'"),
+    (['--device', 'cdua'], "--device: device 'cdua' is not supported; expected 'cpu', 'cuda' or 'cuda:N'"),
+    (['--batch-size', '0'], '--batch-size 0: expected 1 or more'),
+    (['--iters', '0'], '--iters 0: expected 1 or more'),
+    (['--train-iters', '0'], '--train-iters 0: expected 1 or more'),
+    (['--warmup', '-1'], '--warmup -1: expected 0 or more'),
+    (['--threads', '-2'], '--threads -2: expected 0 or more'),
+    (['--matmul-size', '0'], '--matmul-size 0: expected 1 or more'),
+    (['--timeout', '0'], '--timeout 0: expected 1 or more'),
+    (['--train-max-resolution', '0'], '--train-max-resolution 0: expected 1 or more'),
+    (['--resolutions', '224', '0'], '--resolutions: resolution 0 is below 1; expected positive numbers or '
+                                    'FAMILY=R1,R2 with FAMILY one of deit, pvt, pvt_v2, swin, cswin'),
+    (['--resolutions', 'vit=224'], "--resolutions: unknown family 'vit'; expected positive numbers"),
+    (['--families', 'pvt', '--sizes', 'tiny', 'huge'],
+     '--sizes huge: no model softmax_pvt_huge; softmax_pvt has sizes large, medium, small, tiny'),
+    (['--families', 'pvt_v2', '--sizes', 'huge'], '--sizes huge: no model softmax_pvt_v2_huge; softmax_pvt_v2 has '
+                                                  'sizes tiny, small, medium, large, b0, b1, b2, b3, b4, b5'),
+])
+def test_benchmark_refuses_what_no_measurement_could_take_before_building_a_model(args, message, tmp_path,
+                                                                                  monkeypatch, capsys):
+    without_cuda(monkeypatch)
+    monkeypatch.setattr(benchmark, 'run_group', lambda *a: pytest.fail('measured'))
+    with pytest.raises(SystemExit) as stopped:
+        benchmark.main(['--attentions', 'softmax', '--out', str(tmp_path / 'b')] + args)
+    assert stopped.value.code == 2
+    last = capsys.readouterr().err.splitlines()[-1]
+    assert last.split(' error: ', 1)[1].startswith(message), last
+    assert not list(tmp_path.iterdir())
+
+
+def test_benchmark_refuses_onednn_on_a_gpu(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, 'is_available', lambda: True)
+    monkeypatch.setattr(torch.cuda, 'device_count', lambda: 1)
+    monkeypatch.setattr(benchmark, 'run_group', lambda *a: pytest.fail('measured'))
+    with pytest.raises(SystemExit) as stopped:
+        benchmark.main(['--device', 'cuda', '--onednn', '--out', str(tmp_path / 'b')])
+    assert stopped.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1].endswith(
+        "error: --onednn runs on the CPU with oneDNN (torch.backends.mkldnn); got device 'cuda'")
 
 
 def test_benchmark_ceiling_replays_exactly_the_counted_ops_of_a_pass():
