@@ -124,6 +124,16 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument('--num-heads', type=int, default=4)
     parser.add_argument('--seed', type=int, default=0)
     args = parser.parse_args(argv)
+    for flag, value in (('--steps', args.steps), ('--batch-size', args.batch_size), ('--dim', args.dim),
+                        ('--depth', args.depth), ('--num-heads', args.num_heads)):
+        if value < 1:
+            parser.error(f'{flag} {value}: expected 1 or more')
+    if not args.lr > 0:
+        parser.error(f'--lr {args.lr}: expected a positive learning rate')
+    try:  # the attention's own checks (a causal form, dim a multiple of num_heads) before the digits load
+        build_attention(args.attn, args.dim, args.num_heads, (SIDE, SIDE), attn_kwargs=dict(causal=True))
+    except ValueError as e:
+        parser.error(str(e))
     train(args.attn, args.steps, args.batch_size, args.lr, args.dim, args.depth, args.num_heads, seed=args.seed)
 
 

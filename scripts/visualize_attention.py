@@ -49,6 +49,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if not args.model and not args.checkpoint:
         parser.error('expected --model NAME or --checkpoint PATH')
+    if args.max_images < 1:
+        parser.error(f'--max-images {args.max_images}: expected 1 or more')
     return args
 
 

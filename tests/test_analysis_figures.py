@@ -80,6 +80,15 @@ def test_visualize_attention_names_bad_input_in_one_line(images, tmp_path, capsy
     assert err.startswith(message) and err.count('\n') == 1
 
 
+def test_visualize_attention_refuses_no_images_before_building_the_model(images, tmp_path, capsys):
+    with pytest.raises(SystemExit) as stopped:
+        visualize.main(['--model', 'softmax_deit_tiny', '--image', str(images), '--max-images', '0',
+                        '--out', str(tmp_path)])
+    assert stopped.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1].endswith('error: --max-images 0: expected 1 or more')
+    assert not list(tmp_path.iterdir())
+
+
 def test_attention_stats_writes_csv_markdown_and_plot(images, tmp_path):
     out = tmp_path / 'stats'
     argv = ['--models', 'softmax_deit_tiny', 'linear_deit_tiny', 'inline_deit_tiny', '--data', str(images),

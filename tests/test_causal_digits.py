@@ -2,6 +2,7 @@
 import importlib.util
 import os
 
+import pytest
 import torch
 
 SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'scripts', 'causal_digits.py')
@@ -29,3 +30,20 @@ def test_a_few_steps_lower_the_next_pixel_loss(capsys):
     assert sum(losses[-5:]) / 5 < 0.8 * sum(losses[:5]) / 5
     out = capsys.readouterr().out
     assert 'step   30' in out and 'held-out loss' in out
+
+
+@pytest.mark.parametrize('args, message', [
+    (['--steps', '0'], '--steps 0: expected 1 or more'),
+    (['--batch-size', '0'], '--batch-size 0: expected 1 or more'),
+    (['--depth', '0'], '--depth 0: expected 1 or more'),
+    (['--num-heads', '0'], '--num-heads 0: expected 1 or more'),
+    (['--lr', '-1'], '--lr -1.0: expected a positive learning rate'),
+    (['--attn', 'inline'], 'inline attention has no causal form'),
+    (['--dim', '10', '--num-heads', '3'], 'additive attention: dim 10 must be a multiple of num_heads 3'),
+])
+def test_bad_arguments_stop_in_one_line_before_training(args, message, monkeypatch, capsys):
+    monkeypatch.setattr(causal_digits, 'train', lambda *a, **k: pytest.fail('trained'))
+    with pytest.raises(SystemExit) as stopped:
+        causal_digits.main(args)
+    assert stopped.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1].split(' error: ', 1)[1].startswith(message)
