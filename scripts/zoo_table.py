@@ -6,6 +6,7 @@ and config), then parameters and FLOPs of every registered attention on every fa
 FLOPs are multiply-accumulates of the matrix products and convolutions (as the official READMEs count them),
 measured with `torch.utils.flop_counter` on the meta device, so no weights are allocated.
 """
+import argparse
 import functools
 import os
 import re
@@ -116,7 +117,8 @@ def registry_table(families: Optional[Collection[str]] = None) -> List[str]:
     return lines
 
 
-def main() -> None:
+def main(argv: Optional[List[str]] = None) -> None:
+    argparse.ArgumentParser(description=__doc__.split('\n\n')[0]).parse_args(argv)  # takes no options
     print('\n'.join(official_table() + [''] + registry_table()))
 
 

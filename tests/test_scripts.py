@@ -49,6 +49,14 @@ def test_zoo_registry_table_has_a_column_per_attention_and_a_row_per_size():
             assert params > 0 and flops > 0, row
 
 
+def test_zoo_table_refuses_options_it_does_not_take_before_measuring(monkeypatch, capsys):
+    monkeypatch.setattr(zoo_table, 'official_table', lambda: pytest.fail('measured'))
+    with pytest.raises(SystemExit) as stopped:
+        zoo_table.main(['--families', 'deit'])
+    assert stopped.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1].endswith('error: unrecognized arguments: --families deit')
+
+
 def test_benchmark_offers_and_selects_every_attention():
     parser = benchmark.build_parser()
     assert parser.parse_args([]).attentions == list_attentions()
