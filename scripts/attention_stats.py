@@ -47,8 +47,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if not args.checkpoints and not args.models:
         parser.error('expected --checkpoints or --models')
-    if args.max_images < 1 or args.batch_size < 1:
-        parser.error('--max-images and --batch-size must be positive')
+    for flag, value in (('--max-images', args.max_images), ('--batch-size', args.batch_size)):
+        if value < 1:
+            parser.error(f'{flag} {value}: expected 1 or more')
     return args
 
 

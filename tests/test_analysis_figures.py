@@ -89,6 +89,16 @@ def test_visualize_attention_refuses_no_images_before_building_the_model(images,
     assert not list(tmp_path.iterdir())
 
 
+@pytest.mark.parametrize('flag', ['--max-images', '--batch-size'])
+def test_attention_stats_refuses_a_count_below_one_before_building_a_model(flag, images, tmp_path, capsys):
+    with pytest.raises(SystemExit) as stopped:
+        attention_stats.main(['--models', 'softmax_deit_tiny', '--data', str(images), flag, '0',
+                              '--out', str(tmp_path / 'stats')])
+    assert stopped.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1].endswith(f'error: {flag} 0: expected 1 or more')
+    assert not list(tmp_path.iterdir())
+
+
 def test_attention_stats_writes_csv_markdown_and_plot(images, tmp_path):
     out = tmp_path / 'stats'
     argv = ['--models', 'softmax_deit_tiny', 'linear_deit_tiny', 'inline_deit_tiny', '--data', str(images),
