@@ -1,15 +1,16 @@
 """Bad input and a diverged training run are reported on one line with exit status 2, an interruption on one
 line with status 128 + the signal's number; `--debug` shows the traceback instead (except for `exit_at_once`)."""
+import argparse
 import os
 import signal
 import sys
 from contextlib import contextmanager
-from typing import Callable, Iterator, NoReturn, Optional, Sequence, Set
+from typing import Callable, Iterator, Mapping, NoReturn, Optional, Sequence, Set, Tuple
 
 from models.checkpoint import CheckpointError
 
 __all__ = ['UsageError', 'BadImageError', 'NonFiniteLossError', 'Stopped', 'USAGE_EXIT_CODE', 'run_cli',
-           'exit_at_once', 'removed_by_an_exit_at_once']
+           'exit_at_once', 'removed_by_an_exit_at_once', 'refuse_below']
 
 USAGE_EXIT_CODE = 2
 # files this process is writing under temporary names, which `exit_at_once` removes
@@ -93,6 +94,15 @@ def run_cli(main: Callable[[Sequence[str]], int], argv: Optional[Sequence[str]] 
         if _reports():
             print(f"error: {e or f'interrupted by {signal.Signals(signum).name}'}", file=sys.stderr)
         return 128 + signum
+
+
+def refuse_below(parser: argparse.ArgumentParser, minimums: Mapping[str, Tuple[Optional[float], float]]) -> None:
+    """`parser.error` (one line, exit status 2) for the first flag whose value is below its least, as
+    `{'--iters': (args.iters, 1)}` gives them: "--iters 0: expected 1 or more". A value of None (an optional flag
+    not given) passes."""
+    for flag, (value, least) in minimums.items():
+        if value is not None and value < least:
+            parser.error(f'{flag} {value}: expected {least} or more')
 
 
 def _reports() -> bool:

@@ -22,7 +22,7 @@ from tqdm import tqdm
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import models  # noqa: E402,F401  (registers the families)
 from engine.analysis import find_images, load_analysis_model, load_images  # noqa: E402
-from engine.errors import UsageError, run_cli  # noqa: E402
+from engine.errors import UsageError, refuse_below, run_cli  # noqa: E402
 from models.analysis import record_attention  # noqa: E402
 from models.analysis.plots import plot_layer_curves  # noqa: E402
 from models.analysis.stats import STATISTICS, AttentionStatistics  # noqa: E402
@@ -47,9 +47,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if not args.checkpoints and not args.models:
         parser.error('expected --checkpoints or --models')
-    for flag, value in (('--max-images', args.max_images), ('--batch-size', args.batch_size)):
-        if value < 1:
-            parser.error(f'{flag} {value}: expected 1 or more')
+    refuse_below(parser, {'--max-images': (args.max_images, 1), '--batch-size': (args.batch_size, 1)})
     return args
 
 

@@ -65,7 +65,7 @@ from engine.build import create_optimizer  # noqa: E402
 from engine.compile import compile_model  # noqa: E402
 from engine.config import load_config  # noqa: E402
 from engine.distributed import resolve_device  # noqa: E402
-from engine.errors import UsageError  # noqa: E402
+from engine.errors import UsageError, refuse_below  # noqa: E402
 from models.attention import forms_score_matrix, list_attentions  # noqa: E402
 from models.onednn import convert_to_onednn, onednn_available, onednn_linear  # noqa: E402
 
@@ -446,12 +446,10 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -
         device = resolve_device(args.device)
     except UsageError as e:
         parser.error(f'--device: {e}')
-    minimums = {'--batch-size': (args.batch_size, 1), '--iters': (args.iters, 1), '--train-iters': (args.train_iters, 1),
-                '--warmup': (args.warmup, 0), '--threads': (args.threads, 0), '--matmul-size': (args.matmul_size, 1),
-                '--timeout': (args.timeout, 1), '--train-max-resolution': (args.train_max_resolution, 1)}
-    for flag, (value, least) in minimums.items():
-        if value is not None and value < least:
-            parser.error(f'{flag} {value}: expected {least} or more')
+    refuse_below(parser, {
+        '--batch-size': (args.batch_size, 1), '--iters': (args.iters, 1), '--train-iters': (args.train_iters, 1),
+        '--warmup': (args.warmup, 0), '--threads': (args.threads, 0), '--matmul-size': (args.matmul_size, 1),
+        '--timeout': (args.timeout, 1), '--train-max-resolution': (args.train_max_resolution, 1)})
     if args.onednn and (device.type != 'cpu' or not onednn_available()):
         parser.error(f"--onednn runs on the CPU with oneDNN (torch.backends.mkldnn); got device {args.device!r}"
                      + ('' if onednn_available() else ' and no oneDNN in this torch'))

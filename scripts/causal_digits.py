@@ -21,6 +21,7 @@ from torch import Tensor, nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from engine.data import DIGITS_SPLIT_SEED, DIGITS_VAL_FRACTION  # noqa: E402
+from engine.errors import refuse_below  # noqa: E402
 from models.attention import build_attention  # noqa: E402
 from models.family import Block  # noqa: E402
 
@@ -124,10 +125,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument('--num-heads', type=int, default=4)
     parser.add_argument('--seed', type=int, default=0)
     args = parser.parse_args(argv)
-    for flag, value in (('--steps', args.steps), ('--batch-size', args.batch_size), ('--dim', args.dim),
-                        ('--depth', args.depth), ('--num-heads', args.num_heads)):
-        if value < 1:
-            parser.error(f'{flag} {value}: expected 1 or more')
+    refuse_below(parser, {'--steps': (args.steps, 1), '--batch-size': (args.batch_size, 1), '--dim': (args.dim, 1),
+                          '--depth': (args.depth, 1), '--num-heads': (args.num_heads, 1)})
     if not args.lr > 0:
         parser.error(f'--lr {args.lr}: expected a positive learning rate')
     try:  # the attention's own checks (a causal form, dim a multiple of num_heads) before the digits load

@@ -44,7 +44,7 @@ from engine.build import autocast_dtype, create_criterion, create_optimizer, cre
 from engine.config import load_config  # noqa: E402
 from engine.data import build_mixup, build_train_loader, load_split, train_transform  # noqa: E402
 from engine.distributed import DistInfo, resolve_device  # noqa: E402
-from engine.errors import UsageError  # noqa: E402
+from engine.errors import UsageError, refuse_below  # noqa: E402
 from engine.loops import autocast  # noqa: E402
 
 # ImageNet-1k's median image is 500x375; its JPEGs average about 110 KB.
@@ -208,12 +208,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     args.opts = [o for o in args.opts if o != '--']
-    minimums = {'--batches': (args.batches, 1), '--repeats': (args.repeats, 1), '--epochs': (args.epochs, 1),
-                '--classes': (args.classes, 1), '--per-class': (args.per_class, 1),
-                '--batch-size': (args.batch_size, 0), '--workers': (args.workers, 0), '--threads': (args.threads, 0)}
-    for flag, (value, least) in minimums.items():
-        if value is not None and value < least:
-            parser.error(f'{flag} {value}: expected {least} or more')
+    refuse_below(parser, {
+        '--batches': (args.batches, 1), '--repeats': (args.repeats, 1), '--epochs': (args.epochs, 1),
+        '--classes': (args.classes, 1), '--per-class': (args.per_class, 1), '--batch-size': (args.batch_size, 0),
+        '--workers': (args.workers, 0), '--threads': (args.threads, 0)})
     try:
         device = resolve_device(args.device)
     except UsageError as e:

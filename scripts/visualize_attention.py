@@ -20,7 +20,7 @@ from tqdm import tqdm
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import models  # noqa: E402,F401  (registers the families)
 from engine.analysis import find_images, load_analysis_model, load_images  # noqa: E402
-from engine.errors import UsageError, run_cli  # noqa: E402
+from engine.errors import UsageError, refuse_below, run_cli  # noqa: E402
 from models.analysis import Query, attention_layers, record_attention  # noqa: E402
 from models.analysis.plots import (  # noqa: E402
     attention_rollout, grad_cam, plot_heat_map, plot_multimax_sigma, plot_query_maps, plot_simplex,
@@ -49,8 +49,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if not args.model and not args.checkpoint:
         parser.error('expected --model NAME or --checkpoint PATH')
-    if args.max_images < 1:
-        parser.error(f'--max-images {args.max_images}: expected 1 or more')
+    refuse_below(parser, {'--max-images': (args.max_images, 1)})
     return args
 
 
