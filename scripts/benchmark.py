@@ -633,9 +633,10 @@ def write_outputs(args: argparse.Namespace, rows: List[Dict], skipped: List[str]
         writer = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else ['model'])
         writer.writeheader()
         writer.writerows(rows)
-    matmul_dtype = 'bfloat16' if args.device == 'cuda' else 'float32'
-    if args.device == 'cuda':
-        machine = f'cuda ({torch.cuda.get_device_name()})'
+    device = torch.device(args.device)  # 'cuda:1' is CUDA too, as the measuring processes take it
+    matmul_dtype = 'bfloat16' if device.type == 'cuda' else 'float32'
+    if device.type == 'cuda':
+        machine = f'cuda ({torch.cuda.get_device_name(device)})'
     else:
         threads = args.threads or torch.get_num_threads()
         machine = f'cpu ({_cpu_name()}), {os.cpu_count()} cores, {threads} thread(s) per process'
@@ -647,7 +648,7 @@ def write_outputs(args: argparse.Namespace, rows: List[Dict], skipped: List[str]
         f'- command: `python {" ".join(shlex.quote(a) for a in sys.argv)}` ({seconds / 60:.0f} min)',
         f'- batch {args.batch_size}, {args.stat} of {args.iters} inference and {args.train_iters} training rounds '
         f'after {args.warmup} warm-up calls, models of a row group interleaved'
-        + (', bfloat16 autocast' if args.device == 'cuda' else ', float32')
+        + (', bfloat16 autocast' if device.type == 'cuda' else ', float32')
         + (', eager and torch.compile(fullgraph=True) rows' if args.compile else '')
         + (', steady allocator (freed memory kept in the process)' if args.steady_malloc else '')
         + (", the models' linear layers, attention products and, in inference, their MLPs' GELU through oneDNN"
@@ -683,7 +684,7 @@ def write_outputs(args: argparse.Namespace, rows: List[Dict], skipped: List[str]
     lines += ['| ' + ' | '.join(title for title, *_ in columns) + ' |', '|---' * len(columns) + '|']
     lines += ['| ' + ' | '.join(str(r[key]) if digits is None else fmt(r[key], digits) for _, key, digits in columns)
               + ' |' for r in rows]
-    targets = target_lines([r for r in rows if not r['compiled']], args.device)
+    targets = target_lines([r for r in rows if not r['compiled']], device.type)
     if targets:
         lines += ['', '## Targets', ''] + targets
     if skipped:

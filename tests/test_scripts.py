@@ -120,6 +120,23 @@ def test_benchmark_efficiency_is_the_median_share_of_the_matmul_rate_and_the_tab
         assert needle in text, needle
 
 
+def test_benchmark_table_of_a_numbered_gpu_states_cuda_its_precision_and_goals(tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.cuda, 'get_device_name', lambda device=None: f'test GPU {torch.device(device).index}')
+    args = benchmark.build_parser().parse_args(['--device', 'cuda:1', '--out', str(tmp_path / 'b')])
+    args.load_at_start = 0.0
+    row = dict(family='deit', size='tiny', attention='multimax', resolution=224, model='multimax_deit_tiny',
+               compiled=False, params_m=5.7, gflops=1.3, infer_img_s=10.0, infer_mm_pct=20.0, infer_best_pct=9.1,
+               train_step_ms=50.0, train_mm_pct=20.0, train_best_pct=9.1, matmul_gflop_s=500.0, onednn_gflop_s=None,
+               infer_mem_mib=1.0, train_mem_mib=2.0, infer_vs_softmax=0.9, train_vs_softmax=0.8)
+    row.update({f'{mode}_vs_{base}': None for mode in ('infer', 'train') for base in ('timm', 'eager')})
+    benchmark.write_outputs(args, [row], [], 60.0)
+    text = (tmp_path / 'b.md').read_text()
+    for needle in ('- machine: cuda (test GPU 1)', ', bfloat16 autocast', '(2048² product, bfloat16,',
+                   '| MultiMax / softmax training-step time, deit-tiny @ 224 (eager) | 1.25× | ≤ 1.05× (cuda) | no |'):
+        assert needle in text, needle
+    assert 'inference time' not in text  # the issue sets no inference goal on CUDA
+
+
 def test_benchmark_times_both_cpu_matrix_product_libraries_and_runs_linear_layers_through_onednn(tmp_path):
     steps, flops = benchmark.matmul_steps(torch.device('cpu'), 64)
     assert sorted(steps) == ['matmul', 'onednn'] and flops == 2 * 64 ** 3
