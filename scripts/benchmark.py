@@ -10,8 +10,9 @@ uncompiled).
 
 Efficiency: the FLOPs of a forward pass (inference) and of a forward and backward pass (training step), counted
 by `torch.utils.flop_counter.FlopCounterMode` on the eager model (2 per multiply-add of the matrix products and
-convolutions; the CPU kernel of `scaled_dot_product_attention`, which the counter sees as 0, by its formula
-2·B·h·n·m·(d + d_v), twice that backward), divided by the time, as a share of the matrix-multiply rate: a square
+convolutions; the CPU kernel of `scaled_dot_product_attention` by its formula 2·B·h·n·m·(d + d_v), twice that
+backward, under every torch: before 2.15 the counter sees it as 0, from 2.15 on it adds the backward's recomputed
+scores), divided by the time, as a share of the matrix-multiply rate: a square
 matrix product in the models' precision, timed in every round beside them with the same threads. The share is
 the median over the rounds of each round's ratio. `% mm` takes `torch.matmul`'s rate (the BLAS library on the
 CPU); on the CPU `% best` takes the faster of it and oneDNN's, since the two libraries reach different rates on
@@ -51,11 +52,11 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.flop_counter import FlopCounterMode, conv_flop_count, flop_registry, register_flop_formula
+from torch.utils.flop_counter import FlopCounterMode, conv_flop_count, flop_registry
 
 import timm
 
@@ -97,7 +98,6 @@ NOTES_MARKER = '<!-- notes -->'
 COMPILED = ' (compiled)'
 
 
-@register_flop_formula(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu)
 def _cpu_attention_flops(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
     """The CPU attention kernel: q·kᵀ and p·v, 2·B·h·n·m·(d + d_v) (a causal mask's skipped half included)."""
     *batch, n, d = query_shape
@@ -113,16 +113,26 @@ def _conv_backward_flops(grad_out_shape, x_shape, w_shape, _bias, _stride, _padd
     return forward * (int(output_mask[0]) + int(output_mask[1]))
 
 
-@register_flop_formula(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward)
 def _cpu_attention_backward_flops(grad_out_shape, query_shape, key_shape, value_shape, *args, out_shape=None,
                                   **kwargs) -> int:
     """Gradients of q, k, v and p: twice the forward pass's products."""
     return 2 * _cpu_attention_flops(query_shape, key_shape, value_shape)
 
 
+# Passed to each counter rather than registered globally: torch 2.15 registers its own formulas for the CPU
+# attention kernel (a second registration raises) and counts the backward's recomputed scores, which would make
+# the same run's efficiency depend on the installed torch.
+FLOP_FORMULAS: Dict[Any, Callable[..., int]] = {
+    torch.ops.aten.convolution_backward: _conv_backward_flops,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_attention_flops,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_attention_backward_flops,
+}
+
+
 def flop_counter() -> FlopCounterMode:
-    """The FLOP counter of the efficiency: torch's, with the gradients of a grouped convolution counted right."""
-    return FlopCounterMode(display=False, custom_mapping={torch.ops.aten.convolution_backward: _conv_backward_flops})
+    """The FLOP counter of the efficiency: torch's, with `FLOP_FORMULAS` for the CPU attention kernel and the
+    gradients of a grouped convolution."""
+    return FlopCounterMode(display=False, custom_mapping=FLOP_FORMULAS)
 
 
 def count_flops(model: torch.nn.Module, x: torch.Tensor, train: bool) -> int:
@@ -151,7 +161,7 @@ class CountedOpsRecorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func._overloadpacket in flop_registry:
+        if func._overloadpacket in flop_registry or func._overloadpacket in FLOP_FORMULAS:
             self.calls.append((func, args, kwargs))
         return func(*args, **kwargs)
 

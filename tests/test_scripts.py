@@ -82,7 +82,8 @@ def test_benchmark_swin_linear_blocks_see_the_whole_grid_above_the_trained_resol
 
 def test_benchmark_counts_the_flops_of_the_formula_with_the_cpu_attention_kernel():
     """A tiny softmax DeiT: the counter's FLOPs (2 per multiply-add) equal the formula written out, attention
-    included, which runs in the CPU kernel of `scaled_dot_product_attention` that the counter alone sees as 0."""
+    included, which runs in the CPU kernel of `scaled_dot_product_attention`: torch's counter sees it as 0 before
+    torch 2.15 and from 2.15 on counts the backward's recomputed scores too."""
     batch, side, patch, dim, depth, heads, classes = 2, 32, 8, 32, 2, 2, 5
     model = timm.create_model('softmax_deit_tiny', img_size=side, patch_size=patch, embed_dim=dim, depth=depth,
                               num_heads=heads, num_classes=classes)
@@ -287,7 +288,7 @@ def test_benchmark_ceiling_replays_exactly_the_counted_ops_of_a_pass():
         with counter, DispatchRecorder() as recorder:
             replay()
         assert counter.get_total_flops() == benchmark.count_flops(model, x, train) > 0
-        assert {op._overloadpacket for op in recorder.ops} <= set(flop_registry)
+        assert {op._overloadpacket for op in recorder.ops} <= set(flop_registry) | set(benchmark.FLOP_FORMULAS)
         assert torch.ops.aten.native_layer_norm.default not in recorder.ops
 
 
