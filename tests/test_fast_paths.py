@@ -5,7 +5,9 @@ MultiMax has a plain path with a hand-written σ backward, a path in blocks of q
 backward, a FlexAttention path (`score_mod`), whose CPU reference implementation runs the same math
 forward-only here, and a fused CPU kernel (forward and backward).
 """
+import fcntl
 import math
+import os
 
 import pytest
 import torch
@@ -510,6 +512,37 @@ def test_multimax_without_its_kernel_warns_once_and_runs_unfused(monkeypatch, ca
         f"MultiMax's CPU kernel could not be built or loaded ({failure}); MultiMax runs unfused on CPU, softmax "
         "attention keeps scaled_dot_product_attention, and the linear attentions torch's matmul"]
     assert max_abs_err(out, plain_multimax(q, k, v, ranges, ts)) < 1e-13
+
+
+def test_kernel_build_removes_a_lock_left_by_a_killed_build_under_an_os_lock_of_its_own(monkeypatch, tmp_path):
+    """torch before 2.14 waits forever on a file `lock` that a build killed midway left in the build folder; the
+    kernel's loader removes it, holding an OS lock that no other process can take until the build is done."""
+    monkeypatch.setenv('TORCH_EXTENSIONS_DIR', str(tmp_path))
+    folder = tmp_path / f'zoo_multimax_cpu_{multimax_cpu._build_tag()}'
+    folder.mkdir()
+    (folder / 'lock').touch()
+    seen = {}
+
+    def build(name, sources, build_directory, **kwargs):
+        seen.update(name=name, directory=build_directory, leftover=os.path.exists(folder / 'lock'))
+        with open(folder / 'zoo.lock') as other, pytest.raises(BlockingIOError):
+            fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return 'the extension'
+
+    monkeypatch.setattr(multimax_cpu, '_extension', multimax_cpu._NOT_LOADED)
+    monkeypatch.setattr('torch.utils.cpp_extension.load', build)
+    assert multimax_cpu.cpu_kernel_available()
+    assert seen == dict(name=folder.name, directory=str(folder), leftover=False)
+    with open(folder / 'zoo.lock') as other:  # released once built
+        fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+
+def test_kernel_builds_apart_for_each_torch_install(monkeypatch):
+    """torch names its cache folder by Python's and CUDA's versions alone: two installs of one torch version in
+    two environments would rebuild one folder over each other's on every alternation."""
+    tag = multimax_cpu._build_tag()
+    monkeypatch.setattr(torch, '__file__', '/another/env/site-packages/torch/__init__.py')
+    assert multimax_cpu._build_tag() != tag
 
 
 def test_flop_counter_counts_the_kernel_as_attention_forward_and_backward():

@@ -9,7 +9,8 @@ registered as the custom ops `zoo::multimax_cpu_attention` and `zoo::multimax_cp
 `torch.compile(fullgraph=True)` calls them as they stand.
 
 The build needs a C++ compiler and ninja (torch's `cpp_extension`), and is cached in torch's extension folder,
-keyed by the source, the flags and the machine's instruction set (it is compiled for the CPU it runs on). Its
+keyed by the source, the flags, the machine's instruction set (it is compiled for the CPU it runs on) and the
+torch install, one process building at a time. Its
 matrix products call the BLAS inside torch by its Fortran names (`sgemm_`, `dgemm_`, exported by torch's x86-64
 Linux wheels, which link MKL). With `onednn=True`, its large float32 products go through oneDNN instead (ATen's own
 oneDNN matrix product), as `models.convert_to_onednn` asks for, which gives softmax attention the kernel too (σ with
@@ -23,6 +24,7 @@ products at 0.41–0.49× oneDNN's rate.
 kernel's autograd function through which MultiMax and softmax attention both train, can differentiate the formula
 where a second derivative is asked for; softmax attention's module cannot import MultiMax's, which subclasses it.
 """
+import contextlib
 import hashlib
 import logging
 import math
@@ -49,25 +51,40 @@ _NOT_LOADED = object()
 _extension: Any = _NOT_LOADED
 
 
-def _instruction_set_tag() -> str:
-    """A short digest of the CPU's feature flags: `-march=native` code built on one machine must not be loaded
-    from a shared cache on another."""
-    flags = platform.machine()
+def _build_tag() -> str:
+    """A short digest of the CPU's feature flags, the torch install and the source's place: `-march=native` code
+    built on one machine must not be loaded from a shared cache on another, and torch names its cache folder by
+    Python's and CUDA's versions alone, so two torch installs or two checkouts would rebuild it over each other."""
+    build = platform.machine() + torch.__version__ + os.path.dirname(torch.__file__) + _SOURCE
     try:
         with open('/proc/cpuinfo') as info:
-            flags += next((line for line in info if line.startswith(('flags', 'Features'))), '')
+            build += next((line for line in info if line.startswith(('flags', 'Features'))), '')
     except OSError:
-        flags += platform.processor()
-    return hashlib.sha1(flags.encode()).hexdigest()[:8]
+        build += platform.processor()
+    return hashlib.sha1(build.encode()).hexdigest()[:8]
+
+
+def _build(name: str) -> Any:
+    """torch's `cpp_extension.load` of the kernel, one process at a time. torch before 2.14 marks a build in
+    progress by the mere existence of a file `lock` in the build folder, which a process killed while building
+    leaves behind: every later build would wait for it forever, silently. The kernel's own lock is an OS lock,
+    released when its holder dies, and whoever holds it removes such a leftover before building."""
+    import fcntl
+    from torch.utils.cpp_extension import get_default_build_root, load
+    directory = os.path.join(os.environ.get('TORCH_EXTENSIONS_DIR') or get_default_build_root(), name)
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, 'zoo.lock'), 'a') as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(directory, 'lock'))
+        return load(name, [_SOURCE], extra_cflags=_CFLAGS, extra_ldflags=['-fopenmp'], build_directory=directory)
 
 
 def _load() -> Optional[Any]:
     global _extension
     if _extension is _NOT_LOADED:
         try:
-            from torch.utils.cpp_extension import load
-            _extension = load(f'zoo_multimax_cpu_{_instruction_set_tag()}', [_SOURCE], extra_cflags=_CFLAGS,
-                              extra_ldflags=['-fopenmp'])
+            _extension = _build(f'zoo_multimax_cpu_{_build_tag()}')
         except (OSError, RuntimeError, ImportError, ValueError) as e:  # no compiler or ninja, a failed build or load
             reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             _logger.warning(f"MultiMax's CPU kernel could not be built or loaded ({reason}); MultiMax runs unfused "
