@@ -26,6 +26,7 @@ from engine.data import prepare_digits
 from engine.errors import run_cli
 from models.attention import list_attentions
 from models.attention import multimax_cpu
+from models.attention.mixer import is_exporting
 from models.attention.multimax import multimax_attention
 from reference import SPEC_RANGES, SPEC_TS, max_abs_err
 
@@ -82,6 +83,21 @@ def assert_compiled_matches_eager(family: str, attention: str) -> None:
 @pytest.mark.parametrize('family', list(TINY))
 def test_fullgraph_compile_matches_eager(family, attention):
     assert_compiled_matches_eager(family, attention)
+
+
+class _ExportProbe(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + 1 if is_exporting() else x - 1
+
+
+def test_only_torch_export_takes_the_exporters_paths():
+    """`is_exporting()` chooses the paths every exporter takes (no custom kernels): not in eager mode, not inside
+    torch.compile (torch 2.11's tracer answers torch.compiler.is_exporting() with True there, which took the
+    compiled models off their kernels), but under torch.export."""
+    x = torch.zeros(2)
+    assert _ExportProbe()(x).tolist() == [-1, -1]
+    assert torch.compile(_ExportProbe(), fullgraph=True, backend='eager')(x).tolist() == [-1, -1]
+    assert torch.export.export(_ExportProbe(), (x,)).module()(x).tolist() == [1, 1]
 
 
 @pytest.mark.parametrize('family', ['deit', 'swin'])

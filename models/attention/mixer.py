@@ -36,9 +36,10 @@ def autocast_off(device: torch.device) -> ContextManager:
 
 
 def is_exporting() -> bool:
-    """True while torch.export traces the model (torch 2.6 and later; earlier versions do not say)."""
-    exporting = getattr(torch.compiler, 'is_exporting', None)
-    return exporting is not None and exporting()
+    """True while torch.export traces the model; torch without the flag (before 2.7) does not say. Read from the
+    flag behind `torch.compiler.is_exporting()`, as torch 2.14's tracer reads it: earlier tracers answer that call
+    with True inside every `torch.compile`, which would take the exporters' paths in every compiled model."""
+    return getattr(torch.compiler, '_is_exporting_flag', False)
 
 
 def cpu_float32_kernels_apply(*tensors: Tensor) -> bool:
