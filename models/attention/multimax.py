@@ -51,7 +51,11 @@ __all__ = ['multimax_modulation', 'multimax_attention', 'MultiMaxMixer']
 
 
 def _modulated(x: Tensor, ranges: Tensor, ts: Tensor) -> Tensor:
-    """`multimax_modulation` into a fresh tensor, one score-sized temporary at a time instead of four."""
+    """`multimax_modulation` into a fresh tensor, one score-sized temporary at a time instead of four. Compiled,
+    the formula as it stands: the compiler plans the buffers itself, and torch 2.11's tracer (not 2.14's) gives
+    wrong gradients for an autograd function whose forward pass works in place on a tensor of its own."""
+    if torch.compiler.is_compiling():
+        return multimax_modulation(x, ranges, ts)
     out = (ranges[0] - x).clamp_(min=0).mul_(ts[0]).add_(x)
     out.add_((x - ranges[1]).clamp_(min=0).mul_(ts[1]))
     out.add_((ranges[2] - x).clamp_(min=0).square_().mul_(ts[2]))
@@ -241,7 +245,8 @@ def multimax_attention(
             return _MultiMaxInRowBlocks.apply(q, k, v, ranges, ts, bias, mask, causal, rows, True)
         return _multimax_flex(q, k, v, ranges, ts, bias, mask, causal)[0]
     rows = max(1, _ROW_BLOCK_BYTES // row_bytes)
-    if dropout_p or rows >= n or (training and n * row_bytes <= _PLAIN_TRAINING_BYTES):
+    blocks_trace = _ROW_BLOCKS_TRACE or not torch.compiler.is_compiling() or is_exporting()
+    if dropout_p or rows >= n or (training and (n * row_bytes <= _PLAIN_TRAINING_BYTES or not blocks_trace)):
         return _multimax_plain(q, k, v, ranges, ts, bias, mask, dropout_p, causal)
     if training:
         return _MultiMaxInRowBlocks.apply(q, k, v, ranges, ts, bias, mask, causal, rows, False)
@@ -295,6 +300,9 @@ def _multimax_plain(q: Tensor, k: Tensor, v: Tensor, ranges: Tensor, ts: Tensor,
 
 # Scores of this many bytes per block of query rows stay in cache between the passes over them.
 _ROW_BLOCK_BYTES = 4 << 20
+# Compiled by torch 2.11 (not 2.14 or 2.15), training in row blocks without FlexAttention returns zero gradients;
+# there compiled training takes the plain path, which the compiler fuses (export, which has no backward, keeps it).
+_ROW_BLOCKS_TRACE = torch.__version__ >= '2.14'
 # The backward pass after FlexAttention's forward pass takes blocks this large: on a GPU, kernel launches rather
 # than cache bound small blocks.
 _FLEX_BACKWARD_BLOCK_BYTES = 256 << 20
