@@ -36,9 +36,9 @@ def autocast_off(device: torch.device) -> ContextManager:
 
 
 def is_exporting() -> bool:
-    """True while torch.export traces the model; torch without the flag (before 2.7) does not say. Read from the
-    flag behind `torch.compiler.is_exporting()`, as torch 2.14's tracer reads it: earlier tracers answer that call
-    with True inside every `torch.compile`, which would take the exporters' paths in every compiled model."""
+    """True while torch.export traces the model. Read from the flag behind `torch.compiler.is_exporting()`, as
+    torch 2.14's tracer reads it: earlier tracers (2.11's among them) answer that call with True inside every
+    `torch.compile`, which would take the exporters' paths in every compiled model."""
     return getattr(torch.compiler, '_is_exporting_flag', False)
 
 
