@@ -147,6 +147,15 @@ def count_flops(model: torch.nn.Module, x: torch.Tensor, train: bool) -> int:
     return counter.get_total_flops()
 
 
+def model_flops(spec: Dict, model: torch.nn.Module, x: torch.Tensor, train: bool) -> Dict[str, Optional[int]]:
+    """FLOPs of the inference pass and, with `train`, of the training step, counted on the CPU: they do not
+    depend on the device, and on CUDA the compiled FlexAttention that MultiMax calls raises under torch's FLOP
+    counter. Off the CPU, a CPU model of `spec` and an input of `x`'s shape are made for the count."""
+    if x.device.type != 'cpu':
+        model, x = timm.create_model(spec['model'], **spec['kwargs']), torch.zeros(x.shape, dtype=x.dtype)
+    return dict(infer=count_flops(model, x, train=False), train=count_flops(model, x, train=True) if train else None)
+
+
 def efficiency(flops: float, seconds: Sequence[float], matmul_flops: float, matmul_seconds: Sequence[float]) -> float:
     """The median over rounds of a model's FLOP rate as a share (%) of the matrix product's rate in the same round."""
     return 100 * statistics.median(flops / t / (matmul_flops / m) for t, m in zip(seconds, matmul_seconds))
@@ -294,8 +303,7 @@ def measure(args: argparse.Namespace) -> List[Dict]:
             optimizer = create_optimizer(recipe, model, lr=1e-4)
             if args.onednn:
                 convert_to_onednn(model)
-            flops = dict(infer=count_flops(model, x, train=False),
-                         train=count_flops(model, x, train=True) if args.train else None)
+            flops = model_flops(spec, model, x, args.train)
             variants = [model] + ([compile_model(model)] if args.compile else [])
         except Exception as e:  # a configuration a model cannot take (or memory) is reported, not fatal
             results += [_error_result(e, device)] * (2 if args.compile else 1)
@@ -434,8 +442,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="CPU: the models' linear layers, attention products and, in inference, their MLPs' GELU "
                              "through oneDNN (models.convert_to_onednn)")
     parser.add_argument('--ceiling', action='store_true',
-                        help="also time each model's counted ops (products, convolutions, fused attention kernels) "
-                             "replayed alone: the share the model would reach if its other work took no time")
+                        help="CPU: also time each model's counted ops (products, convolutions, fused attention "
+                             "kernels) replayed alone: the share the model would reach if its other work took no time")
     parser.add_argument('--steady-malloc', action=argparse.BooleanOptionalAction, default=True,
                         help="keep freed memory in the measuring processes (glibc's MALLOC_MMAP_THRESHOLD_ and "
                              "MALLOC_TRIM_THRESHOLD_), so that timings do not depend on when the system allocator "
@@ -463,6 +471,10 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -
     if args.onednn and (device.type != 'cpu' or not onednn_available()):
         parser.error(f"--onednn runs on the CPU with oneDNN (torch.backends.mkldnn); got device {args.device!r}"
                      + ('' if onednn_available() else ' and no oneDNN in this torch'))
+    # the ceiling records the ops it replays under a dispatch mode, which the compiled FlexAttention of MultiMax on
+    # CUDA refuses (as it refuses the FLOP counter)
+    if args.ceiling and device.type != 'cpu':
+        parser.error(f"--ceiling runs on the CPU; got device {args.device!r}")
     for family in args.families:
         for size in args.sizes:
             for attention in args.attentions:

@@ -256,15 +256,37 @@ def test_benchmark_refuses_what_no_measurement_could_take_before_building_a_mode
     assert not list(tmp_path.iterdir())
 
 
-def test_benchmark_refuses_onednn_on_a_gpu(tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize('flag, message', [
+    ('--onednn', "error: --onednn runs on the CPU with oneDNN (torch.backends.mkldnn); got device 'cuda'"),
+    ('--ceiling', "error: --ceiling runs on the CPU; got device 'cuda'"),
+])
+def test_benchmark_refuses_the_cpu_only_measures_on_a_gpu(flag, message, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, 'is_available', lambda: True)
     monkeypatch.setattr(torch.cuda, 'device_count', lambda: 1)
     monkeypatch.setattr(benchmark, 'run_group', lambda *a: pytest.fail('measured'))
     with pytest.raises(SystemExit) as stopped:
-        benchmark.main(['--device', 'cuda', '--onednn', '--out', str(tmp_path / 'b')])
+        benchmark.main(['--device', 'cuda', flag, '--out', str(tmp_path / 'b')])
     assert stopped.value.code == 2
-    assert capsys.readouterr().err.splitlines()[-1].endswith(
-        "error: --onednn runs on the CPU with oneDNN (torch.backends.mkldnn); got device 'cuda'")
+    assert capsys.readouterr().err.splitlines()[-1].endswith(message)
+
+
+class _UncountableOnItsDevice(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise TypeError("no implementation found for 'torch.ops.higher_order.flex_attention'")
+
+
+def test_benchmark_counts_the_flops_of_a_model_off_the_cpu_on_a_cpu_model_of_its_spec():
+    """On CUDA, MultiMax calls compiled FlexAttention, which raises under torch's FLOP counter: the benchmark
+    counts a CPU model of the same spec instead (the meta device stands in for CUDA, a model that raises for
+    MultiMax's CUDA path), with the same FLOPs as the model counted on the CPU."""
+    spec = dict(model='softmax_deit_tiny', kwargs=dict(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2,
+                                                       num_classes=5, attn_type='multimax'))
+    x = torch.randn(2, 3, 32, 32)
+    expected = benchmark.model_flops(spec, timm.create_model(spec['model'], **spec['kwargs']), x, train=True)
+    assert expected['infer'] > 0 and expected['train'] > 2 * expected['infer']
+    assert benchmark.model_flops(spec, _UncountableOnItsDevice(), x.to('meta'), train=True) == expected
+    assert benchmark.model_flops(spec, _UncountableOnItsDevice(), x.to('meta'), train=False) == dict(
+        infer=expected['infer'], train=None)
 
 
 def test_benchmark_ceiling_replays_exactly_the_counted_ops_of_a_pass():
