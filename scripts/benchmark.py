@@ -8,18 +8,18 @@ timm's model, `×softmax` against our softmax model. With `--compile` every mode
 `torch.compile(model, fullgraph=True)` in the same rounds, on rows of its own (`×eager`: against the same model
 uncompiled).
 
-Efficiency: the FLOPs of a forward pass (inference) and of a forward and backward pass (training step), counted
-by `torch.utils.flop_counter.FlopCounterMode` on the eager model (2 per multiply-add of the matrix products and
-convolutions; the CPU kernel of `scaled_dot_product_attention` by its formula 2·B·h·n·m·(d + d_v), twice that
-backward, under every torch: before 2.15 the counter sees it as 0, from 2.15 on it adds the backward's recomputed
-scores), divided by the time, as a share of the matrix-multiply rate: a square
-matrix product in the models' precision, timed in every round beside them with the same threads. The share is
-the median over the rounds of each round's ratio. `% mm` takes `torch.matmul`'s rate (the BLAS library on the
-CPU); on the CPU `% best` takes the faster of it and oneDNN's, since the two libraries reach different rates on
-some CPUs (MKL runs a narrower vector path on AMD's AVX-512 CPUs). `--onednn` runs the models' linear
-layers, softmax's and MultiMax's fused CPU kernel and the linear attentions' batched products through oneDNN,
-inference and training, eager and compiled, and in inference the GELU of timm's `Mlp` and of PVT v2's MLP inside
-the product or convolution before it (`models.convert_to_onednn`).
+Efficiency: the FLOPs of a forward pass (inference) and of a forward and backward pass (training step), counted by
+`torch.utils.flop_counter.FlopCounterMode` on the eager model, off the CPU on a CPU model of the same spec (2 per
+multiply-add of the matrix products and convolutions; the CPU kernel of `scaled_dot_product_attention` by its
+formula 2·B·h·n·m·(d + d_v), twice that backward, under every torch: before 2.15 the counter sees it as 0, from 2.15
+on it adds the backward's recomputed scores), divided by the time, as a share of the matrix-multiply rate: a square
+matrix product in the models' precision, timed in every round beside them with the same threads. The share is the
+median over the rounds of each round's ratio. `% mm` takes `torch.matmul`'s rate (the BLAS library on the CPU); on
+the CPU `% best` takes the faster of it and oneDNN's, since the two libraries reach different rates on some CPUs
+(MKL runs a narrower vector path on AMD's AVX-512 CPUs). `--onednn` runs the models' linear layers, softmax's and
+MultiMax's fused CPU kernel and the linear attentions' batched products through oneDNN, inference and training,
+eager and compiled, and in inference the GELU of timm's `Mlp` and of PVT v2's MLP inside the product or convolution
+before it (`models.convert_to_onednn`).
 
 Ceiling (`--ceiling`): the ops whose FLOPs are counted (matrix products, convolutions, fused attention kernels),
 recorded with their inputs in one pass of the eager model and replayed alone in the same rounds, give the share

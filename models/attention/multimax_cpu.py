@@ -8,13 +8,13 @@ MultiMax-DeiT-T takes 1.04–1.07× softmax's time for inference and 0.99–1.06
 registered as the custom ops `zoo::multimax_cpu_attention` and `zoo::multimax_cpu_attention_backward`, so
 `torch.compile(fullgraph=True)` calls them as they stand.
 
-The build needs a C++ compiler and ninja (torch's `cpp_extension`), and is cached in torch's extension folder,
-keyed by the source, the flags, the machine's instruction set (it is compiled for the CPU it runs on) and the
-torch install, one process building at a time. Its
-matrix products call the BLAS inside torch by its Fortran names (`sgemm_`, `dgemm_`, exported by torch's x86-64
-Linux wheels, which link MKL). With `onednn=True`, its large float32 products go through oneDNN instead (ATen's own
-oneDNN matrix product), as `models.convert_to_onednn` asks for, which gives softmax attention the kernel too (σ with
-zero scalars is the identity). Where it cannot be built or loaded, MultiMax keeps its other paths, and says why once.
+The build needs a C++ compiler and ninja (torch's `cpp_extension`), and is cached in torch's extension folder, keyed
+by the source, the flags, the machine's instruction set (it is compiled for the CPU it runs on) and the torch
+install, one process building at a time. Its matrix products call the BLAS inside torch by its Fortran names
+(`sgemm_`, `dgemm_`, exported by torch's x86-64 Linux wheels, which link MKL). With `onednn=True`, its large float32
+products go through oneDNN instead (ATen's own oneDNN matrix product), as `models.convert_to_onednn` asks for, which
+gives softmax attention the kernel too (σ with zero scalars is the identity). Where it cannot be built or loaded,
+MultiMax keeps its other paths, and says why once.
 
 The extension also gives the linear attentions oneDNN's batched product (`onednn_bmm`, through
 `attention_matmul`): torch's `bmm` takes the BLAS, which on the CPUs above multiplies their (n × d)·(d × e) state
