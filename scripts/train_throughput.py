@@ -61,7 +61,7 @@ def write_images(root: str, classes: int, per_class: int, seed: int = 0) -> None
             os.makedirs(folder, exist_ok=True)
             for i in range(count):
                 coarse = rng.integers(0, 256, size=(IMAGE_SIZE[1] // 6, IMAGE_SIZE[0] // 6, 3), dtype=np.uint8)
-                image = Image.fromarray(coarse).resize(IMAGE_SIZE, Image.BICUBIC)
+                image = Image.fromarray(coarse).resize(IMAGE_SIZE, Image.Resampling.BICUBIC)
                 image.save(os.path.join(folder, f'{i:04d}.jpg'), quality=90)
 
 

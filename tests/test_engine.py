@@ -113,9 +113,9 @@ def test_eval_preprocessing_is_the_official_resize_then_centre_crop(size, crop_m
     rng = np.random.default_rng(0)
     image = Image.fromarray(rng.integers(0, 256, (300, 500, 3), dtype=np.uint8))
     if crop_mode == 'squash':
-        scaled = image.resize((resize, resize), Image.BICUBIC)
+        scaled = image.resize((resize, resize), Image.Resampling.BICUBIC)
     else:  # shorter side to `resize`, keeping the aspect ratio
-        scaled = image.resize((int(resize * 500 / 300), resize), Image.BICUBIC)
+        scaled = image.resize((int(resize * 500 / 300), resize), Image.Resampling.BICUBIC)
     left, top = (scaled.width - size) // 2, (scaled.height - size) // 2
     crop = np.asarray(scaled.crop((left, top, left + size, top + size)), dtype=np.float32) / 255
     expected = (torch.from_numpy(crop).permute(2, 0, 1) - torch.tensor(cfg.DATA.MEAN)[:, None, None]) \
