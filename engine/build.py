@@ -1,6 +1,7 @@
 """Model, weights, optimizer, scheduler and loss from a config, through timm's factories."""
 import difflib
 import logging
+import re
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import timm
@@ -89,9 +90,9 @@ def create_model(cfg: CN, weights: Optional[Dict[str, Tensor]] = None, source: s
     except CheckpointError as e:
         raise CheckpointError(f"{source}: {e}") from None
     except TypeError as e:
-        message = str(e)
-        if 'unexpected keyword argument' in message:
-            keyword = message.split('unexpected keyword argument')[-1].strip(" '\"")
+        unexpected = re.search(r"unexpected keyword argument '(\w+)'", str(e))  # Python 3.13 appends a guess
+        if unexpected:
+            keyword = unexpected.group(1)
             raise ConfigError(f"model {name!r} does not accept the keyword {keyword!r} (MODEL.KWARGS.{keyword}); "
                               f"expected the constructor's own argument names") from e
         raise

@@ -264,7 +264,8 @@ def test_model_errors_name_the_model_and_the_keyword(tiny_cfg):
         create_model(cfg)
     cfg.MODEL.NAME = 'inline_deit_tiny'
     cfg.MODEL.KWARGS.depthz = 3
-    with pytest.raises(ConfigError, match=r"does not accept the keyword 'depthz' \(MODEL.KWARGS.depthz\)"):
+    with pytest.raises(ConfigError, match=r"does not accept the keyword 'depthz' \(MODEL.KWARGS.depthz\); "
+                       r"expected the constructor's own argument names$"):
         create_model(cfg)
 
 
