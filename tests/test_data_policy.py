@@ -1,8 +1,10 @@
 """Dataset scan and bad files: a symlink loop is followed once and each file counted once; broken links, link loops,
 FIFOs, empty, unreadable, non-image and truncated files follow DATA.BAD_IMAGES ('error': one line naming the file
 and exit status 2, before training where the scan or --check-data can tell; 'skip': logged and counted); class
-folders that do not match are named; a bad validation image after an epoch's training leaves that epoch saved."""
+folders that do not match are named; a bad validation image after an epoch's training leaves that epoch saved.
+Workers started by fork, forkserver or spawn load the same batches."""
 import io
+import itertools
 import json
 import os
 import re
@@ -200,6 +202,23 @@ def test_a_file_that_does_not_decode_stops_the_run_in_a_worker_with_one_line(tmp
     assert re.fullmatch(rf"error: image {re.escape(repr(str(bad)))} {DECODE_BAD[kind][2]}{EXPECTED}"
                         rf", --check-data finds them before training\)", error_line(capsys))
     assert not (output / 'last.pth').exists()
+
+
+# Python 3.14 starts DataLoader workers by forkserver on Linux, and macOS and Windows start them by spawn: the
+# dataset, its transforms and the collate function reach those workers pickled, not inherited.
+def test_the_training_loader_gives_the_same_batches_however_its_workers_start(data):
+    cfg = load_config(TINY, ['DATA.DATASET', 'imagefolder', 'DATA.DATA_PATH', str(data), 'DATA.NUM_WORKERS', '2',
+                             'AUG.AUTO_AUGMENT', 'rand-m9-mstd0.5-inc1', 'AUG.REPROB', '0.25', *ELEVENS])
+    batches = {}
+    for start_method in ('fork', 'forkserver', 'spawn'):
+        loader = build_train_loader(cfg, load_split(str(data), 'train', train_transform(cfg), 10), CPU)
+        loader.multiprocessing_context = start_method
+        loader.sampler.set_epoch(1)
+        batches[start_method] = list(itertools.islice(loader, 3))
+    assert [images.shape[0] for images, _ in batches['fork']] == [11] * 3
+    for start_method in ('forkserver', 'spawn'):
+        for (images, targets), (want_images, want_targets) in zip(batches[start_method], batches['fork']):
+            assert torch.equal(images, want_images) and torch.equal(targets, want_targets), start_method
 
 
 def test_a_bad_image_error_is_printed_by_the_rank_that_met_it(monkeypatch, capsys):
