@@ -320,11 +320,6 @@ def kernel_inputs(n, m, batch=2, heads=3, d=8, dv=5, dtype=torch.float64, requir
     return [t.requires_grad_(requires_grad) for t in (q, k, v, ranges, ts)]
 
 
-def seeded_randn_like(x: torch.Tensor) -> torch.Tensor:
-    """Normal draws of x's shape that do not depend on which tests ran before."""
-    return torch.randn(x.shape, dtype=x.dtype, generator=torch.Generator().manual_seed(1))
-
-
 def assert_grads_match_in_float64(grads, expected_grads):
     """Gradients of (q, k, v, ranges, ts) against the formula's. Each of σ's scalars sums one term from every score
     (2·10⁶ of them at 300 × 1100), which float64 rounds, in the kernel's order and in autograd's, to within about
@@ -341,7 +336,7 @@ def test_multimax_cpu_kernel_matches_the_formula_in_float64_forward_and_backward
     out = multimax_attention(*inputs, use_kernel=True)
     expected = plain_multimax(*inputs)
     assert max_abs_err(out, expected) < 1e-13
-    grad_out = seeded_randn_like(out)
+    grad_out = torch.randn_like(out)
     grads = torch.autograd.grad(out, inputs, grad_out)
     assert_grads_match_in_float64(grads, torch.autograd.grad(expected, inputs, grad_out))
 
@@ -356,7 +351,7 @@ def test_with_zero_weights_the_kernel_is_softmax_attention_forward_and_backward(
     out = multimax_attention(*inputs, use_kernel=True)
     expected = torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1]), dim=-1) @ v
     assert max_abs_err(out, expected) < 1e-13
-    grad_out = seeded_randn_like(out)
+    grad_out = torch.randn_like(out)
     wanted = inputs if scalar_grads else inputs[:3]
     grads = torch.autograd.grad(out, wanted, grad_out)
     assert_grads_match_in_float64(grads, torch.autograd.grad(plain_multimax(*inputs), wanted, grad_out))
