@@ -1,12 +1,15 @@
 """The benchmark and the zoo table take their attentions from the registry, so a new attention shows in both."""
 import csv
+import functools
 import importlib.util
 import json
 import os
+import platform
 import re
 import statistics
 import sys
 from types import ModuleType
+from typing import Tuple
 
 import pytest
 import timm
@@ -34,6 +37,7 @@ def load_script(name: str) -> ModuleType:
 benchmark = load_script('benchmark')
 zoo_table = load_script('zoo_table')
 train_throughput = load_script('train_throughput')
+compare_fla = load_script('compare_fla')
 
 
 def test_zoo_registry_table_has_a_column_per_attention_and_a_row_per_size():
@@ -330,3 +334,109 @@ def test_benchmark_ceiling_column_gives_each_model_and_its_compiled_twin_the_eag
     row = benchmark.result_row(compiled, {'softmax': eager, 'softmax' + benchmark.COMPILED: compiled}, spec,
                                benchmark.COMPILED)
     assert (row['infer_ceiling_pct'], row['train_ceiling_pct']) == (70.0, 60.0)
+
+
+def documented_fla_linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, normalize: bool,
+                                    eps: float) -> Tuple[torch.Tensor, None]:
+    """What fla-core's normalised linear-attention kernels compute by their documentation, as a masked formula: q, k
+    (B, T, H, K), v (B, T, H, V) -> out (B, T, H, V) = Σ_{s≤t} (q_t·k_s) v_s / (Σ_{s≤t} q_t·k_s + eps), times
+    `scale` inside both sums; fla-core's own eps is 1e-10."""
+    assert normalize
+    T = q.shape[1]
+    scores = torch.einsum('bthk,bshk->bhts', q, k).mul(scale).tril()
+    out = torch.einsum('bhts,bshv->bthv', scores, v) / (scores.sum(-1).transpose(1, 2)[..., None] + eps)
+    assert out.shape[1] == T
+    return out, None
+
+
+# with the zoo's normaliser floor, so that the two agree to float64 rounding
+FLA_AS_DOCUMENTED = functools.partial(documented_fla_linear_attention, eps=1e-6)
+
+
+def test_compare_fla_gives_the_kernels_what_the_zoos_causal_linear_mixer_computes():
+    """fla-core's kernels take φ(q) and φ(k) with tokens before heads and a scale of 1: given the documented
+    computation, the comparison's fla path is the zoo's causal linear mixer, across its chunks."""
+    heads, dim, tokens = 3, 24, 150
+    q, k, v = (torch.randn(2, tokens, dim, dtype=torch.float64) for _ in range(3))
+    zoo = compare_fla.zoo_attention(dim, heads)(q, k, v)
+    through_fla = compare_fla.fla_attention(FLA_AS_DOCUMENTED, heads)(q, k, v)
+    assert through_fla.shape == zoo.shape == (2, tokens, dim)
+    torch.testing.assert_close(through_fla, zoo, rtol=1e-12, atol=1e-12)
+
+
+def test_compare_fla_measures_errors_memory_and_interleaved_times_and_reports_a_failing_kernel():
+    def unnormalised(q, k, v, scale, normalize):
+        out, _ = FLA_AS_DOCUMENTED(q, k, v, scale, normalize)
+        return out * 2, None
+
+    def failing(*args, **kwargs):
+        raise RuntimeError('out of resources: shared memory')
+
+    args = compare_fla.build_parser().parse_args(['--child', '--device', 'cpu', '--tokens', '130', '--batch-size', '2',
+                                                  '--heads', '2', '--head-dim', '8', '--dtype', 'float32',
+                                                  '--rounds', '3', '--warmup', '1'])
+    (args.tokens,) = args.tokens
+    kernels = dict(documented=FLA_AS_DOCUMENTED, doubled=unnormalised, failing=failing)
+    rows = {row['kernel']: row for row in compare_fla.measure(args, compare_fla.build_attentions(16, 2, kernels))}
+    assert list(rows) == ['zoo', 'zoo (compiled)', 'fla documented', 'fla doubled', 'fla failing']
+    for name in ('zoo', 'zoo (compiled)', 'fla documented'):
+        errors = [rows[name][key] for key in ('out', 'grad_q', 'grad_k', 'grad_v')]
+        assert all(0 <= e < 1e-5 for e in errors), (name, errors)  # float32 against float64
+        assert rows[name]['forward_ms'] > 0 and rows[name]['train_ms'] > 0
+        assert rows[name]['forward_mib'] is None  # measured on CUDA only
+    assert rows['zoo']['forward_vs_zoo'] == rows['zoo']['train_vs_zoo'] == 1.0
+    assert rows['fla documented']['train_vs_zoo'] == pytest.approx(rows['zoo']['train_ms'] /
+                                                                   rows['fla documented']['train_ms'])
+    assert rows['fla doubled']['out'] == pytest.approx(1.0, rel=1e-5)
+    assert rows['fla failing'] == dict(tokens=130, kernel='fla failing',
+                                       error='RuntimeError: out of resources: shared memory')
+
+
+@pytest.mark.parametrize('args, message', [
+    (['--device', 'cpu'], "--device cpu: fla-core's kernels are Triton kernels for GPUs; expected 'cuda' or 'cuda:N'"),
+    (['--tokens', '1024', '0'], '--tokens 0: expected 1 or more'),
+    (['--warmup', '-1'], '--warmup -1: expected 0 or more'),
+    (['--device', 'cuda:3'], "device 'cuda:3': this machine has 1 CUDA device(s); expected an index below 1"),
+    ([], "fla-core cannot be imported (ModuleNotFoundError: import of fla.ops.linear_attn halted; None in "
+         "sys.modules); expected it installed (pip install fla-core) on a machine with a CUDA device"),
+])
+def test_compare_fla_refuses_in_one_line_before_measuring(args, message, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, 'is_available', lambda: True)
+    monkeypatch.setattr(torch.cuda, 'device_count', lambda: 1)
+    monkeypatch.setitem(sys.modules, 'fla.ops.linear_attn', None)
+    monkeypatch.setattr(compare_fla, 'run_child', lambda *a: pytest.fail('measured'))
+    with pytest.raises(SystemExit) as stopped:
+        compare_fla.main(args + ['--out', str(tmp_path / 'f')])
+    assert stopped.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1].split(' error: ', 1)[1] == message
+    assert not list(tmp_path.iterdir())
+
+
+def test_compare_fla_refuses_a_machine_without_cuda(tmp_path, monkeypatch, capsys):
+    without_cuda(monkeypatch)
+    with pytest.raises(SystemExit) as stopped:
+        compare_fla.main(['--out', str(tmp_path / 'f')])
+    assert stopped.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1].endswith(
+        "error: --device cuda: this machine has no CUDA device, and fla-core's kernels are Triton kernels for GPUs; "
+        "expected a machine with one")
+
+
+def test_compare_fla_table_states_its_setting_and_shows_failed_and_unrelated_rows(monkeypatch):
+    monkeypatch.setattr(sys, 'argv', ['scripts/compare_fla.py', '--tokens', '4096'])
+    args = compare_fla.build_parser().parse_args(['--tokens', '4096'])
+    measured = dict(tokens=4096, kernel='fla chunk_linear_attn', out=1.5e-3, grad_q=2e-3, grad_k=3e-3, grad_v=4e-3,
+                    forward_ms=0.5, train_ms=2.0, forward_mib=32.0, train_mib=96.0, forward_vs_zoo=3.0,
+                    train_vs_zoo=None)
+    failed = dict(tokens=65536, kernel='all', error='timeout after 1800 s')
+    lines = compare_fla.table(args, [measured, failed], 3.0, 'NVIDIA H100', '0.6.0')
+    assert '- device: NVIDIA H100' in lines
+    assert '- versions: torch {}, fla-core 0.6.0, Python {}'.format(torch.__version__, platform.python_version()) \
+        in lines
+    assert '- command: `python scripts/compare_fla.py --tokens 4096` (3 min)' in lines
+    assert '| 4096 | fla chunk_linear_attn | 1.5e-03 | 2.0e-03 | 3.0e-03 | 4.0e-03 | 0.500 | 3.00 | 32 | 2.000 | – | ' \
+           '96 |' in lines
+    assert '| 65536 | all | timeout after 1800 s |' + ' |' * 9 in lines
+    header = lines.index('| tokens | kernel | out err | grad q err | grad k err | grad v err | forward ms | '
+                         'forward ×zoo | forward MiB | fwd+bwd ms | fwd+bwd ×zoo | fwd+bwd MiB |')
+    assert [line.count('|') for line in lines[header:]] == [13] * 4

@@ -1,0 +1,300 @@
+"""Causal linear attention: the zoo's against the Triton kernels of flash-linear-attention (fla-core).
+
+Both compute the normalised causal linear attention out_i = Σ_{j≤i} (φqᵢ·φkⱼ) vⱼ / (Σ_{j≤i} φqᵢ·φkⱼ + ε) with
+φ(x) = elu(x) + 1: the zoo as its `linear` mixer with `causal=True` (prefix sums over chunks,
+`models.attention.linear.causal_linear_attention`), fla-core as `chunk_linear_attn`, `fused_chunk_linear_attn` and
+`fused_recurrent_linear_attn` with `normalize=True`, given φ(q) and φ(k) and `scale=1`. Only ε differs (the zoo's
+1e-6, fla-core's 1e-10): a relative difference below 1e-6 / Σ_{j≤i} φqᵢ·φkⱼ, far under float32's rounding. This
+is the one computation the two share: the zoo's vision attentions are not causal, and fla-core's kernels are.
+
+Each token count runs in a process of its own. The mixer (eager, and compiled with `fullgraph=True`) and every
+fla-core kernel take the same q, k, v as (B, n, C) with the heads in channel order, which is what the mixer receives
+(fla-core reads them as (B, n, heads, d) views and returns (B, n, C) as the mixer does), and are timed in
+interleaved rounds, forward alone and forward with backward. Each reports the largest error of its output and of
+its gradients of q, k and v against the mixer in float64 (as a share of the largest value of each), its peak
+memory above the inputs, and the eager mixer's time over its own (> 1: faster than the zoo's).
+
+fla-core's kernels are Triton kernels for GPUs: the comparison needs a CUDA device and `pip install fla-core`.
+
+    python scripts/compare_fla.py --out docs/fla_comparison
+"""
+import argparse
+import datetime
+import importlib
+import importlib.metadata
+import json
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from engine.distributed import resolve_device  # noqa: E402
+from engine.errors import UsageError, refuse_below  # noqa: E402
+from models.attention import MixContext, get_mixer_class  # noqa: E402
+from models.attention.linear import elu_feature_map  # noqa: E402
+
+FLA_KERNELS = ('chunk_linear_attn', 'fused_chunk_linear_attn', 'fused_recurrent_linear_attn')
+ZOO = 'zoo'
+ZOO_COMPILED = 'zoo (compiled)'
+COLUMNS = ('tokens', 'kernel', 'out err', 'grad q err', 'grad k err', 'grad v err', 'forward ms', 'forward ×zoo',
+           'forward MiB', 'fwd+bwd ms', 'fwd+bwd ×zoo', 'fwd+bwd MiB')
+DTYPES = {'bfloat16': torch.bfloat16, 'float16': torch.float16, 'float32': torch.float32}
+
+Attention = Callable[[Tensor, Tensor, Tensor], Tensor]
+
+
+def zoo_attention(dim: int, num_heads: int) -> Attention:
+    """The zoo's causal linear mixer: (B, n, C) q, k, v -> (B, n, C)."""
+    mixer = get_mixer_class('linear')(dim, num_heads, causal=True)
+
+    def attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        return mixer(q, k, v, MixContext(grid=(1, q.shape[1])))
+
+    return attention
+
+
+def fla_attention(kernel: Callable, num_heads: int) -> Attention:
+    """An fla-core linear-attention kernel computing what the zoo's causal linear mixer computes: (B, n, C) q, k,
+    v -> (B, n, C), the feature map applied before the kernel, scale 1, normalised."""
+    def attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        B, n, C = q.shape
+        q, k, v = (x.view(B, n, num_heads, C // num_heads) for x in (q, k, v))
+        out, _ = kernel(elu_feature_map(q), elu_feature_map(k), v, scale=1.0, normalize=True)
+        return out.reshape(B, n, C)
+
+    return attention
+
+
+def output_and_grads(attention: Attention, q: Tensor, k: Tensor, v: Tensor, grad_out: Tensor,
+                     dtype: torch.dtype) -> Tuple[Tensor, ...]:
+    """`attention`'s output on q, k, v in `dtype` and its gradients of q, k and v for the output gradient
+    `grad_out`."""
+    inputs = [x.detach().to(dtype).requires_grad_() for x in (q, k, v)]
+    out = attention(*inputs)
+    out.backward(grad_out.to(out.dtype))
+    return (out.detach(),) + tuple(x.grad for x in inputs)
+
+
+def relative_errors(found: Sequence[Tensor], expected: Sequence[Tensor]) -> Dict[str, float]:
+    """The largest error of the output and of the gradients of q, k and v, each as a share of the largest value of
+    the expected one."""
+    return {name: ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
+            for name, a, b in zip(('out', 'grad_q', 'grad_k', 'grad_v'), found, expected)}
+
+
+def peak_memory_mib(fn: Callable[[], None], device: torch.device) -> Optional[float]:
+    """Peak memory `fn` allocates above what is allocated when it starts (MiB), on CUDA; None elsewhere."""
+    if device.type != 'cuda':
+        return None
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    start = torch.cuda.memory_allocated(device)
+    fn()
+    torch.cuda.synchronize(device)
+    return (torch.cuda.max_memory_allocated(device) - start) / 2 ** 20
+
+
+def interleaved_seconds(steps: Dict[str, Callable[[], None]], rounds: int, warmup: int,
+                        device: torch.device) -> Dict[str, List[float]]:
+    """Seconds of each step in each of `rounds` rounds; a round runs every step once, in an order reversed from one
+    round to the next, so that a drifting machine slows every step alike."""
+    def sync():
+        if device.type == 'cuda':
+            torch.cuda.synchronize(device)
+
+    for step in steps.values():
+        for _ in range(warmup):
+            step()
+    sync()
+    names = list(steps)
+    seconds: Dict[str, List[float]] = {name: [] for name in names}
+    for _ in range(rounds):
+        names.reverse()
+        for name in names:
+            start = time.perf_counter()
+            steps[name]()
+            sync()
+            seconds[name].append(time.perf_counter() - start)
+    return seconds
+
+
+def measure(args: argparse.Namespace, attentions: Dict[str, Attention]) -> List[Dict]:
+    """Errors, memory and times of every attention in `attentions` at `args.tokens` tokens (one process)."""
+    device, dtype = torch.device(args.device), DTYPES[args.dtype]
+    generator = torch.Generator(device=device).manual_seed(0)
+    dim = args.heads * args.head_dim
+    q, k, v, grad_out = (torch.randn(args.batch_size, args.tokens, dim, device=device, dtype=dtype,
+                                     generator=generator) for _ in range(4))
+    expected = output_and_grads(attentions[ZOO], q, k, v, grad_out, torch.float64)
+    rows = []
+    for name, attention in attentions.items():
+        row: Dict = dict(tokens=args.tokens, kernel=name)
+        try:
+            row.update(relative_errors(output_and_grads(attention, q, k, v, grad_out, dtype), expected))
+            trainable = [x.detach().requires_grad_() for x in (q, k, v)]
+
+            def forward(attention=attention):
+                with torch.no_grad():
+                    attention(q, k, v)
+
+            def forward_backward(attention=attention, trainable=trainable):
+                for x in trainable:
+                    x.grad = None
+                attention(*trainable).backward(grad_out)
+
+            row['steps'] = dict(forward=forward, train=forward_backward)
+            forward(), forward_backward()  # compiles, outside the memory measurement
+            row['forward_mib'] = peak_memory_mib(forward, device)
+            row['train_mib'] = peak_memory_mib(forward_backward, device)
+        except Exception as e:  # a kernel that cannot take this size (or memory) is reported, not fatal
+            first_line = (str(e).splitlines() or [''])[0]
+            row = dict(tokens=args.tokens, kernel=name, error=f'{type(e).__name__}: {first_line}'[:200])
+            if device.type == 'cuda':
+                torch.cuda.empty_cache()
+        rows.append(row)
+    timed = [row for row in rows if 'steps' in row]
+    for mode in ('forward', 'train'):
+        seconds = interleaved_seconds({row['kernel']: row['steps'][mode] for row in timed}, args.rounds,
+                                      args.warmup, device)
+        for row in timed:
+            row[f'{mode}_ms'] = 1000 * statistics.median(seconds[row['kernel']])
+    zoo = next((row for row in timed if row['kernel'] == ZOO), None)
+    for row in timed:
+        del row['steps']
+        for mode in ('forward', 'train'):
+            row[f'{mode}_vs_zoo'] = zoo[f'{mode}_ms'] / row[f'{mode}_ms'] if zoo else None
+    return rows
+
+
+def fla_kernels(names: Sequence[str]) -> Dict[str, Callable]:
+    """fla-core's linear-attention kernels by name; a UsageError where fla-core cannot be imported."""
+    try:
+        module = importlib.import_module('fla.ops.linear_attn')
+    except Exception as e:  # not installed, or its Triton runtime finds no GPU driver
+        raise UsageError(f'fla-core cannot be imported ({type(e).__name__}: {e}); expected it installed '
+                         f'(pip install fla-core) on a machine with a CUDA device') from None
+    return {name: getattr(module, name) for name in names}
+
+
+def build_attentions(dim: int, num_heads: int, kernels: Dict[str, Callable]) -> Dict[str, Attention]:
+    """The zoo's mixer, eager (the reference of the errors and times) and compiled, and the fla-core kernels."""
+    attentions: Dict[str, Attention] = {ZOO: zoo_attention(dim, num_heads)}
+    attentions[ZOO_COMPILED] = torch.compile(zoo_attention(dim, num_heads), fullgraph=True, dynamic=False)
+    attentions.update({f'fla {name}': fla_attention(kernel, num_heads) for name, kernel in kernels.items()})
+    return attentions
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument('--device', default='cuda')
+    parser.add_argument('--tokens', nargs='+', type=int, default=[1024, 4096, 16384, 65536])
+    parser.add_argument('--batch-size', type=int, default=8)
+    parser.add_argument('--heads', type=int, default=4)
+    parser.add_argument('--head-dim', type=int, default=64)
+    parser.add_argument('--dtype', default='bfloat16', choices=list(DTYPES))
+    parser.add_argument('--kernels', nargs='+', default=list(FLA_KERNELS), choices=FLA_KERNELS)
+    parser.add_argument('--rounds', type=int, default=20, help='timed rounds')
+    parser.add_argument('--warmup', type=int, default=3, help='untimed calls of each step before the rounds')
+    parser.add_argument('--timeout', type=int, default=1800, help='seconds for the process of one token count')
+    parser.add_argument('--out', default='fla_comparison', help='writes OUT.md and OUT.json')
+    parser.add_argument('--child', action='store_true', help=argparse.SUPPRESS)
+    return parser
+
+
+def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Every refusal in one line, exit status 2, before a process starts."""
+    refuse_below(parser, {'--batch-size': (args.batch_size, 1), '--heads': (args.heads, 1),
+                          '--head-dim': (args.head_dim, 1), '--rounds': (args.rounds, 1),
+                          '--warmup': (args.warmup, 0), '--timeout': (args.timeout, 1),
+                          '--tokens': (min(args.tokens), 1)})
+    if args.device.split(':')[0] != 'cuda':
+        parser.error(f"--device {args.device}: fla-core's kernels are Triton kernels for GPUs; expected 'cuda' or "
+                     f"'cuda:N'")
+    if not torch.cuda.is_available():
+        parser.error(f"--device {args.device}: this machine has no CUDA device, and fla-core's kernels are Triton "
+                     f"kernels for GPUs; expected a machine with one")
+    try:
+        resolve_device(args.device)
+        fla_kernels(args.kernels)
+    except UsageError as e:
+        parser.error(str(e))
+
+
+def run_child(args: argparse.Namespace, tokens: int) -> List[Dict]:
+    """One token count, measured in a process of its own (a fresh allocator and compile cache)."""
+    cmd = [sys.executable, os.path.abspath(__file__), '--child', '--tokens', str(tokens), '--device', args.device,
+           '--batch-size', str(args.batch_size), '--heads', str(args.heads), '--head-dim', str(args.head_dim),
+           '--dtype', args.dtype, '--rounds', str(args.rounds), '--warmup', str(args.warmup),
+           '--kernels', *args.kernels]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        return [dict(tokens=tokens, kernel='all', error=f'timeout after {args.timeout} s')]
+    if proc.returncode != 0:
+        reason = (proc.stderr.strip().splitlines() or [f'exit status {proc.returncode}'])[-1]
+        return [dict(tokens=tokens, kernel='all', error=reason[:200])]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def table(args: argparse.Namespace, rows: List[Dict], minutes: float, device_name: str,
+          fla_version: str) -> List[str]:
+    """The Markdown report: setting, then a row per token count and kernel."""
+    lines = [
+        '# Causal linear attention: the zoo against fla-core', '',
+        f'- date: {datetime.date.today().isoformat()}',
+        f'- device: {device_name}',
+        f'- versions: torch {torch.__version__}, fla-core {fla_version}, Python {platform.python_version()}',
+        f'- command: `python {" ".join(shlex.quote(a) for a in sys.argv)}` ({minutes:.0f} min)',
+        f'- batch {args.batch_size}, {args.heads} heads of {args.head_dim} channels, {args.dtype} inputs; median of '
+        f'{args.rounds} interleaved rounds after {args.warmup} warm-up calls', '',
+        'Errors: the largest absolute error of the output and of the gradients of q, k and v against the zoo\'s '
+        'mixer in float64, as a share of the largest absolute value. Memory: peak allocated above the inputs. '
+        '`×zoo`: the eager zoo mixer\'s time over this kernel\'s (> 1: faster than the zoo).', '',
+        '| ' + ' | '.join(COLUMNS) + ' |', '|---' * len(COLUMNS) + '|',
+    ]
+    for row in rows:
+        if 'error' in row:
+            lines.append(f"| {row['tokens']} | {row['kernel']} | {row['error']} |" + ' |' * (len(COLUMNS) - 3))
+            continue
+        cells = [f"{row[key]:.1e}" for key in ('out', 'grad_q', 'grad_k', 'grad_v')]
+        for mode in ('forward', 'train'):
+            ratio = row[f'{mode}_vs_zoo']
+            cells += [f"{row[f'{mode}_ms']:.3f}", '–' if ratio is None else f'{ratio:.2f}',
+                      f"{row[f'{mode}_mib']:.0f}"]
+        lines.append(f"| {row['tokens']} | {row['kernel']} | " + ' | '.join(cells) + ' |')
+    return lines
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.child:
+        (args.tokens,) = args.tokens
+        attentions = build_attentions(args.heads * args.head_dim, args.heads, fla_kernels(args.kernels))
+        print(json.dumps(measure(args, attentions)))
+        return
+    check_arguments(parser, args)
+    started, rows = time.time(), []
+    for tokens in args.tokens:
+        print(f'{tokens} tokens ({time.time() - started:.0f} s)', file=sys.stderr, flush=True)
+        rows += run_child(args, tokens)
+    lines = table(args, rows, (time.time() - started) / 60, torch.cuda.get_device_name(torch.device(args.device)),
+                  importlib.metadata.version('fla-core'))
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out + '.json', 'w') as f:
+        json.dump(rows, f, indent=1)
+    with open(args.out + '.md', 'w') as f:
+        f.write('\n'.join(lines) + '\n')
+    print('\n'.join(lines))
+
+
+if __name__ == '__main__':
+    main()
