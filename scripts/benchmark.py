@@ -262,6 +262,31 @@ def peak_memory_mib(fn: Callable[[], None], device: torch.device) -> float:
     return peak / 2 ** 20
 
 
+def interleaved_seconds(steps: Sequence[Callable[[], None]], rounds: int, warmup: int,
+                        device: torch.device) -> List[List[float]]:
+    """Seconds of each step in each of `rounds` rounds, after `warmup` untimed calls of each. A round runs every step
+    once, in an order reversed from one round to the next, so that every step runs as often right after each
+    neighbour and a machine whose speed drifts slows every step alike."""
+    def sync():
+        if device.type == 'cuda':
+            torch.cuda.synchronize(device)
+
+    for step in steps:
+        for _ in range(warmup):
+            step()
+    sync()
+    times: List[List[float]] = [[] for _ in steps]
+    order = list(range(len(steps)))
+    for _ in range(rounds):
+        order.reverse()
+        for i in order:
+            start = time.perf_counter()
+            steps[i]()
+            sync()
+            times[i].append(time.perf_counter() - start)
+    return times
+
+
 class Runner(NamedTuple):
     """A model timed in a child process: its steps, its result (filled in) and FLOPs by mode."""
     model: torch.nn.Module
@@ -279,11 +304,6 @@ def measure(args: argparse.Namespace) -> List[Dict]:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     amp = dict(device_type=device.type, dtype=torch.bfloat16, enabled=device.type == 'cuda')
-
-    def sync():
-        if device.type == 'cuda':
-            torch.cuda.synchronize()
-
     results: List[Dict] = []
     runners: List[Runner] = []
     specs = json.loads(args.specs)
@@ -337,23 +357,6 @@ def measure(args: argparse.Namespace) -> List[Dict]:
 
     matmuls, matmul_flops = matmul_steps(device, args.matmul_size)
 
-    def time_rounds(steps: List[Callable[[], None]], iters: int) -> List[List[float]]:
-        """Seconds of each step in each round."""
-        for step in steps:
-            for _ in range(args.warmup):
-                step()
-        sync()
-        times: List[List[float]] = [[] for _ in steps]
-        order = list(range(len(steps)))
-        for _ in range(iters):
-            order.reverse()  # every step runs as often right after each neighbour
-            for i in order:
-                start = time.perf_counter()
-                steps[i]()
-                sync()
-                times[i].append(time.perf_counter() - start)
-        return times
-
     pick = min if args.stat == 'min' else statistics.median
     modes = [('infer', 'infer_img_s', lambda r: r.infer, args.iters)]
     if args.train:
@@ -364,7 +367,7 @@ def measure(args: argparse.Namespace) -> List[Dict]:
         # the ceiling of an eager model; a compiled one calls the same products and shares it
         alone = [(r, counted_ops_alone(step_of(r))) for r in runners if args.ceiling and r.eager]
         steps = [step_of(r) for r in runners] + [replay for _, replay in alone] + list(matmuls.values())
-        times = time_rounds(steps, iters)
+        times = interleaved_seconds(steps, iters, args.warmup, device)
         alone_times = times[len(runners):len(runners) + len(alone)]
         times, matmul_times = times[:len(runners)], dict(zip(matmuls, times[len(runners) + len(alone):]))
         # each round's faster library

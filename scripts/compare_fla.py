@@ -12,7 +12,8 @@ fla-core kernel take the same q, k, v as (B, n, C) with the heads in channel ord
 (fla-core reads them as (B, n, heads, d) views and returns (B, n, C) as the mixer does), and are timed in
 interleaved rounds, forward alone and forward with backward. Each reports the largest error of its output and of
 its gradients of q, k and v against the mixer in float64 (as a share of the largest value of each), its peak
-memory above the inputs, and the eager mixer's time over its own (> 1: faster than the zoo's).
+memory above the inputs (as `scripts/benchmark.py` measures it), and the eager mixer's time over its own (> 1:
+faster than the zoo's).
 
 fla-core's kernels are Triton kernels for GPUs: the comparison needs a CUDA device and `pip install fla-core`.
 
@@ -35,7 +36,9 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SCRIPTS = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [os.path.dirname(SCRIPTS), SCRIPTS]  # the repository's packages, and benchmark.py beside this file
+from benchmark import interleaved_seconds, peak_memory_mib  # noqa: E402
 from engine.distributed import resolve_device  # noqa: E402
 from engine.errors import UsageError, refuse_below  # noqa: E402
 from models.attention import MixContext, get_mixer_class  # noqa: E402
@@ -90,42 +93,6 @@ def relative_errors(found: Sequence[Tensor], expected: Sequence[Tensor]) -> Dict
             for name, a, b in zip(('out', 'grad_q', 'grad_k', 'grad_v'), found, expected)}
 
 
-def peak_memory_mib(fn: Callable[[], None], device: torch.device) -> Optional[float]:
-    """Peak memory `fn` allocates above what is allocated when it starts (MiB), on CUDA; None elsewhere."""
-    if device.type != 'cuda':
-        return None
-    torch.cuda.synchronize(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    start = torch.cuda.memory_allocated(device)
-    fn()
-    torch.cuda.synchronize(device)
-    return (torch.cuda.max_memory_allocated(device) - start) / 2 ** 20
-
-
-def interleaved_seconds(steps: Dict[str, Callable[[], None]], rounds: int, warmup: int,
-                        device: torch.device) -> Dict[str, List[float]]:
-    """Seconds of each step in each of `rounds` rounds; a round runs every step once, in an order reversed from one
-    round to the next, so that a drifting machine slows every step alike."""
-    def sync():
-        if device.type == 'cuda':
-            torch.cuda.synchronize(device)
-
-    for step in steps.values():
-        for _ in range(warmup):
-            step()
-    sync()
-    names = list(steps)
-    seconds: Dict[str, List[float]] = {name: [] for name in names}
-    for _ in range(rounds):
-        names.reverse()
-        for name in names:
-            start = time.perf_counter()
-            steps[name]()
-            sync()
-            seconds[name].append(time.perf_counter() - start)
-    return seconds
-
-
 def measure(args: argparse.Namespace, attentions: Dict[str, Attention]) -> List[Dict]:
     """Errors, memory and times of every attention in `attentions` at `args.tokens` tokens (one process)."""
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
@@ -162,10 +129,9 @@ def measure(args: argparse.Namespace, attentions: Dict[str, Attention]) -> List[
         rows.append(row)
     timed = [row for row in rows if 'steps' in row]
     for mode in ('forward', 'train'):
-        seconds = interleaved_seconds({row['kernel']: row['steps'][mode] for row in timed}, args.rounds,
-                                      args.warmup, device)
-        for row in timed:
-            row[f'{mode}_ms'] = 1000 * statistics.median(seconds[row['kernel']])
+        seconds = interleaved_seconds([row['steps'][mode] for row in timed], args.rounds, args.warmup, device)
+        for row, row_seconds in zip(timed, seconds):
+            row[f'{mode}_ms'] = 1000 * statistics.median(row_seconds)
     zoo = next((row for row in timed if row['kernel'] == ZOO), None)
     for row in timed:
         del row['steps']
