@@ -274,7 +274,8 @@ def _train(cfg: CN, info: DistInfo, lock: OutputLock, check_data: bool) -> Dict[
     # a run that stopped, or whose validation failed, after an epoch's training resumes with that validation
     trained = stored.get('train_record') if stored is not None and stored['metrics'] is None else None
     if state.epoch >= num_epochs:
-        logger.info(f"{resume} already finished all {num_epochs} epochs; nothing to train")
+        logger.info(f"{resume} has trained {state.epoch} epoch(s) and TRAIN.EPOCHS is {num_epochs}: nothing to "
+                    f"train (a larger TRAIN.EPOCHS goes on from it)")
     stop = StopSignal()
     with stop.installed(), compile_errors_reported(cfg.MODEL.NAME):
         while state.epoch < num_epochs:

@@ -670,6 +670,8 @@ def test_a_lock_and_temp_files_left_by_a_killed_run_are_cleared(tmp_path, digits
     log = log_text(output)
     assert f"took over the lock of a run that has ended (host {socket.gethostname()} pid {pid})" in log
     assert f"removed 1 temporary file(s) of checkpoint writes killed before they finished: {stale.name}" in log
+    assert (f"{output / 'last.pth'} has trained 1 epoch(s) and TRAIN.EPOCHS is 1: nothing to train (a larger "
+            f"TRAIN.EPOCHS goes on from it)") in log
     assert not stale.exists() and live.exists() and not (output / '.train.lock').exists()
 
 
