@@ -52,7 +52,7 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -326,7 +326,7 @@ def measure(args: argparse.Namespace) -> List[Dict]:
             flops = model_flops(spec, model, x, args.train)
             variants = [model] + ([compile_model(model)] if args.compile else [])
         except Exception as e:  # a configuration a model cannot take (or memory) is reported, not fatal
-            results += [_error_result(e, device)] * (2 if args.compile else 1)
+            results += [error_result(e, device)] * (2 if args.compile else 1)
             continue
         for run in variants:
             def infer(run=run, x=x):
@@ -352,7 +352,7 @@ def measure(args: argparse.Namespace) -> List[Dict]:
                     result['train_mem_mib'] = peak_memory_mib(train_step, device)
                 runners.append(Runner(model, infer, train_step, result, flops, eager=run is model))
             except Exception as e:
-                result = _error_result(e, device)
+                result = error_result(e, device)
             results.append(result)
 
     matmuls, matmul_flops = matmul_steps(device, args.matmul_size)
@@ -386,10 +386,24 @@ def measure(args: argparse.Namespace) -> List[Dict]:
     return results
 
 
-def _error_result(e: Exception, device: torch.device) -> Dict:
+def error_result(e: Exception, device: torch.device) -> Dict:
+    """A measurement that failed (a model or kernel that cannot take this size, or memory), as a result of one line;
+    on CUDA the allocator's cache is emptied for the next one."""
     if device.type == 'cuda':
         torch.cuda.empty_cache()
     return dict(error=f'{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ""}'[:200])
+
+
+def child_results(cmd: List[str], timeout: int, env: Optional[Dict[str, str]] = None) -> Union[List[Dict], str]:
+    """The results a measuring process prints as JSON on its last line, or why there are none: the timeout, or the
+    last line of its error output."""
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired:
+        return f'timeout after {timeout} s'
+    if proc.returncode != 0:
+        return (proc.stderr.strip().splitlines() or [f'exit status {proc.returncode}'])[-1][:200]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def run_group(args: argparse.Namespace, specs: List[Dict], resolution: int, train: bool) -> List[Dict]:
@@ -401,15 +415,10 @@ def run_group(args: argparse.Namespace, specs: List[Dict], resolution: int, trai
     cmd += ['--onednn'] * args.onednn + ['--ceiling'] * args.ceiling
     cmd += ['--train' if train else '--no-train']
     env = dict(os.environ, **STEADY_MALLOC) if args.steady_malloc else None
-    variants = 2 if args.compile else 1
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
-    except subprocess.TimeoutExpired:
-        return [dict(error=f'timeout after {args.timeout} s')] * len(specs) * variants
-    if proc.returncode != 0:
-        reason = (proc.stderr.strip().splitlines() or [f'exit status {proc.returncode}'])[-1]
-        return [dict(error=reason[:200])] * len(specs) * variants
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    results = child_results(cmd, args.timeout, env)
+    if isinstance(results, str):
+        return [dict(error=results)] * len(specs) * (2 if args.compile else 1)
+    return results
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -28,7 +28,6 @@ import os
 import platform
 import shlex
 import statistics
-import subprocess
 import sys
 import time
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
@@ -38,7 +37,7 @@ from torch import Tensor
 
 SCRIPTS = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(SCRIPTS), SCRIPTS]  # the repository's packages, and benchmark.py beside this file
-from benchmark import interleaved_seconds, peak_memory_mib  # noqa: E402
+from benchmark import child_results, error_result, interleaved_seconds, peak_memory_mib  # noqa: E402
 from engine.distributed import resolve_device  # noqa: E402
 from engine.errors import UsageError, refuse_below  # noqa: E402
 from models.attention import MixContext, get_mixer_class  # noqa: E402
@@ -101,7 +100,7 @@ def measure(args: argparse.Namespace, attentions: Dict[str, Attention]) -> List[
     q, k, v, grad_out = (torch.randn(args.batch_size, args.tokens, dim, device=device, dtype=dtype,
                                      generator=generator) for _ in range(4))
     expected = output_and_grads(attentions[ZOO], q, k, v, grad_out, torch.float64)
-    rows = []
+    rows, steps = [], {}
     for name, attention in attentions.items():
         row: Dict = dict(tokens=args.tokens, kernel=name)
         try:
@@ -117,24 +116,20 @@ def measure(args: argparse.Namespace, attentions: Dict[str, Attention]) -> List[
                     x.grad = None
                 attention(*trainable).backward(grad_out)
 
-            row['steps'] = dict(forward=forward, train=forward_backward)
             forward(), forward_backward()  # compiles, outside the memory measurement
             row['forward_mib'] = peak_memory_mib(forward, device)
             row['train_mib'] = peak_memory_mib(forward_backward, device)
+            steps[name] = dict(forward=forward, train=forward_backward)
         except Exception as e:  # a kernel that cannot take this size (or memory) is reported, not fatal
-            first_line = (str(e).splitlines() or [''])[0]
-            row = dict(tokens=args.tokens, kernel=name, error=f'{type(e).__name__}: {first_line}'[:200])
-            if device.type == 'cuda':
-                torch.cuda.empty_cache()
+            row = dict(tokens=args.tokens, kernel=name, **error_result(e, device))
         rows.append(row)
-    timed = [row for row in rows if 'steps' in row]
+    timed = [row for row in rows if row['kernel'] in steps]
     for mode in ('forward', 'train'):
-        seconds = interleaved_seconds([row['steps'][mode] for row in timed], args.rounds, args.warmup, device)
+        seconds = interleaved_seconds([steps[row['kernel']][mode] for row in timed], args.rounds, args.warmup, device)
         for row, row_seconds in zip(timed, seconds):
             row[f'{mode}_ms'] = 1000 * statistics.median(row_seconds)
     zoo = next((row for row in timed if row['kernel'] == ZOO), None)
     for row in timed:
-        del row['steps']
         for mode in ('forward', 'train'):
             row[f'{mode}_vs_zoo'] = zoo[f'{mode}_ms'] / row[f'{mode}_ms'] if zoo else None
     return rows
@@ -200,14 +195,8 @@ def run_child(args: argparse.Namespace, tokens: int) -> List[Dict]:
            '--batch-size', str(args.batch_size), '--heads', str(args.heads), '--head-dim', str(args.head_dim),
            '--dtype', args.dtype, '--rounds', str(args.rounds), '--warmup', str(args.warmup),
            '--kernels', *args.kernels]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
-    except subprocess.TimeoutExpired:
-        return [dict(tokens=tokens, kernel='all', error=f'timeout after {args.timeout} s')]
-    if proc.returncode != 0:
-        reason = (proc.stderr.strip().splitlines() or [f'exit status {proc.returncode}'])[-1]
-        return [dict(tokens=tokens, kernel='all', error=reason[:200])]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    rows = child_results(cmd, args.timeout)
+    return [dict(tokens=tokens, kernel='all', error=rows)] if isinstance(rows, str) else rows
 
 
 def table(args: argparse.Namespace, rows: List[Dict], minutes: float, device_name: str,

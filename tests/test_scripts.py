@@ -336,6 +336,19 @@ def test_benchmark_ceiling_column_gives_each_model_and_its_compiled_twin_the_eag
     assert (row['infer_ceiling_pct'], row['train_ceiling_pct']) == (70.0, 60.0)
 
 
+
+@pytest.mark.parametrize('code, timeout, expected', [
+    ('print("progress"); print(\'[{"kernel": "zoo", "forward_ms": 1.5}]\')', 60,
+     [{'kernel': 'zoo', 'forward_ms': 1.5}]),
+    ('import sys; print("warming up", file=sys.stderr); raise MemoryError("no room for 4 GiB")', 60,
+     'MemoryError: no room for 4 GiB'),
+    ('import sys; sys.exit(3)', 60, 'exit status 3'),
+    ('import time; time.sleep(30)', 1, 'timeout after 1 s'),
+])
+def test_the_measuring_process_gives_its_last_json_line_or_why_it_has_none(code, timeout, expected):
+    assert benchmark.child_results([sys.executable, '-c', code], timeout) == expected
+
+
 def documented_fla_linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, normalize: bool,
                                     eps: float) -> Tuple[torch.Tensor, None]:
     """What fla-core's normalised linear-attention kernels compute by their documentation, as a masked formula: q, k
