@@ -479,15 +479,16 @@ def create_variant(
 
     A pretrained cfg belongs to the architecture its weights were trained with: a model built with another
     `attn_type` than the variant's loses the weights URL, and `pretrained=True` with it is refused unless the
-    user names a file of their own (`pretrained_cfg_overlay=dict(file=...)`); softmax weights become the start
-    of another attention through `models.checkpoint.load_pretrained_into`, which reports the new keys.
+    user gives weights of their own (`pretrained_cfg_overlay=dict(file=...)`, `url=...` or `state_dict=...`, as
+    `engine` does for a checkpoint of such a model); softmax weights become the start of another attention through
+    `models.checkpoint.load_pretrained_into`, which reports the new keys.
     """
     kwargs = _fold_attn_options(model_cls, dict(kwargs))
     built = {**model_args, **kwargs}
     native = {**built, 'attn_type': model_args['attn_type']}
     if 'attn_type' in kwargs and _block_attentions(built) != _block_attentions(native):
         overlay = dict(kwargs.get('pretrained_cfg_overlay') or {})
-        own_weights = bool(overlay.get('file') or overlay.get('url'))
+        own_weights = bool(overlay.get('file') or overlay.get('url')) or overlay.get('state_dict') is not None
         if pretrained and not own_weights:
             raise ValueError(
                 f"{variant}'s pretrained weights belong to attn_type {model_args.get('attn_type')!r}, not "

@@ -126,12 +126,14 @@ def test_an_equivalent_attn_type_keeps_the_pretrained_cfg():
     assert model.pretrained_cfg['url'] == timm.models.get_pretrained_cfg('inline_swin_tiny').url
 
 
-def test_own_weights_of_another_attention_load_through_the_overlay(tmp_path):
+@pytest.mark.parametrize('given_as', ['file', 'state_dict'])
+def test_own_weights_of_another_attention_load_through_the_overlay(tmp_path, given_as):
     torch.manual_seed(0)
     source = timm.create_model('softmax_deit_tiny', attn_type='sima', **TINY['deit'])
     torch.save(source.state_dict(), tmp_path / 'sima.pth')
-    model = timm.create_model('softmax_deit_tiny', attn_type='sima', pretrained=True,
-                              pretrained_cfg_overlay=dict(file=str(tmp_path / 'sima.pth')), **TINY['deit'])
+    overlay = dict(file=str(tmp_path / 'sima.pth')) if given_as == 'file' else dict(state_dict=source.state_dict())
+    model = timm.create_model('softmax_deit_tiny', attn_type='sima', pretrained=True, pretrained_cfg_overlay=overlay,
+                              **TINY['deit'])
     # timm gives a classifier of another class count than the pretrained cfg's a fresh init
     expected = source.state_dict()
     assert all(torch.equal(v, expected[k]) for k, v in model.state_dict().items() if not k.startswith('head.'))

@@ -607,6 +607,16 @@ def test_official_release_file_evaluates_like_the_same_weights_through_a_config(
     assert by_model['precision'] == 'float32'
 
 
+def test_a_checkpoint_of_another_attention_than_the_variant_s_evaluates(tmp_path, digits, capsys):
+    """A model trained with MODEL.KWARGS.attn_type other than its registered variant's evaluates from its own
+    checkpoint: the weights are the user's, not the variant's release."""
+    opts = ['DATA.DATA_PATH', str(digits), 'MODEL.KWARGS.attn_type', 'sima']
+    checkpoint = _tiny_checkpoint(tmp_path, load_config(TINY, opts))
+    code, out, err = _run(eval_main, ['--cfg', TINY, '--checkpoint', checkpoint, '--opts'] + opts, capsys)
+    assert code == 0, err
+    assert json.loads(out.strip().splitlines()[-1])['count'] == 360
+
+
 def test_throughput_prints_images_per_second(capsys):
     code, out, _ = _run(eval_main, ['--model', 'inline_deit_tiny', '--throughput', '--batch-size', '4', '--opts']
                         + TINY_MODEL_OPTS, capsys)
