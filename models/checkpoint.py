@@ -228,23 +228,30 @@ def drop_derived_buffers(state_dict: Mapping[str, Tensor]) -> Dict[str, Tensor]:
     return {k: v for k, v in state_dict.items() if k.rsplit('.', 1)[-1] not in DERIVED_BUFFERS}
 
 
+def _differ_in_input_channels_only(a: Tensor, b: Tensor) -> bool:
+    return a.ndim == b.ndim >= 2 and a.shape[0] == b.shape[0] and a.shape[2:] == b.shape[2:]
+
+
 def check_state_dict(
         model: nn.Module,
         state_dict: Mapping[str, Tensor],
         source: str = 'checkpoint',
         free_shape_prefixes: Sequence[str] = (),
+        input_conv_weights: Sequence[str] = (),
 ) -> None:
     """Raise `CheckpointError` naming the missing, unexpected and mis-shaped keys, on one line.
 
     Keys under `free_shape_prefixes` (a classifier that the loader re-creates for another class count) may differ
-    in shape.
+    in shape, and the weights in `input_conv_weights` in their input channels (dim 1), which timm's loader adapts
+    to the model's `in_chans`.
     """
     own = model.state_dict()
     missing = [k for k in own if k not in state_dict]
     unexpected = [k for k in state_dict if k not in own]
     shapes = [f"{k} {tuple(state_dict[k].shape)} vs {tuple(own[k].shape)}"
               for k in own if k in state_dict and state_dict[k].shape != own[k].shape
-              and not k.startswith(tuple(free_shape_prefixes))]
+              and not k.startswith(tuple(free_shape_prefixes))
+              and not (k in input_conv_weights and _differ_in_input_channels_only(state_dict[k], own[k]))]
     if missing or unexpected or shapes:
         parts = []
         for what, keys in (('missing', missing), ('unexpected', unexpected), ('mis-shaped', shapes)):
@@ -324,11 +331,16 @@ def filter_checkpoint(
         prepare: Callable[[Dict[str, Tensor]], Dict[str, Tensor]] = lambda state_dict: state_dict,
 ) -> Dict[str, Tensor]:
     """A checkpoint made ready for `model`: weights unwrapped, derived buffers dropped, `prepare` applied (a
-    family's own renaming), tensors of another resolution adapted, and the keys checked (the classifier may
-    differ in shape: the loader re-creates it for another class count)."""
+    family's own renaming), tensors of another resolution adapted, and the keys checked. Two kinds of tensor may
+    differ in shape, for timm's loader adapts them after this filter: the classifier (re-created for another
+    class count) and the cfg's `first_conv` weights in their input channels (adapted to the model's
+    `in_chans`)."""
     state_dict = prepare(drop_derived_buffers(checkpoint_state_dict(checkpoint)))
     state_dict = adapt_state_dict(model, state_dict)
-    check_state_dict(model, state_dict, 'checkpoint', free_shape_prefixes=('head.',))
+    first_conv = (getattr(model, 'pretrained_cfg', None) or {}).get('first_conv') or ()
+    input_convs = (first_conv,) if isinstance(first_conv, str) else tuple(first_conv)
+    check_state_dict(model, state_dict, 'checkpoint', free_shape_prefixes=('head.',),
+                     input_conv_weights=[f'{name}.weight' for name in input_convs])
     return state_dict
 
 

@@ -360,7 +360,6 @@ _cfg = partial(imagenet_cfg, fixed_input_size=True, first_conv='stage1_conv_embe
 
 _SIZES = ('tiny', 'small', 'base', 'base_384')
 _SPLIT_224, _SPLIT_384 = (1, 2, 7, 7), (1, 2, 12, 12)
-_LA_SPLIT_224, _LA_SPLIT_384 = '56-28-14-7', '96-48-24-12'
 
 # The original CSwin models, which every attention of the registry takes.
 _ORIGINAL = {
@@ -375,9 +374,9 @@ _PAPER_DEPTHS = {'tiny': (2, 4, 18, 1), 'small': (3, 6, 29, 2), 'base': (3, 6, 2
 
 
 def _paper_args(size: str, depth: Tuple[int, ...], attn_type: str, **extra: Any) -> Dict[str, Any]:
-    args = dict(_ORIGINAL[size], depth=depth, attn_type=attn_type, **extra)
-    args['la_split_size'] = _LA_SPLIT_384 if size == 'base_384' else _LA_SPLIT_224
-    return args
+    # The official la_split_size ('56-28-14-7', '96-48-24-12' at 384) is every stage's grid at the trained size:
+    # one global branch. None keeps that branch global at any img_size, so the released weights load there too.
+    return dict(_ORIGINAL[size], depth=depth, attn_type=attn_type, **extra)
 
 
 _OFFICIAL: Dict[str, Tuple[Dict[str, Any], str]] = {

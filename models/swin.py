@@ -254,8 +254,8 @@ def _create_swin(variant: str, pretrained: bool, model_args: Dict[str, Any],
     """Build a Swin variant; the official linear-attention models take `window_size` as their constructors do."""
     model_args = dict(model_args)
     softmax_window = model_args.pop('softmax_window_rule', None)
-    if softmax_window is not None:
-        linear_window = kwargs.pop('window_size', model_args['la_window_size'])
+    if softmax_window is not None and 'window_size' in kwargs:
+        linear_window = kwargs.pop('window_size')
         kwargs.setdefault('la_window_size', linear_window)
         model_args['window_size'] = softmax_window(linear_window)
     return create_variant(SwinTransformer, variant, pretrained, model_args, kwargs,
@@ -279,16 +279,19 @@ _SIZES: Dict[str, Dict[str, Any]] = {
     'base': dict(embed_dim=128, depths=(2, 2, 18, 2), num_heads=(4, 8, 16, 32), window_size=7),
     'base_384': dict(img_size=384, embed_dim=128, depths=(2, 2, 18, 2), num_heads=(4, 8, 16, 32), window_size=12),
 }
-_WINDOW_DOC = ('`window_size` has the official constructor\'s meaning: the window of the linear blocks (default: the '
-               'stage-0 grid, global); the softmax window derives from it. `la_window_size` overrides the linear '
-               'window alone.')
+_WINDOW_DOC = ('`window_size` has the official constructor\'s meaning: the window of the linear blocks, from which the '
+               'softmax window derives; by default the linear blocks are global at any img_size and the softmax '
+               'window is the trained one. `la_window_size` overrides the linear window alone.')
 
 
 def _official(size: str, attn_type: str, softmax_window_rule: Callable[[int], int], **extra: Any) -> Dict[str, Any]:
-    """An official linear-attention Swin: its pattern, the linear window covering the grid, the window rule."""
-    args = {k: v for k, v in _SIZES[size].items() if k != 'window_size'}
-    return dict(args, attn_type=attn_type, la_window_size=96 if size == 'base_384' else 56,
-                softmax_window_rule=softmax_window_rule, **extra)
+    """An official linear-attention Swin: its pattern, global linear blocks, the window rule.
+
+    The official window_size (56, 96 at 384) is the stage-0 grid at the trained size, so its linear blocks are
+    global; `la_window_size` None keeps them global at any img_size, where the released weights then load, and
+    the softmax window is the rule's value at the trained size (7, 12 at 384).
+    """
+    return dict(_SIZES[size], attn_type=attn_type, softmax_window_rule=softmax_window_rule, **extra)
 
 
 _OFFICIAL: Dict[str, Tuple[Dict[str, Any], str]] = {

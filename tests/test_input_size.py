@@ -147,6 +147,65 @@ def test_released_architecture_built_at_224_runs_at_288_and_384(name, feature_si
             assert features.shape == (1, 1 + (size // 16) ** 2, model.num_features)
 
 
+# Released architectures (their own stripe, window and embedding layouts) made narrow and shallow. Swin's linear
+# attentions in every stage: a softmax stage's 7x7 window is global on the last 7x7 grid, which the dynamic model
+# keeps at 288, while a model built at 288 tiles the 9x9 grid with 7x7 windows, as Swin does.
+RELEASED_NARROW = {
+    'flatten_deit_tiny': dict(embed_dim=16, depth=1, num_heads=2),
+    'inline_swin_tiny': dict(embed_dim=8, depths=[1, 1, 1, 1], num_heads=[1, 2, 2, 2], attn_type='IIII'),
+    'flatten_swin_tiny': dict(embed_dim=8, depths=[2, 1, 1, 1], num_heads=[1, 2, 2, 2], attn_type='LLLL'),
+    'inline_cswin_tiny': dict(embed_dim=8, depth=[1, 1, 1, 1], num_heads=[2, 2, 2, 2]),
+    'flatten_cswin_tiny': dict(embed_dim=8, depth=[1, 1, 1, 1], num_heads=[2, 2, 2, 2]),
+}
+
+
+@pytest.mark.parametrize('name', RELEASED_NARROW)
+def test_released_weights_load_at_another_img_size_as_the_dynamic_model_runs_them(name):
+    """Fine-tuning at 288 from weights trained at 224: global stages stay global (CSwin's linear stages too), so
+    the weights load and the model computes what the 224 model does at 288 with `dynamic_img_size`."""
+    narrow = RELEASED_NARROW[name]
+    weights = randomize(timm.create_model(name, **narrow)).double().state_dict()
+    finetune = timm.create_model(name, pretrained=True, pretrained_cfg_overlay=dict(state_dict=weights),
+                                 img_size=288, **narrow).double().eval()
+    dynamic = timm.create_model(name, dynamic_img_size=True, **narrow).double().eval()
+    dynamic.load_state_dict(weights)
+    x = images(288, batch=1)
+    with torch.no_grad():
+        torch.testing.assert_close(finetune(x), dynamic(x), rtol=0, atol=1e-12)
+
+
+# Every family's stem, as small as it builds.
+STEMS = {
+    'inline_deit_tiny': dict(img_size=32, patch_size=8, embed_dim=16, depth=1, num_heads=2),
+    'multimax_deit_tiny': dict(img_size=32, patch_size=8, embed_dim=16, depth=1, num_heads=2),
+    'flatten_pvt_tiny': dict(img_size=64, embed_dims=[8, 16, 16, 16], num_heads=[1, 2, 2, 2],
+                             mlp_ratios=[2, 2, 2, 2], depths=[1, 1, 1, 1]),
+    'inline_pvt_v2_b0': dict(img_size=64, embed_dims=[8, 16, 16, 16], num_heads=[1, 2, 2, 2],
+                             mlp_ratios=[2, 2, 2, 2], depths=[1, 1, 1, 1]),
+    'inline_swin_tiny': dict(img_size=32, embed_dim=8, depths=[1, 1, 1, 1], num_heads=[1, 2, 2, 2], window_size=2),
+    'flatten_cswin_tiny': dict(img_size=32, embed_dim=8, depth=[1, 1, 1, 1], num_heads=[2, 2, 2, 2],
+                               split_size=[1, 2, 1, 1]),
+    'sima_nano_12_p16': dict(img_size=32, embed_dim=16, depth=1, num_heads=2),
+}
+
+
+@pytest.mark.parametrize('name', STEMS)
+def test_rgb_weights_load_into_a_one_channel_model_as_timm_adapts_them(name):
+    """timm's loader sums the cfg's `first_conv` over its input channels after the family's checkpoint filter,
+    which must let that weight through: a grey image then gives the RGB model's output on its three copies."""
+    rgb = randomize(timm.create_model(name, **STEMS[name])).eval()
+    weights = rgb.state_dict()
+    stem = rgb.pretrained_cfg['first_conv'] + '.weight'
+    grey = timm.create_model(name, pretrained=True, pretrained_cfg_overlay=dict(state_dict=weights), in_chans=1,
+                             **STEMS[name]).eval()
+    loaded = grey.state_dict()
+    assert torch.equal(loaded[stem], weights[stem].sum(dim=1, keepdim=True))
+    assert [k for k in weights if not torch.equal(loaded[k], weights[k])] == [stem]
+    x = images(STEMS[name]['img_size'], batch=2).float()[:, :1]
+    with torch.no_grad():
+        torch.testing.assert_close(grey(x), rgb(x.expand(-1, 3, -1, -1)), rtol=1e-4, atol=1e-5)
+
+
 HIERARCHICAL = ['softmax_swin_tiny', 'flatten_swin_base_384', 'inline_cswin_tiny', 'inline_pvt_tiny',
                 'flatten_pvt_small']
 
