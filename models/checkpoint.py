@@ -325,22 +325,29 @@ def adapt_state_dict(model: nn.Module, state_dict: Dict[str, Tensor]) -> Dict[st
     return state_dict
 
 
+def _cfg_module_names(model: nn.Module, key: str, default: Sequence[str] = ()) -> Tuple[str, ...]:
+    """The module names under `key` ('first_conv', 'classifier') of the model's pretrained cfg, as a tuple."""
+    names = (getattr(model, 'pretrained_cfg', None) or {}).get(key) or default
+    return (names,) if isinstance(names, str) else tuple(names)
+
+
 def filter_checkpoint(
         checkpoint: Any,
         model: nn.Module,
         prepare: Callable[[Dict[str, Tensor]], Dict[str, Tensor]] = lambda state_dict: state_dict,
 ) -> Dict[str, Tensor]:
     """A checkpoint made ready for `model`: weights unwrapped, derived buffers dropped, `prepare` applied (a
-    family's own renaming), tensors of another resolution adapted, and the keys checked. Two kinds of tensor may
-    differ in shape, for timm's loader adapts them after this filter: the classifier (re-created for another
-    class count) and the cfg's `first_conv` weights in their input channels (adapted to the model's
-    `in_chans`)."""
+    family's own renaming), tensors of another resolution adapted, a classifier the model is built without
+    (`num_classes=0`) dropped, and the keys checked. Two kinds of tensor may differ in shape, for timm's loader
+    adapts them after this filter: the classifier (re-created for another class count) and the cfg's
+    `first_conv` weights in their input channels (adapted to the model's `in_chans`)."""
     state_dict = prepare(drop_derived_buffers(checkpoint_state_dict(checkpoint)))
     state_dict = adapt_state_dict(model, state_dict)
-    first_conv = (getattr(model, 'pretrained_cfg', None) or {}).get('first_conv') or ()
-    input_convs = (first_conv,) if isinstance(first_conv, str) else tuple(first_conv)
-    check_state_dict(model, state_dict, 'checkpoint', free_shape_prefixes=('head.',),
-                     input_conv_weights=[f'{name}.weight' for name in input_convs])
+    classifiers = tuple(f'{name}.' for name in _cfg_module_names(model, 'classifier', ('head',)))
+    own = model.state_dict()
+    state_dict = {k: v for k, v in state_dict.items() if k in own or not k.startswith(classifiers)}
+    check_state_dict(model, state_dict, 'checkpoint', free_shape_prefixes=classifiers,
+                     input_conv_weights=[f'{name}.weight' for name in _cfg_module_names(model, 'first_conv')])
     return state_dict
 
 

@@ -262,7 +262,7 @@ class CSWinTransformer(ZooModel):
         self.in_chans = in_chans
         self.num_classes = num_classes
         self.num_prefix_tokens = 0
-        self.global_pool = self._check_pool(global_pool)
+        self.global_pool = self._check_pool(global_pool, num_classes)
         self.num_stages = NUM_STAGES
         self.num_features = self.head_hidden_size = embed_dim * 2 ** (NUM_STAGES - 1)
         self.attn_names = stage_attentions(attn_type, depth, mixed_linear)

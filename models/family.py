@@ -332,10 +332,14 @@ class ZooModel(nn.Module):
         """Drop every stage from `num_stages` on (the family's modules)."""
         raise NotImplementedError
 
-    def _check_pool(self, global_pool: str) -> str:
-        """`global_pool` if this family takes it, and 'token' only with a class token; else a ValueError."""
+    def _check_pool(self, global_pool: str, num_classes: int) -> str:
+        """`global_pool` if this family takes it before a `num_classes`-way head: 'token' only with a class token,
+        and '' on a (B, C, H, W) map only without a classifier, as timm's own heads; else a ValueError."""
         if check_global_pool(global_pool, self.global_pools) == 'token' and not self.num_prefix_tokens:
             raise ValueError("global_pool 'token' needs the class token (class_token=True); use 'avg'")
+        if not global_pool and num_classes and self.features_fmt == 'NCHW':
+            raise ValueError(f"global_pool '' keeps the (B, C, H, W) map, which a classifier of num_classes "
+                             f"{num_classes} cannot take; expected num_classes=0 with it, or global_pool 'avg'")
         return global_pool
 
     def _input_grid(self, x: Tensor) -> Grid:
@@ -361,8 +365,7 @@ class ZooModel(nn.Module):
 
     def reset_classifier(self, num_classes: int, global_pool: Optional[str] = None) -> None:
         """A new `num_classes`-way head (Identity for 0) on the model's device and dtype; optionally a new pooling."""
-        if global_pool is not None:
-            self.global_pool = self._check_pool(global_pool)
+        self.global_pool = self._check_pool(self.global_pool if global_pool is None else global_pool, num_classes)
         self.num_classes = num_classes
         self.head = new_classifier(self, self.num_features, num_classes)
         if self.official_head_init:

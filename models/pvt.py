@@ -181,7 +181,7 @@ class PyramidVisionTransformer(ZooModel):
         self.num_classes = num_classes
         self.num_features = self.head_hidden_size = embed_dims[-1]
         self.num_prefix_tokens = 1 if class_token else 0
-        self.global_pool = self._check_pool(global_pool)
+        self.global_pool = self._check_pool(global_pool, num_classes)
         self.grad_checkpointing = False
 
         self.grid_sizes = self._stage_grids(self.img_size)

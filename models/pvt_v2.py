@@ -213,7 +213,7 @@ class PyramidVisionTransformerV2(ZooModel):
         self.num_classes = num_classes
         self.num_features = self.head_hidden_size = embed_dims[-1]
         self.num_prefix_tokens = 0
-        self.global_pool = self._check_pool(global_pool)
+        self.global_pool = self._check_pool(global_pool, num_classes)
         self.grad_checkpointing = False
 
         names = stage_attentions(attn_type, depths)

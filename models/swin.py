@@ -164,7 +164,7 @@ class SwinTransformer(ZooModel):
         self.in_chans = in_chans
         self.num_classes = num_classes
         self.num_prefix_tokens = 0
-        self.global_pool = self._check_pool(global_pool)
+        self.global_pool = self._check_pool(global_pool, num_classes)
         self.num_stages = num_stages
         self.grad_checkpointing = False
         self.num_features = self.head_hidden_size = int(embed_dim * 2 ** (num_stages - 1))

@@ -121,15 +121,15 @@ class DeiT(ZooModel):
         self.in_chans = in_chans
         self.num_classes = num_classes
         self.num_prefix_tokens = 1 if class_token else 0
+        self._init_output_fmt('NLC')
         global_pool = ('token' if class_token else 'avg') if global_pool is None else global_pool
-        self.global_pool = self._check_pool(global_pool)
+        self.global_pool = self._check_pool(global_pool, num_classes)
         self.num_features = self.head_hidden_size = self.embed_dim = embed_dim
         self.grad_checkpointing = False
         self.img_size: Grid = tuple(to_2tuple(img_size))
         self.img_divisor = patch_size
         self.dynamic_img_size = dynamic_img_size
         self._check_size(self.img_size, 'img_size')
-        self._init_output_fmt('NLC')
         norm_layer = partial(nn.LayerNorm, eps=1e-6)
 
         self.patch_embed = PatchEmbed(self.img_size, patch_size, in_chans, embed_dim, strict_img_size=False)

@@ -285,7 +285,8 @@ class SimAXCiT(ZooModel):
         self.in_chans = in_chans
         self.num_classes = num_classes
         self.num_prefix_tokens = 1
-        self.global_pool = self._check_pool(global_pool)
+        self._init_output_fmt('NLC')
+        self.global_pool = self._check_pool(global_pool, num_classes)
         self.num_features = self.head_hidden_size = self.embed_dim = embed_dim
         self.grad_checkpointing = False
         self.img_size: Grid = tuple(to_2tuple(img_size))
@@ -293,7 +294,6 @@ class SimAXCiT(ZooModel):
         self.dynamic_img_size = dynamic_img_size
         self._check_size(self.img_size, 'img_size')
         self.grid_size: Grid = (self.img_size[0] // patch_size, self.img_size[1] // patch_size)
-        self._init_output_fmt('NLC')
 
         self.patch_embed = ConvPatchEmbed(patch_size, in_chans, embed_dim)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim))

@@ -174,7 +174,7 @@ def test_released_weights_load_at_another_img_size_as_the_dynamic_model_runs_the
         torch.testing.assert_close(finetune(x), dynamic(x), rtol=0, atol=1e-12)
 
 
-# Every family's stem, as small as it builds.
+# Every family's stem and head, as small as they build.
 STEMS = {
     'inline_deit_tiny': dict(img_size=32, patch_size=8, embed_dim=16, depth=1, num_heads=2),
     'multimax_deit_tiny': dict(img_size=32, patch_size=8, embed_dim=16, depth=1, num_heads=2),
@@ -204,6 +204,23 @@ def test_rgb_weights_load_into_a_one_channel_model_as_timm_adapts_them(name):
     x = images(STEMS[name]['img_size'], batch=2).float()[:, :1]
     with torch.no_grad():
         torch.testing.assert_close(grey(x), rgb(x.expand(-1, 3, -1, -1)), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize('name', STEMS)
+def test_released_weights_load_into_a_model_without_classifier(name):
+    """`num_classes=0`, timm's way to a feature extractor, leaves the checkpoint's classifier out: the model
+    gives the pooled features of the model the weights came from, and with `global_pool=''` its whole map."""
+    source = randomize(timm.create_model(name, **STEMS[name])).eval()
+    overlay = dict(state_dict=source.state_dict())
+    pooled = timm.create_model(name, pretrained=True, pretrained_cfg_overlay=overlay, num_classes=0,
+                               **STEMS[name]).eval()
+    whole = timm.create_model(name, pretrained=True, pretrained_cfg_overlay=overlay, num_classes=0,
+                              global_pool='', **STEMS[name]).eval()
+    x = images(STEMS[name]['img_size']).float()
+    with torch.no_grad():
+        features = source.forward_features(x)
+        assert torch.equal(pooled(x), source.forward_head(features, pre_logits=True))
+        assert torch.equal(whole(x), features)
 
 
 HIERARCHICAL = ['softmax_swin_tiny', 'flatten_swin_base_384', 'inline_cswin_tiny', 'inline_pvt_tiny',
