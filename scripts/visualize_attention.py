@@ -1,5 +1,6 @@
 """Draw the attention of a model over images: a query's map per head for chosen layers, attention rollout (class-
-token models), Grad-CAM, SimA's token norms, MultiMax's σ per layer and the simplex figure.
+token models whose layers all mix the same tokens: DeiT's), Grad-CAM, SimA's token norms, MultiMax's σ per layer
+and the simplex figure.
 
     python scripts/visualize_attention.py --checkpoint output/digits/best.pth --image digits/val --max-images 2 \
         --layers 0 -1 --queries 16,16 cls --gradcam --simplex --out figures
@@ -24,7 +25,7 @@ from engine.errors import UsageError, refuse_below, run_cli  # noqa: E402
 from models.analysis import Query, attention_layers, record_attention  # noqa: E402
 from models.analysis.plots import (  # noqa: E402
     attention_rollout, grad_cam, plot_heat_map, plot_multimax_sigma, plot_query_maps, plot_simplex,
-    plot_token_norms,
+    plot_token_norms, rollout_problem,
 )
 from models.attention.multimax import MultiMaxMixer  # noqa: E402
 
@@ -115,11 +116,16 @@ def main(argv: Sequence[str]) -> int:
     if has_class_token and all(layer.mixer.attention_name != 'additive' for layer in attention_layers(model).values()):
         with torch.no_grad(), record_attention(model) as full:
             model(inputs)
-        rollout = attention_rollout([full[name] for name in full])
-        for index, file in enumerate(files):
-            stem = slug(os.path.splitext(os.path.basename(file))[0])
-            plot_heat_map(shown[index], rollout[index].numpy(), 'attention rollout (class token)',
-                          save(f'{stem}_rollout.png'))
+        layers = [full[name] for name in full]
+        problem = rollout_problem(layers)
+        if problem is None:
+            rollout = attention_rollout(layers)
+            for index, file in enumerate(files):
+                stem = slug(os.path.splitext(os.path.basename(file))[0])
+                plot_heat_map(shown[index], rollout[index].numpy(), 'attention rollout (class token)',
+                              save(f'{stem}_rollout.png'))
+        else:
+            print(f"no attention rollout: {problem}")
     if args.gradcam:
         cams = grad_cam(model, inputs)
         predicted = logits.argmax(dim=-1).tolist()

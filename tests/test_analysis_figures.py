@@ -66,6 +66,26 @@ def test_visualize_attention_writes_figures(images, tmp_path):
     assert all(os.path.getsize(out / name) > 1000 for name in names)
 
 
+@pytest.mark.parametrize('model, opts, layer', [
+    ('softmax_pvt_tiny', ['DATA.IMG_SIZE', '32', 'MODEL.KWARGS.embed_dims', '[8,16,16,16]', 'MODEL.KWARGS.num_heads',
+                          '[1,2,2,2]', 'MODEL.KWARGS.depths', '[1,1,1,1]'], 'stages-3-blocks-0-attn'),
+    ('sima_nano_12_p16', ['DATA.IMG_SIZE', '32', 'MODEL.KWARGS.embed_dim', '16', 'MODEL.KWARGS.depth', '1',
+                          'MODEL.KWARGS.num_heads', '2'], 'blocks-0-attn'),
+])
+def test_class_token_models_without_a_rollout_draw_the_rest(images, tmp_path, capsys, model, opts, layer):
+    """PVT's stages mix different tokens and XCiT's blocks mix channels, so the rollout the script adds for
+    class-token models is not defined there: it says so and draws the other figures."""
+    out = tmp_path / 'figures'
+    argv = ['--model', model, '--image', str(images), '--max-images', '1', '--gradcam', '--out', str(out), '--opts']
+    assert run_cli(visualize.main, argv + opts) == 0
+    printed = capsys.readouterr().out
+    assert "no attention rollout: rollout needs every token's row over the same tokens, a class token among them; " \
+           "layer " in printed
+    names = os.listdir(out)
+    assert '0_gradcam.png' in names and any(name.startswith(f'0_{layer}_') for name in names)
+    assert not any('rollout' in name for name in names)
+
+
 @pytest.mark.parametrize('change,message', [
     (['--layers', 'blocks.7.attn'], "error: unknown layer 'blocks.7.attn'"),
     (['--queries', '16,3'], "error: query '16,3' is outside the 16x16 image"),

@@ -19,7 +19,7 @@ from ..attention.multimax import MultiMaxMixer, multimax_modulation  # noqa: E40
 from .record import LayerAttention, attention_layers  # noqa: E402
 
 __all__ = [
-    'grid_map', 'plot_query_maps', 'attention_rollout', 'plot_heat_map', 'grad_cam', 'plot_token_norms',
+    'grid_map', 'plot_query_maps', 'rollout_problem', 'attention_rollout', 'plot_heat_map', 'grad_cam', 'plot_token_norms',
     'plot_multimax_sigma', 'simplex_logits', 'simplex_points', 'plot_simplex', 'plot_layer_curves',
 ]
 
@@ -78,17 +78,31 @@ def plot_query_maps(image: np.ndarray, layer: LayerAttention, row: int, path: st
     plt.close(fig)
 
 
+def rollout_problem(layers: Sequence[LayerAttention]) -> Optional[str]:
+    """Why `attention_rollout` is not defined on `layers`, or None: it needs every layer's weights of every token
+    over the same tokens, a class token among them (not so in PVT's stages, XCiT's channel attention or pooling
+    layers)."""
+    for layer in layers:
+        tokens = layer.weights.shape[-1]
+        if (layer.is_pooling or layer.num_prefix_tokens == 0 or layer.weights.shape[-2] != tokens
+                or tokens != layers[0].weights.shape[-1]):
+            return (f"rollout needs every token's row over the same tokens, a class token among them; layer "
+                    f"{layer.name!r} ({layer.attention}) has weights of shape {tuple(layer.weights.shape)}")
+    return None
+
+
 def attention_rollout(layers: Sequence[LayerAttention]) -> Tensor:
     """(B, H, W) attention rollout of the first prefix token (the class token) over the grid.
 
     Each layer's full N×N matrix, averaged over the heads, plus the identity for the residual connection and
-    renormalised by its row sums, multiplied in forward order; every layer must be recorded for every token.
+    renormalised by its row sums, multiplied in forward order; every layer must be recorded for every token
+    (`rollout_problem` says why not).
     """
+    problem = rollout_problem(layers)
+    if problem is not None:
+        raise ValueError(problem)
     joint: Optional[Tensor] = None
     for layer in layers:
-        if layer.is_pooling or layer.num_prefix_tokens == 0 or layer.weights.shape[-2] != layer.weights.shape[-1]:
-            raise ValueError(f"rollout needs every token's row over every token with a class token; layer "
-                             f"{layer.name!r} ({layer.attention}) has weights of shape {tuple(layer.weights.shape)}")
         mixed = layer.weights.mean(dim=1) + torch.eye(layer.weights.shape[-1], dtype=layer.weights.dtype,
                                                       device=layer.weights.device)
         mixed = mixed / mixed.sum(dim=-1, keepdim=True)
