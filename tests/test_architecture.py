@@ -106,6 +106,25 @@ def test_flags_say_what_they_mean():
     assert list(GROUPINGS) == ['global', 'reduction', 'window', 'stripes']
 
 
+@pytest.mark.parametrize('name, tiny', [
+    ('flatten_pvt_tiny', TINY['pvt']),
+    ('softmax_pvt_v2_b0', dict(TINY['pvt'], mlp_ratios=[8, 8, 4, 4])),
+])
+def test_an_unpooled_map_takes_no_classifier(name, tiny):
+    """timm's heads refuse pooling '' before a classifier; so does a (B, C, H, W) map here, on one line."""
+    message = (r"^global_pool '' keeps the \(B, C, H, W\) map, which a classifier of num_classes 5 cannot take; "
+               r"expected num_classes=0 with it, or global_pool 'avg'$")
+    with pytest.raises(ValueError, match=message):
+        timm.create_model(name, **dict(tiny, num_classes=5, global_pool=''))
+    model = timm.create_model(name, **dict(tiny, num_classes=0, global_pool=''))
+    with pytest.raises(ValueError, match=message):
+        model.reset_classifier(5)
+    model.reset_classifier(5, 'avg')
+    with pytest.raises(ValueError, match=message):
+        model.reset_classifier(5, '')
+    assert model.global_pool == 'avg' and model.num_classes == 5
+
+
 @pytest.mark.parametrize('name', ['softmax_deit_small', 'softmax_swin_tiny', 'inline_pvt_tiny'])
 def test_another_attention_does_not_inherit_the_weights_url(name):
     with torch.device('meta'):

@@ -252,20 +252,6 @@ def test_mismatched_stage_lists_are_value_errors():
         timm.create_model('softmax_pvt_v2_b0', **dict(TINY, global_pool='token'))
 
 
-def test_an_unpooled_map_takes_no_classifier():
-    """timm's heads refuse pooling '' before a classifier; so does a (B, C, H, W) map here, on one line."""
-    message = ("^global_pool '' keeps the \\(B, C, H, W\\) map, which a classifier of num_classes 5 cannot take; "
-               "expected num_classes=0 with it, or global_pool 'avg'$")
-    with pytest.raises(ValueError, match=message):
-        timm.create_model('softmax_pvt_v2_b0', **dict(TINY, num_classes=5, global_pool=''))
-    model = timm.create_model('softmax_pvt_v2_b0', **dict(TINY, num_classes=0, global_pool=''))
-    with pytest.raises(ValueError, match=message):
-        model.reset_classifier(5)
-    model.reset_classifier(5, 'avg')
-    with pytest.raises(ValueError, match=message):
-        model.reset_classifier(5, '')
-    assert model.global_pool == 'avg' and model.num_classes == 5
-
 
 def test_another_input_size_needs_dynamic_img_size():
     model = timm.create_model('flatten_pvt_v2_b0', **TINY)
