@@ -98,6 +98,10 @@ def create_model(cfg: CN, weights: Optional[Dict[str, Tensor]] = None, source: s
         raise
     except ValueError as e:
         raise ConfigError(f"cannot build model {name!r} from MODEL.KWARGS {dict(cfg.MODEL.KWARGS)}: {e}") from e
+    in_chans = getattr(model, 'in_chans', 3)
+    if in_chans != 3:
+        raise ConfigError(f"config key MODEL.KWARGS.in_chans is {in_chans!r}; expected 3: the data pipeline reads "
+                          f"every image as RGB (DATA.MEAN and DATA.STD hold three channels)")
     if weights is not None:
         model.pretrained_cfg.pop('state_dict', None)  # do not keep a second copy of the weights alive
         for change in weight_changes(name, weights, model):

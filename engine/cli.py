@@ -4,7 +4,7 @@ import json
 import sys
 from typing import Any, Dict, Sequence
 
-from .build import check_onednn
+from .build import check_model_config, check_onednn
 from .config import load_config
 from .distributed import cleanup_distributed, init_distributed
 from .evaluation import eval_config, evaluate_weights, released_checkpoint, throughput
@@ -102,6 +102,7 @@ def eval_main(argv: Sequence[str]) -> int:
     if args.batch_size is not None:
         overrides.setdefault('TEST', {})['BATCH_SIZE'] = args.batch_size
     cfg = eval_config(args.cfg, args.model, args.checkpoint, args.opts, overrides)
+    check_model_config(cfg)  # a model it cannot build fails before any download or data scan
     info = init_distributed(cfg.DEVICE, cfg.DIST.BACKEND, cfg.DIST.TIMEOUT_MIN)
     setup_logging(info, stream=sys.stderr)  # stdout keeps only the results
     try:

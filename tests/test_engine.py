@@ -26,6 +26,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from yacs.config import CfgNode
 
 import engine.data
+import engine.evaluation
 from engine.build import create_criterion, create_model, create_optimizer, create_scheduler, read_weights
 from engine.checkpoint import TrainingCheckpoint, atomic_save, rng_state, set_rng_state
 from engine.cli import eval_main, train_main
@@ -571,6 +572,25 @@ def test_a_model_keyword_out_of_range_fails_before_any_data_is_read(tmp_path, ca
     assert err == ("error: cannot build model 'inline_deit_tiny' from MODEL.KWARGS {'patch_size': 4, 'embed_dim': -8, "
                    "'depth': 2, 'num_heads': 4}: embed_dim -8 is out of range; expected an integer > 0\n")
     assert not data.exists() and not (tmp_path / 'out').exists()
+
+
+RGB_ONLY = ("error: config key MODEL.KWARGS.in_chans is 1; expected 3: the data pipeline reads every image as RGB "
+            "(DATA.MEAN and DATA.STD hold three channels)\n")
+
+
+def test_another_channel_count_fails_before_any_data_is_read(tmp_path, capsys):
+    """in_chans=1 met the RGB batches at the first forward, as a shape traceback; it is refused with the config."""
+    data = tmp_path / 'digits'
+    code, _, err = _run(train_main, ['--cfg', TINY, '--output', str(tmp_path / 'out'), '--opts', 'DATA.DATA_PATH',
+                                     str(data), 'MODEL.KWARGS.in_chans', '1'], capsys)
+    assert (code, err) == (USAGE_EXIT_CODE, RGB_ONLY)
+    assert not data.exists() and not (tmp_path / 'out').exists()
+
+
+def test_eval_refuses_a_model_it_cannot_build_before_downloading(monkeypatch, capsys):
+    monkeypatch.setattr(engine.evaluation, 'released_weights_file', lambda name: pytest.fail('downloaded'))
+    code, _, err = _run(eval_main, ['--model', 'inline_deit_tiny', '--opts', 'MODEL.KWARGS.in_chans', '1'], capsys)
+    assert (code, err) == (USAGE_EXIT_CODE, RGB_ONLY)
 
 
 def test_a_one_class_run_warns_that_top1_is_trivial(tmp_path, digits, capsys):
