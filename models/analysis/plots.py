@@ -19,8 +19,8 @@ from ..attention.multimax import MultiMaxMixer, multimax_modulation  # noqa: E40
 from .record import LayerAttention, attention_layers  # noqa: E402
 
 __all__ = [
-    'grid_map', 'plot_query_maps', 'rollout_problem', 'attention_rollout', 'plot_heat_map', 'grad_cam', 'plot_token_norms',
-    'plot_multimax_sigma', 'simplex_logits', 'simplex_points', 'plot_simplex', 'plot_layer_curves',
+    'grid_map', 'plot_query_maps', 'rollout_problem', 'attention_rollout', 'plot_heat_map', 'grad_cam',
+    'plot_token_norms', 'plot_multimax_sigma', 'simplex_logits', 'simplex_points', 'plot_simplex', 'plot_layer_curves',
 ]
 
 SIMPLEX_TEMPERATURES = (0.5, 1.0, 2.0)
