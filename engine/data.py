@@ -308,6 +308,10 @@ def load_split(root: str, split: str, transform, num_classes: Optional[int] = No
     folder = os.path.join(root, split)
     classes = _class_folders(folder)
     if not classes:
+        flat = sum(1 for e in os.scandir(folder) if has_file_allowed_extension(e.name, IMAGE_EXTENSIONS))
+        if flat:  # ImageNet's validation archive unpacks this way
+            raise UsageError(f"dataset folder {folder!r} holds {flat} image files but no class folders; expected "
+                             f"{folder}/<class>/<images> (sort a flat split into its class folders first)")
         raise UsageError(f"dataset folder {folder!r} is empty; expected one folder of images per class")
     if num_classes is not None and len(classes) != num_classes:
         hidden = [c for c in classes if c.startswith('.')]

@@ -100,6 +100,10 @@ def test_dataset_folder_errors_name_the_folder(tmp_path, digits):
         load_split(str(tmp_path), 'val', None)
     with pytest.raises(UsageError, match='is empty; expected one folder of images per class'):
         load_split(str(tmp_path), 'train', None)
+    (tmp_path / 'train' / 'ILSVRC2012_val_00000001.JPEG').write_bytes(b'')  # a flat split, as ImageNet's val ships
+    with pytest.raises(UsageError, match=r"holds 1 image files but no class folders; expected .*train/<class>/<images> "
+                                         r"\(sort a flat split into its class folders first\)"):
+        load_split(str(tmp_path), 'train', None)
     (tmp_path / 'train' / 'cat').mkdir()
     with pytest.raises(UsageError, match='class folder without images'):
         load_split(str(tmp_path), 'train', None)
