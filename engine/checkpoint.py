@@ -32,7 +32,7 @@ from models.checkpoint import CheckpointError, load_checkpoint_file, load_state_
 from .config import config_from_yaml_string
 from .distributed import DistInfo, all_gather_objects
 from .errors import UsageError, removed_by_an_exit_at_once
-from .loops import TrainState
+from .loops import TrainState, schedule_position
 
 __all__ = ['LAST', 'BEST', 'LOCK', 'TrainingCheckpoint', 'OutputLock', 'atomic_save', 'remove_stale_temp_files',
            'rng_state', 'set_rng_state']
@@ -372,13 +372,14 @@ class TrainingCheckpoint:
                              f"{checkpoint['epoch_batches']}) with {', '.join(changed)}; expected the same values "
                              f"until that epoch ends")
 
-    def restore(self, checkpoint: Mapping[str, Any], path: str, batches_per_epoch: int) -> None:
+    def restore(self, checkpoint: Mapping[str, Any], path: str, batches_per_epoch: int, accumulation: int = 1) -> None:
         """Load `checkpoint` (read from `path`) into the live objects, so training goes on where it stopped.
 
         A checkpoint saved at the end of its epoch (with `metrics`), or whose batches fill this run's
         `batches_per_epoch`, goes on at the next epoch, whatever batch size wrote it; one saved after its epoch's
         training (with `train_record`) stays at that epoch with all `batches_per_epoch` trained, to be validated.
-        The random streams are restored only when the world size is the one that wrote them.
+        The schedule is set to that point of training at `accumulation` batches per update. The random streams are
+        restored only when the world size is the one that wrote them.
         """
         load_state_dict_checked(self.model, checkpoint['model'], f"checkpoint {path!r}")
         if self.ema is not None:
@@ -401,8 +402,9 @@ class TrainingCheckpoint:
             state.epoch_batches = batches_per_epoch
         elif checkpoint['metrics'] is not None or state.epoch_batches >= batches_per_epoch:
             state.epoch, state.epoch_batches = state.epoch + 1, 0
-        # the stored schedule is not loaded: the schedule follows this run's config at this step
-        self.scheduler.step_update(num_updates=state.step)
+        # the stored schedule is not loaded: the schedule follows this run's config at this point of training
+        self.scheduler.step_update(num_updates=schedule_position(state, batches_per_epoch // accumulation,
+                                                                 accumulation))
         if checkpoint['world_size'] == self.info.world_size:
             with _loading(path, 'a random state', 'the states of torch, CUDA, NumPy and random that this engine saves'):
                 set_rng_state(checkpoint['rng'][self.info.rank])

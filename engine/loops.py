@@ -18,8 +18,8 @@ from .compile import CompileTimer, plain_module
 from .distributed import DistInfo, all_reduce_sum, any_rank
 from .errors import NonFiniteLossError
 
-__all__ = ['TrainState', 'EpochOptions', 'EpochResult', 'Progress', 'autocast', 'train_one_epoch', 'evaluate',
-           'measure_throughput']
+__all__ = ['TrainState', 'EpochOptions', 'EpochResult', 'Progress', 'autocast', 'schedule_position', 'train_one_epoch',
+           'evaluate', 'measure_throughput']
 
 AMP_DTYPES = {'float16': torch.float16, 'bfloat16': torch.bfloat16}
 logger = logging.getLogger('engine')
@@ -35,6 +35,14 @@ class TrainState:
     max_accuracy: float = 0.0
     max_ema_accuracy: float = 0.0
     skipped_steps: int = 0
+
+
+def schedule_position(state: TrainState, updates_per_epoch: int, accumulation: int) -> int:
+    """The update count the schedule is at: the epochs before at this run's `updates_per_epoch`, then this epoch's
+    updates so far. Skipped updates count, as timm's and Swin's loops count them, so each epoch starts where the
+    schedule puts it, whatever batch size or process count trained the epochs before, and a run ends at the
+    schedule's end."""
+    return state.epoch * updates_per_epoch + state.epoch_batches // accumulation
 
 
 @dataclass(frozen=True)
@@ -210,9 +218,9 @@ def train_one_epoch(
                     scaler.update()
                     optimizer.zero_grad(set_to_none=True)
                     state.step += 1
-                    scheduler.step_update(num_updates=state.step)
                     if ema is not None:
                         ema.update(plain_module(model))
+                scheduler.step_update(num_updates=schedule_position(state, options.updates, options.accumulation))
                 if any_rank(stop_requested(), info.device):
                     stopped = True
             if compile_timer is not None:

@@ -232,7 +232,8 @@ def _train(cfg: CN, info: DistInfo, lock: OutputLock, check_data: bool) -> Dict[
     state = TrainState()
     checkpoint = TrainingCheckpoint(output, info, state, model, optimizer, scheduler, scaler, ema, cfg.dump())
     if stored is not None:
-        checkpoint.restore(stored, resume, updates_per_epoch * cfg.TRAIN.ACCUMULATION_STEPS)
+        checkpoint.restore(stored, resume, updates_per_epoch * cfg.TRAIN.ACCUMULATION_STEPS,
+                           cfg.TRAIN.ACCUMULATION_STEPS)
 
     compiled = cfg.TRAIN.COMPILE
     # `model` stays plain for the checkpoints, the optimizer and the EMA; DDP wraps the compiled module

@@ -359,9 +359,9 @@ def _assert_same(a, b, where: str = 'checkpoint') -> None:
 
 
 def test_a_training_checkpoint_restores_every_field(tmp_path):
-    saved = _training_objects(tmp_path / 'saved', TrainState(epoch=1, epoch_batches=3, step=3, max_accuracy=62.5,
+    saved = _training_objects(tmp_path / 'saved', TrainState(epoch=1, epoch_batches=3, step=8, max_accuracy=62.5,
                                                              max_ema_accuracy=60.0, skipped_steps=1))
-    for step in range(1, 4):  # optimizer moments, a grown scaler, a moved EMA and schedule
+    for step in range(6, 9):  # optimizer moments, a grown scaler, a moved EMA and schedule (epoch 0 made 5 updates)
         loss = saved.model(torch.randn(8, 4)).logsumexp(1).mean()
         saved.scaler.scale(loss).backward()
         saved.scaler.step(saved.optimizer)
@@ -381,14 +381,15 @@ def test_a_training_checkpoint_restores_every_field(tmp_path):
 
     restored = _training_objects(tmp_path / 'restored', TrainState(), seed=1)
     restored.restore(stored, saved.last_path, batches_per_epoch=5)
-    assert restored.state == TrainState(epoch=1, epoch_batches=3, step=3, max_accuracy=62.5, max_ema_accuracy=60.0)
+    assert restored.state == TrainState(epoch=1, epoch_batches=3, step=8, max_accuracy=62.5, max_ema_accuracy=60.0)
     restored.save()  # nothing drew a random number since the restore
     _assert_same(TrainingCheckpoint.read(restored.last_path), stored)
     again = (random.random(), np.random.rand(3), torch.rand(3))
     assert draws[0] == again[0] and np.array_equal(draws[1], again[1]) and torch.equal(draws[2], again[2])
 
-    # a finished epoch goes on at the next one, the schedule (not the stored learning rate) sets the learning rate,
-    # and another world size keeps this process's random streams
+    # a finished epoch goes on at the next one, the schedule (not the stored learning rate) sets the learning rate
+    # where this run's epochs put it (two of 3 batches: update 6), and another world size keeps this process's
+    # random streams
     stored['optimizer']['param_groups'][0]['lr'] = 1.0
     two = _training_objects(tmp_path / 'two', TrainState(), DistInfo(rank=0, world_size=2, local_rank=0,
                                                                      device=torch.device('cpu')))
@@ -404,8 +405,11 @@ def test_a_training_checkpoint_restores_every_field(tmp_path):
     finally:
         logging.getLogger('engine').removeHandler(handler)
     assert torch.equal(torch.rand(3), expected)
-    assert (two.state.epoch, two.state.epoch_batches, two.state.step) == (2, 0, 3)
-    assert two.optimizer.param_groups[0]['lr'] == saved.optimizer.param_groups[0]['lr'] < 1.0
+    assert (two.state.epoch, two.state.epoch_batches, two.state.step) == (2, 0, 8)
+    schedule = _training_objects(tmp_path / 'schedule', TrainState())
+    schedule.scheduler.step_update(num_updates=6)
+    assert two.optimizer.param_groups[0]['lr'] == schedule.optimizer.param_groups[0]['lr'] \
+        != saved.optimizer.param_groups[0]['lr']
     assert f"{saved.last_path} was written by 1 processes, not 2: random streams restart from the seed" in warnings
 
     # an epoch saved after its training, before its validation, stays at that epoch, fully trained, under any split
@@ -414,7 +418,7 @@ def test_a_training_checkpoint_restores_every_field(tmp_path):
     TrainingCheckpoint.check_resumable(trained, saved.last_path, batch_size=7, accumulation=3, world_size=2)
     validating = _training_objects(tmp_path / 'validating', TrainState())
     validating.restore(trained, saved.last_path, batches_per_epoch=9)
-    assert (validating.state.epoch, validating.state.epoch_batches, validating.state.step) == (1, 9, 3)
+    assert (validating.state.epoch, validating.state.epoch_batches, validating.state.step) == (1, 9, 8)
 
 
 def test_a_training_checkpoint_missing_keys_fails_with_one_line(tmp_path):
