@@ -275,6 +275,15 @@ def _loading(path: str, what: str, expected: str) -> Iterator[None]:
 _KERNEL_FLAGS = ('fused', 'foreach')
 
 
+def _model_of(checkpoint: Mapping[str, Any], path: str) -> str:
+    """The model name and keywords of the run that wrote `checkpoint`, as its stored config gives them."""
+    model = config_from_yaml_string(checkpoint['config'], f"checkpoint {path!r}").MODEL
+    if not model.KWARGS:
+        return model.NAME
+    kwargs = ', '.join(f"{key}: {value}" for key, value in sorted(model.KWARGS.items()))
+    return f"{model.NAME} with MODEL.KWARGS {{{kwargs}}}"
+
+
 def _with_live_kernel(stored: Mapping[str, Any], optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
     """`stored` (an optimizer's state dict) with the live `optimizer`'s kernel flags in its groups: the update then
     follows this run's `TRAIN.OPTIMIZER.FUSED`, as the schedule follows its config. torch's `load_state_dict` takes
@@ -381,7 +390,11 @@ class TrainingCheckpoint:
         The schedule is set to that point of training at `accumulation` batches per update. The random streams are
         restored only when the world size is the one that wrote them.
         """
-        load_state_dict_checked(self.model, checkpoint['model'], f"checkpoint {path!r}")
+        try:
+            load_state_dict_checked(self.model, checkpoint['model'], f"checkpoint {path!r}")
+        except CheckpointError as e:
+            raise CheckpointError(f"{e}; it holds a run of {_model_of(checkpoint, path)}, expected that model to "
+                                  f"resume it (another model: another --output)") from None
         if self.ema is not None:
             if checkpoint.get('model_ema') is None:
                 self.ema.set(self.model)

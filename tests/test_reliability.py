@@ -179,6 +179,9 @@ def test_resuming_into_another_model_fails_with_one_line_and_keeps_last_checkpoi
     err = capsys.readouterr().err
     assert err.count('\n') == 1 and err.startswith(f"error: checkpoint {str(output / 'last.pth')!r} does not match "
                                                    f"DeiT: unexpected: blocks.1."), err
+    # what wrote it, and the way out: a second run into the same folder is most often a new run
+    assert err.endswith("; it holds a run of inline_deit_tiny with MODEL.KWARGS {depth: 2, embed_dim: 64, num_heads: "
+                        "4, patch_size: 4}, expected that model to resume it (another model: another --output)\n"), err
     assert (output / 'last.pth').read_bytes() == saved
 
 
