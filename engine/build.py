@@ -1,6 +1,7 @@
 """Model, weights, optimizer, scheduler and loss from a config, through timm's factories."""
 import difflib
 import logging
+import os
 import re
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
@@ -19,7 +20,7 @@ from models.onednn import convert_to_onednn, onednn_available
 from .config import ConfigError, mixup_active, model_kwargs
 from .errors import UsageError
 
-__all__ = ['check_model_name', 'check_model_config', 'classifier_rows', 'read_weights', 'create_model',
+__all__ = ['check_model_name', 'check_model_config', 'check_pretrained', 'classifier_rows', 'read_weights', 'create_model',
            'weight_changes', 'create_optimizer', 'create_scheduler', 'create_criterion', 'autocast_dtype',
            'check_onednn', 'create_training_model']
 
@@ -37,6 +38,27 @@ def check_model_name(name: str) -> None:
     close = difflib.get_close_matches(name, timm.list_models(), n=3, cutoff=0.6)
     hint = f"; did you mean {', '.join(close)}?" if close else "; see timm.list_models('*_deit_*') and friends"
     raise UsageError(f"unknown model {name!r}: expected a model registered with timm{hint}")
+
+
+def check_pretrained(value: str) -> None:
+    """Raise `UsageError` unless MODEL.PRETRAINED `value` is empty, a file, or a registered model name with released
+    weights (which `pretrained_file` downloads)."""
+    if not value or os.path.isfile(value):
+        return
+    expected = "expected a checkpoint file or the name of a model with released weights"
+    if not timm.is_model(value):
+        released = [name for name in timm.list_models() if _has_released_weights(name)]
+        close = difflib.get_close_matches(value, released, n=3, cutoff=0.8)
+        hint = f"; did you mean {', '.join(close)}?" if close else ''
+        raise UsageError(f"MODEL.PRETRAINED {value!r} is neither a file nor a registered model name; {expected}{hint}")
+    if not _has_released_weights(value):
+        raise UsageError(f"MODEL.PRETRAINED {value!r} has no released weights; {expected}")
+
+
+def _has_released_weights(name: str) -> bool:
+    """Whether model `name`'s pretrained cfg gives weights that `released_weights_file` can fetch."""
+    cfg = timm.models.get_pretrained_cfg(name)
+    return cfg is not None and bool(cfg.url or cfg.file)
 
 
 def _classifier_names(name: str) -> Tuple[str, ...]:

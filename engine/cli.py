@@ -45,7 +45,8 @@ def train_main(argv: Sequence[str]) -> int:
     parser.add_argument('--cfg', help='YAML config (inherits with BASE); the defaults are the DeiT recipe')
     parser.add_argument('--output', help='output folder for checkpoints and logs (OUTPUT)')
     parser.add_argument('--resume', help='training checkpoint to resume (MODEL.RESUME); by default OUTPUT/last.pth')
-    parser.add_argument('--pretrained', help='weights to start from (MODEL.PRETRAINED), e.g. for fine-tuning')
+    parser.add_argument('--pretrained', help='weights to start from (MODEL.PRETRAINED), e.g. for fine-tuning: a '
+                                             'checkpoint file, or a model name for its released weights')
     parser.add_argument('--compile', action='store_true', default=None,
                         help='torch.compile the whole model, without graph breaks (TRAIN.COMPILE)')
     parser.add_argument('--onednn', action='store_true', default=None,

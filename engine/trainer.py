@@ -18,8 +18,8 @@ from timm.utils import ModelEmaV3
 from torch.nn.parallel import DistributedDataParallel
 from yacs.config import CfgNode as CN
 
-from .build import (autocast_dtype, check_model_config, check_onednn, create_criterion, create_optimizer,
-                    create_scheduler, create_training_model, read_weights)
+from .build import (autocast_dtype, check_model_config, check_onednn, check_pretrained, create_criterion,
+                    create_optimizer, create_scheduler, create_training_model, read_weights)
 from .checkpoint import LAST, OutputLock, TrainingCheckpoint, remove_stale_temp_files
 from .compile import CompileTimer, compile_errors_reported, compile_model
 from .config import ema_decay, scaled_lrs, total_batch_size
@@ -27,6 +27,7 @@ from .data import (build_eval_loader, build_mixup, build_train_loader, check_ima
                    eval_transform, load_split, report_scan, resolve_data_root, train_transform)
 from .distributed import DistInfo, all_gather_objects, all_reduce_sum, any_rank, barrier
 from .errors import Stopped, UsageError, exit_at_once
+from .evaluation import released_checkpoint
 from .loops import EpochOptions, TrainState, evaluate, train_one_epoch
 
 __all__ = ['LOG', 'CONFIG', 'train', 'seed_everything', 'setup_logging', 'StopSignal']
@@ -160,6 +161,8 @@ def train(cfg: CN, info: DistInfo, check_data: bool = False) -> Dict[str, Any]:
     With `check_data`, every image is decoded before training. Rank 0 holds the output folder's lock for the whole
     run. A run stopped by SIGTERM / SIGINT saves, then raises `Stopped`."""
     check_model_config(cfg)
+    if _resume_path(cfg) is None:
+        check_pretrained(cfg.MODEL.PRETRAINED)
     if cfg.TRAIN.ONEDNN:
         check_onednn(info.device, 'AMP.ENABLED' if cfg.AMP.ENABLED else None, 'TRAIN.ONEDNN')
     lock = OutputLock(cfg.OUTPUT)
@@ -216,7 +219,8 @@ def _train(cfg: CN, info: DistInfo, lock: OutputLock, check_data: bool) -> Dict[
                                            info.world_size)
     pretrained = None
     if cfg.MODEL.PRETRAINED and stored is None:
-        pretrained = read_weights(cfg.MODEL.PRETRAINED)
+        source = cfg.MODEL.PRETRAINED
+        pretrained = read_weights(source if os.path.isfile(source) else released_checkpoint(source, info))
     model = create_training_model(cfg, info.device, pretrained, source=cfg.MODEL.PRETRAINED)
     ema = None
     if cfg.EMA.ENABLED:

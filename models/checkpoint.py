@@ -109,7 +109,8 @@ def download_checkpoint(url: str, file_name: str, cache_dir: Optional[str] = Non
     if os.path.isfile(path):
         return path
     hint = (f"without network access, download it where you can and load it with "
-            f"pretrained_cfg_overlay=dict(file=...) (eval.py: --checkpoint FILE), or copy it to {path}")
+            f"pretrained_cfg_overlay=dict(file=...) (eval.py: --checkpoint FILE, train.py: --pretrained FILE), "
+            f"or copy it to {path}")
     partial = None
     try:
         os.makedirs(folder, exist_ok=True)

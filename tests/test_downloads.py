@@ -17,9 +17,9 @@ import timm
 import torch
 from timm.models._registry import _model_pretrained_cfgs
 
-from engine.cli import eval_main
+from engine.cli import eval_main, train_main
 from engine.data import prepare_digits
-from engine.errors import run_cli
+from engine.errors import USAGE_EXIT_CODE, run_cli
 import models.family
 from models.attention import list_attentions
 from models.checkpoint import DownloadError, load_pretrained_into
@@ -217,6 +217,47 @@ def test_eval_by_model_name_downloads_the_released_weights(server, cache, monkey
     given = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert {k: downloaded[k] for k in ('top1', 'top5', 'loss', 'count')} == \
         {k: given[k] for k in ('top1', 'top5', 'loss', 'count')}
+
+
+# digits_tiny.yaml's model, as its release would hold it: 1000 classes
+TRAIN_TINY = dict(img_size=16, patch_size=4, embed_dim=64, depth=2, num_heads=4)
+
+
+def test_train_starts_from_the_released_weights_of_a_model_name(server, cache, monkeypatch, tmp_path, capsys):
+    digits = prepare_digits(str(tmp_path / 'digits'))
+    _, served = official_checkpoint(**TRAIN_TINY)
+    server.files['1d6b8191ad6d4114b291'] = served
+    register_url(monkeypatch, 'inline_deit_tiny', server.url('1d6b8191ad6d4114b291'))
+    local = tmp_path / 'local.pth'
+    local.write_bytes(served)
+    argv = ['--cfg', str(REPO / 'configs' / 'demo' / 'digits_tiny.yaml'), '--data-path', digits,
+            '--opts', 'TRAIN.EPOCHS', '1', 'DATA.BATCH_SIZE', '128']
+    for start, output in (('inline_deit_tiny', 'by_name'), (str(local), 'by_file')):
+        assert run_cli(train_main, ['--pretrained', start, '--output', str(tmp_path / output), *argv]) == 0
+        assert f'{start}: re-initialised the classifier for 10 classes (the weights have 1000)' in \
+            capsys.readouterr().out
+    assert sorted(p.name for p in cache.iterdir()) == ['inline_deit_tiny.pth'] and len(server.requests) == 1
+    by_name, by_file = (torch.load(tmp_path / output / 'last.pth', weights_only=True)['model']
+                        for output in ('by_name', 'by_file'))
+    assert_weights_equal = [torch.equal(by_name[k], by_file[k]) for k in by_file]
+    assert by_name.keys() == by_file.keys() and all(assert_weights_equal)
+
+
+@pytest.mark.parametrize('start, message', [
+    ('inline_deit_tinyy', "MODEL.PRETRAINED 'inline_deit_tinyy' is neither a file nor a registered model name; "
+                          "expected a checkpoint file or the name of a model with released weights; did you mean "
+                          "inline_deit_tiny, inline_pvt_tiny?"),
+    ('missing/best.pth', "MODEL.PRETRAINED 'missing/best.pth' is neither a file nor a registered model name; "
+                         "expected a checkpoint file or the name of a model with released weights"),
+    ('linear_deit_tiny', "MODEL.PRETRAINED 'linear_deit_tiny' has no released weights; expected a checkpoint file "
+                         "or the name of a model with released weights"),
+])
+def test_a_start_that_is_neither_a_file_nor_a_release_fails_before_any_data_is_read(tmp_path, capsys, start, message):
+    status = run_cli(train_main, ['--cfg', str(REPO / 'configs' / 'demo' / 'digits_tiny.yaml'), '--pretrained', start,
+                                  '--data-path', str(tmp_path / 'no_data'), '--output', str(tmp_path / 'run'),
+                                  '--opts', 'DATA.DATASET', 'imagefolder'])
+    assert (status, capsys.readouterr().err) == (USAGE_EXIT_CODE, f"error: {message}\n")
+    assert not (tmp_path / 'run').exists()
 
 
 def test_eval_reports_an_unreachable_host_on_one_line(server, cache, monkeypatch, tmp_path, capsys):
