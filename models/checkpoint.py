@@ -27,6 +27,8 @@ import zipfile
 from collections import OrderedDict
 from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
+import safetensors
+import safetensors.torch
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -167,23 +169,35 @@ def _refusal(error: pickle.UnpicklingError) -> str:
     return detail.split(' Please ')[0].rstrip('.')
 
 
+def _is_safetensors(head: bytes) -> bool:
+    """Whether a file's first 9 bytes open a safetensors file: the JSON header's length (8 bytes, little-endian),
+    then the header's opening brace."""
+    return len(head) == 9 and head[8:9] == b'{' and int.from_bytes(head[:8], 'little') > 1
+
+
 def load_checkpoint_file(path: str, map_location: Any = 'cpu') -> Any:
     """Load a checkpoint file, refusing pickled objects outside the allow-list without running them.
 
-    A file that does not begin as a torch checkpoint does (an image, a text file) is named as such before any
-    unpickling.
+    A safetensors file (weights as the Hugging Face hub keeps them) loads as its flat state dict. A file that
+    begins as neither (an image, a text file) is named as such before any unpickling.
     """
     if not os.path.isfile(path):
         raise CheckpointError(f"checkpoint {path!r} does not exist or is not a file")
     try:
         with open(path, 'rb') as f:
-            head = f.read(8)
+            head = f.read(9)
     except OSError as e:
         raise CheckpointError(f"checkpoint {path!r} cannot be read ({e.strerror})") from None
+    if _is_safetensors(head):
+        try:
+            return safetensors.torch.load_file(path, device=str(map_location))
+        except (safetensors.SafetensorError, OSError, ValueError) as e:
+            raise CheckpointError(f"checkpoint {path!r} is truncated or corrupt ({type(e).__name__}: "
+                                  f"{str(e).splitlines()[0] if str(e) else 'no detail'})") from None
     if not head.startswith(CHECKPOINT_MAGIC):
-        start = f"starts with {head!r}" if head else "is empty"
+        start = f"starts with {head[:8]!r}" if head else "is empty"
         raise CheckpointError(f"{path!r} is not a checkpoint: it {start}; expected a file written by torch.save "
-                              f"(a zip archive or a pickle)")
+                              f"(a zip archive or a pickle) or a safetensors file")
     # Registered again rather than through the `safe_globals` context manager, whose exit would also remove the
     # process-wide registration that timm's own loader relies on.
     torch.serialization.add_safe_globals(SAFE_GLOBALS)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import safetensors.torch
 import torch
 from PIL import Image
 from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
@@ -483,7 +484,8 @@ def test_a_file_that_is_no_checkpoint_is_named_so_before_unpickling(tmp_path):
     with pytest.raises(CheckpointError) as error:
         read_weights(str(image))
     assert str(error.value) == (f"{str(image)!r} is not a checkpoint: it starts with b'\\x89PNG\\r\\n\\x1a\\n'; "
-                                f"expected a file written by torch.save (a zip archive or a pickle)")
+                                f"expected a file written by torch.save (a zip archive or a pickle) or a safetensors "
+                                f"file")
     empty = tmp_path / 'empty.pth'
     empty.write_bytes(b'')
     with pytest.raises(CheckpointError, match=r"empty.pth' is not a checkpoint: it is empty; expected"):
@@ -633,6 +635,28 @@ def test_official_release_file_evaluates_like_the_same_weights_through_a_config(
     assert by_model['count'] == by_cfg['count'] == 360
     assert by_model['top1'] == by_cfg['top1'] and by_model['top5'] == by_cfg['top5']
     assert by_model['precision'] == 'float32'
+
+
+def test_safetensors_weights_evaluate_and_start_training_like_the_same_torch_file(tmp_path, digits, tiny_cfg, capsys):
+    """Weights as the hub keeps them (a flat state dict in safetensors) go wherever a torch file goes."""
+    torch_file = _tiny_checkpoint(tmp_path, tiny_cfg)
+    hub_file = tmp_path / 'model.safetensors'
+    safetensors.torch.save_file(torch.load(torch_file, weights_only=True)['model'], str(hub_file))
+    results = []
+    for weights in (torch_file, str(hub_file)):
+        code, out, err = _run(eval_main, ['--model', 'inline_deit_tiny', '--checkpoint', weights, '--data-path',
+                                          str(digits), '--opts'] + TINY_MODEL_OPTS, capsys)
+        assert code == 0, err
+        results.append({k: v for k, v in json.loads(out.strip().splitlines()[-1]).items() if k != 'checkpoint'})
+    assert results[0] == results[1] and results[0]['count'] == 360
+    code, _, err = _run(train_main, ['--cfg', TINY, '--pretrained', str(hub_file), '--output', str(tmp_path / 'run'),
+                                     '--data-path', str(digits), '--opts', 'TRAIN.EPOCHS', '1',
+                                     'DATA.BATCH_SIZE', '128'], capsys)
+    assert code == 0, err
+    # a cut-off file is one line, as a cut-off torch file is
+    hub_file.write_bytes(hub_file.read_bytes()[:-100])
+    with pytest.raises(CheckpointError, match=r"model.safetensors' is truncated or corrupt \(SafetensorError: "):
+        read_weights(str(hub_file))
 
 
 def test_a_checkpoint_of_another_attention_than_the_variant_s_evaluates(tmp_path, digits, capsys):
