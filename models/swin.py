@@ -18,6 +18,7 @@ resampled bicubically; `set_input_size` makes such a size the model's own.
 Registered: every attention of the registry at the Swin sizes (`{attention}_swin_{tiny,small,base,base_384}`, the
 original's windows), except that the names of the official models (`_OFFICIAL`) are theirs.
 """
+import re
 from functools import partial
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -239,14 +240,32 @@ class SwinTransformer(ZooModel):
         self.layers[-1].downsample = None
 
 
+_TIMM_DOWNSAMPLE = re.compile(r'^layers\.(\d+)\.downsample\.')
+
+
+def _from_timm_layout(state_dict: Dict[str, Tensor]) -> Dict[str, Tensor]:
+    """timm's `swin_*` layout under the official names: its patch merging opens stage i + 1 where Swin's closes
+    stage i, and its classifier is `head.fc`. The merging's weights are the same (timm renames, never permutes)."""
+    stages = {int(m.group(1)) for m in map(_TIMM_DOWNSAMPLE.match, state_dict) if m}
+    if 0 in stages or not (stages or any(k.startswith('head.fc.') for k in state_dict)):
+        return state_dict
+
+    def official(key: str) -> str:
+        key = _TIMM_DOWNSAMPLE.sub(lambda m: f'layers.{int(m.group(1)) - 1}.downsample.', key)
+        return 'head.' + key[len('head.fc.'):] if key.startswith('head.fc.') else key
+
+    return {official(k): v for k, v in state_dict.items()}
+
+
 def checkpoint_filter_fn(state_dict: Dict[str, Tensor], model: SwinTransformer) -> Dict[str, Tensor]:
-    """An official Swin state dict (any attention; the papers keep Swin's key names) made ready for `model`.
+    """A Swin state dict (any attention; the official layout, which the papers keep, or timm's `swin_*`) made ready
+    for `model`.
 
     Unwraps 'model'/'state_dict', drops the saved relative position indices and shift masks (recomputed here),
-    resizes grid- and window-sized tensors to the model's, and raises `CheckpointError` listing the keys when the
-    checkpoint belongs to another model.
+    renames timm's keys to the official ones, resizes grid- and window-sized tensors to the model's, and raises
+    `CheckpointError` listing the keys when the checkpoint belongs to another model.
     """
-    return filter_checkpoint(state_dict, model)
+    return filter_checkpoint(state_dict, model, _from_timm_layout)
 
 
 def _create_swin(variant: str, pretrained: bool, model_args: Dict[str, Any],

@@ -2,9 +2,9 @@
 rules, checkpoint loading (official format, unsafe pickles, other models, other resolutions) and the timm API."""
 import functools
 import os
-import re
 
 import pytest
+import safetensors.torch
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -198,25 +198,29 @@ def test_no_linear_window_mask_or_table():
 # ------------------------------------------------------------------------------------ timm cross-check
 
 
-def test_softmax_swin_matches_timm_swin_with_remapped_weights():
-    """timm's Swin (its layout: downsample at the start of stage i+1, head.fc) with random weights, remapped into
-    softmax_swin_tiny: shifted windows, masks, bias tables and patch merging must agree in float64."""
+def test_softmax_swin_loads_timm_swin_weights_and_gives_timm_outputs(tmp_path):
+    """timm's Swin weights (its layout: downsample at the start of stage i+1, head.fc) with random values, kept as
+    the hub keeps them (safetensors) and loaded as a timm user loads a file: shifted windows, masks, bias tables
+    and patch merging must agree in float64."""
     kwargs = dict(img_size=128, embed_dim=16, depths=(2, 2, 4, 2), num_heads=(1, 2, 4, 8), window_size=4)
     reference = randomize(TimmSwin(num_classes=10, **kwargs)).double().eval()
-    state = {}
-    for key, value in reference.state_dict().items():
-        match = re.match(r'layers\.(\d+)\.downsample\.(.*)', key)
-        if match:
-            key = f'layers.{int(match.group(1)) - 1}.downsample.{match.group(2)}'
-        state[key.replace('head.fc.', 'head.')] = value
-    model = timm.create_model('softmax_swin_tiny', num_classes=10, **kwargs).double().eval()
-    model.load_state_dict(state, strict=True)
+    hub_file = tmp_path / 'model.safetensors'
+    safetensors.torch.save_file(reference.state_dict(), str(hub_file))
+    model = timm.create_model('softmax_swin_tiny', num_classes=10, pretrained=True,
+                              pretrained_cfg_overlay=dict(file=str(hub_file), num_classes=10), **kwargs)
+    model = model.double().eval()
     x = torch.randn(2, 3, 128, 128, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         expected = reference(x)
         assert (model(x) - expected).abs().max() < 1e-10
         model.float()
         assert (model(x.float()) - expected).abs().max() < 1e-5
+    # the renaming is the filter's, so a checkpoint without classifier (timm's num_classes=0) loads too
+    headless = {k: v for k, v in reference.state_dict().items() if not k.startswith('head.')}
+    model = timm.create_model('softmax_swin_tiny', num_classes=0, **kwargs).double().eval()
+    model.load_state_dict(checkpoint_filter_fn(headless, model), strict=True)
+    with torch.no_grad():
+        assert (model(x) - reference.forward_head(reference.forward_features(x), pre_logits=True)).abs().max() < 1e-10
 
 
 # --------------------------------------------------------------------------------- every entrypoint
