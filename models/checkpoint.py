@@ -40,7 +40,7 @@ from tqdm import tqdm
 
 __all__ = [
     'CheckpointError', 'DownloadError', 'checkpoint_cache_dir', 'cached_file_name', 'download_checkpoint',
-    'released_weights_file', 'filter_checkpoint', 'adapt_state_dict', 'load_pretrained_into', 'TransferReport',
+    'released_weights_file', 'official_keys', 'filter_checkpoint', 'adapt_state_dict', 'load_pretrained_into', 'TransferReport',
     'SAFE_GLOBALS', 'load_checkpoint_file', 'checkpoint_state_dict', 'drop_derived_buffers',
     'check_state_dict', 'load_state_dict_checked', 'resample_grid_embedding', 'resize_grid_embedding',
     'resize_rel_pos_bias_table',
@@ -346,17 +346,24 @@ def _cfg_module_names(model: nn.Module, key: str, default: Sequence[str] = ()) -
     return (names,) if isinstance(names, str) else tuple(names)
 
 
+def official_keys(model: nn.Module, state_dict: Dict[str, Tensor]) -> Dict[str, Tensor]:
+    """`state_dict` under the official key names of `model`'s family: a family whose weights also circulate in
+    timm's own layout renames them in its `official_keys_of` (Swin, PVT v2)."""
+    rename = getattr(model, 'official_keys_of', None)
+    return rename(state_dict) if rename is not None else state_dict
+
+
 def filter_checkpoint(
         checkpoint: Any,
         model: nn.Module,
         prepare: Callable[[Dict[str, Tensor]], Dict[str, Tensor]] = lambda state_dict: state_dict,
 ) -> Dict[str, Tensor]:
-    """A checkpoint made ready for `model`: weights unwrapped, derived buffers dropped, `prepare` applied (a
-    family's own renaming), tensors of another resolution adapted, a classifier the model is built without
-    (`num_classes=0`) dropped, and the keys checked. Two kinds of tensor may differ in shape, for timm's loader
+    """A checkpoint made ready for `model`: weights unwrapped, derived buffers dropped, keys of timm's layout
+    renamed (`official_keys`), `prepare` applied (a family's own adjustment), tensors of another resolution
+    adapted, a classifier the model is built without (`num_classes=0`) dropped, and the keys checked. Two kinds of tensor may differ in shape, for timm's loader
     adapts them after this filter: the classifier (re-created for another class count) and the cfg's
     `first_conv` weights in their input channels (adapted to the model's `in_chans`)."""
-    state_dict = prepare(drop_derived_buffers(checkpoint_state_dict(checkpoint)))
+    state_dict = prepare(official_keys(model, drop_derived_buffers(checkpoint_state_dict(checkpoint))))
     state_dict = adapt_state_dict(model, state_dict)
     classifiers = tuple(f'{name}.' for name in _cfg_module_names(model, 'classifier', ('head',)))
     own = model.state_dict()
@@ -391,7 +398,8 @@ def load_pretrained_into(model: nn.Module, source: str) -> TransferReport:
     if not os.path.exists(source) and not timm.is_model(source):
         raise CheckpointError(f"pretrained source {source!r} is neither a file nor a registered model name")
     checkpoint = load_checkpoint_file(source if os.path.exists(source) else released_weights_file(source))
-    state_dict = adapt_state_dict(model, drop_derived_buffers(checkpoint_state_dict(checkpoint)))
+    state_dict = official_keys(model, drop_derived_buffers(checkpoint_state_dict(checkpoint)))
+    state_dict = adapt_state_dict(model, state_dict)
     own = model.state_dict()
     loaded = [k for k, v in state_dict.items() if k in own and own[k].shape == v.shape]
     if not loaded:

@@ -271,6 +271,11 @@ class ZooModel(nn.Module):
     # The final norm belongs to the last stage's width, so pruning stages drops it.
     norm_follows_last_stage: ClassVar[bool] = True
 
+    def official_keys_of(self, state_dict: Dict[str, Tensor]) -> Dict[str, Tensor]:
+        """`state_dict` under the family's official key names; a family whose weights also circulate in timm's
+        own layout renames those keys here, for its checkpoint filter and `load_pretrained_into`."""
+        return state_dict
+
     def _stage_prefix_tokens(self, i: int) -> int:
         """Prefix tokens (a class token) before the grid tokens of stage i's output."""
         return self.num_prefix_tokens

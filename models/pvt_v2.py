@@ -279,6 +279,9 @@ class PyramidVisionTransformerV2(ZooModel):
                     kept[i] = (x, grid)
         return x, grid, kept
 
+    def official_keys_of(self, state_dict: Dict[str, Tensor]) -> Dict[str, Tensor]:
+        return _from_timm_layout(state_dict)
+
     def _prune_stages(self, num_stages: int) -> None:
         self.stages = self.stages[:num_stages]
 
@@ -308,7 +311,7 @@ def _from_timm_layout(state_dict: Dict[str, Tensor]) -> Dict[str, Tensor]:
 def checkpoint_filter_fn(state_dict: Dict[str, Tensor], model: PyramidVisionTransformerV2) -> Dict[str, Tensor]:
     """Adapt a PVT v2 checkpoint (any attention; the official layout or timm's `pvt_v2_b*`) to `model`: unwrap,
     rename timm's keys to the official ones, resize grid-sized tensors to the model's grids, check the keys."""
-    return filter_checkpoint(state_dict, model, _from_timm_layout)
+    return filter_checkpoint(state_dict, model)
 
 
 def _create_pvt_v2(variant: str, pretrained: bool, model_args: Dict[str, Any],

@@ -235,6 +235,9 @@ class SwinTransformer(ZooModel):
                     grid = merged_grid(grid)
         return x, grid, kept
 
+    def official_keys_of(self, state_dict: Dict[str, Tensor]) -> Dict[str, Tensor]:
+        return _from_timm_layout(state_dict)
+
     def _prune_stages(self, num_stages: int) -> None:
         self.layers = self.layers[:num_stages]
         self.layers[-1].downsample = None
@@ -265,7 +268,7 @@ def checkpoint_filter_fn(state_dict: Dict[str, Tensor], model: SwinTransformer) 
     renames timm's keys to the official ones, resizes grid- and window-sized tensors to the model's, and raises
     `CheckpointError` listing the keys when the checkpoint belongs to another model.
     """
-    return filter_checkpoint(state_dict, model, _from_timm_layout)
+    return filter_checkpoint(state_dict, model)
 
 
 def _create_swin(variant: str, pretrained: bool, model_args: Dict[str, Any],

@@ -189,6 +189,33 @@ def test_a_start_at_another_resolution_adapts_the_grid_sized_tensors(tmp_path):
     assert {k.rsplit('.', 1)[-1] for k in report.new} == {'scale', 'positional_encoding', 'weight', 'bias'}
 
 
+TIMM_LAYOUTS = {  # timm's own model of a family whose weights timm keeps under other keys, and the same sizes
+    'swin': ('swin_tiny_patch4_window7_224', TINY['swin']),
+    'pvt_v2': ('pvt_v2_b0', dict(embed_dims=[16, 32, 32, 32], num_heads=[1, 2, 2, 2], mlp_ratios=[2, 2, 2, 2],
+                                 depths=[1, 1, 1, 1], num_classes=5)),
+}
+
+
+@pytest.mark.parametrize('family', TIMM_LAYOUTS)
+def test_timm_layout_weights_start_another_attention_as_the_official_layout_does(tmp_path, family):
+    timm_name, sizes = TIMM_LAYOUTS[family]
+    torch.manual_seed(0)
+    timm_weights = timm.create_model(timm_name, **sizes).state_dict()
+    torch.save(timm_weights, tmp_path / 'timm.pth')
+    name = f'softmax_{family}_b0' if family == 'pvt_v2' else f'softmax_{family}_tiny'
+    official = timm.create_model(name, **sizes)  # the same weights under the official keys
+    filter_fn = models.swin.checkpoint_filter_fn if family == 'swin' else models.pvt_v2.checkpoint_filter_fn
+    official.load_state_dict(filter_fn(timm_weights, official))
+    torch.save(official.state_dict(), tmp_path / 'official.pth')
+    reports = []
+    for source in ('timm.pth', 'official.pth'):
+        model = timm.create_model(name, attn_type='inline', **sizes)
+        reports.append(load_pretrained_into(model, str(tmp_path / source)))
+        state = model.state_dict()
+        assert all(torch.equal(state[k], official.state_dict()[k]) for k in reports[-1].loaded)
+    assert reports[0] == reports[1] and any('.residual.' in k for k in reports[0].new)
+
+
 def test_a_start_from_another_family_or_a_missing_source_is_one_line(tmp_path):
     pvt = timm.create_model('softmax_pvt_tiny', **dict(TINY['pvt'], embed_dims=[16, 32, 32, 48], num_classes=7))
     torch.save(pvt.state_dict(), tmp_path / 'pvt.pth')
