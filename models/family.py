@@ -369,8 +369,16 @@ class ZooModel(nn.Module):
         return self.head
 
     def reset_classifier(self, num_classes: int, global_pool: Optional[str] = None) -> None:
-        """A new `num_classes`-way head (Identity for 0) on the model's device and dtype; optionally a new pooling."""
-        self.global_pool = self._check_pool(self.global_pool if global_pool is None else global_pool, num_classes)
+        """A new `num_classes`-way head (Identity for 0) on the model's device and dtype; optionally a new pooling.
+
+        Without `global_pool` the pooling stays, except that an unpooled (B, C, H, W) map is averaged again under a
+        classifier, which needs pooled features.
+        """
+        if global_pool is None:
+            global_pool = self.global_pool
+            if not global_pool and num_classes and self.features_fmt == 'NCHW':
+                global_pool = 'avg'
+        self.global_pool = self._check_pool(global_pool, num_classes)
         self.num_classes = num_classes
         self.head = new_classifier(self, self.num_features, num_classes)
         if self.official_head_init:

@@ -111,18 +111,24 @@ def test_flags_say_what_they_mean():
     ('softmax_pvt_v2_b0', dict(TINY['pvt'], mlp_ratios=[8, 8, 4, 4])),
 ])
 def test_an_unpooled_map_takes_no_classifier(name, tiny):
-    """timm's heads refuse pooling '' before a classifier; so does a (B, C, H, W) map here, on one line."""
+    """timm's heads refuse pooling '' before a classifier; so does a (B, C, H, W) map here, on one line, when both
+    are asked for. A classifier alone on an unpooled model pools again (timm's own model tests reset the classifier
+    of a `global_pool=''` model to 0, then 2 classes, and expect a classifier)."""
     message = (r"^global_pool '' keeps the \(B, C, H, W\) map, which a classifier of num_classes 5 cannot take; "
                r"expected num_classes=0 with it, or global_pool 'avg'$")
     with pytest.raises(ValueError, match=message):
         timm.create_model(name, **dict(tiny, num_classes=5, global_pool=''))
-    model = timm.create_model(name, **dict(tiny, num_classes=0, global_pool=''))
-    with pytest.raises(ValueError, match=message):
-        model.reset_classifier(5)
-    model.reset_classifier(5, 'avg')
+    model = timm.create_model(name, **dict(tiny, num_classes=0, global_pool='')).eval()
+    x = torch.randn(2, 3, *model.img_size)
+    assert model(x).ndim == 4
     with pytest.raises(ValueError, match=message):
         model.reset_classifier(5, '')
-    assert model.global_pool == 'avg' and model.num_classes == 5
+    assert model.global_pool == '' and model.num_classes == 0
+    model.reset_classifier(0)
+    model.reset_classifier(5)
+    assert model.global_pool == 'avg' and model.num_classes == 5 and model(x).shape == (2, 5)
+    model.reset_classifier(0, '')
+    assert model.global_pool == '' and model(x).ndim == 4
 
 
 @pytest.mark.parametrize('name', ['softmax_deit_small', 'softmax_swin_tiny', 'inline_pvt_tiny'])
