@@ -20,9 +20,9 @@ from models.onednn import convert_to_onednn, onednn_available
 from .config import ConfigError, mixup_active, model_kwargs
 from .errors import UsageError
 
-__all__ = ['check_model_name', 'check_model_config', 'check_pretrained', 'classifier_rows', 'read_weights', 'create_model',
-           'weight_changes', 'create_optimizer', 'create_scheduler', 'create_criterion', 'autocast_dtype',
-           'check_onednn', 'create_training_model']
+__all__ = ['check_model_name', 'check_model_config', 'check_pretrained', 'classifier_rows', 'read_weights',
+           'create_model', 'weight_changes', 'create_optimizer', 'create_scheduler', 'create_criterion',
+           'autocast_dtype', 'check_onednn', 'create_training_model']
 
 MODEL_KEYS = ('model', 'state_dict')
 EMA_KEYS = ('model_ema', 'state_dict_ema')
@@ -42,7 +42,7 @@ def check_model_name(name: str) -> None:
 
 def check_pretrained(value: str) -> None:
     """Raise `UsageError` unless MODEL.PRETRAINED `value` is empty, a file, or a registered model name with released
-    weights (which `pretrained_file` downloads)."""
+    weights (which the trainer downloads)."""
     if not value or os.path.isfile(value):
         return
     expected = "expected a checkpoint file or the name of a model with released weights"

@@ -40,8 +40,8 @@ from tqdm import tqdm
 
 __all__ = [
     'CheckpointError', 'DownloadError', 'checkpoint_cache_dir', 'cached_file_name', 'download_checkpoint',
-    'released_weights_file', 'official_keys', 'filter_checkpoint', 'adapt_state_dict', 'load_pretrained_into', 'TransferReport',
-    'SAFE_GLOBALS', 'load_checkpoint_file', 'checkpoint_state_dict', 'drop_derived_buffers',
+    'released_weights_file', 'official_keys', 'filter_checkpoint', 'adapt_state_dict', 'load_pretrained_into',
+    'TransferReport', 'SAFE_GLOBALS', 'load_checkpoint_file', 'checkpoint_state_dict', 'drop_derived_buffers',
     'check_state_dict', 'load_state_dict_checked', 'resample_grid_embedding', 'resize_grid_embedding',
     'resize_rel_pos_bias_table',
 ]
@@ -360,9 +360,10 @@ def filter_checkpoint(
 ) -> Dict[str, Tensor]:
     """A checkpoint made ready for `model`: weights unwrapped, derived buffers dropped, keys of timm's layout
     renamed (`official_keys`), `prepare` applied (a family's own adjustment), tensors of another resolution
-    adapted, a classifier the model is built without (`num_classes=0`) dropped, and the keys checked. Two kinds of tensor may differ in shape, for timm's loader
-    adapts them after this filter: the classifier (re-created for another class count) and the cfg's
-    `first_conv` weights in their input channels (adapted to the model's `in_chans`)."""
+    adapted, a classifier the model is built without (`num_classes=0`) dropped, and the keys checked. Two kinds of
+    tensor may differ in shape, for timm's loader adapts them after this filter: the classifier (re-created for
+    another class count) and the cfg's `first_conv` weights in their input channels (adapted to the model's
+    `in_chans`)."""
     state_dict = prepare(official_keys(model, drop_derived_buffers(checkpoint_state_dict(checkpoint))))
     state_dict = adapt_state_dict(model, state_dict)
     classifiers = tuple(f'{name}.' for name in _cfg_module_names(model, 'classifier', ('head',)))
