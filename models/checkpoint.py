@@ -35,7 +35,7 @@ from torch import Tensor, nn
 
 import timm
 from timm.layers import resample_abs_pos_embed
-from timm.models import get_pretrained_cfg
+from timm.models import get_pretrained_cfg, split_model_name_tag
 from tqdm import tqdm
 
 __all__ = [
@@ -74,14 +74,16 @@ def checkpoint_cache_dir(cache_dir: Optional[str] = None) -> str:
 
 def cached_file_name(name: str, url: str) -> str:
     """The cache file name of model `name`'s weights at `url`: the URL's own file name where it has one (as
-    torch.hub names it, so both share the file), else `<name>.pth` for the registered URL and `<name>-<hash>.pth`
-    for another, so that a URL of the user's own never reads the registered weights from the cache."""
+    torch.hub names it, so both share the file), else `<architecture>.pth` for the registered URL of its default
+    weights (with or without their tag in `name`) and `<name>-<hash>.pth` for another, so that a URL of the user's
+    own never reads the registered weights from the cache."""
     base = os.path.basename(urllib.parse.urlparse(url).path)
     if base:
         return base
-    cfg = get_pretrained_cfg(name) if timm.is_model(name) else None
+    architecture, _ = split_model_name_tag(name)
+    cfg = get_pretrained_cfg(architecture) if timm.is_model(architecture) else None
     if cfg is not None and cfg.url == url:
-        return f'{name}.pth'
+        return f'{architecture}.pth'
     return f'{name}-{hashlib.sha256(url.encode()).hexdigest()[:8]}.pth'
 
 

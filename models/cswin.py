@@ -38,7 +38,7 @@ from .attention.layout import Grid, image_to_tokens, tokens_to_image
 from .checkpoint import filter_checkpoint
 from .family import (
     FLATTEN_META, INLINE_META, BlockStack, OfficialKeys, ZooModel, check_arguments, create_variant, imagenet_cfg,
-    init_weights, register_variants, tsinghua_url,
+    init_weights, register_variants, tag_weights, tsinghua_url,
 )
 
 __all__ = ['CSWinTransformer', 'checkpoint_filter_fn']
@@ -403,7 +403,7 @@ _ORIGINAL_EVAL = {size: dict(input_size=(3, 384, 384), pool_size=(12, 12), crop_
 _PAPER_EVAL = {size: dict(input_size=(3, 384, 384), pool_size=(12, 12)) if size == 'base_384' else {}
                for size in _SIZES}
 
-default_cfgs = generate_default_cfgs({
+default_cfgs = generate_default_cfgs(tag_weights({
     **{f'{attn}_cswin_{size}': _cfg(**_ORIGINAL_EVAL[size]) for attn in list_attentions() for size in _SIZES},
     **{f'{prefix}_cswin_{size}': _cfg(**_PAPER_EVAL[size], **meta)
        for prefix, meta in (('inline', INLINE_META), ('flatten', FLATTEN_META)) for size in _SIZES},
@@ -414,6 +414,6 @@ default_cfgs = generate_default_cfgs({
     'inline_cswin_small': _cfg(tsinghua_url('59f4e65f776f4052b93c'), **INLINE_META),
     'inline_cswin_base': _cfg(tsinghua_url('91e17121df284ae38521'), **INLINE_META),
     'flatten_cswin_tiny': _cfg(tsinghua_url('48ba765ba8b0451d9d5a'), **FLATTEN_META),
-})
+}))
 
 register_variants(__name__, _VARIANTS, _create_cswin)

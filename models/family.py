@@ -24,8 +24,8 @@ from .checkpoint import cached_file_name, download_checkpoint
 __all__ = [
     'ZooModel', 'create_variant', 'register_variants', 'Block', 'BlockStack', 'init_weights', 'OfficialKeys',
     'NumberedStageKeys', 'new_classifier',
-    'check_arguments', 'check_global_pool', 'check_input', 'check_output_fmt', 'imagenet_cfg', 'tsinghua_url',
-    'INLINE_META', 'FLATTEN_META',
+    'check_arguments', 'check_global_pool', 'check_input', 'check_output_fmt', 'imagenet_cfg', 'tag_weights',
+    'tsinghua_url', 'INLINE_META', 'FLATTEN_META',
 ]
 
 # Pretrained-cfg entries of the InLine and FLatten releases, which several families ship. Their evaluation resizes
@@ -245,6 +245,18 @@ def imagenet_cfg(url: str = '', **kwargs: Any) -> Dict[str, Any]:
         'interpolation': 'bicubic', 'mean': IMAGENET_DEFAULT_MEAN, 'std': IMAGENET_DEFAULT_STD,
         'classifier': 'head', **kwargs,
     }
+
+
+def tag_weights(cfgs: Dict[str, Dict[str, Any]], tags: Optional[Mapping[str, str]] = None) -> Dict[str, Dict[str, Any]]:
+    """`cfgs` with every cfg that has weights keyed 'name.tag', as timm keys released weights: the tag of the
+    first prefix in `tags` that the name starts with (timm's own tag where timm keeps the same weights, such as
+    'fb_in1k' for DeiT's), else 'in1k'. `timm.create_model(name)` takes the tagged weights by default."""
+    def key(name: str, cfg: Dict[str, Any]) -> str:
+        if not (cfg.get('url') or cfg.get('file')):
+            return name
+        tag = next((t for prefix, t in (tags or {}).items() if name.startswith(prefix)), 'in1k')
+        return f'{name}.{tag}'
+    return {key(name, cfg): cfg for name, cfg in cfgs.items()}
 
 
 def tsinghua_url(file_id: str) -> str:

@@ -41,7 +41,7 @@ from .attention.layout import Grid, tokens_to_image
 from .checkpoint import CheckpointError, filter_checkpoint, resample_grid_embedding, resize_grid_embedding
 from .family import (
     FLATTEN_META, INLINE_META, Block, BlockStack, NumberedStageKeys, OfficialKeys, ZooModel, check_arguments,
-    create_variant, imagenet_cfg, init_weights, register_variants, tsinghua_url,
+    create_variant, imagenet_cfg, init_weights, register_variants, tag_weights, tsinghua_url,
 )
 
 __all__ = ['PyramidVisionTransformer', 'PvtStage', 'check_stage_lists', 'checkpoint_filter_fn']
@@ -324,7 +324,7 @@ _INLINE_FILES = {'tiny': '90ac52b1555b401eb5e6', 'small': '1ab953b2479d433080a3'
 # The papers' PVTs pool the last stage's 7x7 map; the original's class token leaves no map to pool.
 _POOL = {name: dict(pool_size=(7, 7)) if not args['class_token'] else {} for name, (args, _) in _VARIANTS.items()}
 
-default_cfgs = generate_default_cfgs({
+default_cfgs = generate_default_cfgs(tag_weights({
     **{name: _cfg(**_POOL[name]) for name in _VARIANTS},
     **{f'softmax_pvt_{size}': _cfg(f'https://github.com/whai362/PVT/releases/download/v2/pvt_{size}.pth',
                                    **_PVT_META)
@@ -333,6 +333,6 @@ default_cfgs = generate_default_cfgs({
        for size in _SIZES},
     'flatten_pvt_tiny': _cfg(tsinghua_url('3ab1d773f19d45648690'), pool_size=(7, 7), **FLATTEN_META),
     **{f'flatten_pvt_{size}': _cfg(pool_size=(7, 7), **FLATTEN_META) for size in _SIZES[1:]},
-})
+}))
 
 register_variants(__name__, _VARIANTS, _create_pvt)

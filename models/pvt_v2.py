@@ -38,7 +38,7 @@ from .checkpoint import filter_checkpoint
 from .onednn import fuses_in_inference, onednn_conv2d_gelu
 from .family import (
     FLATTEN_META, BlockStack, NumberedStageKeys, OfficialKeys, ZooModel, create_variant, imagenet_cfg, init_weights,
-    register_variants, tsinghua_url,
+    register_variants, tag_weights, tsinghua_url,
 )
 from .pvt import NUM_STAGES, check_stage_lists
 
@@ -351,13 +351,13 @@ _VARIANTS: Dict[str, Tuple[Dict[str, Any], str]] = {
 
 _PVT_V2_META = dict(paper_ids='arXiv:2106.13797', origin_url='https://github.com/whai362/PVT', license='apache-2.0')
 
-default_cfgs = generate_default_cfgs({
+default_cfgs = generate_default_cfgs(tag_weights({
     **{name: _cfg() for name in _VARIANTS},
     **{f'softmax_pvt_v2_{size}': _cfg(f'https://github.com/whai362/PVT/releases/download/v2/pvt_v2_{size}.pth',
                                       **_PVT_V2_META)
        for size in _SIZES},
     'flatten_pvt_v2_b0': _cfg(tsinghua_url('5d1f01532b104da28e7b'), **FLATTEN_META),
     **{f'flatten_pvt_v2_{size}': _cfg(**FLATTEN_META) for size in _SIZES[1:5]},
-})
+}))
 
 register_variants(__name__, _VARIANTS, _create_pvt_v2)

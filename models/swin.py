@@ -34,7 +34,7 @@ from .attention.layout import Grid
 from .checkpoint import filter_checkpoint
 from .family import (
     FLATTEN_META, INLINE_META, Block, BlockStack, ZooModel, check_arguments, create_variant, imagenet_cfg,
-    init_weights, register_variants, tsinghua_url,
+    init_weights, register_variants, tag_weights, tsinghua_url,
 )
 
 __all__ = ['SwinTransformer', 'checkpoint_filter_fn']
@@ -338,7 +338,7 @@ _SWIN_META = dict(paper_ids='arXiv:2103.14030', origin_url='https://github.com/m
 _SWIN_URL = 'https://github.com/SwinTransformer/storage/releases/download/v1.0.0/{}.pth'
 _AT_384 = dict(input_size=(3, 384, 384), pool_size=(12, 12), crop_pct=1.0)
 
-default_cfgs = generate_default_cfgs({
+default_cfgs = generate_default_cfgs(tag_weights({
     **{name: _cfg(**(_AT_384 if name.endswith('_384') else {})) for name in _VARIANTS},
     'inline_swin_tiny': _cfg(tsinghua_url('32810869fcc34410966b'), **INLINE_META),
     'inline_swin_small': _cfg(tsinghua_url('e9657fd247c04c7cb1a1'), **INLINE_META),
@@ -352,6 +352,6 @@ default_cfgs = generate_default_cfgs({
     'softmax_swin_small': _cfg(_SWIN_URL.format('swin_small_patch4_window7_224'), **_SWIN_META),
     'softmax_swin_base': _cfg(_SWIN_URL.format('swin_base_patch4_window7_224'), **_SWIN_META),
     'softmax_swin_base_384': _cfg(_SWIN_URL.format('swin_base_patch4_window12_384'), **_AT_384, **_SWIN_META),
-})
+}, {'softmax_swin_': 'ms_in1k'}))
 
 register_variants(__name__, _VARIANTS, _create_swin)

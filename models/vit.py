@@ -39,7 +39,7 @@ from .attention.multimax import multimax_modulation
 from .checkpoint import CheckpointError, filter_checkpoint, resample_grid_embedding, resize_grid_embedding
 from .family import (
     INLINE_META, Block, ZooModel, check_arguments, create_variant, imagenet_cfg, init_weights, register_variants,
-    tsinghua_url,
+    tag_weights, tsinghua_url,
 )
 
 __all__ = ['DeiT', 'LayerScaleBlock', 'checkpoint_filter_fn']
@@ -306,7 +306,7 @@ _VARIANTS: Dict[str, Tuple[Dict[str, Any], str]] = {
     **_SIMA_LS,
 }
 
-default_cfgs = generate_default_cfgs({
+default_cfgs = generate_default_cfgs(tag_weights({
     **{name: _cfg() for name in _VARIANTS},
     'softmax_deit_tiny': _cfg(_DEIT_URL.format('tiny', 'a1311bcf'), **_DEIT_META),
     'softmax_deit_small': _cfg(_DEIT_URL.format('small', 'cd65a155'), **_DEIT_META),
@@ -316,7 +316,7 @@ default_cfgs = generate_default_cfgs({
     'inline_deit_tiny': _cfg(tsinghua_url('1d6b8191ad6d4114b291'), **INLINE_META),
     'inline_deit_small': _cfg(tsinghua_url('2f3898b07e9247f3beb3'), input_size=(3, 288, 288), **INLINE_META),
     'inline_deit_base': _cfg(tsinghua_url('10bdd726d4b0435eb34e'), input_size=(3, 448, 448), **INLINE_META),
-})
+}, {'softmax_deit_': 'fb_in1k'}))
 
 register_variants(__name__, {name: v for name, v in _VARIANTS.items() if name not in _MULTIMAX}, _create_deit)
 register_variants(__name__, _MULTIMAX, _create_multimax_deit)

@@ -103,8 +103,10 @@ def official_checkpoint(**model_args) -> Tuple[Dict[str, torch.Tensor], bytes]:
 
 
 def register_url(monkeypatch, name: str, url: str) -> None:
-    """Point `name`'s registered pretrained cfg at `url` for this test."""
-    monkeypatch.setitem(_model_pretrained_cfgs, name, dataclasses.replace(_model_pretrained_cfgs[name], url=url))
+    """Point `name`'s registered pretrained cfg at `url` for this test, under its name and its tagged name."""
+    cfg = dataclasses.replace(_model_pretrained_cfgs[name], url=url)
+    monkeypatch.setitem(_model_pretrained_cfgs, name, cfg)
+    monkeypatch.setitem(_model_pretrained_cfgs, f'{name}.{cfg.tag}', cfg)
 
 
 def assert_weights(model: torch.nn.Module, state_dict: Dict[str, torch.Tensor]) -> None:
@@ -131,8 +133,10 @@ def test_every_release_is_downloaded_by_the_zoo_under_a_real_file_name(monkeypat
         url = timm.models.get_pretrained_cfg(name).url
         with pytest.raises(Requested) as raised:
             timm.create_model(name, pretrained=True)
-        # the URL's own file name where it has one, as torch.hub names it, so earlier downloads are reused
-        assert raised.value.args == (url, f'{name}.pth' if name in nameless else url.rsplit('/', 1)[-1]), name
+        # the URL's own file name where it has one, as torch.hub names it, so earlier downloads are reused; else
+        # the architecture's name, with or without the weights' tag
+        architecture = name.split('.')[0]
+        assert raised.value.args == (url, f'{architecture}.pth' if name in nameless else url.rsplit('/', 1)[-1]), name
     assert timm.models.get_pretrained_cfg('softmax_deit_tiny').url.endswith('/deit_tiny_patch16_224-a1311bcf.pth')
 
 
@@ -145,15 +149,15 @@ def test_registered_url_downloads_once_under_the_model_name(server, cache, monke
     assert (cache / 'inline_deit_tiny.pth').read_bytes() == server.files['1d6b8191ad6d4114b291']
     assert server.requests == ['/f/1d6b8191ad6d4114b291/?dl=1']
     assert 'inline_deit_tiny.pth' in capfd.readouterr().err  # the progress bar
-    again = timm.create_model('inline_deit_tiny', pretrained=True, **TINY)
-    assert_weights(again, state_dict)
-    assert len(server.requests) == 1
-    # A fine-tuning start by model name reads the same cached file.
-    start = timm.create_model('inline_deit_tiny', **TINY)
-    report = load_pretrained_into(start, 'inline_deit_tiny')
-    assert not report.new and not report.dropped
-    assert_weights(start, state_dict)
-    assert len(server.requests) == 1
+    for name in ('inline_deit_tiny', 'inline_deit_tiny.in1k'):  # the same weights with or without their tag
+        again = timm.create_model(name, pretrained=True, **TINY)
+        assert_weights(again, state_dict)
+        # A fine-tuning start by model name reads the same cached file.
+        start = timm.create_model('inline_deit_tiny', **TINY)
+        report = load_pretrained_into(start, name)
+        assert not report.new and not report.dropped
+        assert_weights(start, state_dict)
+    assert len(server.requests) == 1 and sorted(p.name for p in cache.iterdir()) == ['inline_deit_tiny.pth']
 
 
 def test_an_overlay_url_has_a_cache_name_of_its_own(server, cache):

@@ -290,8 +290,9 @@ def test_list_models():
     for flavour in FLAVOURS:
         assert timm.list_models(f'{flavour}_cswin_*') == sorted(f'{flavour}_cswin_{s}' for s in SIZES)
     assert timm.list_models('*_cswin_*', pretrained=True) == sorted(
-        ['inline_cswin_tiny', 'inline_cswin_small', 'inline_cswin_base', 'flatten_cswin_tiny',
-         'softmax_cswin_tiny', 'softmax_cswin_small', 'softmax_cswin_base', 'softmax_cswin_base_384'])
+        f'{name}.in1k' for name in ['inline_cswin_tiny', 'inline_cswin_small', 'inline_cswin_base',
+                                    'flatten_cswin_tiny', 'softmax_cswin_tiny', 'softmax_cswin_small',
+                                    'softmax_cswin_base', 'softmax_cswin_base_384'])
 
 
 @pytest.mark.parametrize('name', ALL_NAMES)

@@ -202,7 +202,10 @@ def test_pretrained_cfgs():
         assert cfg['mean'] == timm.data.IMAGENET_DEFAULT_MEAN and cfg['std'] == timm.data.IMAGENET_DEFAULT_STD
         assert cfg['first_conv'] == 'patch_embed.proj' and cfg['classifier'] == 'head'
         assert (cfg.get('url') or None) == urls.get(name)
-    assert set(timm.list_models('*_deit_*', pretrained=True)) == set(urls)
+    # released weights carry timm's tag: DeiT's own as timm tags them, the papers' 'in1k'
+    assert set(timm.list_models('*_deit_*', pretrained=True)) == {
+        f"{name}.{'fb_in1k' if name.startswith('softmax_') else 'in1k'}" for name in urls}
+    assert timm.create_model('softmax_deit_tiny.fb_in1k').pretrained_cfg['url'] == urls['softmax_deit_tiny']
 
 
 def test_input_of_another_size_is_a_value_error():

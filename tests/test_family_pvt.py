@@ -291,7 +291,8 @@ def test_pretrained_cfgs():
         assert cfg['mean'] == timm.data.IMAGENET_DEFAULT_MEAN and cfg['std'] == timm.data.IMAGENET_DEFAULT_STD
         assert cfg['first_conv'] == 'patch_embed1.proj' and cfg['classifier'] == 'head'
         assert (cfg.get('url') or None) == urls.get(name)
-    assert set(timm.list_models('*_pvt_*', pretrained=True, exclude_filters='*_pvt_v2_*')) == set(urls)
+    assert set(timm.list_models('*_pvt_*', pretrained=True, exclude_filters='*_pvt_v2_*')) == {
+        f'{name}.in1k' for name in urls}
 
 
 def test_head_pooling_and_classifier_reset():

@@ -286,7 +286,7 @@ def test_pretrained_cfgs():
         assert cfg['input_size'] == (3, 224, 224) and cfg['crop_pct'] == 0.875 and cfg['interpolation'] == 'bicubic'
         assert cfg['first_conv'] == 'patch_embed1.proj' and cfg['classifier'] == 'head'
         assert (cfg.get('url') or None) == urls.get(name)
-    assert set(timm.list_models('*_pvt_v2_*', pretrained=True)) == set(urls)
+    assert set(timm.list_models('*_pvt_v2_*', pretrained=True)) == {f'{name}.in1k' for name in urls}
     for size in FLATTEN_ARGS:
         cfg = timm.models.get_pretrained_cfg(f'flatten_pvt_v2_{size}').to_dict()
         assert cfg['crop_mode'] == 'squash' and cfg['fixed_input_size']

@@ -229,10 +229,12 @@ def test_softmax_swin_loads_timm_swin_weights_and_gives_timm_outputs(tmp_path):
 def test_list_models():
     for flavour in FLAVOURS:
         assert timm.list_models(f'{flavour}_swin_*') == sorted(f'{flavour}_swin_{s}' for s in SIZES)
+    # released weights carry timm's tags: Swin's own as timm tags them, the papers' 'in1k'
     assert timm.list_models('*_swin_*', pretrained=True) == sorted(
-        ['inline_swin_tiny', 'inline_swin_small', 'inline_swin_base', 'flatten_swin_tiny', 'flatten_swin_small',
-         'flatten_swin_base', 'flatten_swin_base_384', 'softmax_swin_tiny', 'softmax_swin_small',
-         'softmax_swin_base', 'softmax_swin_base_384'])
+        ['inline_swin_tiny.in1k', 'inline_swin_small.in1k', 'inline_swin_base.in1k', 'flatten_swin_tiny.in1k',
+         'flatten_swin_small.in1k', 'flatten_swin_base.in1k', 'flatten_swin_base_384.in1k',
+         'softmax_swin_tiny.ms_in1k', 'softmax_swin_small.ms_in1k', 'softmax_swin_base.ms_in1k',
+         'softmax_swin_base_384.ms_in1k'])
 
 
 @pytest.mark.parametrize('name', ALL_NAMES)

@@ -77,11 +77,13 @@ def test_timm_test_models_passes_on_a_sample_of_the_zoo(tmp_path):
          '-k', f'not pretrained and ({sample})', f'--junitxml={tmp_path / "report.xml"}'],
         cwd=tmp_path, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-6000:]
-    passed = set()  # (test function, model name) pairs, from ids such as 'test_model_backward[2-inline_pvt_tiny]'
+    # (test function, model name) pairs, from ids such as 'test_model_backward[2-inline_pvt_tiny]' and, where timm
+    # lists the weights' tags, 'test_model_default_cfgs[1-inline_pvt_tiny.in1k]'
+    passed = set()
     for case in ElementTree.parse(tmp_path / 'report.xml').iter('testcase'):
         if not any(child.tag in ('failure', 'error', 'skipped') for child in case):
             test, params = case.get('name').rstrip(']').split('[')
-            passed |= {(test, param) for param in params.split('-')}
+            passed |= {(test, param.split('.')[0]) for param in params.split('-')}
     for name in STANDARD + NON_STANDARD:
         kind = 'test_model_default_cfgs' if name in STANDARD else 'test_model_default_cfgs_non_std'
         for test in EVERY_MODEL + (kind,):
