@@ -10,7 +10,7 @@ from torch import Tensor, nn
 from yacs.config import CfgNode as CN
 
 from .build import create_model, read_weights
-from .data import eval_transform
+from .data import eval_transform, image_mode
 from .errors import UsageError
 from .evaluation import eval_config
 
@@ -48,18 +48,18 @@ def find_images(path: str, limit: Optional[int] = None) -> List[str]:
 
 
 def load_images(files: Sequence[str], cfg: CN) -> Tuple[Tensor, List[np.ndarray]]:
-    """The (B, 3, S, S) model inputs of `files` with the config's evaluation preprocessing, and each image as
-    the model sees it before normalisation ((S, S, 3) floats in [0, 1]) for drawing."""
+    """The (B, C, S, S) model inputs of `files` with the config's evaluation preprocessing (C = 1 for grey-scale
+    models), and each image as the model sees it before normalisation ((S, S, 3) floats in [0, 1]) for drawing."""
     transform = eval_transform(cfg)
-    mean = torch.tensor(cfg.DATA.MEAN).view(3, 1, 1)
-    std = torch.tensor(cfg.DATA.STD).view(3, 1, 1)
+    mean = torch.tensor(cfg.DATA.MEAN).view(-1, 1, 1)
+    std = torch.tensor(cfg.DATA.STD).view(-1, 1, 1)
     inputs, shown = [], []
     for file in files:
         try:
-            image = Image.open(file).convert('RGB')
+            image = Image.open(file).convert(image_mode(cfg))
         except OSError as e:
             raise UsageError(f"cannot read image {file!r}: {e}") from None
         x = transform(image)
         inputs.append(x)
-        shown.append((x * std + mean).clamp(0, 1).permute(1, 2, 0).numpy())
+        shown.append((x * std + mean).clamp(0, 1).expand(3, -1, -1).permute(1, 2, 0).numpy())
     return torch.stack(inputs), shown

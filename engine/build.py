@@ -90,6 +90,21 @@ def read_weights(path: str, ema: bool = False) -> Dict[str, Tensor]:
     return checkpoint_state_dict(checkpoint, MODEL_KEYS)
 
 
+def _check_channels(cfg: CN, in_chans: int) -> None:
+    """The data pipeline feeds grey-scale ('L') or RGB images, normalised with one mean and std per channel."""
+    if in_chans not in (1, 3):
+        raise ConfigError(f"config key MODEL.KWARGS.in_chans is {in_chans!r}; expected 1 (grey-scale images, read as "
+                          f"'L') or 3 (RGB)")
+    if len(cfg.DATA.MEAN) != in_chans or len(cfg.DATA.STD) != in_chans:
+        key = 'DATA.MEAN' if len(cfg.DATA.MEAN) != in_chans else 'DATA.STD'
+        held = len(cfg.DATA.MEAN if key == 'DATA.MEAN' else cfg.DATA.STD)
+        example = 'DATA.MEAN [0.5] DATA.STD [0.5] for grey-scale images' if in_chans == 1 else \
+            "DATA.MEAN [0.485, 0.456, 0.406] DATA.STD [0.229, 0.224, 0.225] for RGB images"
+        raise ConfigError(f"config key {key} holds {held} value{'s' if held > 1 else ''} but the model takes "
+                          f"{in_chans} channel{'s' if in_chans > 1 else ''} (MODEL.KWARGS.in_chans {in_chans}); "
+                          f"expected one mean and one std per channel, e.g. {example}")
+
+
 def create_model(cfg: CN, weights: Optional[Dict[str, Tensor]] = None, source: str = 'checkpoint',
                  device: Optional[str] = None) -> nn.Module:
     """`timm.create_model(MODEL.NAME, num_classes, img_size, drop_path_rate, **MODEL.KWARGS)`, its parameters
@@ -120,10 +135,7 @@ def create_model(cfg: CN, weights: Optional[Dict[str, Tensor]] = None, source: s
         raise
     except ValueError as e:
         raise ConfigError(f"cannot build model {name!r} from MODEL.KWARGS {dict(cfg.MODEL.KWARGS)}: {e}") from e
-    in_chans = getattr(model, 'in_chans', 3)
-    if in_chans != 3:
-        raise ConfigError(f"config key MODEL.KWARGS.in_chans is {in_chans!r}; expected 3: the data pipeline reads "
-                          f"every image as RGB (DATA.MEAN and DATA.STD hold three channels)")
+    _check_channels(cfg, getattr(model, 'in_chans', 3))
     if weights is not None:
         model.pretrained_cfg.pop('state_dict', None)  # do not keep a second copy of the weights alive
         for change in weight_changes(name, weights, model):
@@ -133,15 +145,23 @@ def create_model(cfg: CN, weights: Optional[Dict[str, Tensor]] = None, source: s
 
 def weight_changes(name: str, weights: Mapping[str, Tensor], model: nn.Module) -> List[str]:
     """What loading `weights` into `model` changed, one sentence each: a classifier re-initialised for another
-    class count, and tensors resized to the model's resolution (position embeddings and tables)."""
+    class count, the first convolution adapted to another channel count (as timm's loader adapts it), and tensors
+    resized to the model's resolution (position embeddings and tables)."""
     own = model.state_dict()
     classifier_keys = {f'{c}.{part}' for c in _classifier_names(name) for part in ('weight', 'bias')}
+    first_conv = getattr(model, 'pretrained_cfg', {}).get('first_conv')
     changes = []
     rows = classifier_rows(name, weights)
     if rows is not None and rows != getattr(model, 'num_classes', rows):
         changes.append(f"re-initialised the classifier for {model.num_classes} classes (the weights have {rows})")
     for key, value in weights.items():
-        if key in own and key not in classifier_keys and own[key].shape != value.shape:
+        if key not in own or key in classifier_keys or own[key].shape == value.shape:
+            continue
+        if key == f'{first_conv}.weight' and own[key].shape[1] != value.shape[1]:
+            how = 'summed over' if own[key].shape[1] == 1 else 'repeated from'
+            changes.append(f"adapted {key} to {own[key].shape[1]} input channel(s), {how} the weights' "
+                           f"{value.shape[1]}")
+        else:
             changes.append(f"resized {key} from {tuple(value.shape)} to {tuple(own[key].shape)}")
     return changes
 

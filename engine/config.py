@@ -322,7 +322,8 @@ def validate_config(cfg: CN) -> None:
     _check(0 < cfg.TEST.CROP_PCT <= 1, 'TEST.CROP_PCT', cfg.TEST.CROP_PCT, 'a value in (0, 1]')
     for key in ('DATA.MEAN', 'DATA.STD'):
         value = _get(cfg, key)
-        _check(len(value) == 3 and all(isinstance(v, (int, float)) for v in value), key, value, 'three numbers')
+        _check(len(value) in (1, 3) and all(isinstance(v, (int, float)) for v in value), key, value,
+               'one or three numbers')
     for key in ('AUG.SCALE', 'AUG.RATIO', 'TRAIN.OPTIMIZER.BETAS'):
         value = _get(cfg, key)
         _check(len(value) == 2 and all(isinstance(v, (int, float)) for v in value), key, value, 'two numbers')

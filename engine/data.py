@@ -7,6 +7,7 @@ not images that can be read (broken links, FIFOs, empty, truncated or non-image 
 1,797 real 8x8 images) is written once as such a folder.
 """
 import errno
+import functools
 import json
 import logging
 import os
@@ -35,8 +36,8 @@ from .errors import BadImageError, UsageError
 
 __all__ = [
     'DIGITS_STAMP', 'default_digits_root', 'prepare_digits', 'resolve_data_root', 'check_splits', 'load_split',
-    'BadImage', 'ImageFolderSplit', 'ImageLoader', 'read_image', 'check_images', 'report_scan', 'posterize',
-    'train_transform', 'eval_transform', 'build_mixup', 'ShardSampler', 'SkipSampler', 'SeededSamples',
+    'BadImage', 'ImageFolderSplit', 'ImageLoader', 'image_mode', 'read_image', 'check_images', 'report_scan',
+    'posterize', 'train_transform', 'eval_transform', 'build_mixup', 'ShardSampler', 'SkipSampler', 'SeededSamples',
     'build_train_loader', 'build_eval_loader', 'eval_batch_size',
 ]
 
@@ -169,14 +170,19 @@ def _stat_image(path: str) -> Union[os.stat_result, BadImage]:
     return status
 
 
-def read_image(path: str) -> Union[Image.Image, BadImage]:
-    """The RGB image at `path` (fully decoded), or a `BadImage` saying why there is none."""
+def image_mode(cfg: CN) -> str:
+    """The Pillow mode images are read in: 'L' (grey-scale) when DATA.MEAN holds one channel, else 'RGB'."""
+    return 'L' if len(cfg.DATA.MEAN) == 1 else 'RGB'
+
+
+def read_image(path: str, mode: str = 'RGB') -> Union[Image.Image, BadImage]:
+    """The image at `path` (fully decoded) in Pillow `mode`, or a `BadImage` saying why there is none."""
     status = _stat_image(path)
     if isinstance(status, BadImage):
         return status
     try:
         with Image.open(path) as image:
-            return image.convert('RGB')
+            return image.convert(mode)
     except UnidentifiedImageError:
         return BadImage(path, 'is not an image (Pillow cannot identify its format)')
     except Exception as e:  # Pillow's decoders raise many types on corrupt data (OSError, SyntaxError, ValueError, ...)
@@ -202,11 +208,13 @@ class ImageFolderSplit(ImageFolder):
     in for it, so batches stay full.
     """
 
-    def __init__(self, folder: str, transform=None, bad_images: str = 'error', replace_bad: bool = False):
+    def __init__(self, folder: str, transform=None, bad_images: str = 'error', replace_bad: bool = False,
+                 image_mode: str = 'RGB'):
         self.bad_images, self.replace_bad = bad_images, replace_bad
         self.left_out: List[BadImage] = []
         self.notes: List[str] = []
-        super().__init__(folder, transform=transform, loader=read_image, allow_empty=True)
+        super().__init__(folder, transform=transform, loader=functools.partial(read_image, mode=image_mode),
+                         allow_empty=True)
 
     def find_classes(self, directory: str) -> Tuple[List[str], Dict[str, int]]:
         classes = _class_folders(directory)
@@ -301,9 +309,9 @@ class ImageFolderSplit(ImageFolder):
 
 
 def load_split(root: str, split: str, transform, num_classes: Optional[int] = None, bad_images: str = 'error',
-               replace_bad: bool = False) -> ImageFolderSplit:
+               replace_bad: bool = False, image_mode: str = 'RGB') -> ImageFolderSplit:
     """`ImageFolderSplit(root/split)` after checking the folder exists, has class folders with images, and
-    (when given) `num_classes` of them."""
+    (when given) `num_classes` of them; images are read in Pillow's `image_mode`."""
     check_splits(root, [split])
     folder = os.path.join(root, split)
     classes = _class_folders(folder)
@@ -318,7 +326,7 @@ def load_split(root: str, split: str, transform, num_classes: Optional[int] = No
         among = f", among them the hidden {', '.join(hidden)}" if hidden else ''
         raise UsageError(f"dataset folder {folder!r} has {len(classes)} class folders{among} but the model has "
                          f"{num_classes} classes (MODEL.NUM_CLASSES)")
-    return ImageFolderSplit(folder, transform, bad_images, replace_bad)
+    return ImageFolderSplit(folder, transform, bad_images, replace_bad, image_mode)
 
 
 def report_scan(dataset: ImageFolderSplit) -> None:

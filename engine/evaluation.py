@@ -12,8 +12,8 @@ from models.onednn import convert_to_onednn
 from .build import autocast_dtype, check_model_name, classifier_rows, create_model, read_weights
 from .compile import CompileTimer, compile_errors_reported, compile_model
 from .config import config_from_yaml_string, get_default_config, load_config, merge_dict, merge_opts, validate_config
-from .data import (build_eval_loader, check_images, eval_batch_size, eval_transform, load_split, report_scan,
-                   resolve_data_root)
+from .data import (build_eval_loader, check_images, eval_batch_size, eval_transform, image_mode, load_split,
+                   report_scan, resolve_data_root)
 from .distributed import DistInfo, any_rank
 from .errors import UsageError
 from .loops import evaluate, measure_throughput
@@ -118,7 +118,7 @@ def evaluate_weights(cfg: CN, info: DistInfo, checkpoint: str, *, ema: bool = Fa
     cfg, weights = _load_weights(cfg, checkpoint, ema, adopt_classes)
     source = f"checkpoint {checkpoint!r}"
     root = resolve_data_root(cfg, info)
-    val_set = load_split(root, 'val', eval_transform(cfg), bad_images=cfg.DATA.BAD_IMAGES)
+    val_set = load_split(root, 'val', eval_transform(cfg), bad_images=cfg.DATA.BAD_IMAGES, image_mode=image_mode(cfg))
     if len(val_set.classes) != cfg.MODEL.NUM_CLASSES:
         raise UsageError(f"{source} is for {cfg.MODEL.NUM_CLASSES} classes but {root}/val has "
                          f"{len(val_set.classes)} class folders; expected the dataset the checkpoint was trained on")

@@ -24,7 +24,7 @@ from .checkpoint import LAST, OutputLock, TrainingCheckpoint, remove_stale_temp_
 from .compile import CompileTimer, compile_errors_reported, compile_model
 from .config import ema_decay, scaled_lrs, total_batch_size
 from .data import (build_eval_loader, build_mixup, build_train_loader, check_images, check_splits, eval_batch_size,
-                   eval_transform, load_split, report_scan, resolve_data_root, train_transform)
+                   eval_transform, image_mode, load_split, report_scan, resolve_data_root, train_transform)
 from .distributed import DistInfo, all_gather_objects, all_reduce_sum, any_rank, barrier
 from .errors import Stopped, UsageError, exit_at_once
 from .evaluation import released_checkpoint
@@ -183,8 +183,10 @@ def _train(cfg: CN, info: DistInfo, lock: OutputLock, check_data: bool) -> Dict[
     check_splits(root, ('train', 'val'))
     bad_images = cfg.DATA.BAD_IMAGES
     # a bad training image is replaced by the next readable one, so batches stay full and mixup keeps its pairs
-    train_set = load_split(root, 'train', train_transform(cfg), cfg.MODEL.NUM_CLASSES, bad_images, replace_bad=True)
-    val_set = load_split(root, 'val', eval_transform(cfg), cfg.MODEL.NUM_CLASSES, bad_images)
+    mode = image_mode(cfg)
+    train_set = load_split(root, 'train', train_transform(cfg), cfg.MODEL.NUM_CLASSES, bad_images, replace_bad=True,
+                           image_mode=mode)
+    val_set = load_split(root, 'val', eval_transform(cfg), cfg.MODEL.NUM_CLASSES, bad_images, image_mode=mode)
     if train_set.classes != val_set.classes:
         raise UsageError(f"the class folders of {root}/train and {root}/val differ "
                          f"({_class_difference(train_set.classes, val_set.classes)}); expected the same classes")

@@ -42,7 +42,7 @@ import timm  # noqa: E402
 
 from engine.build import autocast_dtype, create_criterion, create_optimizer, create_training_model  # noqa: E402
 from engine.config import load_config  # noqa: E402
-from engine.data import build_mixup, build_train_loader, load_split, train_transform  # noqa: E402
+from engine.data import build_mixup, build_train_loader, image_mode, load_split, train_transform  # noqa: E402
 from engine.distributed import DistInfo, resolve_device  # noqa: E402
 from engine.errors import UsageError, refuse_below  # noqa: E402
 from engine.loops import autocast  # noqa: E402
@@ -80,7 +80,8 @@ def timed_passes(step, count: int, repeats: int, warmup: int) -> List[float]:
 
 def loader_rate(cfg, info: DistInfo, batches: int, repeats: int) -> float:
     """Median images/s of the training loader with mixup, over passes of `batches` batches."""
-    dataset = load_split(cfg.DATA.DATA_PATH, 'train', train_transform(cfg), cfg.MODEL.NUM_CLASSES)
+    dataset = load_split(cfg.DATA.DATA_PATH, 'train', train_transform(cfg), cfg.MODEL.NUM_CLASSES,
+                         image_mode=image_mode(cfg))
     loader = build_train_loader(cfg, dataset, info)
     mixup = build_mixup(cfg)
     epoch = 0

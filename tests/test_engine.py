@@ -26,13 +26,14 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from yacs.config import CfgNode
 
+import engine.analysis
 import engine.data
 import engine.evaluation
 from engine.build import create_criterion, create_model, create_optimizer, create_scheduler, read_weights
 from engine.checkpoint import TrainingCheckpoint, atomic_save, rng_state, set_rng_state
 from engine.cli import eval_main, train_main
 from engine.config import ConfigError, load_config
-from engine.data import (DIGITS_STAMP, ShardSampler, eval_transform, load_split, prepare_digits)
+from engine.data import (DIGITS_STAMP, ShardSampler, eval_transform, image_mode, load_split, prepare_digits)
 from engine.distributed import DistInfo
 from engine.errors import USAGE_EXIT_CODE, UsageError, run_cli
 from engine.loops import TrainState, evaluate
@@ -584,23 +585,69 @@ def test_a_model_keyword_out_of_range_fails_before_any_data_is_read(tmp_path, ca
     assert not data.exists() and not (tmp_path / 'out').exists()
 
 
-RGB_ONLY = ("error: config key MODEL.KWARGS.in_chans is 1; expected 3: the data pipeline reads every image as RGB "
-            "(DATA.MEAN and DATA.STD hold three channels)\n")
+GREY_NEEDS_ONE_MEAN = ("error: config key DATA.MEAN holds 3 values but the model takes 1 channel "
+                       "(MODEL.KWARGS.in_chans 1); expected one mean and one std per channel, e.g. DATA.MEAN [0.5] "
+                       "DATA.STD [0.5] for grey-scale images\n")
 
 
-def test_another_channel_count_fails_before_any_data_is_read(tmp_path, capsys):
-    """in_chans=1 met the RGB batches at the first forward, as a shape traceback; it is refused with the config."""
+@pytest.mark.parametrize('opts, message', [
+    (['MODEL.KWARGS.in_chans', '1'], GREY_NEEDS_ONE_MEAN),
+    (['MODEL.KWARGS.in_chans', '2', 'DATA.MEAN', '[0.5, 0.5]', 'DATA.STD', '[0.5, 0.5]'],
+     "error: config key DATA.MEAN is [0.5, 0.5]; expected one or three numbers\n"),
+    (['MODEL.KWARGS.in_chans', '4'], "error: config key MODEL.KWARGS.in_chans is 4; expected 1 (grey-scale images, "
+                                     "read as 'L') or 3 (RGB)\n"),
+])
+def test_a_channel_count_the_data_cannot_feed_fails_before_any_data_is_read(tmp_path, capsys, opts, message):
+    """in_chans=1 with the RGB normalisation met (B, 3, H, W) batches at the first forward, as a shape traceback; it
+    is refused with the config, as any count other than grey-scale's and RGB's."""
     data = tmp_path / 'digits'
     code, _, err = _run(train_main, ['--cfg', TINY, '--output', str(tmp_path / 'out'), '--opts', 'DATA.DATA_PATH',
-                                     str(data), 'MODEL.KWARGS.in_chans', '1'], capsys)
-    assert (code, err) == (USAGE_EXIT_CODE, RGB_ONLY)
+                                     str(data), *opts], capsys)
+    assert (code, err) == (USAGE_EXIT_CODE, message)
     assert not data.exists() and not (tmp_path / 'out').exists()
 
 
 def test_eval_refuses_a_model_it_cannot_build_before_downloading(monkeypatch, capsys):
     monkeypatch.setattr(engine.evaluation, 'released_weights_file', lambda name: pytest.fail('downloaded'))
     code, _, err = _run(eval_main, ['--model', 'inline_deit_tiny', '--opts', 'MODEL.KWARGS.in_chans', '1'], capsys)
-    assert (code, err) == (USAGE_EXIT_CODE, RGB_ONLY)
+    assert (code, err) == (USAGE_EXIT_CODE, GREY_NEEDS_ONE_MEAN)
+
+
+GREY = ['MODEL.KWARGS.in_chans', '1', 'DATA.MEAN', '[0.5]', 'DATA.STD', '[0.5]']
+
+
+def test_grey_scale_images_train_and_evaluate_a_one_channel_model(tmp_path, digits, capsys):
+    """With in_chans 1 and one mean and std, images are read as 'L' (the digits are grey already) and the whole
+    recipe (RandAugment, erasing, mixup) runs on one channel; the checkpoint evaluates and draws the same way."""
+    cfg = load_config(TINY, ['DATA.DATA_PATH', str(digits), *GREY, 'AUG.AUTO_AUGMENT', 'rand-m9-mstd0.5-inc1',
+                             'AUG.REPROB', '0.25', 'AUG.MIXUP', '0.8', 'AUG.CUTMIX', '1.0'])
+    dataset = load_split(str(digits), 'train', engine.data.train_transform(cfg), image_mode=image_mode(cfg))
+    images = torch.stack([dataset[i][0] for i in range(4)])
+    assert images.shape == (4, 1, 16, 16)
+    grey = np.asarray(Image.open(dataset.samples[0][0]).convert('L'), dtype=np.float32) / 255
+    plain = load_split(str(digits), 'train', eval_transform(cfg), image_mode='L')[0][0]
+    resized = np.asarray(Image.fromarray((grey * 255).astype(np.uint8)).resize((16, 16), Image.Resampling.BICUBIC))
+    torch.testing.assert_close(plain[0], (torch.from_numpy(resized / 255).float() - 0.5) / 0.5, atol=2e-2, rtol=0)
+    output = tmp_path / 'out'
+    code, _, err = _run(train_main, ['--cfg', TINY, '--output', str(output), '--opts', 'DATA.DATA_PATH', str(digits),
+                                     *GREY, 'TRAIN.EPOCHS', '1', 'DATA.BATCH_SIZE', '128', 'AUG.AUTO_AUGMENT',
+                                     'rand-m9-mstd0.5-inc1', 'AUG.REPROB', '0.25', 'AUG.MIXUP', '0.8'], capsys)
+    assert code == 0, err
+    weights = torch.load(output / 'best.pth', weights_only=True)['model']
+    assert weights['patch_embed.proj.weight'].shape[1] == 1
+    code, out, err = _run(eval_main, ['--checkpoint', str(output / 'best.pth')], capsys)
+    assert code == 0, err
+    assert json.loads(out.strip().splitlines()[-1])['count'] == 360
+    # RGB weights start it as timm adapts them: the first convolution summed over the colour channels
+    rgb = _tiny_checkpoint(tmp_path, load_config(TINY, ['DATA.DATA_PATH', str(digits)]))
+    code, out, err = _run(train_main, ['--cfg', TINY, '--output', str(tmp_path / 'from_rgb'), '--pretrained', rgb,
+                                       '--opts', 'DATA.DATA_PATH', str(digits), *GREY, 'TRAIN.EPOCHS', '1',
+                                       'DATA.BATCH_SIZE', '128'], capsys)
+    assert code == 0, err
+    assert (f"{rgb}: adapted patch_embed.proj.weight to 1 input channel(s), summed over the weights' 3") in out
+    inputs, shown = engine.analysis.load_images([dataset.samples[0][0]], load_config(
+        None, ['DATA.DATA_PATH', str(digits), *GREY, 'DATA.IMG_SIZE', '16', 'TEST.CROP_PCT', '1.0']))
+    assert inputs.shape == (1, 1, 16, 16) and shown[0].shape == (16, 16, 3)
 
 
 def test_a_one_class_run_warns_that_top1_is_trivial(tmp_path, digits, capsys):
