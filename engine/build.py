@@ -14,15 +14,15 @@ from torch import Tensor, nn
 from yacs.config import CfgNode as CN
 
 import models  # noqa: F401  (registers the zoo's families with timm)
-from models.checkpoint import CheckpointError, checkpoint_state_dict, load_checkpoint_file
+from models.checkpoint import CheckpointError, checkpoint_state_dict, load_checkpoint_file, official_keys
 from models.onednn import convert_to_onednn, onednn_available
 
 from .config import ConfigError, mixup_active, model_kwargs
 from .errors import UsageError
 
-__all__ = ['check_model_name', 'check_model_config', 'check_pretrained', 'classifier_rows', 'read_weights',
-           'create_model', 'weight_changes', 'create_optimizer', 'create_scheduler', 'create_criterion',
-           'autocast_dtype', 'check_onednn', 'create_training_model']
+__all__ = ['check_model_name', 'check_model_config', 'check_pretrained', 'official_weights', 'classifier_rows',
+           'read_weights', 'create_model', 'weight_changes', 'create_optimizer', 'create_scheduler',
+           'create_criterion', 'autocast_dtype', 'check_onednn', 'create_training_model']
 
 MODEL_KEYS = ('model', 'state_dict')
 EMA_KEYS = ('model_ema', 'state_dict_ema')
@@ -67,6 +67,14 @@ def _classifier_names(name: str) -> Tuple[str, ...]:
     if not classifier:
         return ()
     return (classifier,) if isinstance(classifier, str) else tuple(classifier)
+
+
+def official_weights(name: str, weights: Mapping[str, Tensor]) -> Dict[str, Tensor]:
+    """`weights` under the official key names of model `name`'s family (timm's own layouts renamed, as the
+    checkpoint filter renames them), so that class counts and shape changes are read where the model has them."""
+    with torch.device('meta'):
+        model = timm.create_model(name)
+    return official_keys(model, dict(weights))
 
 
 def classifier_rows(name: str, state_dict: Mapping[str, Tensor]) -> Optional[int]:
@@ -120,6 +128,7 @@ def create_model(cfg: CN, weights: Optional[Dict[str, Tensor]] = None, source: s
     if device is not None:
         kwargs['device'] = device
     if weights is not None:
+        weights = official_weights(name, weights)
         classes = classifier_rows(name, weights) or cfg.MODEL.NUM_CLASSES
         kwargs.update(pretrained=True, pretrained_cfg_overlay=dict(state_dict=weights, num_classes=classes))
     try:

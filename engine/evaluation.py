@@ -9,7 +9,8 @@ from yacs.config import CfgNode as CN
 from models.checkpoint import CheckpointError, load_checkpoint_file, released_weights_file
 from models.onednn import convert_to_onednn
 
-from .build import autocast_dtype, check_model_name, classifier_rows, create_model, read_weights
+from .build import (autocast_dtype, check_model_name, classifier_rows, create_model, official_weights,
+                    read_weights)
 from .compile import CompileTimer, compile_errors_reported, compile_model
 from .config import config_from_yaml_string, get_default_config, load_config, merge_dict, merge_opts, validate_config
 from .data import (build_eval_loader, check_images, eval_batch_size, eval_transform, image_mode, load_split,
@@ -86,7 +87,7 @@ def released_checkpoint(name: str, info: DistInfo) -> str:
 def _load_weights(cfg: CN, checkpoint: str, ema: bool, adopt_classes: bool) -> Tuple[CN, Dict[str, Tensor]]:
     """The checkpoint's weights and `cfg`, with MODEL.NUM_CLASSES taken from the checkpoint when `adopt_classes`
     (a `--model` evaluation), else checked against it."""
-    weights = read_weights(checkpoint, ema=ema)
+    weights = official_weights(cfg.MODEL.NAME, read_weights(checkpoint, ema=ema))
     rows = classifier_rows(cfg.MODEL.NAME, weights)
     if rows is None or rows == cfg.MODEL.NUM_CLASSES:
         return cfg, weights

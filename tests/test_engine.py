@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import safetensors.torch
+import timm
 import torch
 from PIL import Image
 from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
@@ -704,6 +705,23 @@ def test_safetensors_weights_evaluate_and_start_training_like_the_same_torch_fil
     hub_file.write_bytes(hub_file.read_bytes()[:-100])
     with pytest.raises(CheckpointError, match=r"model.safetensors' is truncated or corrupt \(SafetensorError: "):
         read_weights(str(hub_file))
+
+
+def test_timm_layout_weights_fine_tune_to_another_class_count(caplog):
+    """timm's Swin weights (classifier `head.fc`) start a 10-class model as the official layout does: the class
+    count is read under the official names, so the classifier is re-initialised, not loaded mis-shaped."""
+    sizes = dict(embed_dim=16, depths=[2, 1, 1, 1], num_heads=[1, 2, 2, 2], window_size=4)
+    torch.manual_seed(0)
+    timm_weights = timm.create_model('swin_tiny_patch4_window7_224', img_size=32, **sizes).state_dict()
+    opts = ['MODEL.NAME', 'softmax_swin_tiny', 'MODEL.NUM_CLASSES', '10', 'DATA.IMG_SIZE', '32']
+    for key, value in sizes.items():
+        opts += [f'MODEL.KWARGS.{key}', str(value)]
+    with caplog.at_level(logging.INFO, logger='engine'):
+        model = create_model(load_config(None, opts), timm_weights, source='timm.pth')
+    assert model.head.weight.shape == (10, 128)
+    assert "timm.pth: re-initialised the classifier for 10 classes (the weights have 1000)" in caplog.messages
+    assert torch.equal(model.state_dict()['layers.0.downsample.reduction.weight'],
+                       timm_weights['layers.1.downsample.reduction.weight'])
 
 
 def test_a_checkpoint_of_another_attention_than_the_variant_s_evaluates(tmp_path, digits, capsys):
