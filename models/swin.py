@@ -336,18 +336,19 @@ _VARIANTS: Dict[str, Tuple[Dict[str, Any], str]] = {
 
 _SWIN_META = dict(paper_ids='arXiv:2103.14030', origin_url='https://github.com/microsoft/Swin-Transformer')
 _SWIN_URL = 'https://github.com/SwinTransformer/storage/releases/download/v1.0.0/{}.pth'
-_AT_384 = dict(input_size=(3, 384, 384), pool_size=(12, 12), crop_pct=1.0)
+# Swin evaluates at 384 without a crop: a square resize (TEST.CROP False), which timm calls 'squash'
+_AT_384 = dict(input_size=(3, 384, 384), pool_size=(12, 12), crop_pct=1.0, crop_mode='squash')
 
 default_cfgs = generate_default_cfgs(tag_weights({
     **{name: _cfg(**(_AT_384 if name.endswith('_384') else {})) for name in _VARIANTS},
     'inline_swin_tiny': _cfg(tsinghua_url('32810869fcc34410966b'), **INLINE_META),
     'inline_swin_small': _cfg(tsinghua_url('e9657fd247c04c7cb1a1'), **INLINE_META),
     'inline_swin_base': _cfg(tsinghua_url('bf23564bb64c420aafe1'), **INLINE_META),
-    'inline_swin_base_384': _cfg(**_AT_384, **INLINE_META),
+    'inline_swin_base_384': _cfg(**dict(_AT_384, **INLINE_META)),
     'flatten_swin_tiny': _cfg(tsinghua_url('e1518e76703e4e57a7f2'), **FLATTEN_META),
     'flatten_swin_small': _cfg(tsinghua_url('94188e52af354bf4a88b'), **FLATTEN_META),
     'flatten_swin_base': _cfg(tsinghua_url('7a9e5186bad04e7fb3a9'), **FLATTEN_META),
-    'flatten_swin_base_384': _cfg(tsinghua_url('0d0330cf2e5249f1abb6'), **_AT_384, **FLATTEN_META),
+    'flatten_swin_base_384': _cfg(tsinghua_url('0d0330cf2e5249f1abb6'), **dict(_AT_384, **FLATTEN_META)),
     'softmax_swin_tiny': _cfg(_SWIN_URL.format('swin_tiny_patch4_window7_224'), **_SWIN_META),
     'softmax_swin_small': _cfg(_SWIN_URL.format('swin_small_patch4_window7_224'), **_SWIN_META),
     'softmax_swin_base': _cfg(_SWIN_URL.format('swin_base_patch4_window7_224'), **_SWIN_META),

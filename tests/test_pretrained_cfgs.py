@@ -1,4 +1,7 @@
-"""Evaluation preprocessing resolved from the registered pretrained configs matches the official pipelines."""
+"""Evaluation preprocessing resolved from the registered pretrained configs matches the official pipelines and
+the configs' evaluation."""
+from pathlib import Path
+
 import pytest
 import timm
 import torch
@@ -6,6 +9,7 @@ from timm.data import create_transform, resolve_data_config
 from torchvision import transforms
 
 import models  # noqa: F401
+from engine.config import load_config
 
 PAPERS = ('https://github.com/LeapLabTHU/InLine', 'https://github.com/LeapLabTHU/FLatten-Transformer')
 # The official models carry their paper's pretrained cfg; `flatten_deit_*` is DeiT with that attention, not one of them.
@@ -31,3 +35,17 @@ def test_official_variants_resize_to_a_square_then_centre_crop(name):
     assert tuple(resize.size) == (expected, expected)
     assert resize.interpolation == transforms.InterpolationMode.BICUBIC
     assert tuple(crop.size) == (size, size)
+
+
+CONFIGS = sorted(path for path in (Path(__file__).resolve().parents[1] / 'configs').glob('*/*.yaml')
+                 if path.parent.name not in ('base', 'demo'))
+
+
+@pytest.mark.parametrize('path', CONFIGS, ids=lambda path: f'{path.parent.name}/{path.name}')
+def test_a_config_evaluates_as_its_model_s_pretrained_cfg(path):
+    """`eval.py --cfg CONFIG` and `eval.py --model NAME` preprocess alike: size, crop, crop mode, interpolation."""
+    cfg = load_config(str(path), [])
+    pretrained = timm.models.get_pretrained_cfg(cfg.MODEL.NAME)
+    interpolation = 'bicubic' if cfg.DATA.INTERPOLATION == 'random' else cfg.DATA.INTERPOLATION
+    assert (cfg.DATA.IMG_SIZE, cfg.TEST.CROP_PCT, cfg.TEST.CROP_MODE, interpolation) == (
+        pretrained.input_size[-1], pretrained.crop_pct, pretrained.crop_mode, pretrained.interpolation)
