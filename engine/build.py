@@ -14,7 +14,8 @@ from torch import Tensor, nn
 from yacs.config import CfgNode as CN
 
 import models  # noqa: F401  (registers the zoo's families with timm)
-from models.checkpoint import CheckpointError, checkpoint_state_dict, load_checkpoint_file, official_keys
+from models.checkpoint import (CheckpointError, checkpoint_state_dict, has_released_weights, load_checkpoint_file,
+                               official_keys)
 from models.onednn import convert_to_onednn, onednn_available
 
 from .config import ConfigError, mixup_active, model_kwargs
@@ -47,18 +48,12 @@ def check_pretrained(value: str) -> None:
         return
     expected = "expected a checkpoint file or the name of a model with released weights"
     if not timm.is_model(value):
-        released = [name for name in timm.list_models() if _has_released_weights(name)]
+        released = [name for name in timm.list_models() if has_released_weights(name)]
         close = difflib.get_close_matches(value, released, n=3, cutoff=0.8)
         hint = f"; did you mean {', '.join(close)}?" if close else ''
         raise UsageError(f"MODEL.PRETRAINED {value!r} is neither a file nor a registered model name; {expected}{hint}")
-    if not _has_released_weights(value):
+    if not has_released_weights(value):
         raise UsageError(f"MODEL.PRETRAINED {value!r} has no released weights; {expected}")
-
-
-def _has_released_weights(name: str) -> bool:
-    """Whether model `name`'s pretrained cfg gives weights that `released_weights_file` can fetch."""
-    cfg = timm.models.get_pretrained_cfg(name)
-    return cfg is not None and bool(cfg.url or cfg.file)
 
 
 def _classifier_names(name: str) -> Tuple[str, ...]:
@@ -103,14 +98,13 @@ def _check_channels(cfg: CN, in_chans: int) -> None:
     if in_chans not in (1, 3):
         raise ConfigError(f"config key MODEL.KWARGS.in_chans is {in_chans!r}; expected 1 (grey-scale images, read as "
                           f"'L') or 3 (RGB)")
-    if len(cfg.DATA.MEAN) != in_chans or len(cfg.DATA.STD) != in_chans:
-        key = 'DATA.MEAN' if len(cfg.DATA.MEAN) != in_chans else 'DATA.STD'
-        held = len(cfg.DATA.MEAN if key == 'DATA.MEAN' else cfg.DATA.STD)
-        example = 'DATA.MEAN [0.5] DATA.STD [0.5] for grey-scale images' if in_chans == 1 else \
-            "DATA.MEAN [0.485, 0.456, 0.406] DATA.STD [0.229, 0.224, 0.225] for RGB images"
-        raise ConfigError(f"config key {key} holds {held} value{'s' if held > 1 else ''} but the model takes "
-                          f"{in_chans} channel{'s' if in_chans > 1 else ''} (MODEL.KWARGS.in_chans {in_chans}); "
-                          f"expected one mean and one std per channel, e.g. {example}")
+    example = 'DATA.MEAN [0.5] DATA.STD [0.5] for grey-scale images' if in_chans == 1 else \
+        "DATA.MEAN [0.485, 0.456, 0.406] DATA.STD [0.229, 0.224, 0.225] for RGB images"
+    for key, values in (('DATA.MEAN', cfg.DATA.MEAN), ('DATA.STD', cfg.DATA.STD)):
+        if len(values) != in_chans:
+            raise ConfigError(f"config key {key} holds {len(values)} value{'s' if len(values) > 1 else ''} but the "
+                              f"model takes {in_chans} channel{'s' if in_chans > 1 else ''} (MODEL.KWARGS.in_chans "
+                              f"{in_chans}); expected one mean and one std per channel, e.g. {example}")
 
 
 def create_model(cfg: CN, weights: Optional[Dict[str, Tensor]] = None, source: str = 'checkpoint',

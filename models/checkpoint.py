@@ -40,10 +40,10 @@ from tqdm import tqdm
 
 __all__ = [
     'CheckpointError', 'DownloadError', 'checkpoint_cache_dir', 'cached_file_name', 'download_checkpoint',
-    'released_weights_file', 'official_keys', 'filter_checkpoint', 'adapt_state_dict', 'load_pretrained_into',
-    'TransferReport', 'SAFE_GLOBALS', 'load_checkpoint_file', 'checkpoint_state_dict', 'drop_derived_buffers',
-    'check_state_dict', 'load_state_dict_checked', 'resample_grid_embedding', 'resize_grid_embedding',
-    'resize_rel_pos_bias_table',
+    'has_released_weights', 'released_weights_file', 'official_keys', 'filter_checkpoint', 'adapt_state_dict',
+    'load_pretrained_into', 'TransferReport', 'SAFE_GLOBALS', 'load_checkpoint_file', 'checkpoint_state_dict',
+    'drop_derived_buffers', 'check_state_dict', 'load_state_dict_checked', 'resample_grid_embedding',
+    'resize_grid_embedding', 'resize_rel_pos_bias_table',
 ]
 
 SAFE_GLOBALS = [(OrderedDict, 'yacs.config.CfgNode'), set, argparse.Namespace]
@@ -149,17 +149,24 @@ def download_checkpoint(url: str, file_name: str, cache_dir: Optional[str] = Non
     return path
 
 
+def has_released_weights(name: str) -> bool:
+    """Whether registered model `name`'s pretrained cfg gives weights `released_weights_file` can fetch: a `file`
+    or a `url`."""
+    cfg = get_pretrained_cfg(name)
+    return cfg is not None and bool(cfg.file or cfg.url)
+
+
 def released_weights_file(name: str, cache_dir: Optional[str] = None, progress: bool = True) -> str:
     """A local file of registered model `name`'s released weights: its cfg's `file`, else its `url` downloaded
     into the cache by `download_checkpoint`."""
     if not timm.is_model(name):
         raise CheckpointError(f"model {name!r} is not registered with timm; expected a model name")
-    cfg = get_pretrained_cfg(name)
-    if cfg is not None and cfg.file:
-        return cfg.file
-    if cfg is None or not cfg.url:
+    if not has_released_weights(name):
         raise CheckpointError(f"model {name!r} has no pretrained weights to start from; expected a checkpoint file "
                               f"of your own")
+    cfg = get_pretrained_cfg(name)
+    if cfg.file:
+        return cfg.file
     return download_checkpoint(cfg.url, cached_file_name(name, cfg.url), cache_dir, progress)
 
 
