@@ -24,7 +24,7 @@ the input size it was built for; with `dynamic_img_size=True` at any size whose 
 such a size the model's own. A checkpoint of another size is adapted on loading by the same resampling.
 """
 from functools import partial
-from typing import Any, Dict, List, Optional, Sequence, Set, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple, Union
 
 import torch
 from torch import Tensor, nn
@@ -74,7 +74,8 @@ class DeiT(ZooModel):
             with a class token, else 'avg'.
         class_token: a class token before the patch tokens (with its own `pos_embed` row).
         multimax_logits: the MultiMax σ on the class logits, with the model's own `ranges` and `ts` (4,) each;
-            the logits are σ(head(pooled features)).
+            the logits are σ(head(pooled features)). σ belongs to the classifier: without one (`num_classes=0`)
+            the model has no `ranges` and `ts`.
         embed_dim, depth, num_heads, mlp_ratio, qkv_bias: transformer width, blocks, heads, MLP ratio, qkv bias.
         attn_type: the attention of every block: a registered name, a one-element list of names, or a one-letter
             pattern ('I', 'L', 'S'; 'M' with a block count gives that many linear blocks, then softmax).
@@ -136,8 +137,11 @@ class DeiT(ZooModel):
         self.grid_size: Grid = tuple(self.patch_embed.grid_size)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim)) if class_token else None
         self.pos_embed = nn.Parameter(torch.zeros(1, self.num_prefix_tokens + self.patch_embed.num_patches, embed_dim))
-        self.ranges = nn.Parameter(torch.zeros(4)) if multimax_logits else None
-        self.ts = nn.Parameter(torch.zeros(4)) if multimax_logits else None
+        self.multimax_logits = multimax_logits
+        self.ranges: Optional[nn.Parameter] = None
+        self.ts: Optional[nn.Parameter] = None
+        if multimax_logits and num_classes > 0:
+            self.ranges, self.ts = nn.Parameter(torch.zeros(4)), nn.Parameter(torch.zeros(4))
         self.pos_drop = nn.Dropout(drop_rate)
 
         names = stage_attentions(attn_type, [depth])[0]
@@ -161,6 +165,9 @@ class DeiT(ZooModel):
         if self.cls_token is not None:
             trunc_normal_(self.cls_token, std=.02)
         self.apply(init_weights)
+        self._init_logit_sigma()
+
+    def _init_logit_sigma(self) -> None:
         if self.ranges is not None and self.ts is not None:
             trunc_normal_(self.ranges, std=.02)
             trunc_normal_(self.ts, std=.02)
@@ -199,6 +206,21 @@ class DeiT(ZooModel):
         for block in self.blocks:
             block.attn.set_grid(grid)
 
+    def reset_classifier(self, num_classes: int, global_pool: Optional[str] = None) -> None:
+        """A new head as `ZooModel.reset_classifier`; with `multimax_logits` σ goes with the classifier (no
+        parameter may go without a gradient under distributed training), a new one (official init) comes with a
+        classifier after none, and a trained one stays, as it does not depend on the class count."""
+        super().reset_classifier(num_classes, global_pool)
+        if not self.multimax_logits:
+            return
+        if num_classes == 0:
+            self.ranges = self.ts = None
+        elif self.ranges is None or self.ts is None:
+            ref = self.head.weight
+            self.ranges, self.ts = (nn.Parameter(torch.zeros(4, device=ref.device, dtype=ref.dtype))
+                                    for _ in range(2))
+            self._init_logit_sigma()
+
     def _run_stages(self, x: Tensor, num_stages: int,
                     keep: List[int]) -> Tuple[Tensor, Grid, Dict[int, Tuple[Tensor, Grid]]]:
         """The patch embedding with the class token and position embedding, then the first `num_stages` blocks
@@ -231,7 +253,7 @@ class DeiT(ZooModel):
         if pre_logits:
             return x
         x = self.head(x)
-        if self.ranges is not None and self.ts is not None and self.num_classes > 0:
+        if self.ranges is not None and self.ts is not None:
             # σ in float32 at least; the logits leave in the dtype of the logits and σ's parameters together, so a
             # bfloat16 model gives bfloat16 logits and float16 autocast float32 ones, which σ's squares may need
             out_dtype = torch.promote_types(x.dtype, self.ranges.dtype)
@@ -240,9 +262,20 @@ class DeiT(ZooModel):
         return x
 
 
+def _drop_unused_logit_sigma(model: DeiT) -> Callable[[Dict[str, Tensor]], Dict[str, Tensor]]:
+    """A model without a classifier has no σ on the logits, so a classified checkpoint's `ranges` and `ts` go with
+    its head."""
+    def prepare(state_dict: Dict[str, Tensor]) -> Dict[str, Tensor]:
+        if not model.multimax_logits or model.ranges is not None:
+            return state_dict
+        return {k: v for k, v in state_dict.items() if k not in ('ranges', 'ts')}
+    return prepare
+
+
 def checkpoint_filter_fn(state_dict: Dict[str, Tensor], model: DeiT) -> Dict[str, Tensor]:
-    """Adapt a DeiT checkpoint (any attention) to `model`: unwrap, resize `pos_embed` to its grid, check the keys."""
-    return filter_checkpoint(state_dict, model)
+    """Adapt a DeiT checkpoint (any attention) to `model`: unwrap, resize `pos_embed` to its grid, drop σ on the
+    logits where the model has no classifier, check the keys."""
+    return filter_checkpoint(state_dict, model, _drop_unused_logit_sigma(model))
 
 
 def _create_deit(variant: str, pretrained: bool, model_args: Dict[str, Any], kwargs: Dict[str, Any]) -> DeiT:

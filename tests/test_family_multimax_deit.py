@@ -195,6 +195,33 @@ def test_head_pre_logits_and_reset_classifier():
         timm.create_model('multimax_deit_small', global_pool='token', **TINY)
 
 
+def test_sigma_on_the_logits_lives_and_goes_with_the_classifier(tmp_path):
+    # without a classifier σ's `ranges` and `ts` would get no gradient, which distributed training refuses; a
+    # checkpoint of the classified model still loads into the headless one, and a new classifier keeps trained σ
+    torch.manual_seed(0)
+    source = randomised(timm.create_model('multimax_deit_tiny', **TINY)).eval()
+    torch.save(source.state_dict(), tmp_path / 'multimax.pth')
+    headless = timm.create_model('multimax_deit_tiny', pretrained=True, **dict(TINY, num_classes=0),
+                                 pretrained_cfg_overlay=dict(file=str(tmp_path / 'multimax.pth'), num_classes=10))
+    assert headless.ranges is None and headless.ts is None and 'ranges' not in headless.state_dict()
+    x = torch.randn(2, 3, 32, 32)
+    headless(x).sum().backward()
+    assert [n for n, p in headless.named_parameters() if p.grad is None] == []
+    with torch.no_grad():
+        assert torch.equal(headless.eval()(x), source.forward_head(source.forward_features(x), pre_logits=True))
+
+    trained = source.ranges.detach().clone()
+    source.reset_classifier(5)
+    assert torch.equal(source.ranges.detach(), trained)
+    source.reset_classifier(0)
+    assert source.ranges is None and source.ts is None
+    source.to(torch.float64).reset_classifier(3)
+    assert source.ranges.dtype == source.ts.dtype == torch.float64 and source.ranges.shape == (4,)
+    assert float(source.ts.detach().abs().min()) > 0, 'a new σ takes the official init'
+    source(x.double()).sum().backward()
+    assert source.ranges.grad is not None and source.ts.grad is not None
+
+
 def test_training_reaches_every_parameter():
     torch.manual_seed(0)
     model = timm.create_model('multimax_deit_small', **TINY)
