@@ -3,8 +3,10 @@
 The sdist is downloaded once from the package index into `$XDG_CACHE_HOME/swappable-attention-zoo/timm-sdist`
 (as `pip install` fetched timm itself), and its test module runs in a child pytest whose `conftest.py` imports the
 zoo and narrows `timm.list_models` / `timm.list_pretrained` to the sample. The zoo's class-token models join timm's
-`NON_STD_FILTERS`, as timm counts its own DeiT, XCiT and PiT; the hierarchical ones run as standard models. Tests
-that download released weights are left out (the download path has tests of its own, served locally).
+`NON_STD_FILTERS`, as timm counts its own DeiT, XCiT and PiT; the hierarchical ones run as standard models. timm runs
+its `forward_intermediates`, `features_only` getter and pruning contracts on the modules it lists in
+`FEAT_INTER_FILTERS`; the zoo's modules join that list. Tests that download released weights are left out (the
+download path has tests of its own, served locally).
 """
 import os
 import subprocess
@@ -22,9 +24,12 @@ NON_STANDARD = ('softmax_deit_tiny', 'multimax_deit_tiny', 'softmax_pvt_tiny', '
 NON_STANDARD_FILTERS = ("'*_deit_*', 'sima_*_12_p*', 'sima_*_24_p*', "
                         "*[f'{a}_pvt_{s}*' for a in ('softmax', 'multimax', 'sima', 'additive', 'linear') "
                         "for s in 'tsml'],")
+ZOO_MODULES = "'vit', 'pvt', 'pvt_v2', 'swin', 'cswin', 'xcit_sima',"
 # what every model must pass, and what each kind adds
 EVERY_MODEL = ('test_model_forward', 'test_model_backward', 'test_model_forward_fx', 'test_model_backward_fx',
-               'test_model_forward_torchscript', 'test_model_forward_fx_torchscript')
+               'test_model_forward_torchscript', 'test_model_forward_fx_torchscript',
+               'test_model_forward_intermediates', 'test_model_forward_intermediates_features',
+               'test_prune_intermediate_layers_contract')
 CONFTEST = f'''import sys
 sys.path.insert(0, {str(REPO)!r})
 import timm
@@ -67,9 +72,10 @@ def timm_sdist() -> Path:
 def test_timm_test_models_passes_on_a_sample_of_the_zoo(tmp_path):
     with tarfile.open(timm_sdist()) as archive:
         source = archive.extractfile(f'timm-{timm.__version__}/tests/test_models.py').read().decode()
-    assert source.count('NON_STD_FILTERS = [\n') == 1
-    (tmp_path / 'test_models.py').write_text(
-        source.replace('NON_STD_FILTERS = [\n', f'NON_STD_FILTERS = [\n    {NON_STANDARD_FILTERS}\n'))
+    for filters, added in (('NON_STD_FILTERS', NON_STANDARD_FILTERS), ('FEAT_INTER_FILTERS', ZOO_MODULES)):
+        assert source.count(f'{filters} = [\n') == 1, filters
+        source = source.replace(f'{filters} = [\n', f'{filters} = [\n    {added}\n')
+    (tmp_path / 'test_models.py').write_text(source)
     (tmp_path / 'conftest.py').write_text(CONFTEST)
     sample = ' or '.join(STANDARD + NON_STANDARD)
     done = subprocess.run(
@@ -88,4 +94,3 @@ def test_timm_test_models_passes_on_a_sample_of_the_zoo(tmp_path):
         kind = 'test_model_default_cfgs' if name in STANDARD else 'test_model_default_cfgs_non_std'
         for test in EVERY_MODEL + (kind,):
             assert (test, name) in passed, (test, name)
-    assert ('test_model_forward_intermediates', 'flatten_pvt_v2_b0') in passed
