@@ -194,17 +194,67 @@ def test_bad_layers_and_queries_are_named():
         rec[0]
 
 
-def test_causal_layers_and_padded_windows_are_refused_in_one_line():
+def test_causal_layers_are_refused_in_one_line():
     causal = build_attention('softmax', 16, 2, (4, 4), True, attn_kwargs=dict(causal=True))
     with pytest.raises(ValueError, match=r"^layer '' is causal; recording forms the non-causal matrices only"):
         with record_attention(causal):
             pass
-    windows = build_attention('softmax', 16, 2, (4, 4), True, grouping='window', window_size=3).double()
-    x = torch.randn(1, 16, 16, dtype=torch.float64)
-    with pytest.raises(ValueError, match=r"^the 4x4 grid is padded to whole 3x3 windows; recording maps unpadded"):
-        with record_attention(windows) as rec:
-            windows(x, (4, 4))
-        rec[0]
+
+
+# windows and stripes of 3 on the 4x4 grid, zero-padded to 6 tokens a side (a shift of 2 keeps padding and grid in
+# one region of the shift mask, where a shift of 1 would mask the padding away)
+PADDED = {'window': dict(window_size=3, shift_size=2), 'stripes': dict(split_size=3)}
+
+
+def build_padded(name, grouping, zero_bias):
+    torch.manual_seed(0)
+    attn = build_attention(name, 16, 4, GRID, grouping=grouping, **PADDED[grouping]).double().eval()
+    with torch.no_grad():
+        for param_name, p in attn.named_parameters():
+            p.add_(torch.randn_like(p) * 0.2)
+            if zero_bias and param_name.endswith('bias') and param_name.startswith(('qkv', 'q.', 'kv')):
+                p.zero_()
+    return attn, torch.randn(2, GRID[0] * GRID[1], 16, dtype=torch.float64)
+
+
+@pytest.mark.parametrize('name', list_attentions())
+@pytest.mark.parametrize('grouping', PADDED)
+def test_padded_grids_are_recorded_on_their_tokens(name, grouping):
+    # without a qkv bias the padding carries zero values, so the rows over the grid's own tokens still give the
+    # layer's output, however much weight the padding took
+    attn, x = build_padded(name, grouping, zero_bias=True)
+    with record_attention(attn) as rec:
+        out = attn(x, GRID)
+    layer = rec[0]
+    assert layer.weights.shape[-1] == GRID[0] * GRID[1]
+    if layer.is_pooling:
+        mixed = additive_output(attn, layer, x)
+    else:
+        mixed = merge_heads(layer.weights @ layer.values)
+        if layer.local is not None:
+            mixed = mixed + layer.local
+    assert max_abs_err(attn.proj(mixed), out) < 1e-10
+    if name == 'softmax':  # the padding takes part of a row's mass where a window reaches past the grid
+        sums = layer.weights.sum(dim=-1)
+        assert (sums < 1 - 1e-3).any() and (sums <= 1 + 1e-12).all()
+
+
+@pytest.mark.parametrize('name', list_attentions())
+def test_padded_windows_record_the_rows_of_the_explicitly_padded_grid(name):
+    # the window layer pads its input with zeros before the projections, as a zero-padded 6x6 input is: the rows
+    # of the 4x4 grid's tokens are those of the padded grid, on the grid's tokens
+    attn, x = build_padded(name, 'window', zero_bias=False)
+    with record_attention(attn, queries=[0, 5, 15]) as rec:
+        attn(x, GRID)
+    inside = (torch.arange(6)[:, None] * 6 + torch.arange(4)[None, :])[:4].reshape(-1)  # 4x4 in the 6x6 order
+    padded = F.pad(x.view(2, 4, 4, 16), (0, 0, 0, 2, 0, 2)).view(2, 36, 16)
+    with record_attention(attn, queries=None if name == 'additive' else inside[[0, 5, 15]].tolist()) as whole:
+        attn(padded, (6, 6))
+    expected = whole[0].weights[..., inside]  # every shifted window holds some of the grid: additive's pools agree
+    assert rec[0].weights.shape == expected.shape
+    assert max_abs_err(rec[0].weights, expected) < 1e-12
+    if rec[0].local is not None:
+        assert max_abs_err(rec[0].local, whole[0].local[:, inside]) < 1e-12
 
 
 def test_injectivity_probe_finds_linear_attention_collisions_only():

@@ -4,7 +4,8 @@ Temporary forward pre-hooks on the chosen attention layers (the groupings) and t
 grouped q, k, v and context of the last forward; they are removed on exit, so the model carries no state and its
 outputs do not change. Nothing is formed during the forward pass: `rec[layer]` forms the layer's weights with
 `matrices.mixer_weights`, only for the requested query rows, and maps windows, shifted windows and stripes back to
-the token order of the layer's input, so that a query's row can be drawn on the image.
+the token order of the layer's input, so that a query's row can be drawn on the image. On a grid that does not
+divide into windows or stripes, the weights on the zero padding (outside the image) are left out.
 """
 import contextlib
 from dataclasses import dataclass, field
@@ -17,7 +18,9 @@ from torch import Tensor, nn
 from ..attention.grouping import (
     CrossShapedAttention, GroupedAttention, SpatialReductionAttention, StripeBranch,
 )
-from ..attention.layout import Grid, image_to_tokens, padded_grid, split_heads, tokens_to_image, window_partition
+from ..attention.layout import (
+    Grid, image_to_tokens, pad_tokens, padded_grid, split_heads, tokens_to_image, window_partition,
+)
 from ..attention.mixer import MixContext, Mixer
 from .matrices import mixer_weights
 
@@ -37,7 +40,8 @@ class LayerAttention:
         (smaller than `grid` under spatial reduction).
     queries: (R,) token index of each row of `weights`; None for additive attention, whose rows are pools.
     weights: (B, heads, R, M) rows over the M key tokens, zero outside a query's window or stripe; for additive
-        attention the G query-pooling then the G key-pooling distributions of its G groups (R = 2G).
+        attention the G query-pooling then the G key-pooling distributions of its G groups (R = 2G). Where the
+        grid is padded to whole windows or stripes the padding's weights are left out: such rows sum to less.
     query_vectors: (B, heads, R, d) the query of each row (None for pools).
     values: (B, heads, M, d), so that `weights @ values` is each row's global term.
     local: (B, N, C) the local term added to the global one (InLine's residual, FLatten's depthwise
@@ -111,17 +115,20 @@ def _mixers(layer: GroupedAttention) -> List[Tuple[int, Mixer, Optional[StripeBr
 
 
 def _origin(layer: GroupedAttention, branch: Optional[StripeBranch], size: Grid, num_tokens: int) -> Tensor:
-    """(G, n) token index, in the layer's input, of every position of the G groups of one image."""
-    index = torch.arange(num_tokens).view(1, num_tokens, 1)
+    """(G, n) token index, in the layer's input, of every position of the G groups of one image; a position in
+    the padding of a grid that does not divide into the windows takes `num_tokens`, a row `_ungroup` drops."""
     window = branch.window if branch is not None else getattr(layer, 'window', None)
     if window is None:
-        return index.squeeze(-1)
-    if padded_grid(size, window) != size:
-        raise ValueError(f"the {size[0]}x{size[1]} grid is padded to whole {window[0]}x{window[1]} windows; recording "
-                         f"maps unpadded grids only, expected a grid that divides into the windows")
+        return torch.arange(num_tokens).view(1, num_tokens)
+    # numbered from 1, so that the layer's zero padding reads as index -1
+    index = torch.arange(1, num_tokens + 1).view(1, num_tokens, 1)
+    padded = padded_grid(size, window)
     if branch is not None:
-        return window_partition(index, size, window).squeeze(-1)
-    return layer._group(index, size, size).squeeze(-1)
+        grouped = window_partition(pad_tokens(index, size, padded) if padded != size else index, padded, window)
+    else:
+        grouped = layer._group(index, size, padded)
+    origin = grouped.squeeze(-1) - 1
+    return origin.masked_fill(origin < 0, num_tokens)
 
 
 def _resolve_queries(queries: Sequence[Query], num_prefix: int, grid: Grid, num_tokens: int) -> Tensor:
@@ -220,12 +227,15 @@ class AttentionRecord:
                                    None if whole else torch.zeros(0, dtype=torch.long, device=device))
             if pooling:
                 pools = result.pools.view(B, G, h, 2, n)
-                rows = torch.zeros(B, h, 2 * G, N, dtype=work, device=device)
+                # a last column for the padding's positions, dropped with it
+                rows = torch.zeros(B, h, 2 * G, N + 1, dtype=work, device=device)
                 for g in range(G):
                     rows[:, :, g, origin[g]] = pools[:, g, :, 0]
                     rows[:, :, G + g, origin[g]] = pools[:, g, :, 1]
+                rows = rows[..., :N]
             else:
-                rows = torch.zeros(B, h, len(queries), M, dtype=work, device=device)
+                # a last row and column for the padding's positions, dropped with them
+                rows = torch.zeros(B, h, len(queries) + 1, M + 1, dtype=work, device=device)
                 for g in range(G):
                     keys = key_origin[g].unsqueeze(0)
                     if whole:
@@ -237,6 +247,7 @@ class AttentionRecord:
                         weights = mixer_weights(mixer, call.q[picked], call.k[picked], call.v[picked],
                                                 _group_context(call.ctx, picked, g), hit[:, 1]).weights
                         rows[:, :, hit[:, 0].unsqueeze(1), keys] = weights
+                rows = rows[:, :, :-1, :-1]
             parts.append((call.branch * h, rows))
             call_local = _with_lepe(result.local, branch, call)
             if call_local is not None:
@@ -253,11 +264,12 @@ class AttentionRecord:
 
 
 def _ungroup(x: Tensor, origin: Tensor, batch: int, num_tokens: int) -> Tensor:
-    """(B·G, n, C) grouped tokens -> (B, num_tokens, C) in the order `origin` (G, n) gives."""
+    """(B·G, n, C) grouped tokens -> (B, num_tokens, C) in the order `origin` (G, n) gives, the padding's
+    positions (`num_tokens` in `origin`) dropped."""
     G, n = origin.shape
-    out = x.new_zeros(batch, num_tokens, x.shape[-1])
+    out = x.new_zeros(batch, num_tokens + 1, x.shape[-1])
     out[:, origin.reshape(-1)] = x.reshape(batch, G * n, -1)
-    return out
+    return out[:, :num_tokens]
 
 
 def _group_context(ctx: MixContext, picked: Tensor, group: int) -> MixContext:
