@@ -92,7 +92,7 @@ def run_cli(main: Callable[[Sequence[str]], int], argv: Optional[Sequence[str]] 
             raise
         signum = getattr(e, 'signum', signal.SIGINT)
         if _reports():
-            print(f"error: {e or f'interrupted by {signal.Signals(signum).name}'}", file=sys.stderr)
+            print(f"error: {str(e) or f'interrupted by {signal.Signals(signum).name}'}", file=sys.stderr)
         return 128 + signum
 
 

@@ -18,10 +18,10 @@ import hashlib
 import http.client
 import os
 import pickle
-import tempfile
 import urllib.error
 import urllib.parse
 import urllib.request
+import uuid
 import warnings
 import zipfile
 from collections import OrderedDict
@@ -121,9 +121,10 @@ def download_checkpoint(url: str, file_name: str, cache_dir: Optional[str] = Non
         with urllib.request.urlopen(url, timeout=DOWNLOAD_TIMEOUT_S) as response:
             length = response.headers.get('Content-Length')
             expected = int(length) if length and length.isdigit() else None
-            fd, partial = tempfile.mkstemp(prefix=f'{file_name}.', suffix='.partial', dir=folder)
+            # named before it is made, so that the `finally` removes it whenever an interruption comes
+            partial = os.path.join(folder, f'{file_name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.partial')
             received = 0
-            with os.fdopen(fd, 'wb') as f, tqdm(total=expected, unit='B', unit_scale=True, unit_divisor=1024,
+            with open(partial, 'xb') as f, tqdm(total=expected, unit='B', unit_scale=True, unit_divisor=1024,
                                                  desc=file_name, disable=not progress) as bar:
                 while chunk := response.read(DOWNLOAD_CHUNK):
                     f.write(chunk)

@@ -5,6 +5,7 @@ import dataclasses
 import io
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -35,13 +36,14 @@ EVAL_OPTS = ['MODEL.KWARGS.patch_size', '4', 'MODEL.KWARGS.embed_dim', '32', 'MO
 
 class Server:
     """Files served at `/f/<id>/?dl=1` as the release cloud does, and at any path ending in their name as release
-    pages do; `mode` 'ok', '404' or 'cut' (the connection closes halfway through the body). Every request path is
-    recorded."""
+    pages do; `mode` 'ok', '404', 'cut' (the connection closes halfway through the body) or 'stall' (half the body,
+    then `stalled` is set and the rest waits for `release`). Every request path is recorded."""
 
     def __init__(self) -> None:
         self.files: Dict[str, bytes] = {}
         self.requests: List[str] = []
         self.mode = 'ok'
+        self.stalled, self.release = threading.Event(), threading.Event()
         server = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -60,6 +62,9 @@ class Server:
                 self.end_headers()
                 self.wfile.write(body if server.mode == 'ok' else body[:len(body) // 2])
                 self.wfile.flush()
+                if server.mode == 'stall':
+                    server.stalled.set()
+                    server.release.wait(timeout=30)
                 self.close_connection = True
 
             def log_message(self, *args) -> None:
@@ -245,6 +250,40 @@ def test_train_starts_from_the_released_weights_of_a_model_name(server, cache, m
                         for output in ('by_name', 'by_file'))
     assert_weights_equal = [torch.equal(by_name[k], by_file[k]) for k in by_file]
     assert by_name.keys() == by_file.keys() and all(assert_weights_equal)
+
+
+@pytest.mark.parametrize('entry', ['create_model', 'eval.py', 'train.py'])
+def test_a_signal_mid_download_stops_with_the_signal_and_leaves_no_file(server, cache, monkeypatch, tmp_path, capsys,
+                                                                         entry):
+    _, server.files['1d6b8191ad6d4114b291'] = official_checkpoint(**TRAIN_TINY)
+    register_url(monkeypatch, 'inline_deit_tiny', server.url('1d6b8191ad6d4114b291'))
+    digits = prepare_digits(str(tmp_path / 'digits'))
+    server.mode = 'stall'
+
+    def interrupt() -> None:  # Ctrl-C once half the file has arrived
+        if server.stalled.wait(timeout=60):
+            os.kill(os.getpid(), signal.SIGINT)
+
+    threading.Thread(target=interrupt, daemon=True).start()
+    try:
+        if entry == 'create_model':
+            with pytest.raises(KeyboardInterrupt):
+                timm.create_model('inline_deit_tiny', pretrained=True, **TRAIN_TINY)
+        elif entry == 'eval.py':
+            assert run_cli(eval_main, ['--model', 'inline_deit_tiny', '--data-path', digits, '--img-size', '16',
+                                       '--opts', *EVAL_OPTS]) == 128 + signal.SIGINT
+        else:
+            assert run_cli(train_main, [
+                '--cfg', str(REPO / 'configs' / 'demo' / 'digits_tiny.yaml'), '--data-path', digits,
+                '--pretrained', 'inline_deit_tiny', '--output', str(tmp_path / 'run')]) == 128 + signal.SIGINT
+    finally:
+        server.release.set()
+    assert server.stalled.is_set() and not list(cache.iterdir())
+    if entry != 'create_model':
+        assert capsys.readouterr().err.splitlines()[-1] == 'error: interrupted by SIGINT'
+    server.mode = 'ok'
+    timm.create_model('inline_deit_tiny', pretrained=True, **TRAIN_TINY)
+    assert [p.name for p in cache.iterdir()] == ['inline_deit_tiny.pth']
 
 
 @pytest.mark.parametrize('start, message', [
