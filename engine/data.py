@@ -14,8 +14,8 @@ import os
 import random
 import shutil
 import stat
-import tempfile
 import time
+import uuid
 from typing import Any, Dict, Iterator, List, NamedTuple, Optional, Sequence, Set, Tuple, Union
 
 import numpy as np
@@ -86,8 +86,10 @@ def prepare_digits(root: str) -> str:
                          f"missing or empty folder for DATA.DATASET 'digits'")
     parent = os.path.dirname(root)
     os.makedirs(parent, exist_ok=True)
-    staging = tempfile.mkdtemp(prefix='.digits-', dir=parent)
+    # named before it is made, so that the `finally` removes it whenever an interruption comes
+    staging = os.path.join(parent, f'.digits-{os.getpid()}.{uuid.uuid4().hex[:8]}')
     try:
+        os.mkdir(staging)
         _write_digits(staging)
         try:
             os.rename(staging, root)  # replaces an empty folder; fails when another writer finished first
