@@ -19,7 +19,7 @@ import shutil
 import socket
 import uuid
 from contextlib import contextmanager
-from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple
+from typing import Any, BinaryIO, Callable, Dict, Iterator, List, Mapping, Optional, Tuple
 
 import numpy as np
 import torch
@@ -34,8 +34,8 @@ from .distributed import DistInfo, all_gather_objects
 from .errors import UsageError, removed_by_an_exit_at_once
 from .loops import TrainState, schedule_position
 
-__all__ = ['LAST', 'BEST', 'LOCK', 'TrainingCheckpoint', 'OutputLock', 'atomic_save', 'remove_stale_temp_files',
-           'rng_state', 'set_rng_state']
+__all__ = ['LAST', 'BEST', 'LOCK', 'TrainingCheckpoint', 'OutputLock', 'atomic_save', 'atomic_write',
+           'atomic_write_text', 'remove_stale_temp_files', 'rng_state', 'set_rng_state']
 
 LAST, BEST, LOCK = 'last.pth', 'best.pth', '.train.lock'
 # the temporary name `atomic_save` gives: .<name>.<pid>.<8 hex digits>.tmp
@@ -57,18 +57,28 @@ def _fsync_folder(folder: str) -> None:
 
 
 def atomic_save(obj: Any, path: str) -> None:
-    """`torch.save` to a temporary file in the target's folder, fsync, then rename over `path`.
+    """`torch.save` through `atomic_write`: a crash at any point leaves the previous file or the new one."""
+    atomic_write(path, lambda f: torch.save(obj, f))
 
-    A crash at any point leaves either the previous file or the new one, never a partial file.
+
+def atomic_write_text(path: str, text: str) -> None:
+    """`text` in UTF-8 through `atomic_write`, for the tables and notes that a long run writes at its end."""
+    atomic_write(path, lambda f: f.write(text.encode('utf-8')))
+
+
+def atomic_write(path: str, write: Callable[[BinaryIO], Any]) -> None:
+    """`write(f)` into a temporary file in the target's folder, fsync, then rename over `path`.
+
+    A crash or signal at any point leaves either the previous file or the new one, never a partial file.
     """
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
     tmp = os.path.join(folder, f'.{os.path.basename(path)}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp')
     with removed_by_an_exit_at_once(tmp):
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # permissions from the umask, like open()
-        try:
+        try:  # opened inside, so that an interruption just after the file appears still removes it
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # permissions from the umask, like open()
             with os.fdopen(fd, 'wb') as f:
-                torch.save(obj, f)
+                write(f)
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, path)

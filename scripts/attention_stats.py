@@ -10,6 +10,7 @@ OUT.md and OUT.png.
 """
 import argparse
 import csv
+import io
 import os
 import shlex
 import sys
@@ -22,6 +23,7 @@ from tqdm import tqdm
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import models  # noqa: E402,F401  (registers the families)
 from engine.analysis import find_images, load_analysis_model, load_images  # noqa: E402
+from engine.checkpoint import atomic_write_text  # noqa: E402
 from engine.errors import UsageError, refuse_below, run_cli  # noqa: E402
 from models.analysis import record_attention  # noqa: E402
 from models.analysis.plots import plot_layer_curves  # noqa: E402
@@ -111,14 +113,15 @@ def main(argv: Sequence[str]) -> int:
     folder = os.path.dirname(args.out)
     if folder:
         os.makedirs(folder, exist_ok=True)
-    with open(args.out + '.csv', 'w', newline='') as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    table = io.StringIO()
+    writer = csv.DictWriter(table, fieldnames=list(rows[0]))
+    writer.writeheader()
+    writer.writerows(rows)
+    atomic_write_text(args.out + '.csv', table.getvalue())
     command = 'python scripts/attention_stats.py ' + ' '.join(shlex.quote(a) for a in argv)
-    with open(args.out + '.md', 'w') as f:
-        f.write(f"Attention statistics on {len(files)} images, means over the heads (and the layers in the bold "
-                f"rows).\n\n    {command}\n\n" + '\n'.join(markdown_table(rows)) + '\n')
+    atomic_write_text(args.out + '.md', f"Attention statistics on {len(files)} images, means over the heads (and the "
+                                        f"layers in the bold rows).\n\n    {command}\n\n"
+                                        + '\n'.join(markdown_table(rows)) + '\n')
     plot_layer_curves(rows, PLOTTED, args.out + '.png')
     print(f"wrote {args.out}.csv, {args.out}.md and {args.out}.png ({len(rows)} layer-head rows)")
     return 0

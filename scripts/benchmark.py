@@ -43,6 +43,7 @@ import argparse
 import csv
 import datetime
 import fnmatch
+import io
 import json
 import math
 import os
@@ -63,6 +64,7 @@ import timm
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import models  # noqa: E402,F401  (registers the families)
 from engine.build import create_optimizer  # noqa: E402
+from engine.checkpoint import atomic_write_text  # noqa: E402
 from engine.compile import compile_model  # noqa: E402
 from engine.config import load_config  # noqa: E402
 from engine.distributed import resolve_device  # noqa: E402
@@ -662,11 +664,11 @@ def target_lines(rows: List[Dict], device: str) -> List[str]:
 
 
 def write_outputs(args: argparse.Namespace, rows: List[Dict], skipped: List[str], seconds: float) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out + '.csv', 'w', newline='') as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else ['model'])
-        writer.writeheader()
-        writer.writerows(rows)
+    table = io.StringIO()
+    writer = csv.DictWriter(table, fieldnames=list(rows[0]) if rows else ['model'])
+    writer.writeheader()
+    writer.writerows(rows)
+    atomic_write_text(args.out + '.csv', table.getvalue())
     device = torch.device(args.device)  # 'cuda:1' is CUDA too, as the measuring processes take it
     matmul_dtype = 'bfloat16' if device.type == 'cuda' else 'float32'
     if device.type == 'cuda':
@@ -729,8 +731,7 @@ def write_outputs(args: argparse.Namespace, rows: List[Dict], skipped: List[str]
             previous = f.read()
         if NOTES_MARKER in previous:
             notes = NOTES_MARKER + previous.split(NOTES_MARKER, 1)[1]
-    with open(args.out + '.md', 'w') as f:
-        f.write('\n'.join(lines) + '\n' + ('\n' + notes if notes else ''))
+    atomic_write_text(args.out + '.md', '\n'.join(lines) + '\n' + ('\n' + notes if notes else ''))
     print('\n'.join(lines))
 
 

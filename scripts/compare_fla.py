@@ -38,6 +38,7 @@ from torch import Tensor
 SCRIPTS = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(SCRIPTS), SCRIPTS]  # the repository's packages, and benchmark.py beside this file
 from benchmark import child_results, error_result, interleaved_seconds, peak_memory_mib  # noqa: E402
+from engine.checkpoint import atomic_write_text  # noqa: E402
 from engine.distributed import resolve_device  # noqa: E402
 from engine.errors import UsageError, refuse_below  # noqa: E402
 from models.attention import MixContext, get_mixer_class  # noqa: E402
@@ -243,11 +244,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         rows += run_child(args, tokens)
     lines = table(args, rows, (time.time() - started) / 60, torch.cuda.get_device_name(torch.device(args.device)),
                   importlib.metadata.version('fla-core'))
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out + '.json', 'w') as f:
-        json.dump(rows, f, indent=1)
-    with open(args.out + '.md', 'w') as f:
-        f.write('\n'.join(lines) + '\n')
+    atomic_write_text(args.out + '.json', json.dumps(rows, indent=1))
+    atomic_write_text(args.out + '.md', '\n'.join(lines) + '\n')
     print('\n'.join(lines))
 
 

@@ -41,6 +41,7 @@ sys.path.insert(0, ROOT)
 import timm  # noqa: E402
 
 from engine.build import autocast_dtype, create_criterion, create_optimizer, create_training_model  # noqa: E402
+from engine.checkpoint import atomic_write_text  # noqa: E402
 from engine.config import load_config  # noqa: E402
 from engine.data import build_mixup, build_train_loader, image_mode, load_split, train_transform  # noqa: E402
 from engine.distributed import DistInfo, resolve_device  # noqa: E402
@@ -179,8 +180,7 @@ def write_table(args: argparse.Namespace, cfg, rates: Dict[str, float], seconds:
         lines.append(f'| {name} | {rate:.1f} | {rate / model:.2f} |')
     text = '\n'.join(lines) + '\n'
     if args.out:
-        with open(args.out + '.md', 'w') as f:
-            f.write(text)
+        atomic_write_text(args.out + '.md', text)
     return text
 
 

@@ -31,7 +31,7 @@ import engine.analysis
 import engine.data
 import engine.evaluation
 from engine.build import create_criterion, create_model, create_optimizer, create_scheduler, read_weights
-from engine.checkpoint import TrainingCheckpoint, atomic_save, rng_state, set_rng_state
+from engine.checkpoint import TrainingCheckpoint, atomic_save, atomic_write_text, rng_state, set_rng_state
 from engine.cli import eval_main, train_main
 from engine.config import ConfigError, load_config
 from engine.data import (DIGITS_STAMP, ShardSampler, eval_transform, image_mode, load_split, prepare_digits)
@@ -294,6 +294,23 @@ def test_atomic_save_keeps_the_old_file_when_writing_fails(tmp_path, monkeypatch
     monkeypatch.undo()
     assert torch.load(path, weights_only=True) == {'step': 1}
     assert [p.name for p in tmp_path.iterdir()] == ['last.pth']
+
+
+def test_atomic_write_text_keeps_the_old_file_when_a_signal_comes_mid_write(tmp_path, monkeypatch):
+    path = tmp_path / 'table.md'
+    atomic_write_text(str(path), 'the last table\n')
+    real_fsync = os.fsync
+
+    def stopped(fd):  # the bytes are written, not yet synced or renamed
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(os, 'fsync', stopped)
+    with pytest.raises(KeyboardInterrupt):
+        atomic_write_text(str(path), 'a new table\n')
+    monkeypatch.setattr(os, 'fsync', real_fsync)
+    assert path.read_text() == 'the last table\n' and [p.name for p in tmp_path.iterdir()] == ['table.md']
+    atomic_write_text(str(path), 'a new table, ü\n')
+    assert path.read_text(encoding='utf-8') == 'a new table, ü\n'
 
 
 def _umask() -> int:

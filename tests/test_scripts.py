@@ -103,6 +103,16 @@ def test_benchmark_counts_the_flops_of_the_formula_with_the_cpu_attention_kernel
     assert all(p.grad is None for p in model.parameters())
 
 
+def table_row(**measured) -> dict:
+    """A row of the benchmark table: DeiT-T with softmax at 64, inference measured, no ratios."""
+    row = dict(family='deit', size='tiny', attention='softmax', resolution=64, model='softmax_deit_tiny',
+               compiled=False, params_m=5.5, gflops=0.1, infer_img_s=10.0, infer_mm_pct=20.0, infer_best_pct=9.1,
+               train_step_ms=None, train_mm_pct=None, train_best_pct=None, matmul_gflop_s=50.0, onednn_gflop_s=110.0,
+               infer_mem_mib=1.0, train_mem_mib=None)
+    row.update({f'{mode}_vs_{base}': None for mode in ('infer', 'train') for base in ('timm', 'softmax', 'eager')})
+    return dict(row, **measured)
+
+
 def test_benchmark_efficiency_is_the_median_share_of_the_matmul_rate_and_the_table_states_its_setting(
         tmp_path, monkeypatch):
     rounds = [0.5, 1.0, 2.0]  # model seconds; the product takes 1 s in every round
@@ -112,17 +122,35 @@ def test_benchmark_efficiency_is_the_median_share_of_the_matmul_rate_and_the_tab
                                                 '--note', 'shared machine'])
     args.load_at_start = 0.0
     monkeypatch.setattr(sys, 'argv', ['scripts/benchmark.py', '--compile'])
-    row = dict(family='deit', size='tiny', attention='softmax', resolution=64, model='softmax_deit_tiny',
-               compiled=False, params_m=5.5, gflops=0.1, infer_img_s=10.0, infer_mm_pct=20.0, infer_best_pct=9.1,
-               train_step_ms=None, train_mm_pct=None, train_best_pct=None, matmul_gflop_s=50.0, onednn_gflop_s=110.0,
-               infer_mem_mib=1.0, train_mem_mib=None)
-    row.update({f'{mode}_vs_{base}': None for mode in ('infer', 'train') for base in ('timm', 'softmax', 'eager')})
-    benchmark.write_outputs(args, [row], [], 60.0)
+    benchmark.write_outputs(args, [table_row()], [], 60.0)
     text = (tmp_path / 'b.md').read_text()
     for needle in ('- date: ', 'shared machine', f'torch {torch.__version__}, timm {timm.__version__}',
                    '- command: `python scripts/benchmark.py --compile`',
                    '`torch.matmul` 50.0 GFLOP/s, oneDNN 110.0 GFLOP/s', '| 20.0 | 9.1 |'):
         assert needle in text, needle
+
+
+def test_benchmark_stopped_before_its_table_is_in_place_keeps_the_previous_table_and_notes(tmp_path, monkeypatch):
+    previous = f'# Benchmarks\n\nthe last run\n\n{benchmark.NOTES_MARKER}\nnotes written by hand\n'
+    (tmp_path / 'b.md').write_text(previous)
+    args = benchmark.build_parser().parse_args(['--device', 'cpu', '--out', str(tmp_path / 'b')])
+    args.load_at_start = 0.0
+    replace = os.replace
+
+    def stopped_at_the_table(source, target):  # Ctrl-C once the new table is written, before it takes the name
+        if str(target).endswith('.md'):
+            raise KeyboardInterrupt
+        replace(source, target)
+
+    monkeypatch.setattr(os, 'replace', stopped_at_the_table)
+    with pytest.raises(KeyboardInterrupt):
+        benchmark.write_outputs(args, [table_row()], [], 60.0)
+    assert (tmp_path / 'b.md').read_text() == previous
+    assert sorted(p.name for p in tmp_path.iterdir()) == ['b.csv', 'b.md']
+    monkeypatch.setattr(os, 'replace', replace)
+    benchmark.write_outputs(args, [table_row()], [], 60.0)
+    text = (tmp_path / 'b.md').read_text()
+    assert 'the last run' not in text and text.endswith(f'{benchmark.NOTES_MARKER}\nnotes written by hand\n')
 
 
 def test_benchmark_table_of_a_numbered_gpu_states_cuda_its_precision_and_goals(tmp_path, monkeypatch):
