@@ -20,7 +20,7 @@ from yacs.config import CfgNode as CN
 
 from .build import (autocast_dtype, check_model_config, check_onednn, check_pretrained, create_criterion,
                     create_optimizer, create_scheduler, create_training_model, read_weights)
-from .checkpoint import LAST, OutputLock, TrainingCheckpoint, remove_stale_temp_files
+from .checkpoint import LAST, OutputLock, TrainingCheckpoint, atomic_write_text, remove_stale_temp_files
 from .compile import CompileTimer, compile_errors_reported, compile_model
 from .config import ema_decay, scaled_lrs, total_batch_size
 from .data import (build_eval_loader, build_mixup, build_train_loader, check_images, check_splits, eval_batch_size,
@@ -132,13 +132,25 @@ def _append_log(path: str, record: Dict[str, Any]) -> None:
 
 
 def _drop_log_records(path: str, first_epoch: int) -> None:
-    """Remove the records of epochs from `first_epoch` on, which a resumed run trains again."""
+    """Remove the records of epochs from `first_epoch` on, which a resumed run trains again, and a last line that a
+    kill cut short (its epoch was appended before its checkpoint, so it is trained again too)."""
     if not os.path.isfile(path):
         return
     with open(path) as f:
-        lines = [line for line in f if line.strip() and json.loads(line)['epoch'] < first_epoch]
-    with open(path, 'w') as f:
-        f.writelines(lines)
+        lines = [line.rstrip('\n') for line in f if line.strip()]
+    kept = []
+    for number, line in enumerate(lines, 1):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            if number < len(lines):
+                raise UsageError(f"line {number} of {path} is not a JSON record; expected the log this run writes, "
+                                 f"one record per line") from None
+            logger.warning(f"dropped the cut last line of {path}: the run was stopped while writing it")
+            continue
+        if record['epoch'] < first_epoch:
+            kept.append(line + '\n')
+    atomic_write_text(path, ''.join(kept))
 
 
 def _summary(log_path: str, checkpoint: TrainingCheckpoint) -> str:
@@ -261,8 +273,7 @@ def _train(cfg: CN, info: DistInfo, lock: OutputLock, check_data: bool) -> Dict[
         # records of epochs this run trains (again) go: a run killed after logging an epoch but before saving it
         # resumes from the checkpoint before, and a fresh run starts a fresh log
         _drop_log_records(os.path.join(output, LOG), state.epoch)
-        with open(os.path.join(output, CONFIG), 'w') as f:
-            f.write(cfg.dump())
+        atomic_write_text(os.path.join(output, CONFIG), cfg.dump())
         n_params = sum(p.numel() for p in model.parameters())
         logger.info(f"model {cfg.MODEL.NAME}: {n_params / 1e6:.2f}M parameters; {len(train_set)} training and "
                     f"{len(val_set)} validation images in {len(train_set.classes)} classes")

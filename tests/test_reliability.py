@@ -254,6 +254,30 @@ def test_resuming_a_finished_epoch_with_another_batch_size_keeps_its_record(tmp_
     assert records(output)[1]['lr'] == pytest.approx(optimizer.param_groups[0]['lr'], rel=1e-12)
 
 
+def test_a_log_record_cut_by_a_kill_is_dropped_when_the_run_resumes(tmp_path, digits, one_epoch, capsys):
+    output = tmp_path / 'run'
+    shutil.copytree(one_epoch, output)
+    first = (output / 'log.jsonl').read_text()
+    with open(output / 'log.jsonl', 'a') as f:  # the process died while appending epoch 1's record
+        f.write(first.replace('"epoch": 0', '"epoch": 1')[:40])
+    assert run_cli(train_main, train_argv(output, digits)) == 0
+    assert (output / 'log.jsonl').read_text().startswith(first)
+    assert [r['epoch'] for r in records(output)] == [0, 1]
+    assert f"dropped the cut last line of {output / 'log.jsonl'}" in capsys.readouterr().out
+
+
+def test_a_log_with_a_foreign_line_before_its_end_is_one_line_and_left_as_it_is(tmp_path, digits, one_epoch,
+                                                                                capsys):
+    output = tmp_path / 'run'
+    shutil.copytree(one_epoch, output)
+    log = 'not a record\n' + (output / 'log.jsonl').read_text()
+    (output / 'log.jsonl').write_text(log)
+    assert run_cli(train_main, train_argv(output, digits)) == 2
+    assert capsys.readouterr().err == (f"error: line 1 of {output / 'log.jsonl'} is not a JSON record; expected the "
+                                       f"log this run writes, one record per line\n")
+    assert (output / 'log.jsonl').read_text() == log
+
+
 # The ImageNet recipes' random augmentation (RandAugment, random erasing), loaded by 2 DataLoader workers.
 WORKERS = ['DATA.NUM_WORKERS', '2', 'AUG.AUTO_AUGMENT', 'rand-m9-mstd0.5-inc1', 'AUG.REPROB', '0.25']
 
