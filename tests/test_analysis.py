@@ -66,6 +66,17 @@ def additive_output(attn, layer, x):
     return out if layer.local is None else out + layer.local
 
 
+def recorded_output(attn, layer, x):
+    """The layer's output rebuilt from its recorded rows (or pools), values and local term."""
+    if layer.is_pooling:
+        mixed = additive_output(attn, layer, x)
+    else:
+        mixed = merge_heads(layer.weights @ layer.values)
+        if layer.local is not None:
+            mixed = mixed + layer.local
+    return attn.proj(mixed)
+
+
 @pytest.mark.parametrize('name,grouping', CASES)
 def test_recorded_matrix_reproduces_the_global_term(name, grouping):
     attn, x = build(name, grouping)
@@ -73,13 +84,7 @@ def test_recorded_matrix_reproduces_the_global_term(name, grouping):
         out = attn(x, GRID)
     layer = rec[0]
     assert layer.weights.dtype == torch.float64
-    if layer.is_pooling:
-        mixed = additive_output(attn, layer, x)
-    else:
-        mixed = merge_heads(layer.weights @ layer.values)
-        if layer.local is not None:
-            mixed = mixed + layer.local
-    assert max_abs_err(attn.proj(mixed), out) < 1e-10
+    assert max_abs_err(recorded_output(attn, layer, x), out) < 1e-10
 
 
 @pytest.mark.parametrize('name,grouping', CASES)
@@ -227,13 +232,7 @@ def test_padded_grids_are_recorded_on_their_tokens(name, grouping):
         out = attn(x, GRID)
     layer = rec[0]
     assert layer.weights.shape[-1] == GRID[0] * GRID[1]
-    if layer.is_pooling:
-        mixed = additive_output(attn, layer, x)
-    else:
-        mixed = merge_heads(layer.weights @ layer.values)
-        if layer.local is not None:
-            mixed = mixed + layer.local
-    assert max_abs_err(attn.proj(mixed), out) < 1e-10
+    assert max_abs_err(recorded_output(attn, layer, x), out) < 1e-10
     if name == 'softmax':  # the padding takes part of a row's mass where a window reaches past the grid
         sums = layer.weights.sum(dim=-1)
         assert (sums < 1 - 1e-3).any() and (sums <= 1 + 1e-12).all()
