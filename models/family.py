@@ -422,13 +422,18 @@ class ZooModel(nn.Module):
             stop_early: bool = False,
             output_fmt: str = 'NCHW',
             intermediates_only: bool = False,
-    ) -> Union[List[Tensor], Tuple[Tensor, List[Tensor]]]:
+            return_prefix_tokens: bool = False,
+            output_dict: bool = False,
+    ) -> Union[List[Tensor], Tuple[Tensor, List[Tensor]], List[Tuple[Tensor, Tensor]], Dict[str, Any]]:
         """Stage outputs without prefix tokens, as (B, C, H, W) ('NCHW') or (B, H*W, C) ('NLC').
 
         `indices`: the last n stages (int), the given stages (list) or all (None). `norm` applies the final norm
         (to every output when it does not follow the last stage, else to the last one). Returns the
         intermediates, or (final features, intermediates), the final features in the layout of `forward_features`
-        (normed only when every stage ran).
+        (normed only when every stage ran). As timm's ViT: in a model with prefix tokens `return_prefix_tokens`
+        pairs each output with its stage's (B, n, C) prefix tokens (n = 0 in stages before a class token joins),
+        and `output_dict` returns {'image_intermediates', 'image_intermediates_prefix' (with
+        `return_prefix_tokens`), 'image_features' (unless `intermediates_only`)}.
         """
         check_output_fmt(output_fmt)
         take_indices, max_index = feature_take_indices(self.num_stages, indices)
@@ -436,18 +441,30 @@ class ZooModel(nn.Module):
         num_stages = self.num_stages if run_all else max_index + 1
         final, final_grid, kept = self._run_stages(x, num_stages, take_indices)
         last = self.num_stages - 1
-        intermediates = []
+        intermediates, prefixes = [], []
         for i in take_indices:
             y, grid = kept[i]
             if norm and (i == last or not self.norm_follows_last_stage):
                 y = self._final_norm(y)
-            y = y[:, self._stage_prefix_tokens(i):]
+            prefix_tokens = self._stage_prefix_tokens(i)
+            prefixes.append(y[:, :prefix_tokens])
+            y = y[:, prefix_tokens:]
             intermediates.append(tokens_to_image(y, grid) if output_fmt == 'NCHW' else y)
-        if intermediates_only:
-            return intermediates
-        if num_stages == self.num_stages:
-            final = self._final_norm(final)
-        return self._format_features(final, final_grid), intermediates
+        with_prefixes = return_prefix_tokens and self.num_prefix_tokens > 0
+        features: Optional[Tensor] = None
+        if not intermediates_only:
+            if num_stages == self.num_stages:
+                final = self._final_norm(final)
+            features = self._format_features(final, final_grid)
+        if output_dict:
+            result: Dict[str, Any] = {'image_intermediates': intermediates}
+            if with_prefixes:
+                result['image_intermediates_prefix'] = prefixes
+            if features is not None:
+                result['image_features'] = features
+            return result
+        taken = list(zip(intermediates, prefixes)) if with_prefixes else intermediates
+        return taken if features is None else (features, taken)
 
     def prune_intermediate_layers(
             self,

@@ -270,6 +270,29 @@ def test_features_only_and_intermediates():
     assert len(default(x)) == 3 and len(default.model.blocks) == 4
 
 
+def test_intermediates_with_prefix_tokens_and_as_a_dict_equal_timms_deit():
+    # timm's own DeiT (its VisionTransformer) with the same weights: the prefix-token pairs and the dictionary that
+    # class-token feature extractors read
+    torch.manual_seed(0)
+    ours = timm.create_model('softmax_deit_tiny', **TINY).eval()
+    theirs = timm.create_model('deit_tiny_patch16_224', **TINY).eval()
+    theirs.load_state_dict(ours.state_dict())
+    x = torch.randn(2, 3, 32, 32)
+    calls = [dict(return_prefix_tokens=True, output_fmt='NLC', intermediates_only=True),
+             dict(return_prefix_tokens=True, indices=[0], norm=True),
+             dict(return_prefix_tokens=True, output_dict=True),
+             dict(output_dict=True, intermediates_only=True, output_fmt='NLC')]
+    with torch.no_grad():
+        for kwargs in calls:
+            torch.testing.assert_close(ours.forward_intermediates(x, **kwargs),
+                                       theirs.forward_intermediates(x, **kwargs), rtol=0, atol=1e-6, msg=str(kwargs))
+        pairs = ours.forward_intermediates(x, return_prefix_tokens=True, intermediates_only=True)
+        assert [(spatial.shape, prefix.shape) for spatial, prefix in pairs] == [((2, 32, 4, 4), (2, 1, 32))] * 2
+        headless = timm.create_model('multimax_deit_tiny', **TINY).eval()  # no prefix tokens: no pairs, as in timm
+        assert [t.shape for t in headless.forward_intermediates(x, return_prefix_tokens=True,
+                                                                intermediates_only=True)] == [(2, 32, 4, 4)] * 2
+
+
 # ------------------------------------------------------------------------------------------------ checkpoints
 
 def official_checkpoint(path: Path, state_dict: dict) -> None:

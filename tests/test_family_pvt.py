@@ -348,6 +348,14 @@ def test_features_only_and_intermediates(name):
         assert torch.allclose(intermediates[1], tokens)
         last = model.forward_intermediates(x, indices=1, intermediates_only=True)[0]
         assert last.shape == (2, 128, 2, 2)
+        pairs = model.forward_intermediates(x, indices=[1, 3], norm=True, return_prefix_tokens=True,
+                                            intermediates_only=True)
+        if model.num_prefix_tokens:  # the class token joins in the last stage: no prefix tokens before it
+            assert [prefix.shape for _, prefix in pairs] == [(2, 0, 32), (2, 1, 128)]
+            assert torch.equal(pairs[1][1], final[:, :1])
+            assert [spatial.shape for spatial, _ in pairs] == [(2, 32, 8, 8), (2, 128, 2, 2)]
+        else:
+            assert [t.shape for t in pairs] == [(2, 32, 8, 8), (2, 128, 2, 2)]
 
 
 # ------------------------------------------------------------------------------------------------ other input sizes
