@@ -138,10 +138,9 @@ class DeiT(ZooModel):
         self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim)) if class_token else None
         self.pos_embed = nn.Parameter(torch.zeros(1, self.num_prefix_tokens + self.patch_embed.num_patches, embed_dim))
         self.multimax_logits = multimax_logits
-        self.ranges: Optional[nn.Parameter] = None
-        self.ts: Optional[nn.Parameter] = None
-        if multimax_logits and num_classes > 0:
-            self.ranges, self.ts = nn.Parameter(torch.zeros(4)), nn.Parameter(torch.zeros(4))
+        with_sigma = multimax_logits and num_classes > 0
+        self.ranges = nn.Parameter(torch.zeros(4)) if with_sigma else None
+        self.ts = nn.Parameter(torch.zeros(4)) if with_sigma else None
         self.pos_drop = nn.Dropout(drop_rate)
 
         names = stage_attentions(attn_type, [depth])[0]
