@@ -1,4 +1,5 @@
 """Test-wide settings and fixtures."""
+import logging
 import random
 from typing import Any, Callable, Iterator, Tuple
 
@@ -17,6 +18,21 @@ def seeded_random_state() -> None:
     random.seed(0)
     np.random.seed(0)
     torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
+def engine_logger_restored() -> Iterator[None]:
+    """The command lines set up the process-wide 'engine' logger (handlers of their own, no propagation); each
+    test leaves it as it found it, so that log capture does not depend on which tests ran before (pytest before
+    9.2 captures only what propagates to the root logger)."""
+    logger = logging.getLogger('engine')
+    handlers, propagate, level = list(logger.handlers), logger.propagate, logger.level
+    yield
+    for handler in logger.handlers:
+        if handler not in handlers:
+            handler.close()
+    logger.handlers[:] = handlers
+    logger.propagate, logger.level = propagate, level
 
 
 @pytest.fixture(scope='session', autouse=True)
