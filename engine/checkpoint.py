@@ -27,7 +27,7 @@ from timm.scheduler.scheduler import Scheduler
 from timm.utils import ModelEmaV3
 from torch import nn
 
-from models.checkpoint import CheckpointError, load_checkpoint_file, load_state_dict_checked
+from models.checkpoint import CheckpointError, load_checkpoint_file, load_state_dict_checked, process_alive
 
 from .config import config_from_yaml_string
 from .distributed import DistInfo, all_gather_objects
@@ -89,23 +89,13 @@ def atomic_write(path: str, write: Callable[[BinaryIO], Any]) -> None:
     _fsync_folder(folder)
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # a process of another user
-    return True
-
-
 def remove_stale_temp_files(folder: str) -> List[str]:
     """Remove the temporary files of `atomic_save` calls whose process no longer runs on this host (killed
     mid-write); return their names."""
     removed = []
     for name in sorted(os.listdir(folder)):
         match = TEMP_NAME.match(name)
-        if match and not _pid_alive(int(match.group(1))):
+        if match and not process_alive(int(match.group(1))):
             try:
                 os.remove(os.path.join(folder, name))
             except FileNotFoundError:

@@ -18,6 +18,8 @@ import hashlib
 import http.client
 import os
 import pickle
+import re
+import socket
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -40,6 +42,7 @@ from tqdm import tqdm
 
 __all__ = [
     'CheckpointError', 'DownloadError', 'checkpoint_cache_dir', 'cached_file_name', 'download_checkpoint',
+    'process_alive',
     'has_released_weights', 'released_weights_file', 'official_keys', 'filter_checkpoint', 'adapt_state_dict',
     'load_pretrained_into', 'TransferReport', 'SAFE_GLOBALS', 'load_checkpoint_file', 'checkpoint_state_dict',
     'drop_derived_buffers', 'check_state_dict', 'load_state_dict_checked', 'resample_grid_embedding',
@@ -100,13 +103,39 @@ def _download_failure(error: BaseException) -> str:
     return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else 'no detail'}"
 
 
+def process_alive(pid: int) -> bool:
+    """Whether process `pid` runs on this host."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # a process of another user
+    return True
+
+
+def _remove_stale_partials(folder: str, file_name: str) -> None:
+    """Remove the partial downloads of `file_name` left by processes of this host that were killed (SIGKILL, or
+    SIGTERM, whose default action runs no clean-up); those of live processes, and of other hosts that share the
+    folder, stay."""
+    pattern = re.compile(re.escape(f'{file_name}.{socket.gethostname()}.') + r'(\d+)\.[0-9a-f]{8}\.partial$')
+    for name in os.listdir(folder):
+        match = pattern.match(name)
+        if match and not process_alive(int(match.group(1))):
+            try:
+                os.remove(os.path.join(folder, name))
+            except FileNotFoundError:
+                pass  # removed by another process at the same time
+
+
 def download_checkpoint(url: str, file_name: str, cache_dir: Optional[str] = None, progress: bool = True) -> str:
     """The cached copy of `url` as `file_name` in the download folder (`checkpoint_cache_dir`), downloaded first
     when it is not there yet, with a progress bar on stderr when `progress`.
 
     The bytes go to a temporary file in the same folder that replaces the cached name only once complete (its
-    length checked against the server's), so an interrupted download leaves nothing behind and concurrent
-    downloads (one per process) each land whole. Any failure is a `DownloadError` on one line.
+    length checked against the server's), so an interrupted download leaves nothing behind (the temporary file of
+    a killed process is removed by the next download of the file on its host) and concurrent downloads (one per
+    process) each land whole. Any failure is a `DownloadError` on one line.
     """
     folder = checkpoint_cache_dir(cache_dir)
     path = os.path.join(folder, file_name)
@@ -118,11 +147,13 @@ def download_checkpoint(url: str, file_name: str, cache_dir: Optional[str] = Non
     partial = None
     try:
         os.makedirs(folder, exist_ok=True)
+        _remove_stale_partials(folder, file_name)
         with urllib.request.urlopen(url, timeout=DOWNLOAD_TIMEOUT_S) as response:
             length = response.headers.get('Content-Length')
             expected = int(length) if length and length.isdigit() else None
             # named before it is made, so that the `finally` removes it whenever an interruption comes
-            partial = os.path.join(folder, f'{file_name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.partial')
+            partial = os.path.join(folder, f'{file_name}.{socket.gethostname()}.{os.getpid()}.'
+                                           f'{uuid.uuid4().hex[:8]}.partial')
             received = 0
             with open(partial, 'xb') as f, tqdm(total=expected, unit='B', unit_scale=True, unit_divisor=1024,
                                                  desc=file_name, disable=not progress) as bar:

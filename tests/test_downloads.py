@@ -6,9 +6,11 @@ import io
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Dict, Iterator, List, Tuple
@@ -284,6 +286,49 @@ def test_a_signal_mid_download_stops_with_the_signal_and_leaves_no_file(server, 
     server.mode = 'ok'
     timm.create_model('inline_deit_tiny', pretrained=True, **TRAIN_TINY)
     assert [p.name for p in cache.iterdir()] == ['inline_deit_tiny.pth']
+
+
+# A process that downloads the tiny model's weights from URL, as `timm.create_model(pretrained=True)` does.
+DOWNLOADER = """
+import dataclasses, sys
+import timm
+from timm.models._registry import _model_pretrained_cfgs
+import models
+cfg = dataclasses.replace(_model_pretrained_cfgs['inline_deit_tiny'], url=sys.argv[1])
+_model_pretrained_cfgs['inline_deit_tiny'] = _model_pretrained_cfgs[f'inline_deit_tiny.{cfg.tag}'] = cfg
+timm.create_model('inline_deit_tiny', pretrained=True, img_size=16, patch_size=4, embed_dim=64, depth=2, num_heads=4)
+"""
+
+
+def test_a_download_killed_by_sigterm_leaves_a_partial_file_the_next_download_removes(server, cache, tmp_path):
+    _, server.files['1d6b8191ad6d4114b291'] = official_checkpoint(**TRAIN_TINY)
+    url = server.url('1d6b8191ad6d4114b291')
+    server.mode = 'stall'
+    env = dict(os.environ, PYTHONPATH=str(REPO), TORCH_HOME=str(tmp_path / 'torch'))
+    child = subprocess.Popen([sys.executable, '-c', DOWNLOADER, url], env=env, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        assert server.stalled.wait(timeout=120), child.stderr.read() if child.poll() is not None else 'no request'
+        deadline = time.monotonic() + 60
+        while not (cache.is_dir() and any(cache.iterdir())):  # half the file written
+            assert time.monotonic() < deadline and child.poll() is None
+            time.sleep(0.01)
+        child.send_signal(signal.SIGTERM)  # as a scheduler ends a job: no Python clean-up runs
+        child.communicate(timeout=60)
+    finally:
+        server.release.set()
+        child.kill()
+    left = [p.name for p in cache.iterdir()]
+    assert child.returncode == -signal.SIGTERM and len(left) == 1 and left[0].endswith('.partial')
+    # partial files of a live process of this host and of another host sharing the folder are not touched
+    kept = [f'inline_deit_tiny.pth.{socket.gethostname()}.{os.getpid()}.0123abcd.partial',
+            f'inline_deit_tiny.pth.another-host.{child.pid}.0123abcd.partial']
+    for name in kept:
+        (cache / name).write_bytes(b'half')
+    server.mode = 'ok'
+    done = subprocess.run([sys.executable, '-c', DOWNLOADER, url], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert sorted(p.name for p in cache.iterdir()) == sorted(kept + ['inline_deit_tiny.pth'])
 
 
 @pytest.mark.parametrize('start, message', [
