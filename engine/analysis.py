@@ -5,12 +5,11 @@ from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
-from PIL import Image
 from torch import Tensor, nn
 from yacs.config import CfgNode as CN
 
 from .build import create_model, read_weights
-from .data import eval_transform, image_mode
+from .data import BadImage, eval_transform, image_mode, read_image
 from .errors import UsageError
 from .evaluation import eval_config
 
@@ -54,11 +53,11 @@ def load_images(files: Sequence[str], cfg: CN) -> Tuple[Tensor, List[np.ndarray]
     mean = torch.tensor(cfg.DATA.MEAN).view(-1, 1, 1)
     std = torch.tensor(cfg.DATA.STD).view(-1, 1, 1)
     inputs, shown = [], []
+    mode = image_mode(cfg)
     for file in files:
-        try:
-            image = Image.open(file).convert(image_mode(cfg))
-        except OSError as e:
-            raise UsageError(f"cannot read image {file!r}: {e}") from None
+        image = read_image(file, mode)
+        if isinstance(image, BadImage):
+            raise UsageError(f"{image}; expected an image that can be read")
         x = transform(image)
         inputs.append(x)
         shown.append((x * std + mean).clamp(0, 1).expand(3, -1, -1).permute(1, 2, 0).numpy())

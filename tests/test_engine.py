@@ -667,6 +667,20 @@ def test_grey_scale_images_train_and_evaluate_a_one_channel_model(tmp_path, digi
     assert inputs.shape == (1, 1, 16, 16) and shown[0].shape == (16, 16, 3)
 
 
+def test_analysis_images_that_cannot_be_read_are_one_line(tmp_path, digits):
+    cfg = load_config(TINY, ['DATA.DATA_PATH', str(digits)])
+    (tmp_path / 'empty.png').write_bytes(b'')
+    (tmp_path / 'cut.png').write_bytes(next((digits / 'val' / '0').iterdir()).read_bytes()[:60])
+    (tmp_path / 'text.png').write_text('not an image')
+    for name, reason in (('empty.png', 'is empty (0 bytes)'), ('cut.png', 'cannot be decoded (OSError: '),
+                         ('text.png', 'is not an image (Pillow cannot identify its format)')):
+        with pytest.raises(UsageError) as raised:
+            engine.analysis.load_images([str(tmp_path / name)], cfg)
+        message = str(raised.value)
+        assert message.startswith(f"image {str(tmp_path / name)!r} {reason}") and '\n' not in message
+        assert message.endswith('; expected an image that can be read')
+
+
 def test_a_one_class_run_warns_that_top1_is_trivial(tmp_path, digits, capsys):
     data = tmp_path / 'one_class'
     for split in ('train', 'val'):
