@@ -523,24 +523,25 @@ def create_variant(
     `device` and in the `dtype` that timm's factory may pass.
 
     A pretrained cfg belongs to the architecture its weights were trained with: a model built with another
-    `attn_type` than the variant's loses the weights URL, and `pretrained=True` with it is refused unless the
-    user gives weights of their own (`pretrained_cfg_overlay=dict(file=...)`, `url=...` or `state_dict=...`, as
-    `engine` does for a checkpoint of such a model); softmax weights become the start of another attention through
-    `models.checkpoint.load_pretrained_into`, which reports the new keys.
+    `attn_type` than the variant's loses the release's weights source, and `pretrained=True` with it is refused
+    unless the user points at weights of their own: `pretrained_cfg_overlay=dict(file=...)`, `url=...` or
+    `state_dict=...` (as `engine` does for a checkpoint of such a model), or the `pretrained_cfg` that timm passes
+    for a `local-dir:` or `hf-hub:` model name (a model saved by `timm.models.save_for_hf`). Softmax weights become
+    the start of another attention through `models.checkpoint.load_pretrained_into`, which reports the new keys.
     """
     kwargs = _fold_attn_options(model_cls, dict(kwargs))
     built = {**model_args, **kwargs}
     native = {**built, 'attn_type': model_args['attn_type']}
     if 'attn_type' in kwargs and _block_attentions(built) != _block_attentions(native):
-        overlay = dict(kwargs.get('pretrained_cfg_overlay') or {})
-        own_weights = bool(overlay.get('file') or overlay.get('url')) or overlay.get('state_dict') is not None
+        release_sources, own_weights = _weight_sources(variant, kwargs)
         if pretrained and not own_weights:
             raise ValueError(
                 f"{variant}'s pretrained weights belong to attn_type {model_args.get('attn_type')!r}, not "
                 f"{kwargs['attn_type']!r}; build it with pretrained=False and start from them with "
                 f"models.checkpoint.load_pretrained_into(model, {variant!r}), or give your own file through "
                 f"pretrained_cfg_overlay=dict(file=...)")
-        kwargs['pretrained_cfg_overlay'] = {'url': '', 'hf_hub_id': None, 'file': None, **overlay}
+        cleared = {key: '' if key == 'url' else None for key in release_sources}
+        kwargs['pretrained_cfg_overlay'] = {**(kwargs.get('pretrained_cfg_overlay') or {}), **cleared}
     if pretrained:
         _download_released_url(variant, kwargs)
     device, dtype = kwargs.pop('device', None), kwargs.pop('dtype', None)
@@ -548,6 +549,18 @@ def create_variant(
     with torch.device(device) if device is not None else contextlib.nullcontext():
         model = build_model_with_cfg(model_cls, variant, pretrained, **build_kwargs, **dict(model_args, **kwargs))
     return model if dtype is None else model.to(dtype=dtype)
+
+
+def _weight_sources(variant: str, kwargs: Mapping[str, Any]) -> Tuple[List[str], bool]:
+    """The weights sources (`url`, `file`, `hf_hub_id`) of `variant`'s release that its pretrained cfg would keep
+    under the user's `pretrained_cfg` and `pretrained_cfg_overlay`, and whether those give weights of their own."""
+    given_cfg = kwargs.get('pretrained_cfg')
+    release = resolve_pretrained_cfg(variant, given_cfg if isinstance(given_cfg, str) else None)
+    given = resolve_pretrained_cfg(variant, given_cfg, kwargs.get('pretrained_cfg_overlay'))
+    sources = [key for key in ('url', 'file', 'hf_hub_id') if getattr(given, key)]
+    kept = [key for key in sources if getattr(given, key) == getattr(release, key)]
+    own = given.source in ('local-dir', 'hf-hub') or given.state_dict is not None or len(kept) < len(sources)
+    return kept, own
 
 
 def _download_released_url(variant: str, kwargs: Dict[str, Any]) -> None:
@@ -558,7 +571,7 @@ def _download_released_url(variant: str, kwargs: Dict[str, Any]) -> None:
     downloaded before is reused."""
     overlay = dict(kwargs.get('pretrained_cfg_overlay') or {})
     cfg = resolve_pretrained_cfg(variant, kwargs.get('pretrained_cfg'), overlay)
-    if cfg.state_dict is not None or cfg.file or cfg.hf_hub_id or not cfg.url:
+    if cfg.source in ('local-dir', 'hf-hub') or cfg.state_dict is not None or cfg.file or cfg.hf_hub_id or not cfg.url:
         return
     overlay['file'] = download_checkpoint(cfg.url, cached_file_name(variant, cfg.url), kwargs.get('cache_dir'))
     kwargs['pretrained_cfg_overlay'] = overlay

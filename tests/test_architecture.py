@@ -3,6 +3,7 @@ unchanged state dicts, pretrained cfgs that belong to their architecture, and so
 import hashlib
 import json
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import timm
@@ -162,6 +163,53 @@ def test_own_weights_of_another_attention_load_through_the_overlay(tmp_path, giv
     # timm gives a classifier of another class count than the pretrained cfg's a fresh init
     expected = source.state_dict()
     assert all(torch.equal(v, expected[k]) for k, v in model.state_dict().items() if not k.startswith('head.'))
+
+
+HUB_NAMES = {'deit': 'softmax_deit_tiny', 'pvt': 'inline_pvt_tiny', 'swin': 'flatten_swin_tiny',
+             'cswin': 'multimax_cswin_tiny'}
+
+
+def saved_for_the_hub(family: str, attn_type: Optional[str], folder: Path, **save) -> torch.nn.Module:
+    """A tiny model of `family` built with `attn_type` (None: the variant's own), written by timm's `save_for_hf`
+    into `folder` (`save`: its keywords)."""
+    torch.manual_seed(0)
+    kwargs = {} if attn_type is None else dict(attn_type=attn_type)
+    model = timm.create_model(HUB_NAMES[family], **kwargs, **TINY[family]).eval()
+    timm.models.save_for_hf(model, str(folder), **save)
+    return model
+
+
+def assert_same_model(loaded: torch.nn.Module, saved: torch.nn.Module, family: str) -> None:
+    assert loaded.state_dict().keys() == saved.state_dict().keys()
+    assert all(torch.equal(v, saved.state_dict()[k]) for k, v in loaded.state_dict().items())
+    x = torch.randn(2, 3, TINY[family]['img_size'], TINY[family]['img_size'])
+    with torch.no_grad():
+        assert torch.equal(loaded.eval()(x), saved(x))
+
+
+@pytest.mark.parametrize('family', FAMILIES)
+@pytest.mark.parametrize('attn_type', [None, 'sima'])
+def test_a_model_saved_for_the_hub_loads_back_from_its_folder(tmp_path, family, attn_type):
+    """timm's `save_for_hf`, then `create_model('local-dir:<folder>', pretrained=True)`: the model arguments in
+    config.json rebuild the model, another attention than the variant's included, and its own weights load."""
+    saved = saved_for_the_hub(family, attn_type, tmp_path)
+    loaded = timm.create_model(f'local-dir:{tmp_path}', pretrained=True)
+    assert_same_model(loaded, saved, family)
+
+
+def test_a_model_of_another_attention_loads_from_the_hub(tmp_path, monkeypatch):
+    """`create_model('hf-hub:<repo>', pretrained=True)` of a model saved with another attention than its
+    variant's: the hub's files (served here from a folder) rebuild it and load its weights."""
+    saved = saved_for_the_hub('swin', 'inline', tmp_path, safe_serialization=True)
+    fetched = []
+
+    def hub_download(repo_id, filename, **kwargs):
+        fetched.append((repo_id, filename))
+        return str(tmp_path / filename)
+    monkeypatch.setattr(timm.models._hub, 'hf_hub_download', hub_download)
+    loaded = timm.create_model('hf-hub:lab/inline-swin-tiny-test', pretrained=True)
+    assert_same_model(loaded, saved, 'swin')
+    assert ('lab/inline-swin-tiny-test', 'model.safetensors') in fetched
 
 
 @pytest.mark.parametrize('attention, new', [
