@@ -14,12 +14,11 @@ import fcntl
 import logging
 import os
 import random
-import re
 import shutil
 import socket
 import uuid
 from contextlib import contextmanager
-from typing import Any, BinaryIO, Callable, Dict, Iterator, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple
 
 import numpy as np
 import torch
@@ -27,33 +26,19 @@ from timm.scheduler.scheduler import Scheduler
 from timm.utils import ModelEmaV3
 from torch import nn
 
+from models._files import TEMP_NAME, atomic_write
 from models.checkpoint import CheckpointError, load_checkpoint_file, load_state_dict_checked, process_alive
 
 from .config import config_from_yaml_string
 from .distributed import DistInfo, all_gather_objects
-from .errors import UsageError, removed_by_an_exit_at_once
+from .errors import UsageError
 from .loops import TrainState, schedule_position
 
-__all__ = ['LAST', 'BEST', 'LOCK', 'TrainingCheckpoint', 'OutputLock', 'atomic_save', 'atomic_write',
-           'atomic_write_text', 'remove_stale_temp_files', 'rng_state', 'set_rng_state']
+__all__ = ['LAST', 'BEST', 'LOCK', 'TrainingCheckpoint', 'OutputLock', 'atomic_save', 'atomic_write_text',
+           'remove_stale_temp_files', 'rng_state', 'set_rng_state']
 
 LAST, BEST, LOCK = 'last.pth', 'best.pth', '.train.lock'
-# the temporary name `atomic_save` gives: .<name>.<pid>.<8 hex digits>.tmp
-TEMP_NAME = re.compile(r'^\..+\.(\d+)\.[0-9a-f]{8}\.tmp$')
 logger = logging.getLogger('engine')
-
-
-def _fsync_folder(folder: str) -> None:
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass  # some file systems cannot sync a folder; the rename itself is still atomic
-    finally:
-        os.close(fd)
 
 
 def atomic_save(obj: Any, path: str) -> None:
@@ -64,29 +49,6 @@ def atomic_save(obj: Any, path: str) -> None:
 def atomic_write_text(path: str, text: str) -> None:
     """`text` in UTF-8 through `atomic_write`, for the tables and notes that a long run writes at its end."""
     atomic_write(path, lambda f: f.write(text.encode('utf-8')))
-
-
-def atomic_write(path: str, write: Callable[[BinaryIO], Any]) -> None:
-    """`write(f)` into a temporary file in the target's folder, fsync, then rename over `path`.
-
-    A crash or signal at any point leaves either the previous file or the new one, never a partial file.
-    """
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    tmp = os.path.join(folder, f'.{os.path.basename(path)}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp')
-    with removed_by_an_exit_at_once(tmp):
-        try:  # opened inside, so that an interruption just after the file appears still removes it
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # permissions from the umask, like open()
-            with os.fdopen(fd, 'wb') as f:
-                write(f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.remove(tmp)
-            raise
-    _fsync_folder(folder)
 
 
 def remove_stale_temp_files(folder: str) -> List[str]:

@@ -4,17 +4,15 @@ import argparse
 import os
 import signal
 import sys
-from contextlib import contextmanager
-from typing import Callable, Iterator, Mapping, NoReturn, Optional, Sequence, Set, Tuple
+from typing import Callable, Mapping, NoReturn, Optional, Sequence, Tuple
 
+from models._files import UNFINISHED_FILES
 from models.checkpoint import CheckpointError
 
 __all__ = ['UsageError', 'BadImageError', 'NonFiniteLossError', 'Stopped', 'USAGE_EXIT_CODE', 'run_cli',
-           'exit_at_once', 'removed_by_an_exit_at_once', 'refuse_below']
+           'exit_at_once', 'refuse_below']
 
 USAGE_EXIT_CODE = 2
-# files this process is writing under temporary names, which `exit_at_once` removes
-_UNFINISHED_FILES: Set[str] = set()
 
 
 class UsageError(ValueError):
@@ -45,9 +43,9 @@ def exit_at_once(signum: int, message: str) -> NoReturn:
     For a second signal: an exception raised from a signal handler can land in a clean-up (a DataLoader's
     `__del__`, where Python prints and ignores it) or chain onto the first stop's, while an exit at once cannot.
     Nothing half-written stays: checkpoints are replaced atomically, the temporary file of a write in progress is
-    removed first (`removed_by_an_exit_at_once`), and the next run takes over the lock of a process that ended.
+    removed first (`models._files.removed_by_an_exit_at_once`), and the next run takes over the lock of a process that ended.
     """
-    for path in list(_UNFINISHED_FILES):
+    for path in list(UNFINISHED_FILES):
         try:
             os.remove(path)
         except OSError:
@@ -55,17 +53,6 @@ def exit_at_once(signum: int, message: str) -> NoReturn:
     if _reports():
         os.write(sys.stderr.fileno(), f"\nerror: {message}\n".encode())  # a handler must not re-enter buffered io
     os._exit(128 + signum)
-
-
-@contextmanager
-def removed_by_an_exit_at_once(path: str) -> Iterator[None]:
-    """While the block runs, `exit_at_once` removes `path`: a file written under a temporary name, which no
-    `finally` would remove after `os._exit`."""
-    _UNFINISHED_FILES.add(path)  # before the file exists, so that no exit at once can miss it
-    try:
-        yield
-    finally:
-        _UNFINISHED_FILES.discard(path)
 
 
 def run_cli(main: Callable[[Sequence[str]], int], argv: Optional[Sequence[str]] = None) -> int:

@@ -1,15 +1,19 @@
 """The figures and the analysis scripts: the simplex points against their closed forms, and both scripts on tiny
 models writing non-empty PNG, CSV and Markdown files, with one-line errors for bad input."""
 import csv
+import io
 import os
+from pathlib import Path
 
+import matplotlib.figure
+import matplotlib.pyplot as plt
 import numpy as np
 import pytest
 import torch
 from PIL import Image
 
 from engine.errors import run_cli
-from models.analysis.plots import SIMPLEX_TEMPERATURES, simplex_logits, simplex_points
+from models.analysis.plots import SIMPLEX_TEMPERATURES, plot_simplex, simplex_logits, simplex_points
 
 from reference import max_abs_err
 from test_scripts import load_script
@@ -42,6 +46,30 @@ def test_simplex_points_equal_their_closed_forms():
     assert (points['sparsemax'] == 0).any()  # the grid reaches the simplex's edges
     for p in points.values():
         assert max_abs_err(p.sum(dim=-1), torch.ones(len(logits), dtype=torch.float64)) < 1e-12
+
+
+def test_a_figure_interrupted_while_written_leaves_the_previous_one(tmp_path, monkeypatch):
+    """Ctrl-C half-way through writing a figure over that of an earlier run keeps the earlier figure whole, leaves
+    no temporary file and frees the figure."""
+    path = tmp_path / 'simplex.png'
+    plot_simplex(str(path))
+    before = path.read_bytes()
+    write_whole = matplotlib.figure.Figure.savefig
+
+    def interrupted(fig, target, **kwargs):
+        buffer = io.BytesIO()
+        write_whole(fig, buffer, **{**kwargs, 'format': 'png'})
+        half = buffer.getvalue()[:len(buffer.getvalue()) // 2]
+        if isinstance(target, (str, os.PathLike)):
+            Path(target).write_bytes(half)
+        else:
+            target.write(half)
+        raise KeyboardInterrupt
+    monkeypatch.setattr(matplotlib.figure.Figure, 'savefig', interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        plot_simplex(str(path), torch.tensor([0.1, 0.2, -0.3, 0.4]), torch.tensor([0.5, 0.3, 0.2, 0.1]))
+    assert path.read_bytes() == before and os.listdir(tmp_path) == ['simplex.png']
+    assert plt.get_fignums() == []
 
 
 @pytest.fixture(scope='module')

@@ -4,6 +4,7 @@ MultiMax against softmax, SparseMax and EntMax-1.5, and per-layer curves of the 
 
 Needs the `analysis` extra: `pip install -e '.[analysis]'`.
 """
+import os
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import matplotlib
@@ -15,6 +16,7 @@ import torch  # noqa: E402
 from entmax import entmax15, sparsemax  # noqa: E402
 from torch import Tensor, nn  # noqa: E402
 
+from .._files import atomic_write  # noqa: E402
 from ..attention.multimax import MultiMaxMixer, multimax_modulation  # noqa: E402
 from .record import LayerAttention, attention_layers  # noqa: E402
 
@@ -24,6 +26,16 @@ __all__ = [
 ]
 
 SIMPLEX_TEMPERATURES = (0.5, 1.0, 2.0)
+
+
+def _save(fig: plt.Figure, path: str) -> None:
+    """Write `fig` to `path` in the format its extension names, whole or not at all (a figure interrupted half-way
+    leaves the previous file), then free it."""
+    fmt = os.path.splitext(path)[1][1:].lower() or None
+    try:
+        atomic_write(path, lambda f: fig.savefig(f, format=fmt, dpi=100))
+    finally:
+        plt.close(fig)
 
 
 def grid_map(layer: LayerAttention, row: int, image: int = 0) -> Tensor:
@@ -74,8 +86,7 @@ def plot_query_maps(image: np.ndarray, layer: LayerAttention, row: int, path: st
             ax.plot([x], [y], marker='x', color='cyan', markersize=8, mew=2)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    _save(fig, path)
 
 
 def rollout_problem(layers: Sequence[LayerAttention]) -> Optional[str]:
@@ -118,8 +129,7 @@ def plot_heat_map(image: np.ndarray, values: np.ndarray, title: str, path: str) 
     fig.colorbar(shown, ax=ax, fraction=0.046, pad=0.04)
     ax.set_title(title, fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    _save(fig, path)
 
 
 def grad_cam(model: nn.Module, images: Tensor, targets: Optional[Sequence[int]] = None) -> np.ndarray:
@@ -165,8 +175,7 @@ def plot_token_norms(image: np.ndarray, layer: LayerAttention, path: str, image_
         fig.colorbar(shown, ax=ax, fraction=0.046, pad=0.04)
         ax.set_title(f"‖{key[0]}̂‖, {layer.name}", fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    _save(fig, path)
 
 
 def plot_multimax_sigma(model: nn.Module, path: str, span: float = 6.0) -> None:
@@ -182,8 +191,7 @@ def plot_multimax_sigma(model: nn.Module, path: str, span: float = 6.0) -> None:
     ax.set_ylabel('σ(x)')
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    _save(fig, path)
 
 
 def simplex_logits(steps: int = 41, span: float = 3.0) -> Tensor:
@@ -226,8 +234,7 @@ def plot_simplex(path: str, ranges: Optional[Tensor] = None, ts: Optional[Tensor
         ax.set_aspect('equal')
         ax.axis('off')
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    _save(fig, path)
     return points
 
 
@@ -249,5 +256,4 @@ def plot_layer_curves(rows: Sequence[Mapping[str, object]], statistics: Sequence
         ax.set_title(statistic, fontsize=10)
     axes[0][-1].legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    _save(fig, path)

@@ -1,0 +1,61 @@
+"""Files written whole or not at all: the training checkpoints, the scripts' tables and the analysis figures go into
+a temporary file beside their target, which replaces the target only once complete."""
+import os
+import re
+import uuid
+from contextlib import contextmanager
+from typing import Any, BinaryIO, Callable, Iterator, Set
+
+__all__ = ['atomic_write', 'removed_by_an_exit_at_once', 'TEMP_NAME', 'UNFINISHED_FILES']
+
+# the temporary name `atomic_write` gives: .<name>.<pid>.<8 hex digits>.tmp
+TEMP_NAME = re.compile(r'^\..+\.(\d+)\.[0-9a-f]{8}\.tmp$')
+# files this process is writing under temporary names, which an exit at once (`engine.errors.exit_at_once`) removes
+UNFINISHED_FILES: Set[str] = set()
+
+
+@contextmanager
+def removed_by_an_exit_at_once(path: str) -> Iterator[None]:
+    """While the block runs, an exit at once removes `path`: a file written under a temporary name, which no
+    `finally` would remove after `os._exit`."""
+    UNFINISHED_FILES.add(path)  # before the file exists, so that no exit at once can miss it
+    try:
+        yield
+    finally:
+        UNFINISHED_FILES.discard(path)
+
+
+def _fsync_folder(folder: str) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some file systems cannot sync a folder; the rename itself is still atomic
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: str, write: Callable[[BinaryIO], Any]) -> None:
+    """`write(f)` into a temporary file in the target's folder, fsync, then rename over `path`.
+
+    A crash or signal at any point leaves either the previous file or the new one, never a partial file.
+    """
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    tmp = os.path.join(folder, f'.{os.path.basename(path)}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp')
+    with removed_by_an_exit_at_once(tmp):
+        try:  # opened inside, so that an interruption just after the file appears still removes it
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # permissions from the umask, like open()
+            with os.fdopen(fd, 'wb') as f:
+                write(f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+            raise
+    _fsync_folder(folder)
