@@ -31,7 +31,7 @@ from tqdm import tqdm
 from yacs.config import CfgNode as CN
 
 from .config import mixup_active
-from .distributed import DistInfo, all_gather_objects, barrier
+from .distributed import DistInfo, all_gather_objects, any_rank
 from .errors import BadImageError, UsageError
 
 __all__ = [
@@ -72,6 +72,13 @@ def _write_digits(root: str) -> None:
         json.dump(dict(train=len(train_idx), val=len(val_idx), classes=10, image_size=8), f)
 
 
+def _file_in_the_way(path: str) -> Optional[str]:
+    """The deepest existing part of `path` when it is not a folder, else None."""
+    while not os.path.lexists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    return path if os.path.lexists(path) and not os.path.isdir(path) else None
+
+
 def prepare_digits(root: str) -> str:
     """Write the digits image folder at `root` unless it is there; return `root`.
 
@@ -85,10 +92,10 @@ def prepare_digits(root: str) -> str:
         raise UsageError(f"DATA.DATA_PATH {root!r} holds files but no digits cache ({DIGITS_STAMP}); expected a "
                          f"missing or empty folder for DATA.DATASET 'digits'")
     parent = os.path.dirname(root)
-    os.makedirs(parent, exist_ok=True)
     # named before it is made, so that the `finally` removes it whenever an interruption comes
     staging = os.path.join(parent, f'.digits-{os.getpid()}.{uuid.uuid4().hex[:8]}')
     try:
+        os.makedirs(parent, exist_ok=True)
         os.mkdir(staging)
         _write_digits(staging)
         try:
@@ -96,18 +103,30 @@ def prepare_digits(root: str) -> str:
         except OSError:
             if not os.path.isfile(os.path.join(root, DIGITS_STAMP)):
                 raise
+    except OSError as e:
+        blocker = _file_in_the_way(root)
+        reason = (f"{blocker!r} is a file, not a folder" if blocker
+                  else f"{e.strerror or type(e).__name__}: {e.filename!r}")
+        raise UsageError(f"cannot write the digits cache {root!r} ({reason}); expected a folder this user can write: "
+                         f"set DATA.DATA_PATH, or XDG_CACHE_HOME for the default place") from None
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return root
 
 
 def resolve_data_root(cfg: CN, info: DistInfo) -> str:
-    """The dataset folder; for the digits demo, rank 0 writes the cache while the others wait."""
+    """The dataset folder; for the digits demo, rank 0 writes the cache while the others wait, and every process
+    stops with the first's error when it cannot."""
     if cfg.DATA.DATASET == 'digits':
         root = cfg.DATA.DATA_PATH or default_digits_root()
+        failure = None
         if info.is_main:
-            prepare_digits(root)
-        barrier()
+            try:
+                prepare_digits(root)
+            except UsageError as e:
+                failure = e
+        if any_rank(failure is not None, info.device):
+            raise failure or UsageError(f"the main process could not write the digits cache {root!r}")
         return prepare_digits(root)
     if not cfg.DATA.DATA_PATH:
         raise UsageError("no dataset given; expected --data-path DIR (an ImageNet-style folder with train/ and val/) "

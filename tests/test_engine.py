@@ -89,6 +89,27 @@ def test_a_killed_digits_writer_leaves_no_cache(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize('cause', ['a file on the path', 'a full disk'])
+def test_a_digits_cache_that_cannot_be_written_is_one_line(tmp_path, monkeypatch, cause):
+    root = tmp_path / 'cache' / 'digits'
+    if cause == 'a file on the path':
+        (tmp_path / 'cache').write_text('not a folder')
+        detail = f"{str(tmp_path / 'cache')!r} is a file, not a folder)"
+    else:
+        def full_disk(folder):
+            (Path(folder) / 'train').mkdir()
+            raise OSError(28, 'No space left on device', str(Path(folder) / 'train' / '0000.png'))
+        monkeypatch.setattr(engine.data, '_write_digits', full_disk)
+        detail = 'No space left on device: '
+    with pytest.raises(UsageError) as failure:
+        prepare_digits(str(root))
+    message = str(failure.value)
+    assert message.startswith(f"cannot write the digits cache {str(root)!r} ({detail}") and '\n' not in message
+    assert message.endswith("expected a folder this user can write: set DATA.DATA_PATH, or XDG_CACHE_HOME for the "
+                            "default place")
+    assert [p.name for p in tmp_path.iterdir()] == ['cache']  # nothing half-written stays
+
+
 def test_digits_refuses_a_folder_of_other_files(tmp_path):
     (tmp_path / 'mine.txt').write_text('keep me')
     with pytest.raises(UsageError, match='holds files but no digits cache'):

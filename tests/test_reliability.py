@@ -533,6 +533,23 @@ def test_a_rank_that_dies_ends_the_other_rank_with_a_non_zero_exit(tmp_path, dig
     assert not (tmp_path / 'out' / 'log.jsonl').exists()  # rank 0 never finished an epoch
 
 
+def test_a_digits_cache_the_main_process_cannot_write_ends_every_rank_with_one_line(tmp_path, digits):
+    """Rank 0 writes the digits cache while rank 1 waits: its failure reaches rank 1, and both exit with status 2
+    instead of rank 1 waiting until torchrun ends it."""
+    (tmp_path / 'cache').write_text('not a folder')
+    command = [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
+               str(REPO / 'train.py'), '--cfg', TINY, '--output', str(tmp_path / 'out'), '--opts', 'DATA.DATA_PATH',
+               str(tmp_path / 'cache' / 'digits')]
+    env = dict(os.environ, OMP_NUM_THREADS='1')
+    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    errors = [line for line in result.stderr.splitlines() if line.startswith('error: ')]
+    assert errors == [f"error: cannot write the digits cache {str(tmp_path / 'cache' / 'digits')!r} "
+                      f"({str(tmp_path / 'cache')!r} is a file, not a folder); expected a folder this user can write: "
+                      f"set DATA.DATA_PATH, or XDG_CACHE_HOME for the default place"], result.stderr[-3000:]
+    failures = result.stderr.split('Failures:')[-1]
+    assert result.returncode != 0 and failures.count('exitcode  : 2') == 2, result.stderr[-3000:]
+
+
 # Only rank 1 sees a NaN loss, at its 6th and 9th batches.
 NAN_ON_RANK_1 = '''
 import os
