@@ -31,7 +31,7 @@ from tqdm import tqdm
 from yacs.config import CfgNode as CN
 
 from .config import mixup_active
-from .distributed import DistInfo, all_gather_objects, any_rank
+from .distributed import DistInfo, all_gather_objects, main_process_first
 from .errors import BadImageError, UsageError
 
 __all__ = [
@@ -119,14 +119,7 @@ def resolve_data_root(cfg: CN, info: DistInfo) -> str:
     stops with the first's error when it cannot."""
     if cfg.DATA.DATASET == 'digits':
         root = cfg.DATA.DATA_PATH or default_digits_root()
-        failure = None
-        if info.is_main:
-            try:
-                prepare_digits(root)
-            except UsageError as e:
-                failure = e
-        if any_rank(failure is not None, info.device):
-            raise failure or UsageError(f"the main process could not write the digits cache {root!r}")
+        main_process_first(info, lambda: prepare_digits(root), f"write the digits cache {root!r}")
         return prepare_digits(root)
     if not cfg.DATA.DATA_PATH:
         raise UsageError("no dataset given; expected --data-path DIR (an ImageNet-style folder with train/ and val/) "

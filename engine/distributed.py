@@ -2,15 +2,19 @@
 import datetime
 import os
 from dataclasses import dataclass
-from typing import Any, List
+from typing import Any, Callable, List, Optional, TypeVar
 
 import torch
 import torch.distributed as dist
 
+from models.checkpoint import CheckpointError
+
 from .errors import UsageError
 
 __all__ = ['DistInfo', 'init_distributed', 'cleanup_distributed', 'all_reduce_sum', 'all_gather_objects', 'barrier',
-           'any_rank', 'resolve_device']
+           'any_rank', 'main_process_first', 'resolve_device']
+
+T = TypeVar('T')
 
 
 @dataclass(frozen=True)
@@ -109,6 +113,24 @@ def all_reduce_sum(values: List[float], device: torch.device) -> List[float]:
 def any_rank(flag: bool, device: torch.device) -> bool:
     """True on every process when `flag` is true on any of them."""
     return all_reduce_sum([float(flag)], device)[0] > 0
+
+
+def main_process_first(info: 'DistInfo', action: Callable[[], T], what: str) -> Optional[T]:
+    """`action()` on the main process while the others wait: its result there, None elsewhere.
+
+    A `UsageError` or `CheckpointError` it raises stops every process (status 2): the main one with that error, the
+    others with "the main process could not <what>", where they would otherwise wait at their next collective until
+    torchrun ended them.
+    """
+    result, failure = None, None
+    if info.is_main:
+        try:
+            result = action()
+        except (UsageError, CheckpointError) as e:
+            failure = e
+    if any_rank(failure is not None, info.device):
+        raise failure or UsageError(f"the main process could not {what}")
+    return result
 
 
 def all_gather_objects(obj: Any) -> List[Any]:

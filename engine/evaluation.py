@@ -15,7 +15,7 @@ from .compile import CompileTimer, compile_errors_reported, compile_model
 from .config import config_from_yaml_string, get_default_config, load_config, merge_dict, merge_opts, validate_config
 from .data import (build_eval_loader, check_images, eval_batch_size, eval_transform, image_mode, load_split,
                    report_scan, resolve_data_root)
-from .distributed import DistInfo, any_rank
+from .distributed import DistInfo, main_process_first
 from .errors import UsageError
 from .loops import evaluate, measure_throughput
 
@@ -71,16 +71,8 @@ def eval_config(
 def released_checkpoint(name: str, info: DistInfo) -> str:
     """The cached file of model `name`'s released weights; the main process downloads them while the others
     wait, so that one download serves every process of a machine."""
-    path, error = None, None
-    if info.is_main:
-        try:
-            path = released_weights_file(name)
-        except CheckpointError as e:
-            error = e
-    if info.distributed and any_rank(error is not None, info.device) and error is None:
-        raise CheckpointError(f"the main process could not download the released weights of {name!r}")
-    if error is not None:
-        raise error
+    path = main_process_first(info, lambda: released_weights_file(name),
+                              f"download the released weights of {name!r}")
     return path if path is not None else released_weights_file(name)
 
 

@@ -25,7 +25,7 @@ from .compile import CompileTimer, compile_errors_reported, compile_model
 from .config import ema_decay, scaled_lrs, total_batch_size
 from .data import (build_eval_loader, build_mixup, build_train_loader, check_images, check_splits, eval_batch_size,
                    eval_transform, image_mode, load_split, report_scan, resolve_data_root, train_transform)
-from .distributed import DistInfo, all_gather_objects, all_reduce_sum, any_rank, barrier
+from .distributed import DistInfo, all_gather_objects, all_reduce_sum, any_rank, barrier, main_process_first
 from .errors import Stopped, UsageError, exit_at_once
 from .evaluation import released_checkpoint
 from .loops import EpochOptions, TrainState, evaluate, train_one_epoch
@@ -143,11 +143,13 @@ def _drop_log_records(path: str, first_epoch: int) -> None:
         try:
             record = json.loads(line)
         except json.JSONDecodeError:
-            if number < len(lines):
-                raise UsageError(f"line {number} of {path} is not a JSON record; expected the log this run writes, "
-                                 f"one record per line") from None
-            logger.warning(f"dropped the cut last line of {path}: the run was stopped while writing it")
-            continue
+            record = None
+            if number == len(lines):  # a prefix of a record is never valid JSON
+                logger.warning(f"dropped the cut last line of {path}: the run was stopped while writing it")
+                continue
+        if not isinstance(record, dict) or type(record.get('epoch')) is not int:
+            raise UsageError(f"line {number} of {path} is not a JSON record of an epoch; expected the log this run "
+                             f"writes, one record per line")
         if record['epoch'] < first_epoch:
             kept.append(line + '\n')
     atomic_write_text(path, ''.join(kept))
@@ -203,8 +205,7 @@ def _train(cfg: CN, info: DistInfo, lock: OutputLock, check_data: bool) -> Dict[
         raise UsageError(f"the class folders of {root}/train and {root}/val differ "
                          f"({_class_difference(train_set.classes, val_set.classes)}); expected the same classes")
     output = cfg.OUTPUT
-    stale_holder = lock.acquire() if info.is_main else None
-    barrier()
+    stale_holder = main_process_first(info, lock.acquire, f"lock the output folder {output!r}")
     setup_logging(info, output)
     if info.is_main:
         if stale_holder is not None:
@@ -269,10 +270,11 @@ def _train(cfg: CN, info: DistInfo, lock: OutputLock, check_data: bool) -> Dict[
         amp=cfg.AMP.ENABLED, amp_dtype=amp_dtype, max_nonfinite_steps=cfg.TRAIN.MAX_NONFINITE_STEPS,
         print_freq=cfg.PRINT_FREQ)
 
+    # records of epochs this run trains (again) go: a run killed after logging an epoch but before saving it resumes
+    # from the checkpoint before, and a fresh run starts a fresh log
+    log_path = os.path.join(output, LOG)
+    main_process_first(info, lambda: _drop_log_records(log_path, state.epoch), f"read {log_path}")
     if info.is_main:
-        # records of epochs this run trains (again) go: a run killed after logging an epoch but before saving it
-        # resumes from the checkpoint before, and a fresh run starts a fresh log
-        _drop_log_records(os.path.join(output, LOG), state.epoch)
         atomic_write_text(os.path.join(output, CONFIG), cfg.dump())
         n_params = sum(p.numel() for p in model.parameters())
         logger.info(f"model {cfg.MODEL.NAME}: {n_params / 1e6:.2f}M parameters; {len(train_set)} training and "

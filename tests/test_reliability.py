@@ -266,15 +266,19 @@ def test_a_log_record_cut_by_a_kill_is_dropped_when_the_run_resumes(tmp_path, di
     assert f"dropped the cut last line of {output / 'log.jsonl'}" in capsys.readouterr().out
 
 
-def test_a_log_with_a_foreign_line_before_its_end_is_one_line_and_left_as_it_is(tmp_path, digits, one_epoch,
-                                                                                capsys):
+@pytest.mark.parametrize('foreign, number', [('not a record', 1), ('{"loss": 1.5}', 1), ('[0, 1]', 2)])
+def test_a_log_with_a_foreign_line_is_one_line_and_left_as_it_is(tmp_path, digits, one_epoch, capsys, foreign,
+                                                                 number):
+    """A line that is no epoch record before the end, or one that is whole JSON but no record at the end (a cut
+    record is never valid JSON)."""
     output = tmp_path / 'run'
     shutil.copytree(one_epoch, output)
-    log = 'not a record\n' + (output / 'log.jsonl').read_text()
+    record = (output / 'log.jsonl').read_text()
+    log = foreign + '\n' + record if number == 1 else record + foreign + '\n'
     (output / 'log.jsonl').write_text(log)
     assert run_cli(train_main, train_argv(output, digits)) == 2
-    assert capsys.readouterr().err == (f"error: line 1 of {output / 'log.jsonl'} is not a JSON record; expected the "
-                                       f"log this run writes, one record per line\n")
+    assert capsys.readouterr().err == (f"error: line {number} of {output / 'log.jsonl'} is not a JSON record of an "
+                                       f"epoch; expected the log this run writes, one record per line\n")
     assert (output / 'log.jsonl').read_text() == log
 
 
@@ -533,21 +537,59 @@ def test_a_rank_that_dies_ends_the_other_rank_with_a_non_zero_exit(tmp_path, dig
     assert not (tmp_path / 'out' / 'log.jsonl').exists()  # rank 0 never finished an epoch
 
 
-def test_a_digits_cache_the_main_process_cannot_write_ends_every_rank_with_one_line(tmp_path, digits):
-    """Rank 0 writes the digits cache while rank 1 waits: its failure reaches rank 1, and both exit with status 2
-    instead of rank 1 waiting until torchrun ends it."""
+# Each rank records what `main_process_first` gave it: the main process's action fails, succeeds, or it stops.
+MAIN_PROCESS_FIRST = '''
+import os
+import sys
+
+from engine.distributed import cleanup_distributed, init_distributed, main_process_first
+from engine.errors import UsageError
+
+info = init_distributed('cpu')
+outcomes = []
+for action in ('fails', 'returns'):
+    def run(action=action):
+        if action == 'fails':
+            raise UsageError(f'rank {info.rank} could not')
+        return f'done by rank {info.rank}'
+    try:
+        outcomes.append(repr(main_process_first(info, run, 'do it')))
+    except UsageError as e:
+        outcomes.append(str(e))
+with open(os.path.join(sys.argv[1], f'rank{info.rank}.txt'), 'w') as f:
+    f.write('\\n'.join(outcomes))
+cleanup_distributed()
+'''
+
+
+def test_what_the_main_process_does_alone_reaches_every_rank(tmp_path):
+    """`main_process_first` runs the action on rank 0 alone: its error stops rank 0 with that error and rank 1 with
+    a line of its own (so neither waits at a collective the other never reaches); its result stays on rank 0."""
+    script = tmp_path / 'script.py'
+    script.write_text(MAIN_PROCESS_FIRST)
+    command = [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2', str(script),
+               str(tmp_path)]
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS='1')
+    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (tmp_path / 'rank0.txt').read_text().splitlines() == ['rank 0 could not', "'done by rank 0'"]
+    assert (tmp_path / 'rank1.txt').read_text().splitlines() == ['the main process could not do it', 'None']
+
+
+def test_a_digits_cache_the_main_process_cannot_write_is_one_line_under_torchrun(tmp_path):
     (tmp_path / 'cache').write_text('not a folder')
+    data = tmp_path / 'cache' / 'digits'
     command = [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
                str(REPO / 'train.py'), '--cfg', TINY, '--output', str(tmp_path / 'out'), '--opts', 'DATA.DATA_PATH',
-               str(tmp_path / 'cache' / 'digits')]
+               str(data)]
     env = dict(os.environ, OMP_NUM_THREADS='1')
     result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     errors = [line for line in result.stderr.splitlines() if line.startswith('error: ')]
-    assert errors == [f"error: cannot write the digits cache {str(tmp_path / 'cache' / 'digits')!r} "
-                      f"({str(tmp_path / 'cache')!r} is a file, not a folder); expected a folder this user can write: "
-                      f"set DATA.DATA_PATH, or XDG_CACHE_HOME for the default place"], result.stderr[-3000:]
-    failures = result.stderr.split('Failures:')[-1]
-    assert result.returncode != 0 and failures.count('exitcode  : 2') == 2, result.stderr[-3000:]
+    assert result.returncode != 0 and errors == [
+        f"error: cannot write the digits cache {str(data)!r} ({str(tmp_path / 'cache')!r} is a file, not a folder); "
+        f"expected a folder this user can write: set DATA.DATA_PATH, or XDG_CACHE_HOME for the default place"
+    ], result.stderr[-3000:]
+    assert 'OSError' not in result.stderr and 'NotADirectoryError' not in result.stderr
 
 
 # Only rank 1 sees a NaN loss, at its 6th and 9th batches.
