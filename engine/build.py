@@ -15,7 +15,7 @@ from yacs.config import CfgNode as CN
 
 import models  # noqa: F401  (registers the zoo's families with timm)
 from models.checkpoint import (CheckpointError, checkpoint_state_dict, has_released_weights, load_checkpoint_file,
-                               official_keys)
+                               official_keys, unknown_pretrained_tag)
 from models.onednn import convert_to_onednn, onednn_available
 
 from .config import ConfigError, mixup_active, model_kwargs
@@ -33,8 +33,11 @@ logger = logging.getLogger('engine')
 
 
 def check_model_name(name: str) -> None:
-    """Raise `UsageError` unless timm knows `name` (after `import models`)."""
+    """Raise `UsageError` unless timm knows `name` (after `import models`), and its pretrained tag if it has one."""
     if timm.is_model(name):
+        tag_problem = unknown_pretrained_tag(name)
+        if tag_problem:
+            raise UsageError(tag_problem)
         return
     close = difflib.get_close_matches(name, timm.list_models(), n=3, cutoff=0.6)
     hint = f"; did you mean {', '.join(close)}?" if close else "; see timm.list_models('*_deit_*') and friends"
@@ -52,6 +55,9 @@ def check_pretrained(value: str) -> None:
         close = difflib.get_close_matches(value, released, n=3, cutoff=0.8)
         hint = f"; did you mean {', '.join(close)}?" if close else ''
         raise UsageError(f"MODEL.PRETRAINED {value!r} is neither a file nor a registered model name; {expected}{hint}")
+    tag_problem = unknown_pretrained_tag(value)
+    if tag_problem:
+        raise UsageError(f"MODEL.PRETRAINED {value!r}: {tag_problem}")
     if not has_released_weights(value):
         raise UsageError(f"MODEL.PRETRAINED {value!r} has no released weights; {expected}")
 

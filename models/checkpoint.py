@@ -37,15 +37,15 @@ from torch import Tensor, nn
 
 import timm
 from timm.layers import resample_abs_pos_embed
-from timm.models import get_pretrained_cfg, split_model_name_tag
+from timm.models import get_arch_pretrained_cfgs, get_pretrained_cfg, split_model_name_tag
 from tqdm import tqdm
 
 __all__ = [
     'CheckpointError', 'DownloadError', 'checkpoint_cache_dir', 'cached_file_name', 'download_checkpoint',
-    'process_alive', 'has_released_weights', 'released_weights_file', 'official_keys', 'filter_checkpoint',
-    'adapt_state_dict', 'load_pretrained_into', 'TransferReport', 'SAFE_GLOBALS', 'load_checkpoint_file',
-    'checkpoint_state_dict', 'drop_derived_buffers', 'check_state_dict', 'load_state_dict_checked',
-    'resample_grid_embedding', 'resize_grid_embedding', 'resize_rel_pos_bias_table',
+    'process_alive', 'unknown_pretrained_tag', 'has_released_weights', 'released_weights_file', 'official_keys',
+    'filter_checkpoint', 'adapt_state_dict', 'load_pretrained_into', 'TransferReport', 'SAFE_GLOBALS',
+    'load_checkpoint_file', 'checkpoint_state_dict', 'drop_derived_buffers', 'check_state_dict',
+    'load_state_dict_checked', 'resample_grid_embedding', 'resize_grid_embedding', 'resize_rel_pos_bias_table',
 ]
 
 SAFE_GLOBALS = [(OrderedDict, 'yacs.config.CfgNode'), set, argparse.Namespace]
@@ -180,9 +180,22 @@ def download_checkpoint(url: str, file_name: str, cache_dir: Optional[str] = Non
     return path
 
 
+def unknown_pretrained_tag(name: str) -> Optional[str]:
+    """For a registered model `name` whose pretrained tag (after the dot) timm does not know, one line that says so
+    and lists the known ones; None otherwise."""
+    architecture, tag = split_model_name_tag(name)
+    known = list(get_arch_pretrained_cfgs(architecture)) if tag else []
+    if not tag or name in known:
+        return None
+    return (f"unknown pretrained tag {tag!r} of {architecture!r}; expected {', '.join(known) or 'no tag'}, or the name "
+            f"without a tag")
+
+
 def has_released_weights(name: str) -> bool:
     """Whether registered model `name`'s pretrained cfg gives weights `released_weights_file` can fetch: a `file`
     or a `url`."""
+    if unknown_pretrained_tag(name):
+        return False
     cfg = get_pretrained_cfg(name)
     return cfg is not None and bool(cfg.file or cfg.url)
 
@@ -192,6 +205,9 @@ def released_weights_file(name: str, cache_dir: Optional[str] = None, progress: 
     into the cache by `download_checkpoint`."""
     if not timm.is_model(name):
         raise CheckpointError(f"model {name!r} is not registered with timm; expected a model name")
+    tag_problem = unknown_pretrained_tag(name)
+    if tag_problem:
+        raise CheckpointError(tag_problem)
     if not has_released_weights(name):
         raise CheckpointError(f"model {name!r} has no pretrained weights to start from; expected a checkpoint file "
                               f"of your own")

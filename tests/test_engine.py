@@ -7,6 +7,7 @@ import logging
 import math
 import os
 import random
+import re
 import shutil
 import stat
 import subprocess
@@ -38,7 +39,7 @@ from engine.data import (DIGITS_STAMP, ShardSampler, eval_transform, image_mode,
 from engine.distributed import DistInfo
 from engine.errors import USAGE_EXIT_CODE, UsageError, run_cli
 from engine.loops import TrainState, evaluate
-from models.checkpoint import CheckpointError
+from models.checkpoint import CheckpointError, has_released_weights, released_weights_file
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / 'configs' / 'demo' / 'digits_tiny.yaml')
@@ -612,6 +613,31 @@ def test_command_line_errors_are_one_line_with_exit_status_2(tmp_path, digits, t
         assert 'Traceback' not in err + out
     with pytest.raises(UsageError):
         run_cli(train_main, base + ['--debug', '--opts', 'MODEL.NAME', 'nope', 'DATA.DATA_PATH', str(digits)])
+
+
+UNKNOWN_TAG = ("unknown pretrained tag 'in22k' of 'inline_deit_tiny'; expected inline_deit_tiny.in1k, or the name "
+               "without a tag")
+
+
+@pytest.mark.parametrize('entry', ['train MODEL.NAME', 'train --pretrained', 'eval --model'])
+def test_an_unknown_pretrained_tag_is_one_line_before_any_data_is_read(tmp_path, capsys, monkeypatch, entry):
+    monkeypatch.setattr(engine.evaluation, 'released_weights_file', lambda name: pytest.fail('downloaded'))
+    data = tmp_path / 'digits'
+    train = ['--cfg', TINY, '--output', str(tmp_path / 'out'), '--opts', 'DATA.DATA_PATH', str(data)]
+    argv = {'train MODEL.NAME': (train_main, train + ['MODEL.NAME', 'inline_deit_tiny.in22k']),
+            'train --pretrained': (train_main, ['--pretrained', 'inline_deit_tiny.in22k'] + train),
+            'eval --model': (eval_main, ['--model', 'inline_deit_tiny.in22k', '--data-path', str(data)])}[entry]
+    code, _, err = _run(*argv, capsys)
+    pretrained = entry == 'train --pretrained'
+    message = f"MODEL.PRETRAINED 'inline_deit_tiny.in22k': {UNKNOWN_TAG}" if pretrained else UNKNOWN_TAG
+    assert (code, err) == (USAGE_EXIT_CODE, f"error: {message}\n")
+    assert not data.exists() and not (tmp_path / 'out').exists()
+
+
+def test_released_weights_of_an_unknown_tag_are_a_checkpoint_error():
+    with pytest.raises(CheckpointError, match=f"^{re.escape(UNKNOWN_TAG)}$"):
+        released_weights_file('inline_deit_tiny.in22k')
+    assert not has_released_weights('inline_deit_tiny.in22k') and has_released_weights('inline_deit_tiny.in1k')
 
 
 def test_a_model_keyword_out_of_range_fails_before_any_data_is_read(tmp_path, capsys):
