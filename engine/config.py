@@ -251,7 +251,10 @@ def _parse_yaml(text: str, source: str) -> Any:
 
 def _read_yaml(path: str) -> Dict[str, Any]:
     if not os.path.isfile(path):
-        raise ConfigError(f"config file {path!r} does not exist")
+        problem = ('is a folder; expected a YAML file (such as configs/inline/swin_tiny.yaml)' if os.path.isdir(path)
+                   else 'is not a regular file; expected a YAML file' if os.path.exists(path)
+                   else 'does not exist; expected a YAML file')
+        raise ConfigError(f"config file {path!r} {problem}")
     try:
         with open(path, 'rb') as f:
             raw = f.read()

@@ -1,5 +1,6 @@
 """The config tree: defaults (DeiT recipe), BASE inheritance, --opts, error messages, and the shipped YAML files."""
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -120,8 +121,13 @@ def test_bad_opts_name_the_key():
 
 
 def test_missing_and_self_including_files(tmp_path):
-    with pytest.raises(ConfigError, match='does not exist'):
+    with pytest.raises(ConfigError, match=r"^config file '.*nope\.yaml' does not exist; expected a YAML file$"):
         load_config(str(tmp_path / 'nope.yaml'))
+    with pytest.raises(ConfigError, match=rf"^config file {re.escape(repr(str(tmp_path)))} is a folder; expected a "
+                                          rf"YAML file \(such as configs/inline/swin_tiny\.yaml\)$"):
+        load_config(str(tmp_path))
+    with pytest.raises(ConfigError, match=r"^config file '/dev/null' is not a regular file; expected a YAML file$"):
+        load_config('/dev/null')
     loop = write(tmp_path / 'loop.yaml', 'BASE: [loop.yaml]\n')
     with pytest.raises(ConfigError, match='includes itself'):
         load_config(str(loop))
