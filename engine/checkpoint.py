@@ -10,6 +10,7 @@ training part of that record when the epoch's training finished but its validati
 `OutputLock` keeps one run at a time in an output folder; `remove_stale_temp_files` clears the temporary files of
 writes that were killed.
 """
+import argparse
 import fcntl
 import logging
 import os
@@ -26,7 +27,7 @@ from timm.scheduler.scheduler import Scheduler
 from timm.utils import ModelEmaV3
 from torch import nn
 
-from models._files import TEMP_NAME, atomic_write
+from models._files import TEMP_NAME, atomic_write, file_in_the_way
 from models.checkpoint import CheckpointError, load_checkpoint_file, load_state_dict_checked, process_alive
 
 from .config import config_from_yaml_string
@@ -34,8 +35,8 @@ from .distributed import DistInfo, all_gather_objects
 from .errors import UsageError
 from .loops import TrainState, schedule_position
 
-__all__ = ['LAST', 'BEST', 'LOCK', 'TrainingCheckpoint', 'OutputLock', 'atomic_save', 'atomic_write_text',
-           'remove_stale_temp_files', 'rng_state', 'set_rng_state']
+__all__ = ['LAST', 'BEST', 'LOCK', 'TrainingCheckpoint', 'OutputLock', 'check_writable_folder', 'refuse_unwritable_out',
+           'atomic_save', 'atomic_write_text', 'remove_stale_temp_files', 'rng_state', 'set_rng_state']
 
 LAST, BEST, LOCK = 'last.pth', 'best.pth', '.train.lock'
 logger = logging.getLogger('engine')
@@ -66,6 +67,38 @@ def remove_stale_temp_files(folder: str) -> List[str]:
     return removed
 
 
+def _not_writable(folder: str, error: OSError, source: str) -> str:
+    return (f"output folder {folder!r} is not writable ({error.strerror}); expected a folder this user can write "
+            f"({source})")
+
+
+def check_writable_folder(folder: str, source: str) -> None:
+    """Make `folder` where it is missing and prove, with a new file, that it takes new files; else a one-line
+    `UsageError` naming the folder and `source`, the option it came from (`--out docs/benchmarks`), so that a run
+    fails before its work rather than when it writes the results."""
+    blocker = file_in_the_way(folder)
+    if blocker is not None:
+        where = 'is a file' if blocker == folder else f'cannot be made: {blocker!r} is a file'
+        raise UsageError(f"output folder {folder!r} {where}; expected a folder ({source})")
+    try:
+        os.makedirs(folder, exist_ok=True)
+        probe = os.path.join(folder, f'.write-probe.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp')
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+        os.remove(probe)
+    except OSError as e:
+        raise UsageError(_not_writable(folder, e, source)) from None
+
+
+def refuse_unwritable_out(parser: argparse.ArgumentParser, out: str, prefix: bool) -> None:
+    """`parser.error` (one line, status 2) unless a script's `--out` can be written: the folder of `out` when it
+    is a prefix of the files (`docs/benchmarks` for .md and .csv), else `out` itself."""
+    folder = (os.path.dirname(out) or '.') if prefix else out
+    try:
+        check_writable_folder(folder, f'--out {out}')
+    except UsageError as e:
+        parser.error(str(e))
+
+
 class OutputLock:
     """An advisory lock (`fcntl.flock`) on `<output>/.train.lock`, which holds the holder's host and PID, so that
     one run at a time writes into an output folder. The kernel drops the lock when its process dies, so a lock
@@ -79,23 +112,18 @@ class OutputLock:
         """Check that the output folder is a writable folder and lock it; return the holder written in a lock file
         that a run which has ended left behind (None if there was none). Raise `UsageError` when the folder is
         a file, cannot be created or written, or another run holds it."""
-        output = self.output
-        if os.path.exists(output) and not os.path.isdir(output):
-            raise UsageError(f"output folder {output!r} is a file; expected a folder (OUTPUT / --output)")
+        output, source = self.output, 'OUTPUT / --output'
+        check_writable_folder(output, source)
         fd: Optional[int] = None
         try:
-            os.makedirs(output, exist_ok=True)
             fd = self._lock()
             previous = os.read(fd, 256).decode(errors='replace').strip() or None
             os.ftruncate(fd, 0)
             os.pwrite(fd, f"host {socket.gethostname()} pid {os.getpid()}\n".encode(), 0)
-            # the lock file may be a left-over one: only a new file proves that the folder takes new files
-            os.remove(self._probe())
         except OSError as e:
             self.fd = fd
             self.release()
-            raise UsageError(f"output folder {output!r} is not writable ({e.strerror}); expected a folder this "
-                             f"user can write (OUTPUT / --output)") from None
+            raise UsageError(_not_writable(output, e, source)) from None
         self.fd = fd
         return previous
 
@@ -114,11 +142,6 @@ class OutputLock:
             if _same_file(fd, self.path):
                 return fd
             os.close(fd)
-
-    def _probe(self) -> str:
-        path = os.path.join(self.output, f'.write-probe.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp')
-        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
-        return path
 
     def release(self) -> None:
         """Remove the lock file, then unlock it."""

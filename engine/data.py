@@ -30,6 +30,8 @@ from torchvision.datasets.folder import has_file_allowed_extension
 from tqdm import tqdm
 from yacs.config import CfgNode as CN
 
+from models._files import file_in_the_way
+
 from .config import mixup_active
 from .distributed import DistInfo, all_gather_objects, main_process_first
 from .errors import BadImageError, UsageError
@@ -72,13 +74,6 @@ def _write_digits(root: str) -> None:
         json.dump(dict(train=len(train_idx), val=len(val_idx), classes=10, image_size=8), f)
 
 
-def _file_in_the_way(path: str) -> Optional[str]:
-    """The deepest existing part of `path` when it is not a folder, else None."""
-    while not os.path.lexists(path) and os.path.dirname(path) != path:
-        path = os.path.dirname(path)
-    return path if os.path.lexists(path) and not os.path.isdir(path) else None
-
-
 def prepare_digits(root: str) -> str:
     """Write the digits image folder at `root` unless it is there; return `root`.
 
@@ -104,7 +99,7 @@ def prepare_digits(root: str) -> str:
             if not os.path.isfile(os.path.join(root, DIGITS_STAMP)):
                 raise
     except OSError as e:
-        blocker = _file_in_the_way(root)
+        blocker = file_in_the_way(root)
         reason = (f"{blocker!r} is a file, not a folder" if blocker
                   else f"{e.strerror or type(e).__name__}: {e.filename!r}")
         raise UsageError(f"cannot write the digits cache {root!r} ({reason}); expected a folder this user can write: "

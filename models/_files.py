@@ -4,9 +4,9 @@ import os
 import re
 import uuid
 from contextlib import contextmanager
-from typing import Any, BinaryIO, Callable, Iterator, Set
+from typing import Any, BinaryIO, Callable, Iterator, Optional, Set
 
-__all__ = ['atomic_write', 'removed_by_an_exit_at_once', 'TEMP_NAME', 'UNFINISHED_FILES']
+__all__ = ['atomic_write', 'removed_by_an_exit_at_once', 'file_in_the_way', 'TEMP_NAME', 'UNFINISHED_FILES']
 
 # the temporary name `atomic_write` gives: .<name>.<pid>.<8 hex digits>.tmp
 TEMP_NAME = re.compile(r'^\..+\.(\d+)\.[0-9a-f]{8}\.tmp$')
@@ -59,3 +59,11 @@ def atomic_write(path: str, write: Callable[[BinaryIO], Any]) -> None:
                 os.remove(tmp)
             raise
     _fsync_folder(folder)
+
+
+def file_in_the_way(path: str) -> Optional[str]:
+    """The deepest existing part of `path` when it is not a folder (what keeps a folder from being made there), else
+    None."""
+    while not os.path.lexists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    return path if os.path.lexists(path) and not os.path.isdir(path) else None

@@ -23,7 +23,7 @@ from tqdm import tqdm
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import models  # noqa: E402,F401  (registers the families)
 from engine.analysis import find_images, load_analysis_model, load_images  # noqa: E402
-from engine.checkpoint import atomic_write_text  # noqa: E402
+from engine.checkpoint import atomic_write_text, refuse_unwritable_out  # noqa: E402
 from engine.errors import UsageError, refuse_below, run_cli  # noqa: E402
 from models.analysis import record_attention  # noqa: E402
 from models.analysis.plots import plot_layer_curves  # noqa: E402
@@ -50,6 +50,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     if not args.checkpoints and not args.models:
         parser.error('expected --checkpoints or --models')
     refuse_below(parser, {'--max-images': (args.max_images, 1), '--batch-size': (args.batch_size, 1)})
+    refuse_unwritable_out(parser, args.out, prefix=True)
     return args
 
 
@@ -110,9 +111,6 @@ def main(argv: Sequence[str]) -> int:
             raise UsageError(f"two models are labelled {label!r}; give them labels as LABEL=PATH")
         inputs, _ = load_images(files, cfg)
         rows += measure(model, inputs, args.batch_size, label)
-    folder = os.path.dirname(args.out)
-    if folder:
-        os.makedirs(folder, exist_ok=True)
     table = io.StringIO()
     writer = csv.DictWriter(table, fieldnames=list(rows[0]))
     writer.writeheader()

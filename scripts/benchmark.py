@@ -64,7 +64,7 @@ import timm
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import models  # noqa: E402,F401  (registers the families)
 from engine.build import create_optimizer  # noqa: E402
-from engine.checkpoint import atomic_write_text  # noqa: E402
+from engine.checkpoint import atomic_write_text, refuse_unwritable_out  # noqa: E402
 from engine.compile import compile_model  # noqa: E402
 from engine.config import load_config  # noqa: E402
 from engine.distributed import resolve_device  # noqa: E402
@@ -473,7 +473,7 @@ def build_parser() -> argparse.ArgumentParser:
 def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Dict[str, List[int]]:
     """The resolutions of each family; or an exit through `parser.error` (one line, status 2) on a value no
     measurement could take, before any model is built: an unusable device, a count below its minimum, a bad
-    resolution, `--onednn` off the CPU or a size some family lacks."""
+    resolution, `--onednn` off the CPU, a size some family lacks or an `--out` that cannot be written."""
     try:
         device = resolve_device(args.device)
     except UsageError as e:
@@ -497,10 +497,12 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -
                     parser.error(f"--sizes {size}: no model {name}; {attention}_{family} has sizes "
                                  f"{', '.join(family_sizes(family, attention))}")
     try:
-        return parse_resolutions(args.resolutions, args.families)
+        resolutions = parse_resolutions(args.resolutions, args.families)
     except ValueError as e:
         parser.error(f'--resolutions: {e}; expected positive numbers or FAMILY=R1,R2 with FAMILY one of '
                      f'{", ".join(FAMILIES)}')
+    refuse_unwritable_out(parser, args.out, prefix=True)
+    return resolutions
 
 
 def family_sizes(family: str, attention: str) -> List[str]:

@@ -38,7 +38,7 @@ from torch import Tensor
 SCRIPTS = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(SCRIPTS), SCRIPTS]  # the repository's packages, and benchmark.py beside this file
 from benchmark import child_results, error_result, interleaved_seconds, peak_memory_mib  # noqa: E402
-from engine.checkpoint import atomic_write_text  # noqa: E402
+from engine.checkpoint import atomic_write_text, refuse_unwritable_out  # noqa: E402
 from engine.distributed import resolve_device  # noqa: E402
 from engine.errors import UsageError, refuse_below  # noqa: E402
 from models.attention import MixContext, get_mixer_class  # noqa: E402
@@ -183,6 +183,7 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -
     if not torch.cuda.is_available():
         parser.error(f"--device {args.device}: this machine has no CUDA device, and fla-core's kernels are Triton "
                      f"kernels for GPUs; expected a machine with one")
+    refuse_unwritable_out(parser, args.out, prefix=True)
     try:
         resolve_device(args.device)
         fla_kernels(args.kernels)

@@ -41,7 +41,7 @@ sys.path.insert(0, ROOT)
 import timm  # noqa: E402
 
 from engine.build import autocast_dtype, create_criterion, create_optimizer, create_training_model  # noqa: E402
-from engine.checkpoint import atomic_write_text  # noqa: E402
+from engine.checkpoint import atomic_write_text, refuse_unwritable_out  # noqa: E402
 from engine.config import load_config  # noqa: E402
 from engine.data import build_mixup, build_train_loader, image_mode, load_split, train_transform  # noqa: E402
 from engine.distributed import DistInfo, resolve_device  # noqa: E402
@@ -217,6 +217,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         device = resolve_device(args.device)
     except UsageError as e:
         parser.error(f'--device: {e}')
+    if args.out:
+        refuse_unwritable_out(parser, args.out, prefix=True)
     if args.threads:
         torch.set_num_threads(args.threads)
     start = time.perf_counter()

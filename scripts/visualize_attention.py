@@ -21,6 +21,7 @@ from tqdm import tqdm
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import models  # noqa: E402,F401  (registers the families)
 from engine.analysis import find_images, load_analysis_model, load_images  # noqa: E402
+from engine.checkpoint import refuse_unwritable_out  # noqa: E402
 from engine.errors import UsageError, refuse_below, run_cli  # noqa: E402
 from models.analysis import Query, attention_layers, record_attention  # noqa: E402
 from models.analysis.plots import (  # noqa: E402
@@ -51,6 +52,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     if not args.model and not args.checkpoint:
         parser.error('expected --model NAME or --checkpoint PATH')
     refuse_below(parser, {'--max-images': (args.max_images, 1)})
+    refuse_unwritable_out(parser, args.out, prefix=False)
     return args
 
 
@@ -90,7 +92,6 @@ def main(argv: Sequence[str]) -> int:
     has_class_token = getattr(model, 'num_prefix_tokens', 0) > 0
     queries = parse_queries(args.queries or [f'{size // 2},{size // 2}'], size, has_class_token)
     labels = ['cls' if q == 0 else f'y{round(q[0] * size)}x{round(q[1] * size)}' for q in queries]
-    os.makedirs(args.out, exist_ok=True)
     written: List[str] = []
 
     def save(name: str) -> str:

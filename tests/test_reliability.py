@@ -804,6 +804,9 @@ def test_an_output_path_that_is_a_file_or_read_only_is_one_line_before_training(
     assert run_cli(train_main, train_argv(file, digits)) == USAGE_EXIT_CODE
     assert capsys.readouterr().err == (f"error: output folder {str(file)!r} is a file; expected a folder "
                                        f"(OUTPUT / --output)\n")
+    assert run_cli(train_main, train_argv(file / 'run', digits)) == USAGE_EXIT_CODE
+    assert capsys.readouterr().err == (f"error: output folder {str(file / 'run')!r} cannot be made: {str(file)!r} "
+                                       f"is a file; expected a folder (OUTPUT / --output)\n")
 
     read_only = tmp_path / 'read_only'
     read_only.mkdir()

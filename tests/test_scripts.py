@@ -453,6 +453,30 @@ def test_compare_fla_refuses_in_one_line_before_measuring(args, message, tmp_pat
     assert not list(tmp_path.iterdir())
 
 
+@pytest.mark.parametrize('script, argv, prefix', [
+    ('benchmark', ['--attentions', 'softmax'], True),
+    ('compare_fla', [], True),
+    ('train_throughput', [], True),
+    ('attention_stats', ['--models', 'inline_deit_tiny', '--data', '.'], True),
+    ('visualize_attention', ['--model', 'inline_deit_tiny', '--image', '.'], False),
+])
+def test_an_out_that_cannot_be_written_is_one_line_before_any_work(script, argv, prefix, tmp_path, monkeypatch,
+                                                                   capsys):
+    """A file where `--out` needs a folder stops the script with its arguments, not when it writes its results."""
+    monkeypatch.setattr(torch.cuda, 'is_available', lambda: True)  # compare_fla runs on CUDA machines only
+    monkeypatch.setattr(torch.cuda, 'device_count', lambda: 1)
+    blocker = tmp_path / 'file'
+    blocker.write_text('not a folder')
+    out = blocker / 'out'
+    with pytest.raises(SystemExit) as stopped:
+        load_script(script).main(argv + ['--out', str(out)])
+    assert stopped.value.code == 2
+    problem = f"{str(blocker)!r} is a file" if prefix else f"{str(out)!r} cannot be made: {str(blocker)!r} is a file"
+    assert capsys.readouterr().err.splitlines()[-1].endswith(
+        f"error: output folder {problem}; expected a folder (--out {out})")
+    assert os.listdir(tmp_path) == ['file']
+
+
 def test_compare_fla_refuses_a_machine_without_cuda(tmp_path, monkeypatch, capsys):
     without_cuda(monkeypatch)
     with pytest.raises(SystemExit) as stopped:
