@@ -6,6 +6,7 @@ from typing import Any, Dict, Sequence
 
 from .build import check_model_config, check_onednn
 from .config import load_config
+from .data import check_splits, resolve_data_root
 from .distributed import cleanup_distributed, init_distributed
 from .evaluation import eval_config, evaluate_weights, released_checkpoint, throughput
 from .trainer import setup_logging, train
@@ -117,6 +118,8 @@ def eval_main(argv: Sequence[str]) -> int:
             if info.is_main:
                 print(f"batch_size {batch_size} throughput {result['throughput']:.1f} images/s")
         else:
+            if not args.checkpoint:  # the data first: a release can take minutes to download
+                check_splits(resolve_data_root(cfg, info), ['val'])
             checkpoint = args.checkpoint or released_checkpoint(args.model, info)
             result = evaluate_weights(cfg, info, checkpoint, ema=args.ema, amp=args.amp,
                                       adopt_classes=bool(args.model), check_data=args.check_data,

@@ -352,7 +352,8 @@ def test_eval_reports_an_unreachable_host_on_one_line(server, cache, monkeypatch
     url = server.url('1d6b8191ad6d4114b291')
     server.stop()
     register_url(monkeypatch, 'inline_deit_tiny', url)
-    status = run_cli(eval_main, ['--model', 'inline_deit_tiny', '--data-path', str(tmp_path), '--opts', *EVAL_OPTS])
+    digits = prepare_digits(str(tmp_path / 'digits'))  # the data is checked before the download
+    status = run_cli(eval_main, ['--model', 'inline_deit_tiny', '--data-path', digits, '--opts', *EVAL_OPTS])
     err = capsys.readouterr().err.strip()
     assert status == 2 and err.startswith('error: cannot download ' + url) and '\n' not in err
     assert not cache.exists() or not list(cache.iterdir())

@@ -678,6 +678,17 @@ def test_eval_refuses_a_model_it_cannot_build_before_downloading(monkeypatch, ca
     assert (code, err) == (USAGE_EXIT_CODE, GREY_NEEDS_ONE_MEAN)
 
 
+@pytest.mark.parametrize('data, message', [
+    ([], "error: no dataset given; expected --data-path DIR (an ImageNet-style folder with train/ and val/) or "
+         "DATA.DATASET 'digits'\n"),
+    (['--data-path', 'nope'], "error: data path 'nope' does not exist; expected a folder with val inside\n"),
+])
+def test_eval_refuses_missing_data_before_downloading_the_released_weights(monkeypatch, capsys, data, message):
+    monkeypatch.setattr(engine.evaluation, 'released_weights_file', lambda name: pytest.fail('downloaded'))
+    code, _, err = _run(eval_main, ['--model', 'inline_deit_tiny', *data], capsys)
+    assert (code, err) == (USAGE_EXIT_CODE, message)
+
+
 GREY = ['MODEL.KWARGS.in_chans', '1', 'DATA.MEAN', '[0.5]', 'DATA.STD', '[0.5]']
 
 
