@@ -115,7 +115,7 @@ def any_rank(flag: bool, device: torch.device) -> bool:
     return all_reduce_sum([float(flag)], device)[0] > 0
 
 
-def main_process_first(info: 'DistInfo', action: Callable[[], T], what: str) -> Optional[T]:
+def main_process_first(info: DistInfo, action: Callable[[], T], what: str) -> Optional[T]:
     """`action()` on the main process while the others wait: its result there, None elsewhere.
 
     A `UsageError` or `CheckpointError` it raises stops every process (status 2): the main one with that error, the
