@@ -120,7 +120,9 @@ def test_torchscript_attention_matches_eager(grouping, attention):
     attn = build_attention(attention, 8, 2, **kwargs).eval()
     grid = kwargs['grid_size']
     x = torch.randn(2, num_prefix + grid[0] * grid[1], 8)
-    scripted = torch.jit.script(attn)
+    with warnings.catch_warnings():  # TorchScript ignores an attribute type it warns about, and types it by value
+        warnings.filterwarnings('error', message='The TorchScript type system')
+        scripted = torch.jit.script(attn)
     with torch.no_grad():
         torch.testing.assert_close(scripted(x, grid), attn(x, grid), rtol=1e-6, atol=1e-7)
 
@@ -202,7 +204,8 @@ def test_torchscript_of_the_whole_model_matches_eager(family, attn_type):
     # that no grid was frozen into the scripted model under dynamic_img_size
     model = tiny_model(family_model(family), attn_type=attn_type, dynamic_img_size=True,
                        **EXPORT_SIZES.get(family, {}))
-    with timm.layers.set_scriptable(True):
+    with timm.layers.set_scriptable(True), warnings.catch_warnings():
+        warnings.filterwarnings('error', message='The TorchScript type system')
         scripted = torch.jit.script(model)
     size = model.img_size
     larger = torch.randn(1, 3, size[0] * 2, size[1] * 2)

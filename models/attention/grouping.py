@@ -279,7 +279,8 @@ class WindowAttention(GroupedAttention):
         self.window, self.shift_size = _resolve_window(grid, window_size, shift_size)
         group_grid = self.window or grid
         self.qkv = nn.Linear(dim, dim * 3, bias=qkv_bias)
-        self.bias_window: Optional[Grid] = None
+        # no annotation: TorchScript types the attribute by its value (None, or the grid where the table is)
+        self.bias_window = None
         if rel_pos_bias and mixer_cls.accepts_score_bias:
             self.bias_window = group_grid
             wh, ww = group_grid
