@@ -110,11 +110,11 @@ def prepare_digits(root: str) -> str:
 
 
 def resolve_data_root(cfg: CN, info: DistInfo) -> str:
-    """The dataset folder; for the digits demo, rank 0 writes the cache while the others wait, and every process
-    stops with the first's error when it cannot."""
+    """The dataset folder; for the digits demo, the first process of each node writes the cache while the others
+    wait, and every process stops with its error when it cannot."""
     if cfg.DATA.DATASET == 'digits':
         root = cfg.DATA.DATA_PATH or default_digits_root()
-        main_process_first(info, lambda: prepare_digits(root), f"write the digits cache {root!r}")
+        main_process_first(info, lambda: prepare_digits(root), f"write the digits cache {root!r}", per_node=True)
         return prepare_digits(root)
     if not cfg.DATA.DATA_PATH:
         raise UsageError("no dataset given; expected --data-path DIR (an ImageNet-style folder with train/ and val/) "

@@ -115,21 +115,23 @@ def any_rank(flag: bool, device: torch.device) -> bool:
     return all_reduce_sum([float(flag)], device)[0] > 0
 
 
-def main_process_first(info: DistInfo, action: Callable[[], T], what: str) -> Optional[T]:
-    """`action()` on the main process while the others wait: its result there, None elsewhere.
+def main_process_first(info: DistInfo, action: Callable[[], T], what: str, per_node: bool = False) -> Optional[T]:
+    """`action()` on the main process while the others wait: its result there, None elsewhere. With `per_node`
+    the first process of every node runs it (LOCAL_RANK 0), for what each machine needs on its own disk: a
+    download into its cache.
 
-    A `UsageError` or `CheckpointError` it raises stops every process (status 2): the main one with that error, the
-    others with "the main process could not <what>", where they would otherwise wait at their next collective until
-    torchrun ended them.
+    A `UsageError` or `CheckpointError` it raises stops every process (status 2): those that ran it with that error,
+    the others with "another process could not <what>", where they would otherwise wait at their next collective
+    until torchrun ended them.
     """
     result, failure = None, None
-    if info.is_main:
+    if (info.local_rank == 0) if per_node else info.is_main:
         try:
             result = action()
         except (UsageError, CheckpointError) as e:
             failure = e
     if any_rank(failure is not None, info.device):
-        raise failure or UsageError(f"the main process could not {what}")
+        raise failure or UsageError(f"another process could not {what}")
     return result
 
 

@@ -69,10 +69,10 @@ def eval_config(
 
 
 def released_checkpoint(name: str, info: DistInfo) -> str:
-    """The cached file of model `name`'s released weights; the main process downloads them while the others
-    wait, so that one download serves every process of a machine."""
+    """The cached file of model `name`'s released weights; the first process of each node downloads them while the
+    others wait, so that one download serves every process of a machine."""
     path = main_process_first(info, lambda: released_weights_file(name),
-                              f"download the released weights of {name!r}")
+                              f"download the released weights of {name!r}", per_node=True)
     return path if path is not None else released_weights_file(name)
 
 

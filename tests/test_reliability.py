@@ -537,7 +537,7 @@ def test_a_rank_that_dies_ends_the_other_rank_with_a_non_zero_exit(tmp_path, dig
     assert not (tmp_path / 'out' / 'log.jsonl').exists()  # rank 0 never finished an epoch
 
 
-# Each rank records what `main_process_first` gave it: the main process's action fails, succeeds, or it stops.
+# Each rank records what `main_process_first` gave it, with and without `per_node`: the action fails, or returns.
 MAIN_PROCESS_FIRST = '''
 import os
 import sys
@@ -547,33 +547,44 @@ from engine.errors import UsageError
 
 info = init_distributed('cpu')
 outcomes = []
-for action in ('fails', 'returns'):
-    def run(action=action):
-        if action == 'fails':
-            raise UsageError(f'rank {info.rank} could not')
-        return f'done by rank {info.rank}'
-    try:
-        outcomes.append(repr(main_process_first(info, run, 'do it')))
-    except UsageError as e:
-        outcomes.append(str(e))
+for per_node in (False, True):
+    for action in ('fails', 'returns'):
+        def run(action=action):
+            if action == 'fails':
+                raise UsageError(f'rank {info.rank} could not')
+            return f'done by rank {info.rank}'
+        try:
+            outcomes.append(repr(main_process_first(info, run, 'do it', per_node=per_node)))
+        except UsageError as e:
+            outcomes.append(str(e))
 with open(os.path.join(sys.argv[1], f'rank{info.rank}.txt'), 'w') as f:
     f.write('\\n'.join(outcomes))
 cleanup_distributed()
 '''
 
 
-def test_what_the_main_process_does_alone_reaches_every_rank(tmp_path):
-    """`main_process_first` runs the action on rank 0 alone: its error stops rank 0 with that error and rank 1 with
-    a line of its own (so neither waits at a collective the other never reaches); its result stays on rank 0."""
+@pytest.mark.parametrize('nodes', [1, 2])
+def test_what_the_main_process_does_alone_reaches_every_rank(tmp_path, nodes):
+    """`main_process_first` runs the action on rank 0 alone (with `per_node`, on each node's first process): its
+    error stops those with that error and the others with a line of their own, so that none waits at a collective
+    another never reaches; its result stays where it ran. Two ranks as one node or as two nodes of one process."""
     script = tmp_path / 'script.py'
     script.write_text(MAIN_PROCESS_FIRST)
-    command = [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2', str(script),
-               str(tmp_path)]
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS='1')
-    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert (tmp_path / 'rank0.txt').read_text().splitlines() == ['rank 0 could not', "'done by rank 0'"]
-    assert (tmp_path / 'rank1.txt').read_text().splitlines() == ['the main process could not do it', 'None']
+    with socket.socket() as probe:
+        probe.bind(('127.0.0.1', 0))
+        port = probe.getsockname()[1]
+    ranks = []
+    for rank in range(2):
+        env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS='1', MASTER_ADDR='127.0.0.1',
+                   MASTER_PORT=str(port), WORLD_SIZE='2', RANK=str(rank), LOCAL_RANK=str(rank if nodes == 1 else 0))
+        ranks.append(subprocess.Popen([sys.executable, str(script), str(tmp_path)], env=env, stderr=subprocess.PIPE,
+                                      text=True))
+    errors = [process.communicate(timeout=300)[1] for process in ranks]
+    assert [process.returncode for process in ranks] == [0, 0], errors
+    main, other = ['rank 0 could not', "'done by rank 0'"], ['another process could not do it', 'None']
+    own = ['rank 1 could not', "'done by rank 1'"]
+    assert (tmp_path / 'rank0.txt').read_text().splitlines() == main + main
+    assert (tmp_path / 'rank1.txt').read_text().splitlines() == other + (other if nodes == 1 else own)
 
 
 def test_a_digits_cache_the_main_process_cannot_write_is_one_line_under_torchrun(tmp_path):
