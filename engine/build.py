@@ -15,7 +15,7 @@ from yacs.config import CfgNode as CN
 
 import models  # noqa: F401  (registers the zoo's families with timm)
 from models.checkpoint import (CheckpointError, checkpoint_state_dict, has_released_weights, load_checkpoint_file,
-                               official_keys, unknown_pretrained_tag)
+                               load_shared_weights, official_keys, unknown_pretrained_tag)
 from models.onednn import convert_to_onednn, onednn_available
 
 from .config import ConfigError, mixup_active, model_kwargs
@@ -114,19 +114,28 @@ def _check_channels(cfg: CN, in_chans: int) -> None:
 
 
 def create_model(cfg: CN, weights: Optional[Dict[str, Tensor]] = None, source: str = 'checkpoint',
-                 device: Optional[str] = None) -> nn.Module:
+                 device: Optional[str] = None, strict: bool = True) -> nn.Module:
     """`timm.create_model(MODEL.NAME, num_classes, img_size, drop_path_rate, **MODEL.KWARGS)`, its parameters
     created on `device` (None: the default device).
 
     `weights` go through the family's checkpoint filter (official layouts, derived buffers, resizing), so our
     checkpoints and official releases load alike. A classifier for another class count is re-initialised (for
-    fine-tuning); callers that evaluate check the class count first.
+    fine-tuning); callers that evaluate check the class count first. Without `strict`, only the tensors the
+    weights share with the model load (`models.checkpoint.load_shared_weights`), and the log names the others.
     """
     name = cfg.MODEL.NAME
     check_model_name(name)
     kwargs: Dict[str, Any] = model_kwargs(cfg)
     if device is not None:
         kwargs['device'] = device
+    if weights is not None and not strict:
+        model = create_model(cfg, source=source, device=device)
+        try:
+            report = load_shared_weights(model, weights, source)
+        except CheckpointError as e:
+            raise CheckpointError(f"{source}: {e}") from None
+        logger.info(f"{source}: {report}")
+        return model
     if weights is not None:
         weights = official_weights(name, weights)
         classes = classifier_rows(name, weights) or cfg.MODEL.NUM_CLASSES
@@ -182,10 +191,10 @@ def check_model_config(cfg: CN) -> None:
 
 
 def create_training_model(cfg: CN, device: torch.device, weights: Optional[Dict[str, Tensor]] = None,
-                          source: str = 'checkpoint') -> nn.Module:
+                          source: str = 'checkpoint', strict: bool = True) -> nn.Module:
     """`create_model` as training runs it, on `device`: through oneDNN with TRAIN.ONEDNN, with gradient
     checkpointing with TRAIN.USE_CHECKPOINT."""
-    model = create_model(cfg, weights, source=source)
+    model = create_model(cfg, weights, source=source, strict=strict)
     if cfg.TRAIN.ONEDNN:
         convert_to_onednn(model)
     if cfg.TRAIN.USE_CHECKPOINT:

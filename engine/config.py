@@ -52,6 +52,8 @@ _C.MODEL.NUM_CLASSES = 1000
 _C.MODEL.DROP_PATH_RATE = 0.1
 _C.MODEL.LABEL_SMOOTHING = 0.1
 _C.MODEL.PRETRAINED = ''  # weights to start from (fine-tuning): a file, or a model name for its released weights
+# False: load only the tensors MODEL.PRETRAINED shares with the model (another attention's weights), naming the rest
+_C.MODEL.PRETRAINED_STRICT = True
 _C.MODEL.RESUME = ''  # a training checkpoint to resume; '' -> OUTPUT/last.pth when TRAIN.AUTO_RESUME
 # Constructor keywords passed verbatim to timm.create_model (the official lower-case names: embed_dim, depths, ...).
 _C.MODEL.KWARGS = CN(new_allowed=True)

@@ -18,6 +18,8 @@ from timm.utils import ModelEmaV3
 from torch.nn.parallel import DistributedDataParallel
 from yacs.config import CfgNode as CN
 
+from models.checkpoint import CheckpointError
+
 from .build import (autocast_dtype, check_model_config, check_onednn, check_pretrained, create_criterion,
                     create_optimizer, create_scheduler, create_training_model, read_weights)
 from .checkpoint import LAST, OutputLock, TrainingCheckpoint, atomic_write_text, remove_stale_temp_files
@@ -236,7 +238,14 @@ def _train(cfg: CN, info: DistInfo, lock: OutputLock, check_data: bool) -> Dict[
     if cfg.MODEL.PRETRAINED and stored is None:
         source = cfg.MODEL.PRETRAINED
         pretrained = read_weights(source if os.path.isfile(source) else released_checkpoint(source, info))
-    model = create_training_model(cfg, info.device, pretrained, source=cfg.MODEL.PRETRAINED)
+    try:
+        model = create_training_model(cfg, info.device, pretrained, source=cfg.MODEL.PRETRAINED,
+                                      strict=cfg.MODEL.PRETRAINED_STRICT)
+    except CheckpointError as e:
+        if pretrained is None or not cfg.MODEL.PRETRAINED_STRICT:
+            raise
+        raise CheckpointError(f"{e}; to start from the tensors the checkpoint shares with the model (such as another "
+                              f"attention's weights), set MODEL.PRETRAINED_STRICT False") from None
     ema = None
     if cfg.EMA.ENABLED:
         ema = ModelEmaV3(model, decay=ema_decay(cfg, info.world_size),

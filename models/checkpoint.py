@@ -43,7 +43,8 @@ from tqdm import tqdm
 __all__ = [
     'CheckpointError', 'DownloadError', 'checkpoint_cache_dir', 'cached_file_name', 'download_checkpoint',
     'process_alive', 'unknown_pretrained_tag', 'has_released_weights', 'released_weights_file', 'official_keys',
-    'filter_checkpoint', 'adapt_state_dict', 'load_pretrained_into', 'TransferReport', 'SAFE_GLOBALS',
+    'filter_checkpoint', 'adapt_state_dict', 'load_pretrained_into', 'load_shared_weights', 'TransferReport',
+    'SAFE_GLOBALS',
     'load_checkpoint_file', 'checkpoint_state_dict', 'drop_derived_buffers', 'check_state_dict',
     'load_state_dict_checked', 'resample_grid_embedding', 'resize_grid_embedding', 'resize_rel_pos_bias_table',
 ]
@@ -455,7 +456,13 @@ def load_pretrained_into(model: nn.Module, source: str) -> TransferReport:
     if not os.path.exists(source) and not timm.is_model(source):
         raise CheckpointError(f"pretrained source {source!r} is neither a file nor a registered model name")
     checkpoint = load_checkpoint_file(source if os.path.exists(source) else released_weights_file(source))
-    state_dict = official_keys(model, drop_derived_buffers(checkpoint_state_dict(checkpoint)))
+    return load_shared_weights(model, checkpoint_state_dict(checkpoint), source)
+
+
+def load_shared_weights(model: nn.Module, state_dict: Mapping[str, Tensor], source: str) -> TransferReport:
+    """Load into `model` every tensor of `state_dict` (any layout a family reads) whose key and, after adaptation
+    to the model's resolution, shape it shares; `source` names the weights in the error when none is shared."""
+    state_dict = official_keys(model, drop_derived_buffers(state_dict))
     state_dict = adapt_state_dict(model, state_dict)
     own = model.state_dict()
     loaded = [k for k, v in state_dict.items() if k in own and own[k].shape == v.shape]

@@ -6,9 +6,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 import engine.loops
+import engine.trainer
 from engine.cli import eval_main, train_main
 from engine.config import load_config
 from engine.data import prepare_digits
@@ -71,6 +73,41 @@ def test_pretrained_weights_say_what_they_changed(finished_run, tmp_path):
             if line.split('] ', 1)[1].startswith(str(best))]
     assert said == [f"{best}: re-initialised the classifier for 3 classes (the weights have 10)",
                     f"{best}: resized pos_embed from (1, 17, 64) to (1, 65, 64)"]
+
+
+def test_pretrained_weights_of_another_attention_start_a_run_only_when_asked(finished_run, tmp_path, capsys):
+    """Softmax weights for the tiny InLine demo: refused by default, naming the missing keys and the way out; with
+    MODEL.PRETRAINED_STRICT False every shared tensor loads, and the log names the new and dropped keys."""
+    softmax = tmp_path / 'softmax.pth'
+    # the demo's own weights without InLine's residual convolutions: a softmax DeiT of the same size
+    weights = torch.load(finished_run / 'best.pth', weights_only=True)['model']
+    torch.save({'model': {k: v for k, v in weights.items() if '.residual.' not in k}}, softmax)
+    digits = str(finished_run.parent / 'digits')
+    argv = ['--cfg', TINY, '--data-path', digits, '--pretrained', str(softmax), '--opts', 'TRAIN.EPOCHS', '1']
+    assert run_cli(train_main, ['--output', str(tmp_path / 'strict')] + argv) == USAGE_EXIT_CODE
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {softmax}: checkpoint does not match DeiT: missing: blocks.0.attn.residual.0.weight")
+    assert err.endswith("; to start from the tensors the checkpoint shares with the model (such as another "
+                        "attention's weights), set MODEL.PRETRAINED_STRICT False\n") and err.count('\n') == 1
+
+    started = {}
+    real_train_one_epoch = engine.trainer.train_one_epoch
+
+    def record_start(model, *args, **kwargs):
+        started.update({k: v.clone() for k, v in model.state_dict().items()})
+        return real_train_one_epoch(model, *args, **kwargs)
+    engine.trainer.train_one_epoch, output = record_start, tmp_path / 'partial'
+    try:
+        assert train_main(['--output', str(output)] + argv + ['MODEL.PRETRAINED_STRICT', 'False']) == 0
+    finally:
+        engine.trainer.train_one_epoch = real_train_one_epoch
+    new = [f'blocks.{i}.attn.residual.{j}.{p}' for i in range(2) for j in (0, 2) for p in ('weight', 'bias')]
+    assert {k for k in started if k not in weights or '.residual.' in k} == set(new)
+    assert all(torch.equal(started[k], v) for k, v in weights.items() if '.residual.' not in k)
+    said = [line.split('] ', 1)[1] for line in (output / 'train.log').read_text().splitlines()
+            if line.split('] ', 1)[1].startswith(str(softmax))]
+    assert said == [f"{softmax}: loaded {len(weights) - len(new)} tensors; new (initialised, not loaded): "
+                    f"{', '.join(new)}; dropped: none"]
 
 
 def test_throughput_shows_a_first_result_after_one_forward_and_keeps_stdout_for_results(capsys):
