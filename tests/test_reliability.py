@@ -237,6 +237,23 @@ def test_sigint_saves_after_the_current_step_and_exits_with_130(tmp_path, digits
     assert checkpoints(output) == saved
 
 
+@pytest.mark.parametrize('how', ['TRAIN.AUTO_RESUME False', 'MODEL.RESUME of another run'])
+def test_a_fresh_run_into_a_folder_holding_a_run_is_refused_and_replaces_nothing(tmp_path, digits, one_epoch, capsys,
+                                                                                how):
+    output, other = tmp_path / 'run', tmp_path / 'other'
+    shutil.copytree(one_epoch, output)
+    shutil.copytree(one_epoch, other)
+    before = checkpoints(output)
+    opts = ['TRAIN.AUTO_RESUME', 'False'] if how.startswith('TRAIN') else ['MODEL.RESUME', str(other / 'last.pth')]
+    assert run_cli(train_main, train_argv(output, digits) + opts) == USAGE_EXIT_CODE
+    source = 'TRAIN.AUTO_RESUME is False' if how.startswith('TRAIN') else f"MODEL.RESUME is {str(other / 'last.pth')}"
+    assert capsys.readouterr().err == (
+        f"error: output folder {str(output)!r} holds the checkpoints of a run ({output / 'last.pth'}) that this run "
+        f"would replace, since {source}; expected a folder without one: choose another --output, or resume that run "
+        f"(TRAIN.AUTO_RESUME True)\n")
+    assert checkpoints(output) == before
+
+
 def test_resuming_a_finished_epoch_with_another_batch_size_keeps_its_record(tmp_path, digits, one_epoch):
     output = tmp_path / 'run'
     shutil.copytree(one_epoch, output)
