@@ -17,7 +17,6 @@ import os
 import random
 import shutil
 import socket
-import uuid
 from contextlib import contextmanager
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple
 
@@ -27,7 +26,7 @@ from timm.scheduler.scheduler import Scheduler
 from timm.utils import ModelEmaV3
 from torch import nn
 
-from models._files import TEMP_NAME, atomic_write, file_in_the_way
+from models._files import TEMP_NAME, atomic_write, file_in_the_way, temporary_path
 from models.checkpoint import CheckpointError, load_checkpoint_file, load_state_dict_checked, process_alive
 
 from .config import config_from_yaml_string
@@ -82,7 +81,7 @@ def check_writable_folder(folder: str, source: str) -> None:
         raise UsageError(f"output folder {folder!r} {where}; expected a folder ({source})")
     try:
         os.makedirs(folder, exist_ok=True)
-        probe = os.path.join(folder, f'.write-probe.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp')
+        probe = temporary_path(os.path.join(folder, 'write-probe'))
         os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
         os.remove(probe)
     except OSError as e:

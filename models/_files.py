@@ -6,9 +6,10 @@ import uuid
 from contextlib import contextmanager
 from typing import Any, BinaryIO, Callable, Iterator, Optional, Set
 
-__all__ = ['atomic_write', 'removed_by_an_exit_at_once', 'file_in_the_way', 'TEMP_NAME', 'UNFINISHED_FILES']
+__all__ = ['atomic_write', 'temporary_path', 'removed_by_an_exit_at_once', 'file_in_the_way', 'TEMP_NAME',
+           'UNFINISHED_FILES']
 
-# the temporary name `atomic_write` gives: .<name>.<pid>.<8 hex digits>.tmp
+# the names `temporary_path` gives: .<name>.<pid>.<8 hex digits>.tmp
 TEMP_NAME = re.compile(r'^\..+\.(\d+)\.[0-9a-f]{8}\.tmp$')
 # files this process is writing under temporary names, which an exit at once (`engine.errors.exit_at_once`) removes
 UNFINISHED_FILES: Set[str] = set()
@@ -38,6 +39,13 @@ def _fsync_folder(folder: str) -> None:
         os.close(fd)
 
 
+def temporary_path(path: str) -> str:
+    """A name beside `path` for a file this process writes before it takes `path`'s place (or is removed); one
+    left by a killed process matches `TEMP_NAME`, whose PID tells who wrote it."""
+    folder, name = os.path.split(path)
+    return os.path.join(folder, f'.{name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp')
+
+
 def atomic_write(path: str, write: Callable[[BinaryIO], Any]) -> None:
     """`write(f)` into a temporary file in the target's folder, fsync, then rename over `path`.
 
@@ -45,7 +53,7 @@ def atomic_write(path: str, write: Callable[[BinaryIO], Any]) -> None:
     """
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
-    tmp = os.path.join(folder, f'.{os.path.basename(path)}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp')
+    tmp = temporary_path(os.path.abspath(path))
     with removed_by_an_exit_at_once(tmp):
         try:  # opened inside, so that an interruption just after the file appears still removes it
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # permissions from the umask, like open()
