@@ -123,11 +123,6 @@ def create_model(cfg: CN, weights: Optional[Dict[str, Tensor]] = None, source: s
     fine-tuning); callers that evaluate check the class count first. Without `strict`, only the tensors the
     weights share with the model load (`models.checkpoint.load_shared_weights`), and the log names the others.
     """
-    name = cfg.MODEL.NAME
-    check_model_name(name)
-    kwargs: Dict[str, Any] = model_kwargs(cfg)
-    if device is not None:
-        kwargs['device'] = device
     if weights is not None and not strict:
         model = create_model(cfg, source=source, device=device)
         try:
@@ -136,6 +131,11 @@ def create_model(cfg: CN, weights: Optional[Dict[str, Tensor]] = None, source: s
             raise CheckpointError(f"{source}: {e}") from None
         logger.info(f"{source}: {report}")
         return model
+    name = cfg.MODEL.NAME
+    check_model_name(name)
+    kwargs: Dict[str, Any] = model_kwargs(cfg)
+    if device is not None:
+        kwargs['device'] = device
     if weights is not None:
         weights = official_weights(name, weights)
         classes = classifier_rows(name, weights) or cfg.MODEL.NUM_CLASSES

@@ -117,14 +117,15 @@ class StopSignal:
                 signal.signal(s, handler)
 
 
-def _check_nothing_replaced(output: str, resume: Optional[str], cfg: CN) -> None:
+def _check_nothing_replaced(output: str, resume: Optional[str]) -> None:
     """Refuse a run that would write its checkpoints over those of another run in `output`: a fresh run
     (TRAIN.AUTO_RESUME False) or one resuming a checkpoint from elsewhere (MODEL.RESUME)."""
     last = os.path.join(output, LAST)
     if not os.path.isfile(last) or (resume is not None and (not os.path.exists(resume)
                                                             or os.path.samefile(resume, last))):
         return  # nothing to replace, its own checkpoint resumed, or a missing MODEL.RESUME that reading names
-    source = f"MODEL.RESUME is {resume}" if resume else f"TRAIN.AUTO_RESUME is {cfg.TRAIN.AUTO_RESUME}"
+    # without MODEL.RESUME, a last.pth that is not resumed means TRAIN.AUTO_RESUME is off
+    source = f"MODEL.RESUME is {resume}" if resume else "TRAIN.AUTO_RESUME is False"
     raise UsageError(f"output folder {output!r} holds the checkpoints of a run ({last}) that this run would "
                      f"replace, since {source}; expected a folder without one: choose another --output, or resume "
                      f"that run (TRAIN.AUTO_RESUME True)")
@@ -243,7 +244,7 @@ def _train(cfg: CN, info: DistInfo, lock: OutputLock, check_data: bool) -> Dict[
                          f"{len(train_loader)} batches per epoch; expected fewer accumulation steps")
 
     resume = _resume_path(cfg)
-    main_process_first(info, lambda: _check_nothing_replaced(output, resume, cfg), f"check {output!r}")
+    main_process_first(info, lambda: _check_nothing_replaced(output, resume), f"check {output!r}")
     stored = TrainingCheckpoint.read(resume) if resume else None
     if stored is not None:
         TrainingCheckpoint.check_resumable(stored, resume, cfg.DATA.BATCH_SIZE, cfg.TRAIN.ACCUMULATION_STEPS,

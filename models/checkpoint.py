@@ -44,8 +44,7 @@ __all__ = [
     'CheckpointError', 'DownloadError', 'checkpoint_cache_dir', 'cached_file_name', 'download_checkpoint',
     'process_alive', 'unknown_pretrained_tag', 'has_released_weights', 'released_weights_file', 'official_keys',
     'filter_checkpoint', 'adapt_state_dict', 'load_pretrained_into', 'load_shared_weights', 'TransferReport',
-    'SAFE_GLOBALS',
-    'load_checkpoint_file', 'checkpoint_state_dict', 'drop_derived_buffers', 'check_state_dict',
+    'SAFE_GLOBALS', 'load_checkpoint_file', 'checkpoint_state_dict', 'drop_derived_buffers', 'check_state_dict',
     'load_state_dict_checked', 'resample_grid_embedding', 'resize_grid_embedding', 'resize_rel_pos_bias_table',
 ]
 
