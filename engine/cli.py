@@ -8,7 +8,7 @@ from .build import check_model_config, check_onednn
 from .config import load_config
 from .data import check_splits, resolve_data_root
 from .distributed import cleanup_distributed, init_distributed
-from .evaluation import eval_config, evaluate_weights, released_checkpoint, throughput
+from .evaluation import eval_config, evaluate_weights, hub_weights_file, is_hub_name, released_checkpoint, throughput
 from .trainer import setup_logging, train
 
 __all__ = ['train_main', 'eval_main']
@@ -71,9 +71,11 @@ def eval_main(argv: Sequence[str]) -> int:
         prog='eval.py', description='Top-1/top-5 of a checkpoint on an image-folder validation set, or throughput.')
     source = parser.add_mutually_exclusive_group()
     source.add_argument('--cfg', help='YAML config of the model (default: the config stored in our checkpoint)')
-    source.add_argument('--model', help='registered model name; preprocessing from its pretrained config')
+    source.add_argument('--model', help="registered model name, or 'local-dir:FOLDER' / 'hf-hub:REPO' of a model "
+                                        'saved by timm.models.save_for_hf; preprocessing from its pretrained config')
     parser.add_argument('--checkpoint', help='our checkpoint (last.pth / best.pth) or an official release file '
-                                             '(default with --model: its released weights, downloaded once)')
+                                             '(default with --model: its released weights, downloaded once, or '
+                                             'the weights saved with it)')
     parser.add_argument('--ema', action='store_true', help='evaluate the EMA weights of the checkpoint')
     parser.add_argument('--amp', action='store_true', help='evaluate under autocast (AMP.DTYPE); float32 otherwise')
     parser.add_argument('--img-size', type=int, help='input size S (DATA.IMG_SIZE)')
@@ -120,7 +122,12 @@ def eval_main(argv: Sequence[str]) -> int:
         else:
             if not args.checkpoint:  # the data first: a release can take minutes to download
                 check_splits(resolve_data_root(cfg, info), ['val'])
-            checkpoint = args.checkpoint or released_checkpoint(args.model, info)
+            if args.checkpoint:
+                checkpoint = args.checkpoint
+            elif is_hub_name(args.model):
+                checkpoint = hub_weights_file(args.model, info)
+            else:
+                checkpoint = released_checkpoint(args.model, info)
             result = evaluate_weights(cfg, info, checkpoint, ema=args.ema, amp=args.amp,
                                       adopt_classes=bool(args.model), check_data=args.check_data,
                                       compile=args.compile, onednn=args.onednn)

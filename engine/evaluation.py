@@ -1,8 +1,12 @@
-"""Evaluating our checkpoints and official releases with the official preprocessing, and measuring throughput."""
+"""Evaluating our checkpoints, official releases and models saved for the hub with the preprocessing they declare,
+and measuring throughput."""
+import os
 from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
 import timm
+import timm.models._hub
 import torch
+from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
 from torch import Tensor, nn
 from yacs.config import CfgNode as CN
 
@@ -19,16 +23,67 @@ from .distributed import DistInfo, main_process_first
 from .errors import UsageError
 from .loops import evaluate, measure_throughput
 
-__all__ = ['eval_config', 'released_checkpoint', 'evaluate_weights', 'throughput']
+__all__ = ['HUB_PREFIXES', 'is_hub_name', 'eval_config', 'released_checkpoint', 'hub_weights_file',
+           'evaluate_weights', 'throughput']
+
+# model names timm.create_model reads from a folder or a hub repository written by timm.models.save_for_hf
+HUB_PREFIXES = ('local-dir:', 'hf-hub:')
+# the weights files save_for_hf writes, in the order timm's loader prefers them
+HUB_WEIGHTS_FILES = ('model.safetensors', 'pytorch_model.bin')
 
 
-def _model_data_settings(name: str) -> Dict[str, Any]:
-    """The evaluation preprocessing a registered model declares (input size, crop, interpolation, mean, std)."""
-    data = timm.data.resolve_data_config({}, pretrained_cfg=timm.models.get_pretrained_cfg(name).to_dict())
+def is_hub_name(name: str) -> bool:
+    return name.startswith(HUB_PREFIXES)
+
+
+def _model_data_settings(pretrained_cfg: Dict[str, Any]) -> Dict[str, Any]:
+    """The evaluation preprocessing a pretrained config declares (input size, crop, interpolation, mean, std)."""
+    data = timm.data.resolve_data_config({}, pretrained_cfg=pretrained_cfg)
     settings: Dict[str, Any] = dict(
         DATA=dict(IMG_SIZE=int(data['input_size'][-1]), INTERPOLATION=data['interpolation'],
                   MEAN=list(data['mean']), STD=list(data['std'])),
         TEST=dict(CROP_PCT=float(data['crop_pct']), CROP_MODE=data.get('crop_mode') or 'center'))
+    return settings
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0]}" if text else type(error).__name__
+
+
+def _hub_settings(name: str) -> Dict[str, Any]:
+    """The config of a `local-dir:` / `hf-hub:` model from its config.json: the architecture, the arguments it was
+    built with (the attention among them) and the preprocessing of its pretrained config, at the input size it
+    was built for."""
+    source, _, location = name.partition(':')
+    try:
+        # timm's own reader (private to timm.models._hub) parses every layout of config.json that timm has written
+        if source == 'local-dir':
+            pretrained_cfg, architecture, model_args = timm.models._hub.load_model_config_from_path(location)
+        else:
+            pretrained_cfg, architecture, model_args = timm.models._hub.load_model_config_from_hf(location)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise UsageError(f"--model {name!r}: its config.json cannot be read ({_first_line(e)}); expected a "
+                         f"{'folder' if source == 'local-dir' else 'hub repository'} written by "
+                         f"timm.models.save_for_hf") from None
+    try:
+        check_model_name(architecture)
+    except UsageError as e:
+        raise UsageError(f"--model {name!r}: the architecture in its config.json: {e}") from None
+    kwargs = dict(model_args)  # those the config holds under its own keys are moved there
+    settings = _model_data_settings(pretrained_cfg)
+    settings['MODEL'] = dict(NAME=architecture,
+                             NUM_CLASSES=int(kwargs.pop('num_classes', pretrained_cfg.get('num_classes', 1000))))
+    if 'drop_path_rate' in kwargs:
+        settings['MODEL']['DROP_PATH_RATE'] = float(kwargs.pop('drop_path_rate'))
+    img_size = kwargs.pop('img_size', None)
+    if img_size is not None:
+        sides = [img_size] * 2 if isinstance(img_size, int) else list(img_size)
+        if len(set(sides)) != 1:
+            raise UsageError(f"--model {name!r} was built for {sides[0]}x{sides[-1]} images; expected a square "
+                             f"input size (DATA.IMG_SIZE is one side)")
+        settings['DATA']['IMG_SIZE'] = int(sides[0])
+    settings['MODEL']['KWARGS'] = kwargs
     return settings
 
 
@@ -39,16 +94,23 @@ def eval_config(
         opts: Sequence[str] = (),
         overrides: Optional[Dict[str, Any]] = None,
 ) -> CN:
-    """The evaluation config: `--cfg` file, or a registered `--model` with its own preprocessing, or (neither)
-    the config stored in one of our checkpoints; then command-line overrides and `--opts`."""
+    """The evaluation config: `--cfg` file, or a registered `--model` with its own preprocessing, or a
+    `local-dir:` / `hf-hub:` `--model` with the architecture and preprocessing of its config.json, or (none of
+    these) the config stored in one of our checkpoints; then command-line overrides and `--opts`."""
     if cfg_file:
         cfg = load_config(cfg_file, opts, overrides)
         cfg.defrost()
+    elif model_name and is_hub_name(model_name):
+        cfg = get_default_config()
+        merge_dict(cfg, _hub_settings(model_name), f"the config.json of {model_name}")
+        merge_dict(cfg, overrides or {}, 'the command line')
+        merge_opts(cfg, list(opts))
     elif model_name:
         check_model_name(model_name)
         cfg = get_default_config()
         cfg.MODEL.NAME = model_name
-        merge_dict(cfg, _model_data_settings(model_name), f"the pretrained config of {model_name}")
+        merge_dict(cfg, _model_data_settings(timm.models.get_pretrained_cfg(model_name).to_dict()),
+                   f"the pretrained config of {model_name}")
         merge_dict(cfg, overrides or {}, 'the command line')
         merge_opts(cfg, list(opts))
     elif checkpoint:
@@ -74,6 +136,35 @@ def released_checkpoint(name: str, info: DistInfo) -> str:
     path = main_process_first(info, lambda: released_weights_file(name),
                               f"download the released weights of {name!r}", per_node=True)
     return path if path is not None else released_weights_file(name)
+
+
+def _hub_download(name: str) -> str:
+    repository = name.partition(':')[2]
+    for filename in HUB_WEIGHTS_FILES:
+        try:
+            return timm.models._hub.download_from_hf(repository, filename)
+        except LocalEntryNotFoundError as e:  # offline, and not in the cache: another file would not be either
+            raise UsageError(f"--model {name!r}: {filename} cannot be downloaded ({_first_line(e)})") from None
+        except EntryNotFoundError:
+            continue
+        except OSError as e:
+            raise UsageError(f"--model {name!r}: {filename} cannot be downloaded ({_first_line(e)})") from None
+    raise UsageError(f"--model {name!r}: the repository holds no weights; expected {' or '.join(HUB_WEIGHTS_FILES)}"
+                     f" (the files timm.models.save_for_hf writes)")
+
+
+def hub_weights_file(name: str, info: DistInfo) -> str:
+    """The weights file of a `local-dir:` / `hf-hub:` model: model.safetensors, else pytorch_model.bin. From the
+    hub, the first process of each node downloads it while the others wait."""
+    source, _, location = name.partition(':')
+    if source == 'local-dir':
+        for filename in HUB_WEIGHTS_FILES:
+            if os.path.isfile(os.path.join(location, filename)):
+                return os.path.join(location, filename)
+        raise UsageError(f"--model {name!r}: the folder holds no weights; expected {' or '.join(HUB_WEIGHTS_FILES)}"
+                         f" (the files timm.models.save_for_hf writes)")
+    path = main_process_first(info, lambda: _hub_download(name), f"download the weights of {name!r}", per_node=True)
+    return path if path is not None else _hub_download(name)
 
 
 def _load_weights(cfg: CN, checkpoint: str, ema: bool, adopt_classes: bool) -> Tuple[CN, Dict[str, Tensor]]:

@@ -19,7 +19,9 @@ import numpy as np
 import pytest
 import safetensors.torch
 import timm
+import timm.models._hub
 import torch
+from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
 from PIL import Image
 from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
 from timm.scheduler import create_scheduler_v2
@@ -793,6 +795,104 @@ def test_safetensors_weights_evaluate_and_start_training_like_the_same_torch_fil
     hub_file.write_bytes(hub_file.read_bytes()[:-100])
     with pytest.raises(CheckpointError, match=r"model.safetensors' is truncated or corrupt \(SafetensorError: "):
         read_weights(str(hub_file))
+
+
+# the tiny DeiT of TINY_MODEL_OPTS with SimA attention: a model that no registered name builds
+HUB_MODEL = dict(img_size=16, patch_size=4, embed_dim=64, depth=2, num_heads=4, num_classes=10)
+
+
+def _saved_for_the_hub(folder: Path, **save) -> Path:
+    torch.manual_seed(0)
+    model = timm.create_model('softmax_deit_tiny', attn_type='sima', **HUB_MODEL)
+    timm.models.save_for_hf(model, str(folder), **save)
+    return folder
+
+
+def _metrics(out: str) -> dict:
+    result = json.loads(out.strip().splitlines()[-1])
+    return {k: result[k] for k in ('top1', 'top5', 'loss', 'count')}
+
+
+def test_a_model_saved_for_the_hub_evaluates_by_its_local_dir_name(tmp_path, digits, capsys):
+    """`eval.py --model local-dir:FOLDER`: the architecture, its attention, input size and preprocessing come from
+    the folder's config.json, the weights from its file; the same weights through the registered name with those
+    settings given by hand give the same numbers, and without the attention other numbers."""
+    folder = _saved_for_the_hub(tmp_path / 'saved')
+    code, out, err = _run(eval_main, ['--model', f'local-dir:{folder}', '--data-path', str(digits),
+                                      '--crop-pct', '1.0'], capsys)
+    assert code == 0, err
+    result = json.loads(out.strip().splitlines()[-1])
+    assert (result['model'], result['img_size'], result['checkpoint']) == \
+        ('softmax_deit_tiny', 16, str(folder / 'pytorch_model.bin'))
+    by_hand = ['--model', 'softmax_deit_tiny', '--checkpoint', str(folder / 'pytorch_model.bin'), '--data-path',
+               str(digits), '--opts', *TINY_MODEL_OPTS]
+    code, out, err = _run(eval_main, by_hand + ['MODEL.KWARGS.attn_type', 'sima'], capsys)
+    assert code == 0, err
+    assert _metrics(out) == _metrics(json.dumps(result)) and result['count'] == 360
+    code, out, err = _run(eval_main, by_hand, capsys)
+    assert code == 0, err
+    assert _metrics(out)['loss'] != result['loss']
+
+
+def test_a_model_saved_for_the_hub_evaluates_by_its_hub_name(tmp_path, digits, capsys, monkeypatch):
+    """`eval.py --model hf-hub:REPO`: config.json and model.safetensors come through timm's hub download (served
+    here from a folder), and evaluate as the same folder does by its `local-dir:` name."""
+    folder = _saved_for_the_hub(tmp_path / 'repo', safe_serialization=True)
+    fetched = []
+
+    def hub_download(repo_id, filename, revision=None, **kwargs):
+        fetched.append((repo_id, filename, revision))
+        if not (folder / filename).is_file():
+            raise EntryNotFoundError(f'{filename} is not in {repo_id}')
+        return str(folder / filename)
+    monkeypatch.setattr(timm.models._hub, 'hf_hub_download', hub_download)
+    code, out, err = _run(eval_main, ['--model', 'hf-hub:lab/sima-deit-test@v1', '--data-path', str(digits),
+                                      '--crop-pct', '1.0'], capsys)
+    assert code == 0, err
+    by_hub = json.loads(out.strip().splitlines()[-1])
+    assert by_hub['checkpoint'] == str(folder / 'model.safetensors')
+    assert fetched == [('lab/sima-deit-test', 'config.json', 'v1'), ('lab/sima-deit-test', 'model.safetensors', 'v1')]
+    code, out, err = _run(eval_main, ['--model', f'local-dir:{folder}', '--data-path', str(digits),
+                                      '--crop-pct', '1.0'], capsys)
+    assert code == 0, err
+    assert _metrics(out) == _metrics(json.dumps(by_hub))
+
+
+def test_hub_names_that_cannot_be_evaluated_are_one_line_errors(tmp_path, digits, capsys, monkeypatch):
+    no_weights = _saved_for_the_hub(tmp_path / 'no_weights')
+    (no_weights / 'pytorch_model.bin').unlink()
+    unknown = tmp_path / 'unknown'
+    unknown.mkdir()
+    (unknown / 'config.json').write_text(json.dumps({'architecture': 'sima_deit_tiyn', 'pretrained_cfg': {}}))
+    broken = tmp_path / 'broken'
+    broken.mkdir()
+    (broken / 'config.json').write_text('{"architecture": ')
+    wide = _saved_for_the_hub(tmp_path / 'wide')
+    config = json.loads((wide / 'config.json').read_text())
+    config['model_args']['img_size'] = [16, 32]
+    (wide / 'config.json').write_text(json.dumps(config))
+
+    def hub_download(repo_id, filename, **kwargs):
+        if repo_id == 'lab/offline':
+            raise LocalEntryNotFoundError('the file is not in the cache and outgoing traffic is disabled')
+        if filename != 'config.json':
+            raise EntryNotFoundError(f'{filename} is not in {repo_id}')
+        return str(no_weights / filename)
+    monkeypatch.setattr(timm.models._hub, 'hf_hub_download', hub_download)
+    data = ['--data-path', str(digits)]
+    cases = {
+        f'local-dir:{tmp_path / "missing"}': 'its config.json cannot be read (FileNotFoundError: ',
+        f'local-dir:{no_weights}': 'the folder holds no weights; expected model.safetensors or pytorch_model.bin',
+        f'local-dir:{unknown}': "unknown model 'sima_deit_tiyn'",
+        f'local-dir:{broken}': 'its config.json cannot be read (JSONDecodeError: ',
+        f'local-dir:{wide}': 'was built for 16x32 images; expected a square input size',
+        'hf-hub:lab/empty': 'the repository holds no weights; expected model.safetensors or pytorch_model.bin',
+        'hf-hub:lab/offline': 'its config.json cannot be read (LocalEntryNotFoundError: the file is not in the cache',
+    }
+    for name, expected in cases.items():
+        code, _, err = _run(eval_main, ['--model', name, *data], capsys)
+        assert code == USAGE_EXIT_CODE and expected in err and err.count('\n') == 1, (name, err)
+        assert repr(name) in err, err
 
 
 def test_timm_layout_weights_fine_tune_to_another_class_count(caplog):
