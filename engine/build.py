@@ -20,6 +20,7 @@ from models.onednn import convert_to_onednn, onednn_available
 
 from .config import ConfigError, mixup_active, model_kwargs
 from .errors import UsageError
+from .hub import is_hub_name, local_weights_file
 
 __all__ = ['check_model_name', 'check_model_config', 'check_pretrained', 'official_weights', 'classifier_rows',
            'read_weights', 'create_model', 'weight_changes', 'create_optimizer', 'create_scheduler',
@@ -45,11 +46,16 @@ def check_model_name(name: str) -> None:
 
 
 def check_pretrained(value: str) -> None:
-    """Raise `UsageError` unless MODEL.PRETRAINED `value` is empty, a file, or a registered model name with released
-    weights (which the trainer downloads)."""
+    """Raise `UsageError` unless MODEL.PRETRAINED `value` is empty, a file, a registered model name with released
+    weights (which the trainer downloads), a `local-dir:` folder with weights or an `hf-hub:` repository."""
     if not value or os.path.isfile(value):
         return
-    expected = "expected a checkpoint file or the name of a model with released weights"
+    if is_hub_name(value):
+        if value.startswith('local-dir:'):
+            local_weights_file(value, 'MODEL.PRETRAINED')
+        return
+    expected = ("expected a checkpoint file, the name of a model with released weights, or 'local-dir:FOLDER' / "
+                "'hf-hub:REPO' of a model saved by timm.models.save_for_hf")
     if not timm.is_model(value):
         released = [name for name in timm.list_models() if has_released_weights(name)]
         close = difflib.get_close_matches(value, released, n=3, cutoff=0.8)

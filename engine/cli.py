@@ -8,7 +8,8 @@ from .build import check_model_config, check_onednn
 from .config import load_config
 from .data import check_splits, resolve_data_root
 from .distributed import cleanup_distributed, init_distributed
-from .evaluation import eval_config, evaluate_weights, hub_weights_file, is_hub_name, released_checkpoint, throughput
+from .evaluation import eval_config, evaluate_weights, released_checkpoint, throughput
+from .hub import hub_weights_file, is_hub_name
 from .trainer import setup_logging, train
 
 __all__ = ['train_main', 'eval_main']
@@ -47,7 +48,8 @@ def train_main(argv: Sequence[str]) -> int:
     parser.add_argument('--output', help='output folder for checkpoints and logs (OUTPUT)')
     parser.add_argument('--resume', help='training checkpoint to resume (MODEL.RESUME); by default OUTPUT/last.pth')
     parser.add_argument('--pretrained', help='weights to start from (MODEL.PRETRAINED), e.g. for fine-tuning: a '
-                                             'checkpoint file, or a model name for its released weights')
+                                             'checkpoint file, a model name for its released weights, or '
+                                             "'local-dir:FOLDER' / 'hf-hub:REPO' of a model saved for the hub")
     parser.add_argument('--compile', action='store_true', default=None,
                         help='torch.compile the whole model, without graph breaks (TRAIN.COMPILE)')
     parser.add_argument('--onednn', action='store_true', default=None,
@@ -125,7 +127,7 @@ def eval_main(argv: Sequence[str]) -> int:
             if args.checkpoint:
                 checkpoint = args.checkpoint
             elif is_hub_name(args.model):
-                checkpoint = hub_weights_file(args.model, info)
+                checkpoint = hub_weights_file(args.model, '--model', info)
             else:
                 checkpoint = released_checkpoint(args.model, info)
             result = evaluate_weights(cfg, info, checkpoint, ema=args.ema, amp=args.amp,

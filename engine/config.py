@@ -51,7 +51,9 @@ _C.MODEL.NAME = 'softmax_deit_tiny'
 _C.MODEL.NUM_CLASSES = 1000
 _C.MODEL.DROP_PATH_RATE = 0.1
 _C.MODEL.LABEL_SMOOTHING = 0.1
-_C.MODEL.PRETRAINED = ''  # weights to start from (fine-tuning): a file, or a model name for its released weights
+# weights to start from (fine-tuning): a file, a model name for its released weights, or the 'local-dir:FOLDER' /
+# 'hf-hub:REPO' name of a model saved by timm.models.save_for_hf
+_C.MODEL.PRETRAINED = ''
 # False: load only the tensors MODEL.PRETRAINED shares with the model (another attention's weights), naming the rest
 _C.MODEL.PRETRAINED_STRICT = True
 _C.MODEL.RESUME = ''  # a training checkpoint to resume; '' -> OUTPUT/last.pth when TRAIN.AUTO_RESUME

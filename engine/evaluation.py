@@ -1,12 +1,9 @@
 """Evaluating our checkpoints, official releases and models saved for the hub with the preprocessing they declare,
 and measuring throughput."""
-import os
 from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
 import timm
-import timm.models._hub
 import torch
-from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
 from torch import Tensor, nn
 from yacs.config import CfgNode as CN
 
@@ -21,19 +18,10 @@ from .data import (build_eval_loader, check_images, eval_batch_size, eval_transf
                    report_scan, resolve_data_root)
 from .distributed import DistInfo, main_process_first
 from .errors import UsageError
+from .hub import hub_config, is_hub_name
 from .loops import evaluate, measure_throughput
 
-__all__ = ['HUB_PREFIXES', 'is_hub_name', 'eval_config', 'released_checkpoint', 'hub_weights_file',
-           'evaluate_weights', 'throughput']
-
-# model names timm.create_model reads from a folder or a hub repository written by timm.models.save_for_hf
-HUB_PREFIXES = ('local-dir:', 'hf-hub:')
-# the weights files save_for_hf writes, in the order timm's loader prefers them
-HUB_WEIGHTS_FILES = ('model.safetensors', 'pytorch_model.bin')
-
-
-def is_hub_name(name: str) -> bool:
-    return name.startswith(HUB_PREFIXES)
+__all__ = ['eval_config', 'released_checkpoint', 'evaluate_weights', 'throughput']
 
 
 def _model_data_settings(pretrained_cfg: Dict[str, Any]) -> Dict[str, Any]:
@@ -46,26 +34,11 @@ def _model_data_settings(pretrained_cfg: Dict[str, Any]) -> Dict[str, Any]:
     return settings
 
 
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return f"{type(error).__name__}: {text.splitlines()[0]}" if text else type(error).__name__
-
-
 def _hub_settings(name: str) -> Dict[str, Any]:
     """The config of a `local-dir:` / `hf-hub:` model from its config.json: the architecture, the arguments it was
     built with (the attention among them) and the preprocessing of its pretrained config, at the input size it
     was built for."""
-    source, _, location = name.partition(':')
-    try:
-        # timm's own reader (private to timm.models._hub) parses every layout of config.json that timm has written
-        if source == 'local-dir':
-            pretrained_cfg, architecture, model_args = timm.models._hub.load_model_config_from_path(location)
-        else:
-            pretrained_cfg, architecture, model_args = timm.models._hub.load_model_config_from_hf(location)
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-        raise UsageError(f"--model {name!r}: its config.json cannot be read ({_first_line(e)}); expected a "
-                         f"{'folder' if source == 'local-dir' else 'hub repository'} written by "
-                         f"timm.models.save_for_hf") from None
+    pretrained_cfg, architecture, model_args = hub_config(name, '--model')
     try:
         check_model_name(architecture)
     except UsageError as e:
@@ -136,35 +109,6 @@ def released_checkpoint(name: str, info: DistInfo) -> str:
     path = main_process_first(info, lambda: released_weights_file(name),
                               f"download the released weights of {name!r}", per_node=True)
     return path if path is not None else released_weights_file(name)
-
-
-def _hub_download(name: str) -> str:
-    repository = name.partition(':')[2]
-    for filename in HUB_WEIGHTS_FILES:
-        try:
-            return timm.models._hub.download_from_hf(repository, filename)
-        except LocalEntryNotFoundError as e:  # offline, and not in the cache: another file would not be either
-            raise UsageError(f"--model {name!r}: {filename} cannot be downloaded ({_first_line(e)})") from None
-        except EntryNotFoundError:
-            continue
-        except OSError as e:
-            raise UsageError(f"--model {name!r}: {filename} cannot be downloaded ({_first_line(e)})") from None
-    raise UsageError(f"--model {name!r}: the repository holds no weights; expected {' or '.join(HUB_WEIGHTS_FILES)}"
-                     f" (the files timm.models.save_for_hf writes)")
-
-
-def hub_weights_file(name: str, info: DistInfo) -> str:
-    """The weights file of a `local-dir:` / `hf-hub:` model: model.safetensors, else pytorch_model.bin. From the
-    hub, the first process of each node downloads it while the others wait."""
-    source, _, location = name.partition(':')
-    if source == 'local-dir':
-        for filename in HUB_WEIGHTS_FILES:
-            if os.path.isfile(os.path.join(location, filename)):
-                return os.path.join(location, filename)
-        raise UsageError(f"--model {name!r}: the folder holds no weights; expected {' or '.join(HUB_WEIGHTS_FILES)}"
-                         f" (the files timm.models.save_for_hf writes)")
-    path = main_process_first(info, lambda: _hub_download(name), f"download the weights of {name!r}", per_node=True)
-    return path if path is not None else _hub_download(name)
 
 
 def _load_weights(cfg: CN, checkpoint: str, ema: bool, adopt_classes: bool) -> Tuple[CN, Dict[str, Tensor]]:

@@ -30,6 +30,7 @@ from .data import (build_eval_loader, build_mixup, build_train_loader, check_ima
 from .distributed import DistInfo, all_gather_objects, all_reduce_sum, any_rank, barrier, main_process_first
 from .errors import Stopped, UsageError, exit_at_once
 from .evaluation import released_checkpoint
+from .hub import hub_weights_file, is_hub_name
 from .loops import EpochOptions, TrainState, evaluate, train_one_epoch
 
 __all__ = ['LOG', 'CONFIG', 'train', 'seed_everything', 'setup_logging', 'StopSignal']
@@ -252,7 +253,12 @@ def _train(cfg: CN, info: DistInfo, lock: OutputLock, check_data: bool) -> Dict[
     pretrained = None
     if cfg.MODEL.PRETRAINED and stored is None:
         source = cfg.MODEL.PRETRAINED
-        pretrained = read_weights(source if os.path.isfile(source) else released_checkpoint(source, info))
+        if os.path.isfile(source):
+            pretrained = read_weights(source)
+        elif is_hub_name(source):
+            pretrained = read_weights(hub_weights_file(source, 'MODEL.PRETRAINED', info))
+        else:
+            pretrained = read_weights(released_checkpoint(source, info))
     try:
         model = create_training_model(cfg, info.device, pretrained, source=cfg.MODEL.PRETRAINED,
                                       strict=cfg.MODEL.PRETRAINED_STRICT)

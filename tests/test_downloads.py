@@ -331,14 +331,18 @@ def test_a_download_killed_by_sigterm_leaves_a_partial_file_the_next_download_re
     assert sorted(p.name for p in cache.iterdir()) == sorted(kept + ['inline_deit_tiny.pth'])
 
 
+EXPECTED_START = ("expected a checkpoint file, the name of a model with released weights, or 'local-dir:FOLDER' / "
+                  "'hf-hub:REPO' of a model saved by timm.models.save_for_hf")
+
+
 @pytest.mark.parametrize('start, message', [
     ('inline_deit_tinyy', "MODEL.PRETRAINED 'inline_deit_tinyy' is neither a file nor a registered model name; "
-                          "expected a checkpoint file or the name of a model with released weights; did you mean "
-                          "inline_deit_tiny, inline_pvt_tiny?"),
+                          f"{EXPECTED_START}; did you mean inline_deit_tiny, inline_pvt_tiny?"),
     ('missing/best.pth', "MODEL.PRETRAINED 'missing/best.pth' is neither a file nor a registered model name; "
-                         "expected a checkpoint file or the name of a model with released weights"),
-    ('linear_deit_tiny', "MODEL.PRETRAINED 'linear_deit_tiny' has no released weights; expected a checkpoint file "
-                         "or the name of a model with released weights"),
+                         f"{EXPECTED_START}"),
+    ('linear_deit_tiny', f"MODEL.PRETRAINED 'linear_deit_tiny' has no released weights; {EXPECTED_START}"),
+    ('local-dir:missing', "MODEL.PRETRAINED 'local-dir:missing': the folder holds no weights; expected "
+                          "model.safetensors or pytorch_model.bin (the files timm.models.save_for_hf writes)"),
 ])
 def test_a_start_that_is_neither_a_file_nor_a_release_fails_before_any_data_is_read(tmp_path, capsys, start, message):
     status = run_cli(train_main, ['--cfg', str(REPO / 'configs' / 'demo' / 'digits_tiny.yaml'), '--pretrained', start,

@@ -858,6 +858,27 @@ def test_a_model_saved_for_the_hub_evaluates_by_its_hub_name(tmp_path, digits, c
     assert _metrics(out) == _metrics(json.dumps(by_hub))
 
 
+def test_training_starts_from_a_model_saved_for_the_hub(tmp_path, digits, capsys, monkeypatch):
+    """`train.py --pretrained local-dir:FOLDER` and `hf-hub:REPO` start from the saved weights, as the folder's
+    weights file given by its path does; a start from scratch ends elsewhere."""
+    torch.manual_seed(123)
+    folder = tmp_path / 'saved'
+    timm.models.save_for_hf(timm.create_model('inline_deit_tiny', **HUB_MODEL), str(folder), safe_serialization=True)
+    monkeypatch.setattr(timm.models._hub, 'hf_hub_download', lambda repo_id, filename, **kwargs: str(folder / filename))
+    argv = ['--cfg', TINY, '--data-path', str(digits), '--opts', 'TRAIN.EPOCHS', '1', 'DATA.BATCH_SIZE', '128']
+    starts = {'local': [f'local-dir:{folder}'], 'hub': ['hf-hub:lab/inline-deit-test'],
+              'file': [str(folder / 'model.safetensors')], 'scratch': []}
+    for output, start in starts.items():
+        pretrained = ['--pretrained', *start] if start else []
+        code, _, err = _run(train_main, [*pretrained, '--output', str(tmp_path / output), *argv], capsys)
+        assert code == 0, err
+    local, hub, file, scratch = (torch.load(tmp_path / output / 'last.pth', weights_only=True)['model']
+                                 for output in starts)
+    assert local.keys() == hub.keys() == file.keys()
+    assert all(torch.equal(local[k], file[k]) and torch.equal(hub[k], file[k]) for k in file)
+    assert not torch.equal(local['head.weight'], scratch['head.weight'])
+
+
 def test_hub_names_that_cannot_be_evaluated_are_one_line_errors(tmp_path, digits, capsys, monkeypatch):
     no_weights = _saved_for_the_hub(tmp_path / 'no_weights')
     (no_weights / 'pytorch_model.bin').unlink()
