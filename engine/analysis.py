@@ -1,5 +1,6 @@
-"""Models and images for the attention-analysis scripts: a checkpoint (ours, with its stored config) or a
-registered model name, the evaluation preprocessing of its config, and images from a file or an image folder."""
+"""Models and images for the attention-analysis scripts: a checkpoint (ours, with its stored config), a
+registered model name or a model saved for the hub, the evaluation preprocessing of its config, and images from a
+file or an image folder."""
 import os
 from typing import List, Optional, Sequence, Tuple
 
@@ -10,21 +11,28 @@ from yacs.config import CfgNode as CN
 
 from .build import create_model, read_weights
 from .data import BadImage, eval_transform, image_mode, read_image
+from .distributed import DistInfo
 from .errors import UsageError
 from .evaluation import eval_config
+from .hub import hub_weights_file, is_hub_name
 
 __all__ = ['IMAGE_EXTENSIONS', 'load_analysis_model', 'find_images', 'load_images']
 
 IMAGE_EXTENSIONS = ('.png', '.jpg', '.jpeg', '.bmp', '.webp', '.tif', '.tiff')
+# the analysis scripts run in one process
+ONE_PROCESS = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device('cpu'))
 
 
 def load_analysis_model(model_name: Optional[str], checkpoint: Optional[str], opts: Sequence[str] = (),
                         ema: bool = False) -> Tuple[nn.Module, CN]:
     """The model in eval mode and its config: `model_name` with its pretrained config, else the config stored in
-    our `checkpoint`; the checkpoint's weights when given (random weights otherwise). `opts` override the config."""
+    our `checkpoint`; the checkpoint's weights when given, else those saved with a `local-dir:` / `hf-hub:`
+    `model_name` (random weights otherwise). `opts` override the config."""
     if checkpoint and not os.path.isfile(checkpoint):
         raise UsageError(f"checkpoint {checkpoint!r} not found")
     cfg = eval_config(None, model_name, None if model_name else checkpoint, opts)
+    if not checkpoint and model_name and is_hub_name(model_name):
+        checkpoint = hub_weights_file(model_name, '--model', ONE_PROCESS)
     model = create_model(cfg)
     if checkpoint:
         # our own checkpoints hold the model's own keys; loading them directly also serves models whose name

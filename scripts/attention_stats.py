@@ -37,7 +37,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog='attention_stats.py', description=__doc__.split('\n\n')[0])
     parser.add_argument('--checkpoints', nargs='+', default=[], metavar='[LABEL=]PATH',
                         help='our checkpoints; the label defaults to the attention of the stored config')
-    parser.add_argument('--models', nargs='+', default=[], metavar='NAME', help='registered models, random weights')
+    parser.add_argument('--models', nargs='+', default=[], metavar='NAME',
+                        help="registered models (random weights), or 'local-dir:FOLDER' / 'hf-hub:REPO' of models "
+                             'saved for the hub (their weights)')
     parser.add_argument('--ema', action='store_true', help="the checkpoints' EMA weights")
     parser.add_argument('--data', required=True, help='an image file or a folder of images (searched recursively)')
     parser.add_argument('--max-images', type=int, default=256, help='images taken from the folder (default 256)')

@@ -33,7 +33,8 @@ from models.attention.multimax import MultiMaxMixer  # noqa: E402
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog='visualize_attention.py', description=__doc__.split('\n\n')[0])
-    parser.add_argument('--model', help='registered model name (random weights without --checkpoint)')
+    parser.add_argument('--model', help='registered model name (random weights without --checkpoint), or '
+                                        "'local-dir:FOLDER' / 'hf-hub:REPO' of a model saved for the hub (its weights)")
     parser.add_argument('--checkpoint', help='our checkpoint (its stored config builds the model)')
     parser.add_argument('--ema', action='store_true', help="the checkpoint's EMA weights")
     parser.add_argument('--image', required=True, help='an image file or a folder of images (searched recursively)')

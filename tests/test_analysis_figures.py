@@ -9,9 +9,11 @@ import matplotlib.figure
 import matplotlib.pyplot as plt
 import numpy as np
 import pytest
+import timm
 import torch
 from PIL import Image
 
+from engine.analysis import load_analysis_model
 from engine.errors import run_cli
 from models.analysis.plots import SIMPLEX_TEMPERATURES, plot_simplex, simplex_logits, simplex_points
 
@@ -161,3 +163,24 @@ def test_attention_stats_writes_csv_markdown_and_plot(images, tmp_path):
     markdown = open(f'{out}.md').read()
     assert '| **inline_deit_tiny** | all |' in markdown and 'attention_stats.py' in markdown
     assert os.path.getsize(f'{out}.png') > 1000
+
+
+def test_the_analysis_scripts_take_a_model_saved_for_the_hub_with_its_weights(images, tmp_path):
+    """`--model(s) local-dir:FOLDER`: the saved architecture (another attention than its name's) with the saved
+    weights, not random ones; SimA's scores are signed where softmax's never are."""
+    torch.manual_seed(0)
+    saved = timm.create_model('softmax_deit_tiny', attn_type='sima', img_size=16, patch_size=4, embed_dim=16, depth=2,
+                              num_heads=2, num_classes=10)
+    timm.models.save_for_hf(saved, str(tmp_path / 'saved'))
+    name = f'local-dir:{tmp_path / "saved"}'
+    model, cfg = load_analysis_model(name, None)
+    assert (cfg.MODEL.NAME, cfg.MODEL.KWARGS.attn_type, cfg.DATA.IMG_SIZE) == ('softmax_deit_tiny', 'sima', 16)
+    assert model.state_dict().keys() == saved.state_dict().keys()
+    assert all(torch.equal(value, saved.state_dict()[key]) for key, value in model.state_dict().items())
+    out = tmp_path / 'stats'
+    assert run_cli(attention_stats.main, ['--models', name, '--data', str(images), '--batch-size', '2',
+                                          '--out', str(out)]) == 0
+    with open(f'{out}.csv') as f:
+        rows = list(csv.DictReader(f))
+    assert {row['model'] for row in rows} == {name} and len(rows) == 2 * 2
+    assert max(float(row['negative']) for row in rows) > 0
