@@ -3,7 +3,7 @@ import os
 from typing import Any, Dict, Tuple
 
 import timm.models._hub
-from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
+from huggingface_hub.utils import EntryNotFoundError, LocalEntryNotFoundError
 
 from .distributed import DistInfo, main_process_first
 from .errors import UsageError
