@@ -23,7 +23,7 @@ from .errors import UsageError
 from .hub import is_hub_name, local_weights_file
 
 __all__ = ['check_model_name', 'check_model_config', 'check_pretrained', 'official_weights', 'classifier_rows',
-           'read_weights', 'create_model', 'weight_changes', 'create_optimizer', 'create_scheduler',
+           'read_weights', 'checkpoint_weights', 'create_model', 'weight_changes', 'create_optimizer', 'create_scheduler',
            'create_criterion', 'autocast_dtype', 'check_onednn', 'create_training_model']
 
 MODEL_KEYS = ('model', 'state_dict')
@@ -96,7 +96,11 @@ def classifier_rows(name: str, state_dict: Mapping[str, Tensor]) -> Optional[int
 def read_weights(path: str, ema: bool = False) -> Dict[str, Tensor]:
     """Model weights from a checkpoint file: ours (`model` / `model_ema`), an official release (`model`,
     `state_dict`, `state_dict_ema`) or a flat state dict. `ema` picks the EMA weights and fails without them."""
-    checkpoint = load_checkpoint_file(path)
+    return checkpoint_weights(load_checkpoint_file(path), path, ema)
+
+
+def checkpoint_weights(checkpoint: Any, path: str, ema: bool = False) -> Dict[str, Tensor]:
+    """`read_weights` of the loaded contents of the checkpoint file `path`."""
     if ema:
         if not isinstance(checkpoint, Mapping) or not any(isinstance(checkpoint.get(k), Mapping) for k in EMA_KEYS):
             raise CheckpointError(f"checkpoint {path!r} has no EMA weights; expected one of the keys "

@@ -18,7 +18,7 @@ import random
 import shutil
 import socket
 from contextlib import contextmanager
-from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -34,7 +34,7 @@ from .distributed import DistInfo, all_gather_objects
 from .errors import UsageError
 from .loops import TrainState, schedule_position
 
-__all__ = ['LAST', 'BEST', 'LOCK', 'TrainingCheckpoint', 'OutputLock', 'check_writable_folder', 'refuse_unwritable_out',
+__all__ = ['LAST', 'BEST', 'LOCK', 'recorded_classes', 'TrainingCheckpoint', 'OutputLock', 'check_writable_folder', 'refuse_unwritable_out',
            'atomic_save', 'atomic_write_text', 'remove_stale_temp_files', 'rng_state', 'set_rng_state']
 
 LAST, BEST, LOCK = 'last.pth', 'best.pth', '.train.lock'
@@ -230,6 +230,8 @@ FIELDS: Tuple[Tuple[str, Callable[[Any], bool], str], ...] = (
      'a list of random states, one per process'),
     ('config', lambda v: isinstance(v, str), 'the config as YAML text'),
     ('metrics', lambda v: v is None or isinstance(v, Mapping), "None or the epoch's log record"),
+    ('classes', lambda v: v is None or (isinstance(v, list) and all(isinstance(c, str) for c in v)),
+     'None or the list of class folder names'),
 )
 
 
@@ -279,21 +281,30 @@ def _with_live_kernel(stored: Mapping[str, Any], optimizer: torch.optim.Optimize
     return {**stored, 'param_groups': groups}
 
 
+def recorded_classes(checkpoint: Any) -> Optional[List[str]]:
+    """The class folder names, in label order, that a training checkpoint of this engine records; None for any
+    other file and for checkpoints written before the names were kept."""
+    classes = checkpoint.get('classes') if isinstance(checkpoint, Mapping) else None
+    return classes if isinstance(classes, list) and all(isinstance(c, str) for c in classes) else None
+
+
 class TrainingCheckpoint:
     """The checkpoint of one training run: what it holds, the atomic writing of `last.pth` / `best.pth`, reading
     one back checked, and restoring one into the live model, EMA, optimizer, scaler, schedule, state and RNG."""
 
-    # what a file must hold to resume; `model_ema`, `max_ema_accuracy` and `metrics` may be absent
+    # what a file must hold to resume; `model_ema`, `max_ema_accuracy`, `metrics` and `classes` may be absent
     KEYS = ('model', 'optimizer', 'scheduler', 'scaler', 'epoch', 'epoch_batches', 'step', 'max_accuracy', 'rng',
             'world_size', 'config')
 
     def __init__(self, output: str, info: DistInfo, state: TrainState, model: nn.Module,
                  optimizer: torch.optim.Optimizer, scheduler: Scheduler, scaler: torch.amp.GradScaler,
-                 ema: Optional[ModelEmaV3], config: str):
+                 ema: Optional[ModelEmaV3], config: str, classes: Optional[Sequence[str]] = None):
         self.last_path, self.best_path = os.path.join(output, LAST), os.path.join(output, BEST)
         self.info, self.state, self.model, self.ema = info, state, model, ema
         self.optimizer, self.scheduler, self.scaler = optimizer, scheduler, scaler
         self.config = config
+        # the class folder names in label order, so that a resumed run and eval.py can check their data's
+        self.classes = list(classes) if classes is not None else None
 
     def save(self, metrics: Optional[Dict[str, Any]] = None, best: bool = False,
              train_record: Optional[Dict[str, Any]] = None) -> None:
@@ -310,7 +321,8 @@ class TrainingCheckpoint:
             optimizer=self.optimizer.state_dict(), scheduler=self.scheduler.state_dict(),
             scaler=self.scaler.state_dict(), epoch=state.epoch, epoch_batches=state.epoch_batches, step=state.step,
             max_accuracy=state.max_accuracy, max_ema_accuracy=state.max_ema_accuracy, rng=rngs,
-            world_size=self.info.world_size, config=self.config, metrics=metrics, train_record=train_record)
+            world_size=self.info.world_size, config=self.config, metrics=metrics, train_record=train_record,
+            classes=self.classes)
         # best.pth first: a run killed between the two writes leaves a best.pth at least as new as the best epoch
         # that last.pth records, never an older one
         for path in ([self.best_path] if best else []) + [self.last_path]:
@@ -337,6 +349,7 @@ class TrainingCheckpoint:
                                   f"{', '.join(missing)}")
         checkpoint = dict(checkpoint)
         checkpoint.setdefault('metrics', None)
+        checkpoint.setdefault('classes', None)  # not recorded before the class names were kept
         for key, valid, expected in FIELDS:
             if not valid(checkpoint[key]):
                 raise CheckpointError(f"checkpoint {path!r} is malformed: {key} is {_describe(checkpoint[key])}; "

@@ -37,7 +37,8 @@ from .distributed import DistInfo, all_gather_objects, main_process_first
 from .errors import BadImageError, UsageError
 
 __all__ = [
-    'DIGITS_STAMP', 'default_digits_root', 'prepare_digits', 'resolve_data_root', 'check_splits', 'load_split',
+    'DIGITS_STAMP', 'default_digits_root', 'prepare_digits', 'resolve_data_root', 'check_splits', 'class_difference',
+    'check_trained_classes', 'load_split',
     'BadImage', 'ImageFolderSplit', 'ImageLoader', 'image_mode', 'read_image', 'check_images', 'report_scan',
     'posterize', 'train_transform', 'eval_transform', 'build_mixup', 'ShardSampler', 'SkipSampler', 'SeededSamples',
     'build_train_loader', 'build_eval_loader', 'eval_batch_size',
@@ -140,6 +141,25 @@ def check_splits(root: str, splits: Sequence[str]) -> None:
     for split in splits:
         if not os.path.isdir(os.path.join(root, split)):
             raise UsageError(f"data path {root!r} has no {split}/ folder; expected {split}/<class>/<images>")
+
+
+def class_difference(first: Sequence[str], second: Sequence[str], first_place: str, second_place: str) -> str:
+    """The class names only one of `first` and `second` holds, for a message naming where each list comes from."""
+    only_first, only_second = sorted(set(first) - set(second)), sorted(set(second) - set(first))
+    difference = '; '.join(f"only in {place}: {', '.join(names)}" for place, names in
+                           ((first_place, only_first), (second_place, only_second)) if names)
+    return difference or 'the same names in another order'
+
+
+def check_trained_classes(trained: Optional[Sequence[str]], found: Sequence[str], source: str, folder: str) -> None:
+    """Raise `UsageError` unless `found`, the class folders of `folder`, are the classes `source` (a checkpoint)
+    was trained on: with as many classes under other names, every label after the first change would be read as
+    another class. `trained` None (a checkpoint that does not record them) passes."""
+    if trained is None or list(trained) == list(found):
+        return
+    raise UsageError(f"{source} was trained on other classes than {folder} holds "
+                     f"({class_difference(trained, found, 'the checkpoint', folder)}); expected the class folders it "
+                     f"was trained on")
 
 
 class BadImage(NamedTuple):

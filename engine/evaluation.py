@@ -1,6 +1,7 @@
 """Evaluating our checkpoints, official releases and models saved for the hub with the preprocessing they declare,
 and measuring throughput."""
-from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
+import os
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import timm
 import torch
@@ -10,12 +11,13 @@ from yacs.config import CfgNode as CN
 from models.checkpoint import CheckpointError, load_checkpoint_file, released_weights_file
 from models.onednn import convert_to_onednn
 
-from .build import (autocast_dtype, check_model_name, classifier_rows, create_model, official_weights,
-                    read_weights)
+from .build import (autocast_dtype, check_model_name, checkpoint_weights, classifier_rows, create_model,
+                    official_weights)
+from .checkpoint import recorded_classes
 from .compile import CompileTimer, compile_errors_reported, compile_model
 from .config import config_from_yaml_string, get_default_config, load_config, merge_dict, merge_opts, validate_config
-from .data import (build_eval_loader, check_images, eval_batch_size, eval_transform, image_mode, load_split,
-                   report_scan, resolve_data_root)
+from .data import (build_eval_loader, check_images, check_trained_classes, eval_batch_size, eval_transform,
+                   image_mode, load_split, report_scan, resolve_data_root)
 from .distributed import DistInfo, main_process_first
 from .errors import UsageError
 from .hub import hub_config, is_hub_name
@@ -111,13 +113,17 @@ def released_checkpoint(name: str, info: DistInfo) -> str:
     return path if path is not None else released_weights_file(name)
 
 
-def _load_weights(cfg: CN, checkpoint: str, ema: bool, adopt_classes: bool) -> Tuple[CN, Dict[str, Tensor]]:
-    """The checkpoint's weights and `cfg`, with MODEL.NUM_CLASSES taken from the checkpoint when `adopt_classes`
-    (a `--model` evaluation), else checked against it."""
-    weights = official_weights(cfg.MODEL.NAME, read_weights(checkpoint, ema=ema))
+def _load_weights(cfg: CN, checkpoint: str, ema: bool,
+                  adopt_classes: bool) -> Tuple[CN, Dict[str, Tensor], Optional[List[str]]]:
+    """`cfg`, with MODEL.NUM_CLASSES taken from the checkpoint when `adopt_classes` (a `--model` evaluation), else
+    checked against it; the checkpoint's weights; the class folder names it was trained on, where it records them."""
+    stored = load_checkpoint_file(checkpoint)
+    classes = recorded_classes(stored)
+    weights = official_weights(cfg.MODEL.NAME, checkpoint_weights(stored, checkpoint, ema=ema))
+    del stored
     rows = classifier_rows(cfg.MODEL.NAME, weights)
     if rows is None or rows == cfg.MODEL.NUM_CLASSES:
-        return cfg, weights
+        return cfg, weights, classes
     if not adopt_classes:
         raise CheckpointError(f"checkpoint {checkpoint!r} has a {rows}-class classifier but MODEL.NUM_CLASSES is "
                               f"{cfg.MODEL.NUM_CLASSES}; expected a checkpoint for {cfg.MODEL.NUM_CLASSES} classes")
@@ -125,7 +131,7 @@ def _load_weights(cfg: CN, checkpoint: str, ema: bool, adopt_classes: bool) -> T
     cfg.defrost()
     cfg.MODEL.NUM_CLASSES = rows
     cfg.freeze()
-    return cfg, weights
+    return cfg, weights, classes
 
 
 def _inference_model(model: nn.Module, cfg: CN, onednn: bool, compile: bool) -> nn.Module:
@@ -143,13 +149,14 @@ def evaluate_weights(cfg: CN, info: DistInfo, checkpoint: str, *, ema: bool = Fa
     `check_data`, every image is decoded first; with `compile`, the model runs compiled (TRAIN.COMPILE_MODE,
     TRAIN.COMPILE_BACKEND), with `onednn` its products run through oneDNN (`check_onednn`).
     Under DATA.BAD_IMAGES 'skip' the bad files are left out of the counts."""
-    cfg, weights = _load_weights(cfg, checkpoint, ema, adopt_classes)
+    cfg, weights, classes = _load_weights(cfg, checkpoint, ema, adopt_classes)
     source = f"checkpoint {checkpoint!r}"
     root = resolve_data_root(cfg, info)
     val_set = load_split(root, 'val', eval_transform(cfg), bad_images=cfg.DATA.BAD_IMAGES, image_mode=image_mode(cfg))
     if len(val_set.classes) != cfg.MODEL.NUM_CLASSES:
         raise UsageError(f"{source} is for {cfg.MODEL.NUM_CLASSES} classes but {root}/val has "
                          f"{len(val_set.classes)} class folders; expected the dataset the checkpoint was trained on")
+    check_trained_classes(classes, val_set.classes, source, os.path.join(root, 'val'))
     report_scan(val_set)
     if check_data:
         check_images(val_set, cfg, info)
@@ -178,7 +185,7 @@ def throughput(cfg: CN, info: DistInfo, batch_size: int, checkpoint: Optional[st
     """
     weights = None
     if checkpoint:
-        cfg, weights = _load_weights(cfg, checkpoint, ema, adopt_classes)
+        cfg, weights, _ = _load_weights(cfg, checkpoint, ema, adopt_classes)
     model = create_model(cfg, weights, source=f"checkpoint {checkpoint!r}").to(info.device)
     generator = torch.Generator().manual_seed(cfg.SEED)
     images = torch.randn(batch_size, 3, cfg.DATA.IMG_SIZE, cfg.DATA.IMG_SIZE, generator=generator)

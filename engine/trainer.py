@@ -10,7 +10,7 @@ import sys
 import time
 from contextlib import contextmanager
 from dataclasses import replace
-from typing import Any, Dict, Iterator, List, Optional, TextIO
+from typing import Any, Dict, Iterator, Optional, TextIO
 
 import numpy as np
 import torch
@@ -25,8 +25,9 @@ from .build import (autocast_dtype, check_model_config, check_onednn, check_pret
 from .checkpoint import LAST, OutputLock, TrainingCheckpoint, atomic_write_text, remove_stale_temp_files
 from .compile import CompileTimer, compile_errors_reported, compile_model
 from .config import ema_decay, scaled_lrs, total_batch_size
-from .data import (build_eval_loader, build_mixup, build_train_loader, check_images, check_splits, eval_batch_size,
-                   eval_transform, image_mode, load_split, report_scan, resolve_data_root, train_transform)
+from .data import (build_eval_loader, build_mixup, build_train_loader, check_images, check_splits,
+                   check_trained_classes, class_difference, eval_batch_size, eval_transform, image_mode, load_split,
+                   report_scan, resolve_data_root, train_transform)
 from .distributed import DistInfo, all_gather_objects, all_reduce_sum, any_rank, barrier, main_process_first
 from .errors import Stopped, UsageError, exit_at_once
 from .evaluation import released_checkpoint
@@ -203,12 +204,6 @@ def train(cfg: CN, info: DistInfo, check_data: bool = False) -> Dict[str, Any]:
         lock.release()
 
 
-def _class_difference(train: List[str], val: List[str]) -> str:
-    only_train, only_val = sorted(set(train) - set(val)), sorted(set(val) - set(train))
-    return '; '.join(f"only in {split}/: {', '.join(names)}" for split, names in
-                     (('train', only_train), ('val', only_val)) if names)
-
-
 def _train(cfg: CN, info: DistInfo, lock: OutputLock, check_data: bool) -> Dict[str, Any]:
     root = resolve_data_root(cfg, info)
     check_splits(root, ('train', 'val'))
@@ -220,7 +215,7 @@ def _train(cfg: CN, info: DistInfo, lock: OutputLock, check_data: bool) -> Dict[
     val_set = load_split(root, 'val', eval_transform(cfg), cfg.MODEL.NUM_CLASSES, bad_images, image_mode=mode)
     if train_set.classes != val_set.classes:
         raise UsageError(f"the class folders of {root}/train and {root}/val differ "
-                         f"({_class_difference(train_set.classes, val_set.classes)}); expected the same classes")
+                         f"({class_difference(train_set.classes, val_set.classes, 'train/', 'val/')}); expected the same classes")
     output = cfg.OUTPUT
     stale_holder = main_process_first(info, lock.acquire, f"lock the output folder {output!r}")
     setup_logging(info, output)
@@ -250,6 +245,8 @@ def _train(cfg: CN, info: DistInfo, lock: OutputLock, check_data: bool) -> Dict[
     if stored is not None:
         TrainingCheckpoint.check_resumable(stored, resume, cfg.DATA.BATCH_SIZE, cfg.TRAIN.ACCUMULATION_STEPS,
                                            info.world_size)
+        check_trained_classes(stored['classes'], train_set.classes, f"checkpoint {resume!r}",
+                              os.path.join(root, 'train'))
     pretrained = None
     if cfg.MODEL.PRETRAINED and stored is None:
         source = cfg.MODEL.PRETRAINED
@@ -279,7 +276,8 @@ def _train(cfg: CN, info: DistInfo, lock: OutputLock, check_data: bool) -> Dict[
     scaler = torch.amp.GradScaler(info.device.type, enabled=use_scaler)
 
     state = TrainState()
-    checkpoint = TrainingCheckpoint(output, info, state, model, optimizer, scheduler, scaler, ema, cfg.dump())
+    checkpoint = TrainingCheckpoint(output, info, state, model, optimizer, scheduler, scaler, ema, cfg.dump(),
+                                    classes=train_set.classes)
     if stored is not None:
         checkpoint.restore(stored, resume, updates_per_epoch * cfg.TRAIN.ACCUMULATION_STEPS,
                            cfg.TRAIN.ACCUMULATION_STEPS)

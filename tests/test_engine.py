@@ -382,7 +382,8 @@ def _training_objects(output: Path, state: TrainState, info: DistInfo = CPU, see
                                        step_on_epochs=False, updates_per_epoch=5)
     scaler = torch.amp.GradScaler('cpu', init_scale=2.0 ** (seed + 4))
     return TrainingCheckpoint(str(output), info, state, model, optimizer, scheduler, scaler,
-                              ModelEmaV3(model, decay=0.5), config='MODEL:\n  NAME: linear\n')
+                              ModelEmaV3(model, decay=0.5), config='MODEL:\n  NAME: linear\n',
+                              classes=['cat', 'dog', 'fox'])
 
 
 def _assert_same(a, b, where: str = 'checkpoint') -> None:
@@ -417,10 +418,12 @@ def test_a_training_checkpoint_restores_every_field(tmp_path):
     saved.save(best=True)  # mid-epoch: no metrics
     draws = (random.random(), np.random.rand(3), torch.rand(3))
     stored = TrainingCheckpoint.read(saved.last_path)
-    # the keys (and their order) of the format that earlier checkpoints were written in, then `train_record`
+    # the keys (and their order) of the format that earlier checkpoints were written in, then `train_record` and
+    # `classes`
     assert list(stored) == ['model', 'model_ema', 'optimizer', 'scheduler', 'scaler', 'epoch', 'epoch_batches',
                             'step', 'max_accuracy', 'max_ema_accuracy', 'rng', 'world_size', 'config', 'metrics',
-                            'train_record']
+                            'train_record', 'classes']
+    assert stored['classes'] == ['cat', 'dog', 'fox']
     _assert_same(TrainingCheckpoint.read(saved.best_path), stored)
 
     restored = _training_objects(tmp_path / 'restored', TrainState(), seed=1)

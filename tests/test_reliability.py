@@ -29,7 +29,7 @@ import engine.loops
 import engine.trainer
 from engine.build import create_criterion, create_model, create_optimizer, create_scheduler
 from engine.checkpoint import OutputLock, TrainingCheckpoint
-from engine.cli import train_main
+from engine.cli import eval_main, train_main
 from engine.config import load_config, scaled_lrs
 from engine.data import build_train_loader, load_split, prepare_digits, train_transform
 from engine.distributed import DistInfo
@@ -297,6 +297,48 @@ def test_a_log_with_a_foreign_line_is_one_line_and_left_as_it_is(tmp_path, digit
     assert capsys.readouterr().err == (f"error: line {number} of {output / 'log.jsonl'} is not a JSON record of an "
                                        f"epoch; expected the log this run writes, one record per line\n")
     assert (output / 'log.jsonl').read_text() == log
+
+
+def renamed_class(digits: Path, folder: Path, old: str, new: str) -> Path:
+    """A copy of the digits at `folder` with class folder `old` named `new` in both splits: as many classes as the
+    run was trained on, in another order."""
+    shutil.copytree(digits, folder)
+    for split in ('train', 'val'):
+        (folder / split / old).rename(folder / split / new)
+    return folder
+
+
+def test_a_run_resumed_on_other_classes_is_refused_before_training(tmp_path, digits, one_epoch, capsys):
+    """The same number of class folders, one of them renamed: its images would train another output than they
+    did; the checkpoint keeps the class names and the resumed run compares them."""
+    output = tmp_path / 'run'
+    shutil.copytree(one_epoch, output)
+    saved = (output / 'last.pth').read_bytes()
+    other = renamed_class(digits, tmp_path / 'other', '3', 'three')
+    assert torch.load(output / 'last.pth', weights_only=True)['classes'] == [str(c) for c in range(10)]
+    assert run_cli(train_main, train_argv(output, other)) == 2
+    assert capsys.readouterr().err == (
+        f"error: checkpoint {str(output / 'last.pth')!r} was trained on other classes than {other / 'train'} holds "
+        f"(only in the checkpoint: 3; only in {other / 'train'}: three); expected the class folders it was trained "
+        f"on\n")
+    assert (output / 'last.pth').read_bytes() == saved
+
+
+def test_evaluating_a_checkpoint_on_other_classes_is_refused_and_one_without_class_names_still_evaluates(
+        tmp_path, digits, one_epoch, capsys):
+    other = renamed_class(digits, tmp_path / 'other', '3', 'three')
+    best = one_epoch / 'best.pth'
+    assert run_cli(eval_main, ['--checkpoint', str(best), '--data-path', str(other)]) == 2
+    assert capsys.readouterr().err.endswith(
+        f"error: checkpoint {str(best)!r} was trained on other classes than {other / 'val'} holds (only in the "
+        f"checkpoint: 3; only in {other / 'val'}: three); expected the class folders it was trained on\n")
+    # a checkpoint written before the class names were kept is evaluated on the class count alone
+    stored = torch.load(best, weights_only=True)
+    del stored['classes']
+    unnamed = tmp_path / 'unnamed.pth'
+    torch.save(stored, unnamed)
+    assert run_cli(eval_main, ['--checkpoint', str(unnamed), '--data-path', str(digits)]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])['count'] == 360
 
 
 # The ImageNet recipes' random augmentation (RandAugment, random erasing), loaded by 2 DataLoader workers.
