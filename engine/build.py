@@ -23,8 +23,8 @@ from .errors import UsageError
 from .hub import is_hub_name, local_weights_file
 
 __all__ = ['check_model_name', 'check_model_config', 'check_pretrained', 'official_weights', 'classifier_rows',
-           'read_weights', 'checkpoint_weights', 'create_model', 'weight_changes', 'create_optimizer', 'create_scheduler',
-           'create_criterion', 'autocast_dtype', 'check_onednn', 'create_training_model']
+           'read_weights', 'checkpoint_weights', 'create_model', 'weight_changes', 'create_optimizer',
+           'create_scheduler', 'create_criterion', 'autocast_dtype', 'check_onednn', 'create_training_model']
 
 MODEL_KEYS = ('model', 'state_dict')
 EMA_KEYS = ('model_ema', 'state_dict_ema')

@@ -34,8 +34,9 @@ from .distributed import DistInfo, all_gather_objects
 from .errors import UsageError
 from .loops import TrainState, schedule_position
 
-__all__ = ['LAST', 'BEST', 'LOCK', 'recorded_classes', 'TrainingCheckpoint', 'OutputLock', 'check_writable_folder', 'refuse_unwritable_out',
-           'atomic_save', 'atomic_write_text', 'remove_stale_temp_files', 'rng_state', 'set_rng_state']
+__all__ = ['LAST', 'BEST', 'LOCK', 'recorded_classes', 'TrainingCheckpoint', 'OutputLock', 'check_writable_folder',
+           'refuse_unwritable_out', 'atomic_save', 'atomic_write_text', 'remove_stale_temp_files', 'rng_state',
+           'set_rng_state']
 
 LAST, BEST, LOCK = 'last.pth', 'best.pth', '.train.lock'
 logger = logging.getLogger('engine')
@@ -303,7 +304,7 @@ class TrainingCheckpoint:
         self.info, self.state, self.model, self.ema = info, state, model, ema
         self.optimizer, self.scheduler, self.scaler = optimizer, scheduler, scaler
         self.config = config
-        # the class folder names in label order, so that a resumed run and eval.py can check their data's
+        # the class folder names in label order: a resumed run and eval.py check their data against them
         self.classes = list(classes) if classes is not None else None
 
     def save(self, metrics: Optional[Dict[str, Any]] = None, best: bool = False,

@@ -120,7 +120,7 @@ def _load_weights(cfg: CN, checkpoint: str, ema: bool,
     stored = load_checkpoint_file(checkpoint)
     classes = recorded_classes(stored)
     weights = official_weights(cfg.MODEL.NAME, checkpoint_weights(stored, checkpoint, ema=ema))
-    del stored
+    del stored  # a training checkpoint's optimizer state and EMA, not needed here
     rows = classifier_rows(cfg.MODEL.NAME, weights)
     if rows is None or rows == cfg.MODEL.NUM_CLASSES:
         return cfg, weights, classes

@@ -214,8 +214,9 @@ def _train(cfg: CN, info: DistInfo, lock: OutputLock, check_data: bool) -> Dict[
                            image_mode=mode)
     val_set = load_split(root, 'val', eval_transform(cfg), cfg.MODEL.NUM_CLASSES, bad_images, image_mode=mode)
     if train_set.classes != val_set.classes:
-        raise UsageError(f"the class folders of {root}/train and {root}/val differ "
-                         f"({class_difference(train_set.classes, val_set.classes, 'train/', 'val/')}); expected the same classes")
+        difference = class_difference(train_set.classes, val_set.classes, 'train/', 'val/')
+        raise UsageError(f"the class folders of {root}/train and {root}/val differ ({difference}); expected the same "
+                         f"classes")
     output = cfg.OUTPUT
     stale_holder = main_process_first(info, lock.acquire, f"lock the output folder {output!r}")
     setup_logging(info, output)
