@@ -36,6 +36,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import timm
+import timm.models._hub
+from huggingface_hub.utils import EntryNotFoundError
 from timm.layers import resample_abs_pos_embed
 from timm.models import get_arch_pretrained_cfgs, get_pretrained_cfg, split_model_name_tag
 from tqdm import tqdm
@@ -444,14 +446,29 @@ class TransferReport(NamedTuple):
                 f"dropped: {shown(self.dropped)}")
 
 
+def _hub_state_dict(source: str) -> Dict[str, Tensor]:
+    """The weights of a `local-dir:` / `hf-hub:` model name, found and read by timm's own loaders."""
+    kind, _, location = source.partition(':')
+    try:
+        if kind == 'local-dir':
+            return timm.models._hub.load_state_dict_from_path(location)
+        return timm.models.load_state_dict_from_hf(location)
+    except (OSError, RuntimeError, ValueError, EntryNotFoundError) as e:
+        detail = str(e).strip().splitlines()[0] if str(e).strip() else 'no detail'
+        raise CheckpointError(f"pretrained source {source!r} cannot be read ({type(e).__name__}: {detail})") from None
+
+
 def load_pretrained_into(model: nn.Module, source: str) -> TransferReport:
-    """Start `model` from the weights of `source`, a checkpoint file or a registered model name whose
-    pretrained weights are downloaded into timm's cache: a fine-tuning start such as softmax DeiT weights in a
-    DeiT with another attention.
+    """Start `model` from the weights of `source`, a checkpoint file, a registered model name whose
+    pretrained weights are downloaded into timm's cache, or the `local-dir:FOLDER` / `hf-hub:REPO` name of a model
+    saved by `timm.models.save_for_hf`: a fine-tuning start such as softmax DeiT weights in a DeiT with another
+    attention.
 
     Every tensor whose key and (after adaptation to the model's resolution) shape the model shares is loaded;
     the report names the model's new keys, which keep their initialisation, and the dropped ones.
     """
+    if source.startswith(('local-dir:', 'hf-hub:')):
+        return load_shared_weights(model, _hub_state_dict(source), source)
     if not os.path.exists(source) and not timm.is_model(source):
         raise CheckpointError(f"pretrained source {source!r} is neither a file nor a registered model name")
     checkpoint = load_checkpoint_file(source if os.path.exists(source) else released_weights_file(source))
@@ -464,7 +481,8 @@ def load_shared_weights(model: nn.Module, state_dict: Mapping[str, Tensor], sour
     state_dict = official_keys(model, drop_derived_buffers(state_dict))
     state_dict = adapt_state_dict(model, state_dict)
     own = model.state_dict()
-    loaded = [k for k, v in state_dict.items() if k in own and own[k].shape == v.shape]
+    # in the model's order, whatever order the file keeps (safetensors sorts its keys)
+    loaded = [k for k, v in own.items() if k in state_dict and state_dict[k].shape == v.shape]
     if not loaded:
         raise CheckpointError(f"{source!r} shares no tensor with {type(model).__name__}; expected weights of the "
                               f"same family")

@@ -270,6 +270,26 @@ def test_timm_layout_weights_start_another_attention_as_the_official_layout_does
     assert reports[0] == reports[1] and any('.residual.' in k for k in reports[0].new)
 
 
+def test_a_model_saved_for_the_hub_starts_another_attention_by_its_hub_name(tmp_path, monkeypatch):
+    """`load_pretrained_into(model, 'local-dir:FOLDER')` and `'hf-hub:REPO'`: the weights timm's `save_for_hf` wrote,
+    read by timm's own loaders, start an InLine DeiT as the same weights in a file do."""
+    saved = saved_for_the_hub('deit', None, tmp_path / 'saved', safe_serialization=True)
+    monkeypatch.setattr(timm.models._hub, 'hf_hub_download',
+                        lambda repo_id, filename, **kwargs: str(tmp_path / 'saved' / filename))
+    torch.save(saved.state_dict(), tmp_path / 'softmax.pth')
+    reports, states = [], []
+    for source in (f'local-dir:{tmp_path / "saved"}', 'hf-hub:lab/softmax-deit-test', str(tmp_path / 'softmax.pth')):
+        torch.manual_seed(1)
+        model = timm.create_model('softmax_deit_tiny', attn_type='inline', **TINY['deit'])
+        reports.append(load_pretrained_into(model, source))
+        states.append(model.state_dict())
+    assert reports[0] == reports[1] == reports[2] and any('.residual.' in k for k in reports[0].new)
+    assert all(torch.equal(state[k], saved.state_dict()[k]) for state in states for k in reports[0].loaded)
+    with pytest.raises(CheckpointError, match=r"^pretrained source 'local-dir:.*empty' cannot be read \(RuntimeError: "
+                                              r"No suitable checkpoints found in .*empty\.\)$"):
+        load_pretrained_into(model, f'local-dir:{tmp_path / "empty"}')
+
+
 def test_a_start_from_another_family_or_a_missing_source_is_one_line(tmp_path):
     pvt = timm.create_model('softmax_pvt_tiny', **dict(TINY['pvt'], embed_dims=[16, 32, 32, 48], num_classes=7))
     torch.save(pvt.state_dict(), tmp_path / 'pvt.pth')
