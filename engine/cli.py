@@ -122,14 +122,11 @@ def eval_main(argv: Sequence[str]) -> int:
             if info.is_main:
                 print(f"batch_size {batch_size} throughput {result['throughput']:.1f} images/s")
         else:
-            if not args.checkpoint:  # the data first: a release can take minutes to download
-                check_splits(resolve_data_root(cfg, info), ['val'])
-            if args.checkpoint:
-                checkpoint = args.checkpoint
-            elif is_hub_name(args.model):
-                checkpoint = hub_weights_file(args.model, '--model', info)
-            else:
-                checkpoint = released_checkpoint(args.model, info)
+            checkpoint = args.checkpoint
+            if not checkpoint:
+                check_splits(resolve_data_root(cfg, info), ['val'])  # the data first: a download can take minutes
+                checkpoint = (hub_weights_file(args.model, '--model', info) if is_hub_name(args.model)
+                              else released_checkpoint(args.model, info))
             result = evaluate_weights(cfg, info, checkpoint, ema=args.ema, amp=args.amp,
                                       adopt_classes=bool(args.model), check_data=args.check_data,
                                       compile=args.compile, onednn=args.onednn)

@@ -250,13 +250,14 @@ def _train(cfg: CN, info: DistInfo, lock: OutputLock, check_data: bool) -> Dict[
                               os.path.join(root, 'train'))
     pretrained = None
     if cfg.MODEL.PRETRAINED and stored is None:
-        source = cfg.MODEL.PRETRAINED
-        if os.path.isfile(source):
-            pretrained = read_weights(source)
-        elif is_hub_name(source):
-            pretrained = read_weights(hub_weights_file(source, 'MODEL.PRETRAINED', info))
+        start = cfg.MODEL.PRETRAINED
+        if os.path.isfile(start):
+            weights_file = start
+        elif is_hub_name(start):
+            weights_file = hub_weights_file(start, 'MODEL.PRETRAINED', info)
         else:
-            pretrained = read_weights(released_checkpoint(source, info))
+            weights_file = released_checkpoint(start, info)
+        pretrained = read_weights(weights_file)
     try:
         model = create_training_model(cfg, info.device, pretrained, source=cfg.MODEL.PRETRAINED,
                                       strict=cfg.MODEL.PRETRAINED_STRICT)
