@@ -5,18 +5,15 @@ from typing import Any, Dict, Tuple
 import timm.models._hub
 from huggingface_hub.utils import EntryNotFoundError, LocalEntryNotFoundError
 
+from models.checkpoint import is_hub_name
+
 from .distributed import DistInfo, main_process_first
 from .errors import UsageError
 
-__all__ = ['HUB_PREFIXES', 'HUB_WEIGHTS_FILES', 'is_hub_name', 'hub_config', 'local_weights_file', 'hub_weights_file']
+__all__ = ['HUB_WEIGHTS_FILES', 'is_hub_name', 'hub_config', 'local_weights_file', 'hub_weights_file']
 
-HUB_PREFIXES = ('local-dir:', 'hf-hub:')
 # the weights files save_for_hf writes, in the order timm's loader prefers them
 HUB_WEIGHTS_FILES = ('model.safetensors', 'pytorch_model.bin')
-
-
-def is_hub_name(name: str) -> bool:
-    return name.startswith(HUB_PREFIXES)
 
 
 def _first_line(error: BaseException) -> str:

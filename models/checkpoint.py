@@ -44,13 +44,17 @@ from tqdm import tqdm
 
 __all__ = [
     'CheckpointError', 'DownloadError', 'checkpoint_cache_dir', 'cached_file_name', 'download_checkpoint',
-    'process_alive', 'unknown_pretrained_tag', 'has_released_weights', 'released_weights_file', 'official_keys',
-    'filter_checkpoint', 'adapt_state_dict', 'load_pretrained_into', 'load_shared_weights', 'TransferReport',
-    'SAFE_GLOBALS', 'load_checkpoint_file', 'checkpoint_state_dict', 'drop_derived_buffers', 'check_state_dict',
-    'load_state_dict_checked', 'resample_grid_embedding', 'resize_grid_embedding', 'resize_rel_pos_bias_table',
+    'process_alive', 'HUB_SOURCES', 'is_hub_name', 'unknown_pretrained_tag', 'has_released_weights',
+    'released_weights_file', 'official_keys', 'filter_checkpoint', 'adapt_state_dict', 'load_pretrained_into',
+    'load_shared_weights', 'TransferReport', 'SAFE_GLOBALS', 'load_checkpoint_file', 'checkpoint_state_dict',
+    'drop_derived_buffers', 'check_state_dict', 'load_state_dict_checked', 'resample_grid_embedding',
+    'resize_grid_embedding', 'resize_rel_pos_bias_table',
 ]
 
 SAFE_GLOBALS = [(OrderedDict, 'yacs.config.CfgNode'), set, argparse.Namespace]
+# the `source` of the pretrained cfg timm builds for a model saved by timm.models.save_for_hf, and the prefix of its
+# model name
+HUB_SOURCES = ('local-dir', 'hf-hub')
 torch.serialization.add_safe_globals(SAFE_GLOBALS)
 
 DERIVED_BUFFERS = ('relative_position_index', 'relative_coords_table', 'attn_mask')
@@ -446,6 +450,11 @@ class TransferReport(NamedTuple):
                 f"dropped: {shown(self.dropped)}")
 
 
+def is_hub_name(name: str) -> bool:
+    """Whether `name` is a `local-dir:FOLDER` / `hf-hub:REPO` model name, as `timm.create_model` reads them."""
+    return name.startswith(tuple(f'{source}:' for source in HUB_SOURCES))
+
+
 def _hub_state_dict(source: str) -> Dict[str, Tensor]:
     """The weights of a `local-dir:` / `hf-hub:` model name, found and read by timm's own loaders."""
     kind, _, location = source.partition(':')
@@ -467,7 +476,7 @@ def load_pretrained_into(model: nn.Module, source: str) -> TransferReport:
     Every tensor whose key and (after adaptation to the model's resolution) shape the model shares is loaded;
     the report names the model's new keys, which keep their initialisation, and the dropped ones.
     """
-    if source.startswith(('local-dir:', 'hf-hub:')):
+    if is_hub_name(source):
         return load_shared_weights(model, _hub_state_dict(source), source)
     if not os.path.exists(source) and not timm.is_model(source):
         raise CheckpointError(f"pretrained source {source!r} is neither a file nor a registered model name")

@@ -19,7 +19,7 @@ from timm.models._input import update_model_input_size
 
 from .attention import list_attention_options, stage_attentions
 from .attention.layout import Grid, tokens_to_image
-from .checkpoint import cached_file_name, download_checkpoint
+from .checkpoint import HUB_SOURCES, cached_file_name, download_checkpoint
 
 __all__ = [
     'ZooModel', 'create_variant', 'register_variants', 'Block', 'BlockStack', 'init_weights', 'OfficialKeys',
@@ -559,7 +559,7 @@ def _weight_sources(variant: str, kwargs: Mapping[str, Any]) -> Tuple[List[str],
     given = resolve_pretrained_cfg(variant, given_cfg, kwargs.get('pretrained_cfg_overlay'))
     sources = [key for key in ('url', 'file', 'hf_hub_id') if getattr(given, key)]
     kept = [key for key in sources if getattr(given, key) == getattr(release, key)]
-    own = given.source in ('local-dir', 'hf-hub') or given.state_dict is not None or len(kept) < len(sources)
+    own = given.source in HUB_SOURCES or given.state_dict is not None or len(kept) < len(sources)
     return kept, own
 
 
@@ -571,7 +571,7 @@ def _download_released_url(variant: str, kwargs: Dict[str, Any]) -> None:
     downloaded before is reused."""
     overlay = dict(kwargs.get('pretrained_cfg_overlay') or {})
     cfg = resolve_pretrained_cfg(variant, kwargs.get('pretrained_cfg'), overlay)
-    if cfg.source in ('local-dir', 'hf-hub') or cfg.state_dict is not None or cfg.file or cfg.hf_hub_id or not cfg.url:
+    if cfg.source in HUB_SOURCES or cfg.state_dict is not None or cfg.file or cfg.hf_hub_id or not cfg.url:
         return
     overlay['file'] = download_checkpoint(cfg.url, cached_file_name(variant, cfg.url), kwargs.get('cache_dir'))
     kwargs['pretrained_cfg_overlay'] = overlay
