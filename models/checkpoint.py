@@ -37,16 +37,17 @@ from torch import Tensor, nn
 
 import timm
 import timm.models._hub
-from huggingface_hub.utils import EntryNotFoundError
+from huggingface_hub.utils import EntryNotFoundError, LocalEntryNotFoundError
 from timm.layers import resample_abs_pos_embed
 from timm.models import get_arch_pretrained_cfgs, get_pretrained_cfg, split_model_name_tag
 from tqdm import tqdm
 
 __all__ = [
     'CheckpointError', 'DownloadError', 'checkpoint_cache_dir', 'cached_file_name', 'download_checkpoint',
-    'process_alive', 'HUB_SOURCES', 'is_hub_name', 'unknown_pretrained_tag', 'has_released_weights',
-    'released_weights_file', 'official_keys', 'filter_checkpoint', 'adapt_state_dict', 'load_pretrained_into',
-    'load_shared_weights', 'TransferReport', 'SAFE_GLOBALS', 'load_checkpoint_file', 'checkpoint_state_dict',
+    'process_alive', 'HUB_SOURCES', 'HUB_WEIGHTS_FILES', 'is_hub_name', 'hub_weights_file', 'unknown_pretrained_tag',
+    'has_released_weights', 'released_weights_file', 'official_keys', 'filter_checkpoint', 'adapt_state_dict',
+    'load_pretrained_into', 'load_shared_weights', 'TransferReport', 'SAFE_GLOBALS', 'load_checkpoint_file',
+    'checkpoint_state_dict', 'error_summary',
     'drop_derived_buffers', 'check_state_dict', 'load_state_dict_checked', 'resample_grid_embedding',
     'resize_grid_embedding', 'resize_rel_pos_bias_table',
 ]
@@ -55,6 +56,8 @@ SAFE_GLOBALS = [(OrderedDict, 'yacs.config.CfgNode'), set, argparse.Namespace]
 # the `source` of the pretrained cfg timm builds for a model saved by timm.models.save_for_hf, and the prefix of its
 # model name
 HUB_SOURCES = ('local-dir', 'hf-hub')
+# the weights files save_for_hf writes, in the order timm's loader prefers them
+HUB_WEIGHTS_FILES = ('model.safetensors', 'pytorch_model.bin')
 torch.serialization.add_safe_globals(SAFE_GLOBALS)
 
 DERIVED_BUFFERS = ('relative_position_index', 'relative_coords_table', 'attn_mask')
@@ -72,6 +75,12 @@ class CheckpointError(ValueError):
 
 class DownloadError(CheckpointError):
     """Released weights that could not be downloaded: unreachable host, HTTP error or a cut-off transfer."""
+
+
+def error_summary(error: BaseException) -> str:
+    """'<type>: <first line of its message>' (the type alone without a message), for a one-line error."""
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0]}" if text else type(error).__name__
 
 
 def checkpoint_cache_dir(cache_dir: Optional[str] = None) -> str:
@@ -105,7 +114,7 @@ def _download_failure(error: BaseException) -> str:
         return f"no answer within {DOWNLOAD_TIMEOUT_S:.0f} s"
     if isinstance(error, http.client.IncompleteRead):
         return f"connection closed after {len(error.partial)} more bytes, {error.expected} short"
-    return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else 'no detail'}"
+    return error_summary(error)
 
 
 def process_alive(pid: int) -> bool:
@@ -254,8 +263,7 @@ def load_checkpoint_file(path: str, map_location: Any = 'cpu') -> Any:
         try:
             return safetensors.torch.load_file(path, device=str(map_location))
         except (safetensors.SafetensorError, OSError, ValueError) as e:
-            raise CheckpointError(f"checkpoint {path!r} is truncated or corrupt ({type(e).__name__}: "
-                                  f"{str(e).splitlines()[0] if str(e) else 'no detail'})") from None
+            raise CheckpointError(f"checkpoint {path!r} is truncated or corrupt ({error_summary(e)})") from None
     if not head.startswith(CHECKPOINT_MAGIC):
         start = f"starts with {head[:8]!r}" if head else "is empty"
         raise CheckpointError(f"{path!r} is not a checkpoint: it {start}; expected a file written by torch.save "
@@ -273,8 +281,7 @@ def load_checkpoint_file(path: str, map_location: Any = 'cpu') -> Any:
             f"checkpoint {path!r} is refused: it pickles objects outside the allow-list of tensors and plain "
             f"containers ({_refusal(e)}); nothing of it ran") from None
     except (RuntimeError, EOFError, zipfile.BadZipFile, OSError, ValueError) as e:
-        raise CheckpointError(f"checkpoint {path!r} is truncated or corrupt ({type(e).__name__}: "
-                              f"{str(e).splitlines()[0] if str(e) else 'no detail'})") from None
+        raise CheckpointError(f"checkpoint {path!r} is truncated or corrupt ({error_summary(e)})") from None
 
 
 def checkpoint_state_dict(checkpoint: Any, keys: Sequence[str] = ('model', 'state_dict')) -> Dict[str, Tensor]:
@@ -455,16 +462,50 @@ def is_hub_name(name: str) -> bool:
     return name.startswith(tuple(f'{source}:' for source in HUB_SOURCES))
 
 
-def _hub_state_dict(source: str) -> Dict[str, Tensor]:
-    """The weights of a `local-dir:` / `hf-hub:` model name, found and read by timm's own loaders."""
-    kind, _, location = source.partition(':')
-    try:
-        if kind == 'local-dir':
-            return timm.models._hub.load_state_dict_from_path(location)
-        return timm.models.load_state_dict_from_hf(location)
-    except (OSError, RuntimeError, ValueError, EntryNotFoundError) as e:
-        detail = str(e).strip().splitlines()[0] if str(e).strip() else 'no detail'
-        raise CheckpointError(f"pretrained source {source!r} cannot be read ({type(e).__name__}: {detail})") from None
+def _folder_weights_file(name: str, folder: str) -> str:
+    if not os.path.isdir(folder):
+        raise CheckpointError(f"{name!r}: {folder!r} is not a folder; expected one written by "
+                              f"timm.models.save_for_hf")
+    # timm's own order (private to timm.models._hub), so the file is the one create_model(name, pretrained=True) reads
+    for filename in timm.models._hub._PREFERRED_FILES:
+        if os.path.isfile(os.path.join(folder, filename)):
+            return os.path.join(folder, filename)
+    for extension in timm.models._hub._EXT_PRIORITY:
+        found = sorted(f for f in os.listdir(folder)
+                       if f.endswith(extension) and os.path.isfile(os.path.join(folder, f)))
+        if found:
+            if len(found) > 1:
+                warnings.warn(f"{name!r}: the folder holds {len(found)} {extension} files {found}; reading "
+                              f"{found[0]!r}")
+            return os.path.join(folder, found[0])
+    raise CheckpointError(f"{name!r}: the folder holds no weights; expected {' or '.join(HUB_WEIGHTS_FILES)} (the "
+                          f"files timm.models.save_for_hf writes), or a {' / '.join(timm.models._hub._EXT_PRIORITY)} "
+                          f"file")
+
+
+def _downloaded_weights_file(name: str, repository: str) -> str:
+    for filename in HUB_WEIGHTS_FILES:
+        try:
+            return timm.models._hub.download_from_hf(repository, filename)
+        except LocalEntryNotFoundError as e:  # offline, and not in the cache: another file would not be either
+            raise CheckpointError(f"{name!r}: {filename} cannot be downloaded ({error_summary(e)})") from None
+        except EntryNotFoundError:
+            continue
+        except OSError as e:
+            raise CheckpointError(f"{name!r}: {filename} cannot be downloaded ({error_summary(e)})") from None
+    raise CheckpointError(f"{name!r}: the repository holds no weights; expected {' or '.join(HUB_WEIGHTS_FILES)} "
+                          f"(the files timm.models.save_for_hf writes)")
+
+
+def hub_weights_file(name: str) -> str:
+    """The weights file of `local-dir:FOLDER` / `hf-hub:REPO` name `name`, the one that
+    `timm.create_model(name, pretrained=True)` reads: in a folder, the first of timm's preferred file names
+    (model.safetensors, pytorch_model.bin, ...), else the first file of each weights extension in timm's order; in a
+    hub repository, model.safetensors, else pytorch_model.bin, downloaded into the hub's cache."""
+    source, _, location = name.partition(':')
+    if source == 'local-dir':
+        return _folder_weights_file(name, location)
+    return _downloaded_weights_file(name, location)
 
 
 def load_pretrained_into(model: nn.Module, source: str) -> TransferReport:
@@ -477,11 +518,14 @@ def load_pretrained_into(model: nn.Module, source: str) -> TransferReport:
     the report names the model's new keys, which keep their initialisation, and the dropped ones.
     """
     if is_hub_name(source):
-        return load_shared_weights(model, _hub_state_dict(source), source)
-    if not os.path.exists(source) and not timm.is_model(source):
+        path = hub_weights_file(source)
+    elif os.path.exists(source):
+        path = source
+    elif timm.is_model(source):
+        path = released_weights_file(source)
+    else:
         raise CheckpointError(f"pretrained source {source!r} is neither a file nor a registered model name")
-    checkpoint = load_checkpoint_file(source if os.path.exists(source) else released_weights_file(source))
-    return load_shared_weights(model, checkpoint_state_dict(checkpoint), source)
+    return load_shared_weights(model, checkpoint_state_dict(load_checkpoint_file(path)), source)
 
 
 def load_shared_weights(model: nn.Module, state_dict: Mapping[str, Tensor], source: str) -> TransferReport:

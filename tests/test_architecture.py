@@ -2,16 +2,19 @@
 unchanged state dicts, pretrained cfgs that belong to their architecture, and softmax weights as a start."""
 import hashlib
 import json
+import warnings
 from pathlib import Path
 from typing import Optional
 
 import pytest
+import safetensors.torch
 import timm
+import timm.models._hub
 import torch
 
 import models  # noqa: F401  (registers the families)
 from models.attention import GROUPINGS, build_attention, forms_score_matrix, list_attentions
-from models.checkpoint import CheckpointError, load_pretrained_into
+from models.checkpoint import CheckpointError, hub_weights_file, load_checkpoint_file, load_pretrained_into
 
 FINGERPRINTS = json.loads((Path(__file__).parent / 'data' / 'state_dict_fingerprints.json').read_text())
 FAMILIES = ('deit', 'pvt', 'swin', 'cswin')
@@ -285,9 +288,38 @@ def test_a_model_saved_for_the_hub_starts_another_attention_by_its_hub_name(tmp_
         states.append(model.state_dict())
     assert reports[0] == reports[1] == reports[2] and any('.residual.' in k for k in reports[0].new)
     assert all(torch.equal(state[k], saved.state_dict()[k]) for state in states for k in reports[0].loaded)
-    with pytest.raises(CheckpointError, match=r"^pretrained source 'local-dir:.*empty' cannot be read \(RuntimeError: "
-                                              r"No suitable checkpoints found in .*empty\.\)$"):
+    (tmp_path / 'empty').mkdir()
+    with pytest.raises(CheckpointError, match=r"^'local-dir:.*empty': the folder holds no weights; expected "
+                                              r"model\.safetensors or pytorch_model\.bin \(the files "
+                                              r"timm\.models\.save_for_hf writes\), or a \.safetensors / \.pth / "
+                                              r"\.pth\.tar / \.bin file$"):
         load_pretrained_into(model, f'local-dir:{tmp_path / "empty"}')
+    with pytest.raises(CheckpointError, match=r"^'local-dir:.*missing': '.*missing' is not a folder; expected one "
+                                              r"written by timm\.models\.save_for_hf$"):
+        load_pretrained_into(model, f'local-dir:{tmp_path / "missing"}')
+
+
+@pytest.mark.parametrize('files', [
+    ('pytorch_model.bin', 'model.safetensors', 'other.pth'),
+    ('pytorch_model.bin', 'a.safetensors'),
+    ('model.pth', 'weights.bin'),
+    ('b.safetensors', 'a.safetensors', 'c.pth'),
+    ('weights.bin', 'weights.pth.tar'),
+])
+def test_the_weights_of_a_hub_folder_are_the_file_timm_reads(tmp_path, files):
+    """`hub_weights_file('local-dir:…')`, which eval.py, train.py and `load_pretrained_into` read, picks the file
+    `timm.create_model('local-dir:…', pretrained=True)` reads, whatever else the folder holds: each file holds
+    another tensor, compared with timm's own loader."""
+    for index, filename in enumerate(files):
+        weights = {'marker': torch.full((1,), float(index))}
+        if filename.endswith('.safetensors'):
+            safetensors.torch.save_file(weights, tmp_path / filename)
+        else:
+            torch.save(weights, tmp_path / filename)
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')  # two files of one extension: both name the one they read
+        ours = load_checkpoint_file(hub_weights_file(f'local-dir:{tmp_path}'))
+    assert torch.equal(ours['marker'], timm.models._hub.load_state_dict_from_path(tmp_path)['marker'])
 
 
 def test_a_start_from_another_family_or_a_missing_source_is_one_line(tmp_path):

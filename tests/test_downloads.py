@@ -341,10 +341,16 @@ EXPECTED_START = ("expected a checkpoint file, the name of a model with released
     ('missing/best.pth', "MODEL.PRETRAINED 'missing/best.pth' is neither a file nor a registered model name; "
                          f"{EXPECTED_START}"),
     ('linear_deit_tiny', f"MODEL.PRETRAINED 'linear_deit_tiny' has no released weights; {EXPECTED_START}"),
-    ('local-dir:missing', "MODEL.PRETRAINED 'local-dir:missing': the folder holds no weights; expected "
-                          "model.safetensors or pytorch_model.bin (the files timm.models.save_for_hf writes)"),
+    ('local-dir:missing', "MODEL.PRETRAINED 'local-dir:missing': 'missing' is not a folder; expected one written by "
+                          "timm.models.save_for_hf"),
+    ('local-dir:empty', "MODEL.PRETRAINED 'local-dir:empty': the folder holds no weights; expected model.safetensors or "
+                    "pytorch_model.bin (the files timm.models.save_for_hf writes), or a .safetensors / .pth / .pth.tar "
+                    "/ .bin file"),
 ])
-def test_a_start_that_is_neither_a_file_nor_a_release_fails_before_any_data_is_read(tmp_path, capsys, start, message):
+def test_a_start_that_is_neither_a_file_nor_a_release_fails_before_any_data_is_read(tmp_path, capsys, monkeypatch,
+                                                                                    start, message):
+    (tmp_path / 'empty').mkdir()
+    monkeypatch.chdir(tmp_path)
     status = run_cli(train_main, ['--cfg', str(REPO / 'configs' / 'demo' / 'digits_tiny.yaml'), '--pretrained', start,
                                   '--data-path', str(tmp_path / 'no_data'), '--output', str(tmp_path / 'run'),
                                   '--opts', 'DATA.DATASET', 'imagefolder'])

@@ -33,7 +33,8 @@ from yacs.config import CfgNode
 import engine.analysis
 import engine.data
 import engine.evaluation
-from engine.build import create_criterion, create_model, create_optimizer, create_scheduler, read_weights
+from engine.build import (check_pretrained, create_criterion, create_model, create_optimizer, create_scheduler,
+                          read_weights)
 from engine.checkpoint import TrainingCheckpoint, atomic_save, atomic_write_text, rng_state, set_rng_state
 from engine.cli import eval_main, train_main
 from engine.config import ConfigError, load_config
@@ -835,6 +836,25 @@ def test_a_model_saved_for_the_hub_evaluates_by_its_local_dir_name(tmp_path, dig
     code, out, err = _run(eval_main, by_hand, capsys)
     assert code == 0, err
     assert _metrics(out)['loss'] != result['loss']
+
+
+def test_a_hub_folder_with_weights_under_another_name_evaluates_and_starts_a_run(tmp_path, digits, capsys):
+    """A folder whose weights file is not one save_for_hf names (`model.pth`, which timm's own loader reads) is
+    evaluated with those weights and accepted as a training start, as `timm.create_model` accepts it."""
+    saved = _saved_for_the_hub(tmp_path / 'saved')
+    renamed = tmp_path / 'renamed'
+    renamed.mkdir()
+    shutil.copy(saved / 'config.json', renamed / 'config.json')
+    shutil.copy(saved / 'pytorch_model.bin', renamed / 'model.pth')
+    results = []
+    for folder in (saved, renamed):
+        code, out, err = _run(eval_main, ['--model', f'local-dir:{folder}', '--data-path', str(digits),
+                                          '--crop-pct', '1.0'], capsys)
+        assert code == 0, err
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    assert results[1]['checkpoint'] == str(renamed / 'model.pth')
+    assert _metrics(json.dumps(results[1])) == _metrics(json.dumps(results[0]))
+    check_pretrained(f'local-dir:{renamed}')
 
 
 def test_a_model_saved_for_the_hub_evaluates_by_its_hub_name(tmp_path, digits, capsys, monkeypatch):
