@@ -11,7 +11,6 @@ from yacs.config import CfgNode as CN
 
 from .build import create_model, read_weights
 from .data import BadImage, eval_transform, image_mode, read_image
-from .distributed import DistInfo
 from .errors import UsageError
 from .evaluation import eval_config
 from .hub import hub_weights_file, is_hub_name
@@ -19,20 +18,19 @@ from .hub import hub_weights_file, is_hub_name
 __all__ = ['IMAGE_EXTENSIONS', 'load_analysis_model', 'find_images', 'load_images']
 
 IMAGE_EXTENSIONS = ('.png', '.jpg', '.jpeg', '.bmp', '.webp', '.tif', '.tiff')
-# the analysis scripts run in one process
-ONE_PROCESS = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device('cpu'))
 
 
 def load_analysis_model(model_name: Optional[str], checkpoint: Optional[str], opts: Sequence[str] = (),
-                        ema: bool = False) -> Tuple[nn.Module, CN]:
+                        ema: bool = False, model_option: str = '--model') -> Tuple[nn.Module, CN]:
     """The model in eval mode and its config: `model_name` with its pretrained config, else the config stored in
     our `checkpoint`; the checkpoint's weights when given, else those saved with a `local-dir:` / `hf-hub:`
-    `model_name` (random weights otherwise). `opts` override the config."""
+    `model_name` (random weights otherwise). `opts` override the config; `model_option`, the script's option that
+    gave `model_name`, starts the errors about it."""
     if checkpoint and not os.path.isfile(checkpoint):
         raise UsageError(f"checkpoint {checkpoint!r} not found")
-    cfg = eval_config(None, model_name, None if model_name else checkpoint, opts)
+    cfg = eval_config(None, model_name, None if model_name else checkpoint, opts, model_option=model_option)
     if not checkpoint and model_name and is_hub_name(model_name):
-        checkpoint = hub_weights_file(model_name, '--model', ONE_PROCESS)
+        checkpoint = hub_weights_file(model_name, model_option)
     model = create_model(cfg)
     if checkpoint:
         # our own checkpoints hold the model's own keys; loading them directly also serves models whose name

@@ -36,15 +36,15 @@ def _model_data_settings(pretrained_cfg: Dict[str, Any]) -> Dict[str, Any]:
     return settings
 
 
-def _hub_settings(name: str) -> Dict[str, Any]:
+def _hub_settings(name: str, option: str) -> Dict[str, Any]:
     """The config of a `local-dir:` / `hf-hub:` model from its config.json: the architecture, the arguments it was
     built with (the attention among them) and the preprocessing of its pretrained config, at the input size it
-    was built for."""
-    pretrained_cfg, architecture, model_args = hub_config(name, '--model')
+    was built for. `option` (which gave the name) starts the one-line error where it cannot be used."""
+    pretrained_cfg, architecture, model_args = hub_config(name, option)
     try:
         check_model_name(architecture)
     except UsageError as e:
-        raise UsageError(f"--model {name!r}: the architecture in its config.json: {e}") from None
+        raise UsageError(f"{option} {name!r}: the architecture in its config.json: {e}") from None
     kwargs = dict(model_args)  # those the config holds under its own keys are moved there
     settings = _model_data_settings(pretrained_cfg)
     settings['MODEL'] = dict(NAME=architecture,
@@ -55,7 +55,7 @@ def _hub_settings(name: str) -> Dict[str, Any]:
     if img_size is not None:
         sides = [img_size] * 2 if isinstance(img_size, int) else list(img_size)
         if len(set(sides)) != 1:
-            raise UsageError(f"--model {name!r} was built for {sides[0]}x{sides[-1]} images; expected a square "
+            raise UsageError(f"{option} {name!r} was built for {sides[0]}x{sides[-1]} images; expected a square "
                              f"input size (DATA.IMG_SIZE is one side)")
         settings['DATA']['IMG_SIZE'] = int(sides[0])
     settings['MODEL']['KWARGS'] = kwargs
@@ -68,16 +68,18 @@ def eval_config(
         checkpoint: Optional[str],
         opts: Sequence[str] = (),
         overrides: Optional[Dict[str, Any]] = None,
+        model_option: str = '--model',
 ) -> CN:
     """The evaluation config: `--cfg` file, or a registered `--model` with its own preprocessing, or a
     `local-dir:` / `hf-hub:` `--model` with the architecture and preprocessing of its config.json, or (none of
-    these) the config stored in one of our checkpoints; then command-line overrides and `--opts`."""
+    these) the config stored in one of our checkpoints; then command-line overrides and `--opts`. `model_option`
+    names the option that gave `model_name` in errors."""
     if cfg_file:
         cfg = load_config(cfg_file, opts, overrides)
         cfg.defrost()
     elif model_name and is_hub_name(model_name):
         cfg = get_default_config()
-        merge_dict(cfg, _hub_settings(model_name), f"the config.json of {model_name}")
+        merge_dict(cfg, _hub_settings(model_name, model_option), f"the config.json of {model_name}")
         merge_dict(cfg, overrides or {}, 'the command line')
         merge_opts(cfg, list(opts))
     elif model_name:

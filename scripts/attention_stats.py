@@ -107,7 +107,7 @@ def main(argv: Sequence[str]) -> int:
     files = find_images(args.data, args.max_images)
     rows: List[Dict[str, object]] = []
     for label, name, checkpoint in sources(args):
-        model, cfg = load_analysis_model(name or None, checkpoint or None, args.opts, args.ema)
+        model, cfg = load_analysis_model(name or None, checkpoint or None, args.opts, args.ema, '--models')
         label = label or str(cfg.MODEL.KWARGS.get('attn_type', cfg.MODEL.NAME))
         if any(row['model'] == label for row in rows):
             raise UsageError(f"two models are labelled {label!r}; give them labels as LABEL=PATH")

@@ -184,3 +184,17 @@ def test_the_analysis_scripts_take_a_model_saved_for_the_hub_with_its_weights(im
         rows = list(csv.DictReader(f))
     assert {row['model'] for row in rows} == {name} and len(rows) == 2 * 2
     assert max(float(row['negative']) for row in rows) > 0
+
+
+def test_the_analysis_scripts_name_their_own_option_for_a_hub_folder_without_weights(images, tmp_path, capsys):
+    saved = timm.create_model('softmax_deit_tiny', img_size=16, patch_size=4, embed_dim=16, depth=1, num_heads=2)
+    timm.models.save_for_hf(saved, str(tmp_path / 'saved'))
+    os.remove(tmp_path / 'saved' / 'pytorch_model.bin')
+    name = f'local-dir:{tmp_path / "saved"}'
+    for script, option in ((attention_stats, '--models'), (visualize, '--model')):
+        other = ['--data', str(images)] if script is attention_stats else ['--image', str(images)]
+        assert run_cli(script.main, [option, name, *other, '--out', str(tmp_path / 'out')]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: {option} {name!r}: the folder holds no weights; expected ") and \
+            err.count('\n') == 1, err
+    assert not [path for path in tmp_path.rglob('out*') if path.is_file()]  # no figure, table or plot written
