@@ -123,10 +123,16 @@ def _check_channels(cfg: CN, in_chans: int) -> None:
                               f"{in_chans}); expected one mean and one std per channel, e.g. {example}")
 
 
+def _unexpected_keyword(error: TypeError) -> Optional[str]:
+    unexpected = re.search(r"unexpected keyword argument '(\w+)'", str(error))  # Python 3.13 appends a guess
+    return unexpected.group(1) if unexpected else None
+
+
 def create_model(cfg: CN, weights: Optional[Dict[str, Tensor]] = None, source: str = 'checkpoint',
                  device: Optional[str] = None, strict: bool = True) -> nn.Module:
     """`timm.create_model(MODEL.NAME, num_classes, img_size, drop_path_rate, **MODEL.KWARGS)`, its parameters
-    created on `device` (None: the default device).
+    created on `device` (None: the default device); without `img_size` for a model that takes no such argument
+    (a convolutional net, which takes any input size), unless MODEL.KWARGS gives it.
 
     `weights` go through the family's checkpoint filter (official layouts, derived buffers, resizing), so our
     checkpoints and official releases load alike. A classifier for another class count is re-initialised (for
@@ -151,13 +157,19 @@ def create_model(cfg: CN, weights: Optional[Dict[str, Tensor]] = None, source: s
         classes = classifier_rows(name, weights) or cfg.MODEL.NUM_CLASSES
         kwargs.update(pretrained=True, pretrained_cfg_overlay=dict(state_dict=weights, num_classes=classes))
     try:
-        model = timm.create_model(name, **kwargs)
+        try:
+            model = timm.create_model(name, **kwargs)
+        except TypeError as e:
+            # a convolutional net takes images of any size and no img_size; the one the config gives is for the data
+            if _unexpected_keyword(e) != 'img_size' or 'img_size' in cfg.MODEL.KWARGS:
+                raise
+            kwargs.pop('img_size')
+            model = timm.create_model(name, **kwargs)
     except CheckpointError as e:
         raise CheckpointError(f"{source}: {e}") from None
     except TypeError as e:
-        unexpected = re.search(r"unexpected keyword argument '(\w+)'", str(e))  # Python 3.13 appends a guess
-        if unexpected:
-            keyword = unexpected.group(1)
+        keyword = _unexpected_keyword(e)
+        if keyword:
             raise ConfigError(f"model {name!r} does not accept the keyword {keyword!r} (MODEL.KWARGS.{keyword}); "
                               f"expected the constructor's own argument names") from e
         raise

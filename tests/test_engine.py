@@ -956,6 +956,30 @@ def test_timm_layout_weights_fine_tune_to_another_class_count(caplog):
                        timm_weights['layers.1.downsample.reduction.weight'])
 
 
+def test_a_convolutional_net_of_timm_trains_and_evaluates_at_the_config_s_image_size(tmp_path, digits, capsys):
+    """A timm model without an `img_size` argument (a ResNet takes any input size) is built without it; the same
+    keyword given in MODEL.KWARGS is still refused on one line."""
+    cfg = tmp_path / 'resnet.yaml'
+    cfg.write_text('DATA: {DATASET: digits, BATCH_SIZE: 64, IMG_SIZE: 16, NUM_WORKERS: 0}\n'
+                   'MODEL: {NAME: test_resnet, NUM_CLASSES: 10, DROP_PATH_RATE: 0.0}\n'
+                   'TRAIN: {EPOCHS: 1, WARMUP_EPOCHS: 0}\n'
+                   'AUG: {AUTO_AUGMENT: "", REPROB: 0.0, MIXUP: 0.0, CUTMIX: 0.0, REPEATED_AUG: 1}\n')
+    code, _, err = _run(train_main, ['--cfg', str(cfg), '--data-path', str(digits), '--output', str(tmp_path / 'run')],
+                        capsys)
+    assert code == 0, err
+    logged = [json.loads(line) for line in (tmp_path / 'run' / 'log.jsonl').read_text().splitlines()]
+    code, out, err = _run(eval_main, ['--checkpoint', str(tmp_path / 'run' / 'last.pth'), '--data-path', str(digits)],
+                          capsys)
+    assert code == 0, err
+    result = json.loads(out.strip().splitlines()[-1])
+    assert (result['model'], result['img_size'], result['count']) == ('test_resnet', 16, 360)
+    assert result['top1'] == pytest.approx(logged[-1]['val_top1'])
+    code, _, err = _run(eval_main, ['--checkpoint', str(tmp_path / 'run' / 'last.pth'), '--data-path', str(digits),
+                                    '--opts', 'MODEL.KWARGS.img_size', '16'], capsys)
+    assert (code, err) == (USAGE_EXIT_CODE, "error: model 'test_resnet' does not accept the keyword 'img_size' "
+                                            "(MODEL.KWARGS.img_size); expected the constructor's own argument names\n")
+
+
 def test_a_checkpoint_of_another_attention_than_the_variant_s_evaluates(tmp_path, digits, capsys):
     """A model trained with MODEL.KWARGS.attn_type other than its registered variant's evaluates from its own
     checkpoint: the weights are the user's, not the variant's release."""
