@@ -207,17 +207,18 @@ def unknown_pretrained_tag(name: str) -> Optional[str]:
 
 
 def has_released_weights(name: str) -> bool:
-    """Whether registered model `name`'s pretrained cfg gives weights `released_weights_file` can fetch: a `file`
-    or a `url`."""
+    """Whether registered model `name`'s pretrained cfg gives weights `released_weights_file` can fetch: a `file`,
+    a hub repository or a `url`."""
     if unknown_pretrained_tag(name):
         return False
     cfg = get_pretrained_cfg(name)
-    return cfg is not None and bool(cfg.file or cfg.url)
+    return cfg is not None and bool(cfg.file or cfg.hf_hub_id or cfg.url)
 
 
-def released_weights_file(name: str, cache_dir: Optional[str] = None, progress: bool = True) -> str:
-    """A local file of registered model `name`'s released weights: its cfg's `file`, else its `url` downloaded
-    into the cache by `download_checkpoint`."""
+def released_weights_file(name: str) -> str:
+    """A local file of registered model `name`'s released weights, from where `timm.create_model(name,
+    pretrained=True)` takes them: its cfg's `file`; else its hub repository (timm's own models), downloaded into
+    the hub's cache; else its `url` (this zoo's releases), downloaded into timm's cache by `download_checkpoint`."""
     if not timm.is_model(name):
         raise CheckpointError(f"model {name!r} is not registered with timm; expected a model name")
     tag_problem = unknown_pretrained_tag(name)
@@ -229,7 +230,13 @@ def released_weights_file(name: str, cache_dir: Optional[str] = None, progress: 
     cfg = get_pretrained_cfg(name)
     if cfg.file:
         return cfg.file
-    return download_checkpoint(cfg.url, cached_file_name(name, cfg.url), cache_dir, progress)
+    if cfg.hf_hub_id:
+        offline = ("; without network access, download it where you can and give the file (eval.py: --checkpoint "
+                   "FILE, train.py: --pretrained FILE)")
+        return _downloaded_weights_file(f"the released weights of {name!r} (hub repository {cfg.hf_hub_id!r})",
+                                        cfg.hf_hub_id, (cfg.hf_hub_filename,) if cfg.hf_hub_filename else
+                                        HUB_WEIGHTS_FILES, offline)
+    return download_checkpoint(cfg.url, cached_file_name(name, cfg.url))
 
 
 def _refusal(error: pickle.UnpicklingError) -> str:
@@ -483,18 +490,19 @@ def _folder_weights_file(name: str, folder: str) -> str:
                           f"file")
 
 
-def _downloaded_weights_file(name: str, repository: str) -> str:
-    for filename in HUB_WEIGHTS_FILES:
+def _downloaded_weights_file(what: str, repository: str, filenames: Sequence[str], advice: str = '') -> str:
+    """The first of `filenames` in hub `repository`, downloaded into the hub's cache; `what` names the weights,
+    and `advice` follows, in the one-line error where none can be downloaded."""
+    for filename in filenames:
         try:
             return timm.models._hub.download_from_hf(repository, filename)
         except LocalEntryNotFoundError as e:  # offline, and not in the cache: another file would not be either
-            raise CheckpointError(f"{name!r}: {filename} cannot be downloaded ({error_summary(e)})") from None
+            raise CheckpointError(f"{what}: {filename} cannot be downloaded ({error_summary(e)}){advice}") from None
         except EntryNotFoundError:
             continue
         except OSError as e:
-            raise CheckpointError(f"{name!r}: {filename} cannot be downloaded ({error_summary(e)})") from None
-    raise CheckpointError(f"{name!r}: the repository holds no weights; expected {' or '.join(HUB_WEIGHTS_FILES)} "
-                          f"(the files timm.models.save_for_hf writes)")
+            raise CheckpointError(f"{what}: {filename} cannot be downloaded ({error_summary(e)}){advice}") from None
+    raise CheckpointError(f"{what}: the repository holds no weights; expected {' or '.join(filenames)}")
 
 
 def hub_weights_file(name: str) -> str:
@@ -505,7 +513,7 @@ def hub_weights_file(name: str) -> str:
     source, _, location = name.partition(':')
     if source == 'local-dir':
         return _folder_weights_file(name, location)
-    return _downloaded_weights_file(name, location)
+    return _downloaded_weights_file(repr(name), location, HUB_WEIGHTS_FILES)
 
 
 def load_pretrained_into(model: nn.Module, source: str) -> TransferReport:

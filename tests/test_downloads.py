@@ -16,16 +16,21 @@ from pathlib import Path
 from typing import Dict, Iterator, List, Tuple
 
 import pytest
+import safetensors.torch
 import timm
+import timm.models._hub
 import torch
+from huggingface_hub.utils import EntryNotFoundError, LocalEntryNotFoundError
 from timm.models._registry import _model_pretrained_cfgs
 
 from engine.cli import eval_main, train_main
 from engine.data import prepare_digits
 from engine.errors import USAGE_EXIT_CODE, run_cli
+import models.checkpoint
 import models.family
 from models.attention import list_attentions
-from models.checkpoint import DownloadError, load_pretrained_into
+from models.checkpoint import (CheckpointError, DownloadError, has_released_weights, load_pretrained_into,
+                               released_weights_file)
 from models.family import tsinghua_url
 
 REPO = Path(__file__).resolve().parents[1]
@@ -385,3 +390,60 @@ def test_eval_py_reads_a_file_copied_to_the_cache_path_without_network(tmp_path)
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result['checkpoint'] == str(cache / 'inline_deit_tiny.pth') and result['count'] > 0
     assert sorted(p.name for p in cache.iterdir()) == ['inline_deit_tiny.pth']
+
+
+class FakeHub:
+    """timm's hub download, served from a folder per repository; records what was asked for."""
+
+    def __init__(self, root: Path, offline: bool = False):
+        self.root, self.offline, self.fetched = root, offline, []
+
+    def __call__(self, repo_id, filename, revision=None, **kwargs) -> str:
+        self.fetched.append((repo_id, filename))
+        if self.offline:
+            raise LocalEntryNotFoundError('the file is not in the cache and outgoing traffic is disabled')
+        path = self.root / repo_id / filename
+        if not path.is_file():
+            raise EntryNotFoundError(f'{filename} is not in {repo_id}')
+        return str(path)
+
+
+def test_timm_s_own_weights_come_from_its_hub_repository_as_timm_loads_them(tmp_path, monkeypatch):
+    """A timm model whose weights live on the hub only (PVTv2-B0) starts a PVTv2 of another attention, from the file
+    `timm.create_model(name, pretrained=True)` reads; its original URL, where there is one, is not asked."""
+    torch.manual_seed(0)
+    served = timm.create_model('pvt_v2_b0').state_dict()
+    (tmp_path / 'timm' / 'pvt_v2_b0.in1k').mkdir(parents=True)
+    safetensors.torch.save_file(served, tmp_path / 'timm' / 'pvt_v2_b0.in1k' / 'model.safetensors')
+    hub = FakeHub(tmp_path)
+    monkeypatch.setattr(timm.models._hub, 'hf_hub_download', hub)
+    by_timm = timm.create_model('pvt_v2_b0', pretrained=True).state_dict()
+    assert all(torch.equal(by_timm[k], served[k]) for k in served)
+    assert has_released_weights('pvt_v2_b0')
+    hub.fetched.clear()
+    assert released_weights_file('pvt_v2_b0') == str(tmp_path / 'timm' / 'pvt_v2_b0.in1k' / 'model.safetensors')
+    assert hub.fetched == [('timm/pvt_v2_b0.in1k', 'model.safetensors')]
+    model = timm.create_model('inline_pvt_v2_b0')
+    report = load_pretrained_into(model, 'pvt_v2_b0')
+    assert len(report.loaded) == 154 and any('.residual.' in k for k in report.new)
+    assert torch.equal(model.state_dict()['block1.0.attn.q.weight'], served['stages.0.blocks.0.attn.q.weight'])
+    # a URL in the cfg too (DeiT): the hub still wins, as in timm, and the URL is never requested
+    monkeypatch.setattr(models.checkpoint, 'download_checkpoint', lambda *args: pytest.fail('downloaded the URL'))
+    with pytest.raises(CheckpointError, match=r"^the released weights of 'deit_tiny_patch16_224' \(hub repository "
+                                              r"'timm/deit_tiny_patch16_224\.fb_in1k'\): the repository holds no "
+                                              r"weights; expected model\.safetensors or pytorch_model\.bin$"):
+        released_weights_file('deit_tiny_patch16_224')
+
+
+def test_a_timm_model_s_hub_weights_offline_are_one_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(timm.models._hub, 'hf_hub_download', FakeHub(tmp_path, offline=True))
+    digits = prepare_digits(str(tmp_path / 'digits'))
+    status = run_cli(train_main, ['--cfg', str(REPO / 'configs' / 'demo' / 'digits_tiny.yaml'), '--pretrained',
+                                  'deit_tiny_patch16_224', '--data-path', digits, '--output', str(tmp_path / 'run')])
+    err = capsys.readouterr().err.splitlines()[-1]
+    assert status == USAGE_EXIT_CODE
+    assert err == ("error: the released weights of 'deit_tiny_patch16_224' (hub repository "
+                   "'timm/deit_tiny_patch16_224.fb_in1k'): model.safetensors cannot be downloaded "
+                   "(LocalEntryNotFoundError: the file is not in the cache and outgoing traffic is disabled); without "
+                   "network access, download it where you can and give the file (eval.py: --checkpoint FILE, "
+                   "train.py: --pretrained FILE)")
