@@ -44,7 +44,7 @@ from tqdm import tqdm
 
 __all__ = [
     'CheckpointError', 'DownloadError', 'checkpoint_cache_dir', 'cached_file_name', 'download_checkpoint',
-    'process_alive', 'HUB_SOURCES', 'HUB_WEIGHTS_FILES', 'is_hub_name', 'hub_weights_file', 'unknown_pretrained_tag',
+    'process_alive', 'HUB_SOURCES', 'is_hub_name', 'hub_weights_file', 'unknown_pretrained_tag',
     'has_released_weights', 'released_weights_file', 'official_keys', 'filter_checkpoint', 'adapt_state_dict',
     'load_pretrained_into', 'load_shared_weights', 'TransferReport', 'SAFE_GLOBALS', 'load_checkpoint_file',
     'checkpoint_state_dict', 'error_summary',
@@ -56,8 +56,6 @@ SAFE_GLOBALS = [(OrderedDict, 'yacs.config.CfgNode'), set, argparse.Namespace]
 # the `source` of the pretrained cfg timm builds for a model saved by timm.models.save_for_hf, and the prefix of its
 # model name
 HUB_SOURCES = ('local-dir', 'hf-hub')
-# the weights files save_for_hf writes, in the order timm's loader prefers them
-HUB_WEIGHTS_FILES = ('model.safetensors', 'pytorch_model.bin')
 torch.serialization.add_safe_globals(SAFE_GLOBALS)
 
 DERIVED_BUFFERS = ('relative_position_index', 'relative_coords_table', 'attn_mask')
@@ -234,8 +232,7 @@ def released_weights_file(name: str) -> str:
         offline = ("; without network access, download it where you can and give the file (eval.py: --checkpoint "
                    "FILE, train.py: --pretrained FILE)")
         return _downloaded_weights_file(f"the released weights of {name!r} (hub repository {cfg.hf_hub_id!r})",
-                                        cfg.hf_hub_id, (cfg.hf_hub_filename,) if cfg.hf_hub_filename else
-                                        HUB_WEIGHTS_FILES, offline)
+                                        cfg.hf_hub_id, _hub_filenames(cfg.hf_hub_filename), offline)
     return download_checkpoint(cfg.url, cached_file_name(name, cfg.url))
 
 
@@ -485,9 +482,18 @@ def _folder_weights_file(name: str, folder: str) -> str:
                 warnings.warn(f"{name!r}: the folder holds {len(found)} {extension} files {found}; reading "
                               f"{found[0]!r}")
             return os.path.join(folder, found[0])
-    raise CheckpointError(f"{name!r}: the folder holds no weights; expected {' or '.join(HUB_WEIGHTS_FILES)} (the "
+    raise CheckpointError(f"{name!r}: the folder holds no weights; expected {' or '.join(_hub_filenames(None))} (the "
                           f"files timm.models.save_for_hf writes), or a {' / '.join(timm.models._hub._EXT_PRIORITY)} "
                           f"file")
+
+
+def _hub_filenames(filename: Optional[str]) -> Tuple[str, ...]:
+    """The files timm tries in a hub repository for weights file `filename` (default pytorch_model.bin): its
+    safetensors alternatives first (timm's own list, private to timm.models._hub), then the file itself."""
+    filename = filename or timm.models._hub.HF_WEIGHTS_NAME
+    if filename.endswith('.safetensors'):
+        return (filename,)
+    return (*timm.models._hub._get_safe_alternatives(filename), filename)
 
 
 def _downloaded_weights_file(what: str, repository: str, filenames: Sequence[str], advice: str = '') -> str:
@@ -513,7 +519,7 @@ def hub_weights_file(name: str) -> str:
     source, _, location = name.partition(':')
     if source == 'local-dir':
         return _folder_weights_file(name, location)
-    return _downloaded_weights_file(repr(name), location, HUB_WEIGHTS_FILES)
+    return _downloaded_weights_file(repr(name), location, _hub_filenames(None))
 
 
 def load_pretrained_into(model: nn.Module, source: str) -> TransferReport:

@@ -435,6 +435,25 @@ def test_timm_s_own_weights_come_from_its_hub_repository_as_timm_loads_them(tmp_
         released_weights_file('deit_tiny_patch16_224')
 
 
+def test_a_release_on_the_hub_under_its_own_file_name_is_read_as_timm_reads_it(tmp_path, monkeypatch):
+    """A registered cfg naming a hub repository and a `.bin` file: the files asked for, and their order (the
+    safetensors alternative first), are those of timm's own hub loader."""
+    cfg = dataclasses.replace(_model_pretrained_cfgs['inline_deit_tiny'], hf_hub_id='lab/inline-deit-tiny',
+                              hf_hub_filename='inline_deit_t.bin')
+    monkeypatch.setitem(_model_pretrained_cfgs, 'inline_deit_tiny', cfg)
+    monkeypatch.setitem(_model_pretrained_cfgs, f'inline_deit_tiny.{cfg.tag}', cfg)
+    monkeypatch.setattr(models.checkpoint, 'download_checkpoint', lambda *args: pytest.fail('downloaded the URL'))
+    (tmp_path / 'lab' / 'inline-deit-tiny').mkdir(parents=True)
+    torch.save({'marker': torch.ones(1)}, tmp_path / 'lab' / 'inline-deit-tiny' / 'inline_deit_t.bin')
+    hub = FakeHub(tmp_path)
+    monkeypatch.setattr(timm.models._hub, 'hf_hub_download', hub)
+    timm.models._hub.load_state_dict_from_hf('lab/inline-deit-tiny', 'inline_deit_t.bin')
+    by_timm, hub.fetched = hub.fetched, []
+    assert released_weights_file('inline_deit_tiny') == str(tmp_path / 'lab' / 'inline-deit-tiny' / 'inline_deit_t.bin')
+    assert hub.fetched == by_timm == [('lab/inline-deit-tiny', 'inline_deit_t.safetensors'),
+                                      ('lab/inline-deit-tiny', 'inline_deit_t.bin')]
+
+
 def test_a_timm_model_s_hub_weights_offline_are_one_line(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(timm.models._hub, 'hf_hub_download', FakeHub(tmp_path, offline=True))
     digits = prepare_digits(str(tmp_path / 'digits'))
