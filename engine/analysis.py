@@ -1,42 +1,58 @@
 """Models and images for the attention-analysis scripts: a checkpoint (ours, with its stored config), a
 registered model name or a model saved for the hub, the evaluation preprocessing of its config, and images from a
 file or an image folder."""
+import argparse
 import os
 from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
+import timm
 import torch
 from torch import Tensor, nn
 from yacs.config import CfgNode as CN
 
-from .build import create_model, read_weights
+from models.checkpoint import has_released_weights, released_weights_file
+
+from .build import create_model
 from .data import BadImage, eval_transform, image_mode, read_image
 from .errors import UsageError
-from .evaluation import eval_config
+from .evaluation import eval_config, load_weights
 from .hub import hub_weights_file, is_hub_name
 
-__all__ = ['IMAGE_EXTENSIONS', 'load_analysis_model', 'find_images', 'load_images']
+__all__ = ['IMAGE_EXTENSIONS', 'refuse_unreleased', 'load_analysis_model', 'find_images', 'load_images']
 
 IMAGE_EXTENSIONS = ('.png', '.jpg', '.jpeg', '.bmp', '.webp', '.tif', '.tiff')
 
 
+def refuse_unreleased(parser: argparse.ArgumentParser, names: Sequence[str]) -> None:
+    """`parser.error` (one line, status 2) for the first registered model name of `names` without released weights
+    to load with `--pretrained`; unknown names are left to the model check, hub names carry their weights."""
+    for name in names:
+        if not is_hub_name(name) and timm.is_model(name) and not has_released_weights(name):
+            parser.error(f"--pretrained: model {name!r} has no released weights; expected a name that "
+                         f"timm.list_pretrained() lists")
+
+
 def load_analysis_model(model_name: Optional[str], checkpoint: Optional[str], opts: Sequence[str] = (),
-                        ema: bool = False, model_option: str = '--model') -> Tuple[nn.Module, CN]:
+                        ema: bool = False, model_option: str = '--model',
+                        pretrained: bool = False) -> Tuple[nn.Module, CN]:
     """The model in eval mode and its config: `model_name` with its pretrained config, else the config stored in
-    our `checkpoint`; the checkpoint's weights when given, else those saved with a `local-dir:` / `hf-hub:`
-    `model_name` (random weights otherwise). `opts` override the config; `model_option`, the script's option that
-    gave `model_name`, starts the errors about it."""
+    our `checkpoint`. Its weights: the checkpoint's when given, else those saved with a `local-dir:` / `hf-hub:`
+    `model_name`, else with `pretrained` the released weights of registered `model_name` (downloaded once into the
+    cache), else random ones. Weights load as eval.py loads them: an official release's layout and derived buffers
+    through the family's filter, the class count of a `model_name` from the weights. `opts` override the config;
+    `model_option`, the script's option that gave `model_name`, starts the errors about it."""
     if checkpoint and not os.path.isfile(checkpoint):
         raise UsageError(f"checkpoint {checkpoint!r} not found")
     cfg = eval_config(None, model_name, None if model_name else checkpoint, opts, model_option=model_option)
     if not checkpoint and model_name and is_hub_name(model_name):
         checkpoint = hub_weights_file(model_name, model_option)
-    model = create_model(cfg)
-    if checkpoint:
-        # our own checkpoints hold the model's own keys; loading them directly also serves models whose name
-        # has released weights of another attention
-        model.load_state_dict(read_weights(checkpoint, ema=ema))
-    return model.eval(), cfg
+    elif not checkpoint and model_name and pretrained:
+        checkpoint = released_weights_file(model_name)
+    if not checkpoint:
+        return create_model(cfg).eval(), cfg
+    cfg, weights, _ = load_weights(cfg, checkpoint, ema, adopt_classes=model_name is not None)
+    return create_model(cfg, weights, source=f"checkpoint {checkpoint!r}").eval(), cfg
 
 
 def find_images(path: str, limit: Optional[int] = None) -> List[str]:

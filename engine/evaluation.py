@@ -23,7 +23,7 @@ from .errors import UsageError
 from .hub import hub_config, is_hub_name
 from .loops import evaluate, measure_throughput
 
-__all__ = ['eval_config', 'released_checkpoint', 'evaluate_weights', 'throughput']
+__all__ = ['eval_config', 'released_checkpoint', 'load_weights', 'evaluate_weights', 'throughput']
 
 
 def _model_data_settings(pretrained_cfg: Dict[str, Any]) -> Dict[str, Any]:
@@ -115,7 +115,7 @@ def released_checkpoint(name: str, info: DistInfo) -> str:
     return path if path is not None else released_weights_file(name)
 
 
-def _load_weights(cfg: CN, checkpoint: str, ema: bool,
+def load_weights(cfg: CN, checkpoint: str, ema: bool,
                   adopt_classes: bool) -> Tuple[CN, Dict[str, Tensor], Optional[List[str]]]:
     """`cfg`, with MODEL.NUM_CLASSES taken from the checkpoint when `adopt_classes` (a `--model` evaluation), else
     checked against it; the checkpoint's weights; the class folder names it was trained on, where it records them."""
@@ -151,7 +151,7 @@ def evaluate_weights(cfg: CN, info: DistInfo, checkpoint: str, *, ema: bool = Fa
     `check_data`, every image is decoded first; with `compile`, the model runs compiled (TRAIN.COMPILE_MODE,
     TRAIN.COMPILE_BACKEND), with `onednn` its products run through oneDNN (`check_onednn`).
     Under DATA.BAD_IMAGES 'skip' the bad files are left out of the counts."""
-    cfg, weights, classes = _load_weights(cfg, checkpoint, ema, adopt_classes)
+    cfg, weights, classes = load_weights(cfg, checkpoint, ema, adopt_classes)
     source = f"checkpoint {checkpoint!r}"
     root = resolve_data_root(cfg, info)
     val_set = load_split(root, 'val', eval_transform(cfg), bad_images=cfg.DATA.BAD_IMAGES, image_mode=image_mode(cfg))
@@ -187,7 +187,7 @@ def throughput(cfg: CN, info: DistInfo, batch_size: int, checkpoint: Optional[st
     """
     weights = None
     if checkpoint:
-        cfg, weights, _ = _load_weights(cfg, checkpoint, ema, adopt_classes)
+        cfg, weights, _ = load_weights(cfg, checkpoint, ema, adopt_classes)
     model = create_model(cfg, weights, source=f"checkpoint {checkpoint!r}").to(info.device)
     generator = torch.Generator().manual_seed(cfg.SEED)
     images = torch.randn(batch_size, 3, cfg.DATA.IMG_SIZE, cfg.DATA.IMG_SIZE, generator=generator)

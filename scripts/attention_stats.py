@@ -4,9 +4,9 @@ per-layer plot, one line per model.
     python scripts/attention_stats.py --checkpoints softmax=output/softmax/best.pth inline=output/inline/best.pth \
         --data ~/.cache/swappable-attention-zoo/digits/val --max-images 360 --out docs/attention_stats
 
-`--models NAME ...` adds registered models with random weights (`--opts` overrides their config). Every model
-records every token's row in every layer (`models.analysis.stats` defines the statistics). Writes OUT.csv,
-OUT.md and OUT.png.
+`--models NAME ...` adds registered models with random weights, or with `--pretrained` their released weights
+(`--opts` overrides their config). Every model records every token's row in every layer (`models.analysis.stats`
+defines the statistics). Writes OUT.csv, OUT.md and OUT.png.
 """
 import argparse
 import csv
@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import models  # noqa: E402,F401  (registers the families)
-from engine.analysis import find_images, load_analysis_model, load_images  # noqa: E402
+from engine.analysis import find_images, load_analysis_model, load_images, refuse_unreleased  # noqa: E402
 from engine.checkpoint import atomic_write_text, refuse_unwritable_out  # noqa: E402
 from engine.errors import UsageError, refuse_below, run_cli  # noqa: E402
 from models.analysis import record_attention  # noqa: E402
@@ -38,8 +38,10 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument('--checkpoints', nargs='+', default=[], metavar='[LABEL=]PATH',
                         help='our checkpoints; the label defaults to the attention of the stored config')
     parser.add_argument('--models', nargs='+', default=[], metavar='NAME',
-                        help="registered models (random weights), or 'local-dir:FOLDER' / 'hf-hub:REPO' of models "
-                             'saved for the hub (their weights)')
+                        help="registered models (random weights without --pretrained), or 'local-dir:FOLDER' / "
+                             "'hf-hub:REPO' of models saved for the hub (their weights)")
+    parser.add_argument('--pretrained', action='store_true',
+                        help="the released weights of --models' registered names, downloaded once into the cache")
     parser.add_argument('--ema', action='store_true', help="the checkpoints' EMA weights")
     parser.add_argument('--data', required=True, help='an image file or a folder of images (searched recursively)')
     parser.add_argument('--max-images', type=int, default=256, help='images taken from the folder (default 256)')
@@ -51,6 +53,10 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if not args.checkpoints and not args.models:
         parser.error('expected --checkpoints or --models')
+    if args.pretrained and not args.models:
+        parser.error('--pretrained loads the released weights of --models NAME ...; expected --models')
+    if args.pretrained:
+        refuse_unreleased(parser, args.models)
     refuse_below(parser, {'--max-images': (args.max_images, 1), '--batch-size': (args.batch_size, 1)})
     refuse_unwritable_out(parser, args.out, prefix=True)
     return args
@@ -107,7 +113,8 @@ def main(argv: Sequence[str]) -> int:
     files = find_images(args.data, args.max_images)
     rows: List[Dict[str, object]] = []
     for label, name, checkpoint in sources(args):
-        model, cfg = load_analysis_model(name or None, checkpoint or None, args.opts, args.ema, '--models')
+        model, cfg = load_analysis_model(name or None, checkpoint or None, args.opts, args.ema, '--models',
+                                         pretrained=args.pretrained)
         label = label or str(cfg.MODEL.KWARGS.get('attn_type', cfg.MODEL.NAME))
         if any(row['model'] == label for row in rows):
             raise UsageError(f"two models are labelled {label!r}; give them labels as LABEL=PATH")

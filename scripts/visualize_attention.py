@@ -5,9 +5,10 @@ and the simplex figure.
     python scripts/visualize_attention.py --checkpoint output/digits/best.pth --image digits/val --max-images 2 \
         --layers 0 -1 --queries 16,16 cls --gradcam --simplex --out figures
 
-`--model NAME` alone draws a registered model with random weights (its preprocessing from its pretrained
-config; `--opts` overrides, e.g. MODEL.KWARGS.depth 2). Query points are pixel coordinates `Y,X` of the model
-input (after resizing and cropping), or `cls` for the class token. Writes PNG files into `--out`.
+`--model NAME` alone draws a registered model with random weights, `--model NAME --pretrained` with its
+released weights (its preprocessing from its pretrained config; `--opts` overrides, e.g. MODEL.KWARGS.depth 2).
+Query points are pixel coordinates `Y,X` of the model input (after resizing and cropping), or `cls` for the class
+token. Writes PNG files into `--out`.
 """
 import argparse
 import os
@@ -20,7 +21,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import models  # noqa: E402,F401  (registers the families)
-from engine.analysis import find_images, load_analysis_model, load_images  # noqa: E402
+from engine.analysis import find_images, load_analysis_model, load_images, refuse_unreleased  # noqa: E402
 from engine.checkpoint import refuse_unwritable_out  # noqa: E402
 from engine.errors import UsageError, refuse_below, run_cli  # noqa: E402
 from models.analysis import Query, attention_layers, record_attention  # noqa: E402
@@ -33,8 +34,11 @@ from models.attention.multimax import MultiMaxMixer  # noqa: E402
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog='visualize_attention.py', description=__doc__.split('\n\n')[0])
-    parser.add_argument('--model', help='registered model name (random weights without --checkpoint), or '
-                                        "'local-dir:FOLDER' / 'hf-hub:REPO' of a model saved for the hub (its weights)")
+    parser.add_argument('--model', help='registered model name (random weights without --checkpoint or '
+                                        "--pretrained), or 'local-dir:FOLDER' / 'hf-hub:REPO' of a model saved for "
+                                        'the hub (its weights)')
+    parser.add_argument('--pretrained', action='store_true',
+                        help="--model's released weights, downloaded once into the cache (as eval.py --model)")
     parser.add_argument('--checkpoint', help='our checkpoint (its stored config builds the model)')
     parser.add_argument('--ema', action='store_true', help="the checkpoint's EMA weights")
     parser.add_argument('--image', required=True, help='an image file or a folder of images (searched recursively)')
@@ -52,6 +56,10 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if not args.model and not args.checkpoint:
         parser.error('expected --model NAME or --checkpoint PATH')
+    if args.pretrained and (args.checkpoint or not args.model):
+        parser.error('--pretrained loads the released weights of --model NAME; expected --model without --checkpoint')
+    if args.pretrained:
+        refuse_unreleased(parser, [args.model])
     refuse_below(parser, {'--max-images': (args.max_images, 1)})
     refuse_unwritable_out(parser, args.out, prefix=False)
     return args
@@ -86,7 +94,7 @@ def slug(text: str) -> str:
 
 def main(argv: Sequence[str]) -> int:
     args = parse_args(argv)
-    model, cfg = load_analysis_model(args.model, args.checkpoint, args.opts, args.ema)
+    model, cfg = load_analysis_model(args.model, args.checkpoint, args.opts, args.ema, pretrained=args.pretrained)
     size = cfg.DATA.IMG_SIZE
     files = find_images(args.image, args.max_images)
     inputs, shown = load_images(files, cfg)

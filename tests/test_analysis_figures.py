@@ -198,3 +198,51 @@ def test_the_analysis_scripts_name_their_own_option_for_a_hub_folder_without_wei
         assert err.startswith(f"error: {option} {name!r}: the folder holds no weights; expected ") and \
             err.count('\n') == 1, err
     assert not [path for path in tmp_path.rglob('out*') if path.is_file()]  # no figure, table or plot written
+
+
+SWIN_TINY = dict(img_size=32, embed_dim=16, depths=[2, 1, 1, 1], num_heads=[1, 2, 2, 2], window_size=4,
+                 num_classes=10)
+
+
+def test_an_official_release_file_is_drawn_with_its_weights(images, tmp_path):
+    """`--model NAME --checkpoint RELEASE`: a release in the official layout, with the derived buffers official Swin
+    files hold, loads through the family's filter (as eval.py loads it), not as a bare state dict."""
+    torch.manual_seed(0)
+    weights = timm.create_model('inline_swin_tiny', **SWIN_TINY).state_dict()
+    release = dict(weights)
+    release['layers.0.blocks.0.attn.relative_position_index'] = torch.zeros(16, 16, dtype=torch.long)
+    release['layers.0.blocks.1.attn_mask'] = torch.zeros(4, 16, 16)
+    torch.save({'model': release, 'epoch': 300}, tmp_path / 'inline_swin_t.pth')
+    opts = ['DATA.IMG_SIZE', '32', 'MODEL.KWARGS.embed_dim', '16', 'MODEL.KWARGS.depths', '[2,1,1,1]',
+            'MODEL.KWARGS.num_heads', '[1,2,2,2]', 'MODEL.KWARGS.window_size', '4']
+    model, cfg = load_analysis_model('inline_swin_tiny', str(tmp_path / 'inline_swin_t.pth'), opts)
+    assert cfg.MODEL.NUM_CLASSES == 10  # taken from the weights, as eval.py --model takes it
+    assert model.state_dict().keys() == weights.keys()
+    assert all(torch.equal(value, weights[key]) for key, value in model.state_dict().items())
+    argv = ['--model', 'inline_swin_tiny', '--checkpoint', str(tmp_path / 'inline_swin_t.pth'), '--image',
+            str(images), '--max-images', '1', '--out', str(tmp_path / 'figures'), '--opts', *opts]
+    assert run_cli(visualize.main, argv) == 0
+    assert len(os.listdir(tmp_path / 'figures')) == 2
+
+
+@pytest.mark.parametrize('script, argv, message', [
+    ('visualize', ['--model', 'softmax_deit_tiny', '--checkpoint', 'best.pth', '--pretrained'],
+     'error: --pretrained loads the released weights of --model NAME; expected --model without --checkpoint'),
+    ('visualize', ['--model', 'linear_deit_tiny', '--pretrained'],
+     "error: --pretrained: model 'linear_deit_tiny' has no released weights; expected a name that "
+     "timm.list_pretrained() lists"),
+    ('attention_stats', ['--checkpoints', 'best.pth', '--pretrained'],
+     'error: --pretrained loads the released weights of --models NAME ...; expected --models'),
+    ('attention_stats', ['--models', 'inline_deit_tiny', 'sima_deit_tiny', '--pretrained'],
+     "error: --pretrained: model 'sima_deit_tiny' has no released weights; expected a name that "
+     "timm.list_pretrained() lists"),
+])
+def test_pretrained_without_released_weights_is_refused_before_any_work(images, tmp_path, capsys, script, argv,
+                                                                        message):
+    main = visualize.main if script == 'visualize' else attention_stats.main
+    data = ['--image', str(images)] if script == 'visualize' else ['--data', str(images)]
+    with pytest.raises(SystemExit) as stopped:
+        main([*argv, *data, '--out', str(tmp_path / 'out')])
+    assert stopped.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1].endswith(message)
+    assert not list(tmp_path.iterdir())

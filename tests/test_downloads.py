@@ -15,14 +15,17 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Dict, Iterator, List, Tuple
 
+import numpy as np
 import pytest
 import safetensors.torch
 import timm
 import timm.models._hub
 import torch
 from huggingface_hub.utils import EntryNotFoundError, LocalEntryNotFoundError
+from PIL import Image
 from timm.models._registry import _model_pretrained_cfgs
 
+from engine.analysis import load_analysis_model
 from engine.cli import eval_main, train_main
 from engine.data import prepare_digits
 from engine.errors import USAGE_EXIT_CODE, run_cli
@@ -32,6 +35,7 @@ from models.attention import list_attentions
 from models.checkpoint import (CheckpointError, DownloadError, has_released_weights, load_pretrained_into,
                                released_weights_file)
 from models.family import tsinghua_url
+from test_scripts import load_script
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = dict(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2)
@@ -466,3 +470,25 @@ def test_a_timm_model_s_hub_weights_offline_are_one_line(tmp_path, monkeypatch, 
                    "(LocalEntryNotFoundError: the file is not in the cache and outgoing traffic is disabled); without "
                    "network access, download it where you can and give the file (eval.py: --checkpoint FILE, "
                    "train.py: --pretrained FILE)")
+
+
+def test_the_analysis_scripts_draw_the_released_weights_with_pretrained(server, cache, monkeypatch, tmp_path):
+    """`visualize_attention.py` / `attention_stats.py --pretrained`: the release downloaded once into the cache, and
+    the weights drawn are the released ones."""
+    state_dict, served = official_checkpoint(**EVAL_TINY)
+    server.files['1d6b8191ad6d4114b291'] = served
+    register_url(monkeypatch, 'inline_deit_tiny', server.url('1d6b8191ad6d4114b291'))
+    opts = ['DATA.IMG_SIZE', '16', *EVAL_OPTS]
+    model, cfg = load_analysis_model('inline_deit_tiny', None, opts, pretrained=True)
+    assert_weights(model, state_dict)
+    assert cfg.MODEL.NUM_CLASSES == 10
+    image = tmp_path / 'digit.png'
+    Image.fromarray(np.arange(64, dtype=np.uint8).reshape(8, 8), mode='L').save(image)
+    assert run_cli(load_script('visualize_attention').main,
+                   ['--model', 'inline_deit_tiny', '--pretrained', '--image', str(image), '--out',
+                    str(tmp_path / 'figures'), '--opts', *opts]) == 0
+    assert run_cli(load_script('attention_stats').main,
+                   ['--models', 'inline_deit_tiny', '--pretrained', '--data', str(image), '--out',
+                    str(tmp_path / 'stats'), '--opts', *opts]) == 0
+    assert len(server.requests) == 1 and os.listdir(tmp_path / 'figures')
+    assert (tmp_path / 'stats.csv').read_text().count('inline_deit_tiny') == 2 * 2  # a row per layer and head
