@@ -16,6 +16,7 @@ own `pretrained_cfg_overlay=dict(file=...)` loading read those files too.
 import argparse
 import hashlib
 import http.client
+import logging
 import os
 import pickle
 import re
@@ -57,6 +58,7 @@ SAFE_GLOBALS = [(OrderedDict, 'yacs.config.CfgNode'), set, argparse.Namespace]
 # model name
 HUB_SOURCES = ('local-dir', 'hf-hub')
 torch.serialization.add_safe_globals(SAFE_GLOBALS)
+_logger = logging.getLogger(__name__)
 
 DERIVED_BUFFERS = ('relative_position_index', 'relative_coords_table', 'attn_mask')
 WRAPPER_PREFIXES = ('module.', '_orig_mod.')
@@ -479,8 +481,8 @@ def _folder_weights_file(name: str, folder: str) -> str:
                        if f.endswith(extension) and os.path.isfile(os.path.join(folder, f)))
         if found:
             if len(found) > 1:
-                warnings.warn(f"{name!r}: the folder holds {len(found)} {extension} files {found}; reading "
-                              f"{found[0]!r}")
+                _logger.warning(f"{name!r}: the folder holds {len(found)} {extension} files {found}; reading "
+                                f"{found[0]!r}")
             return os.path.join(folder, found[0])
     raise CheckpointError(f"{name!r}: the folder holds no weights; expected {' or '.join(_hub_filenames(None))} (the "
                           f"files timm.models.save_for_hf writes), or a {' / '.join(timm.models._hub._EXT_PRIORITY)} "

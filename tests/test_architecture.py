@@ -2,7 +2,7 @@
 unchanged state dicts, pretrained cfgs that belong to their architecture, and softmax weights as a start."""
 import hashlib
 import json
-import warnings
+import logging
 from pathlib import Path
 from typing import Optional
 
@@ -306,7 +306,7 @@ def test_a_model_saved_for_the_hub_starts_another_attention_by_its_hub_name(tmp_
     ('b.safetensors', 'a.safetensors', 'c.pth'),
     ('weights.bin', 'weights.pth.tar'),
 ])
-def test_the_weights_of_a_hub_folder_are_the_file_timm_reads(tmp_path, files):
+def test_the_weights_of_a_hub_folder_are_the_file_timm_reads(tmp_path, caplog, files):
     """`hub_weights_file('local-dir:…')`, which eval.py, train.py and `load_pretrained_into` read, picks the file
     `timm.create_model('local-dir:…', pretrained=True)` reads, whatever else the folder holds: each file holds
     another tensor, compared with timm's own loader."""
@@ -316,9 +316,11 @@ def test_the_weights_of_a_hub_folder_are_the_file_timm_reads(tmp_path, files):
             safetensors.torch.save_file(weights, tmp_path / filename)
         else:
             torch.save(weights, tmp_path / filename)
-    with warnings.catch_warnings():
-        warnings.simplefilter('ignore')  # two files of one extension: both name the one they read
+    with caplog.at_level(logging.WARNING, logger='models.checkpoint'):
         ours = load_checkpoint_file(hub_weights_file(f'local-dir:{tmp_path}'))
+    if files == ('b.safetensors', 'a.safetensors', 'c.pth'):  # two of one extension: named, with the one read
+        assert caplog.messages == [f"'local-dir:{tmp_path}': the folder holds 2 .safetensors files "
+                                   f"['a.safetensors', 'b.safetensors']; reading 'a.safetensors'"]
     assert torch.equal(ours['marker'], timm.models._hub.load_state_dict_from_path(tmp_path)['marker'])
 
 
