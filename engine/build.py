@@ -40,6 +40,10 @@ def check_model_name(name: str) -> None:
         if tag_problem:
             raise UsageError(tag_problem)
         return
+    if is_hub_name(name):
+        raise UsageError(f"model {name!r} is a saved model, not an architecture; expected the architecture's "
+                         f"registered name, with --pretrained {name} (train.py) for its weights, or --model {name} "
+                         f"(eval.py) alone")
     close = difflib.get_close_matches(name, timm.list_models(), n=3, cutoff=0.6)
     hint = f"; did you mean {', '.join(close)}?" if close else "; see timm.list_models('*_deit_*') and friends"
     raise UsageError(f"unknown model {name!r}: expected a model registered with timm{hint}")

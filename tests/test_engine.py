@@ -295,6 +295,12 @@ def test_model_errors_name_the_model_and_the_keyword(tiny_cfg):
     cfg.MODEL.NAME = 'inline_deit_tinny'
     with pytest.raises(UsageError, match=r"unknown model 'inline_deit_tinny'.*did you mean inline_deit_tiny"):
         create_model(cfg)
+    cfg.MODEL.NAME = 'local-dir:saved'  # a model saved for the hub: its weights go elsewhere
+    with pytest.raises(UsageError, match=r"^model 'local-dir:saved' is a saved model, not an architecture; expected "
+                                         r"the architecture's registered name, with --pretrained local-dir:saved "
+                                         r"\(train\.py\) for its weights, or --model local-dir:saved \(eval\.py\) "
+                                         r"alone$"):
+        create_model(cfg)
     cfg.MODEL.NAME = 'inline_deit_tiny'
     cfg.MODEL.KWARGS.depthz = 3
     with pytest.raises(ConfigError, match=r"does not accept the keyword 'depthz' \(MODEL.KWARGS.depthz\); "
