@@ -10,7 +10,7 @@ from models._files import UNFINISHED_FILES
 from models.checkpoint import CheckpointError
 
 __all__ = ['UsageError', 'BadImageError', 'NonFiniteLossError', 'Stopped', 'USAGE_EXIT_CODE', 'run_cli',
-           'exit_at_once', 'refuse_below']
+           'exit_at_once', 'refuse_below', 'exit_for_missing_extra']
 
 USAGE_EXIT_CODE = 2
 
@@ -35,6 +35,14 @@ class Stopped(KeyboardInterrupt):
         super().__init__(f"stopped by {signal.Signals(signum).name} after saving {checkpoint}; run the same command "
                          f"again to resume")
         self.signum = signum
+
+
+def exit_for_missing_extra(error: ModuleNotFoundError, extra: str) -> NoReturn:
+    """Exit (status 2) with one line naming the module a script imported and did not find, and the optional
+    dependencies of the project (`extra`) that install it: the scripts call it before any work."""
+    print(f"error: {error.name} is not installed; expected the {extra!r} extra: pip install "
+          f"'swappable-attention-zoo[{extra}]' (pip install -e '.[{extra}]' in a clone)", file=sys.stderr)
+    raise SystemExit(USAGE_EXIT_CODE)
 
 
 def exit_at_once(signum: int, message: str) -> NoReturn:

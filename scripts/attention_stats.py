@@ -24,9 +24,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import models  # noqa: E402,F401  (registers the families)
 from engine.analysis import find_images, load_analysis_model, load_images, refuse_unreleased  # noqa: E402
 from engine.checkpoint import atomic_write_text, refuse_unwritable_out  # noqa: E402
-from engine.errors import UsageError, refuse_below, run_cli  # noqa: E402
+from engine.errors import UsageError, exit_for_missing_extra, refuse_below, run_cli  # noqa: E402
 from models.analysis import record_attention  # noqa: E402
-from models.analysis.plots import plot_layer_curves  # noqa: E402
+try:
+    from models.analysis.plots import plot_layer_curves
+except ModuleNotFoundError as missing:
+    exit_for_missing_extra(missing, 'analysis')
 from models.analysis.stats import STATISTICS, AttentionStatistics  # noqa: E402
 
 # The per-layer plot's panels.

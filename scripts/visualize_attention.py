@@ -23,12 +23,15 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import models  # noqa: E402,F401  (registers the families)
 from engine.analysis import find_images, load_analysis_model, load_images, refuse_unreleased  # noqa: E402
 from engine.checkpoint import refuse_unwritable_out  # noqa: E402
-from engine.errors import UsageError, refuse_below, run_cli  # noqa: E402
+from engine.errors import UsageError, exit_for_missing_extra, refuse_below, run_cli  # noqa: E402
 from models.analysis import Query, attention_layers, record_attention  # noqa: E402
-from models.analysis.plots import (  # noqa: E402
-    attention_rollout, grad_cam, plot_heat_map, plot_multimax_sigma, plot_query_maps, plot_simplex,
-    plot_token_norms, rollout_problem,
-)
+try:
+    from models.analysis.plots import (
+        attention_rollout, grad_cam, plot_heat_map, plot_multimax_sigma, plot_query_maps, plot_simplex,
+        plot_token_norms, rollout_problem,
+    )
+except ModuleNotFoundError as missing:
+    exit_for_missing_extra(missing, 'analysis')
 from models.attention.multimax import MultiMaxMixer  # noqa: E402
 
 
@@ -60,6 +63,11 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         parser.error('--pretrained loads the released weights of --model NAME; expected --model without --checkpoint')
     if args.pretrained:
         refuse_unreleased(parser, [args.model])
+    if args.gradcam:
+        try:
+            import pytorch_grad_cam  # noqa: F401  (imported where Grad-CAM is drawn; checked before any work)
+        except ModuleNotFoundError as missing:
+            exit_for_missing_extra(missing, 'analysis')
     refuse_below(parser, {'--max-images': (args.max_images, 1)})
     refuse_unwritable_out(parser, args.out, prefix=False)
     return args

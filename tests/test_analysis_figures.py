@@ -3,6 +3,8 @@ models writing non-empty PNG, CSV and Markdown files, with one-line errors for b
 import csv
 import io
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import matplotlib.figure
@@ -245,4 +247,25 @@ def test_pretrained_without_released_weights_is_refused_before_any_work(images, 
         main([*argv, *data, '--out', str(tmp_path / 'out')])
     assert stopped.value.code == 2
     assert capsys.readouterr().err.splitlines()[-1].endswith(message)
+    assert not list(tmp_path.iterdir())
+
+
+BLOCKED_IMPORT = ("import runpy, sys; sys.modules[sys.argv[1]] = None; sys.argv = sys.argv[2:]; "
+                  "runpy.run_path(sys.argv[0], run_name='__main__')")
+
+
+@pytest.mark.parametrize('script, argv, missing', [
+    ('visualize_attention.py', ['--model', 'softmax_deit_tiny'], 'matplotlib'),
+    ('visualize_attention.py', ['--model', 'softmax_deit_tiny', '--gradcam'], 'pytorch_grad_cam'),
+    ('attention_stats.py', ['--models', 'softmax_deit_tiny'], 'entmax'),
+])
+def test_a_missing_analysis_dependency_is_one_line_before_any_work(images, tmp_path, script, argv, missing):
+    """Without the `analysis` extra, the scripts name the missing module and the extra that installs it."""
+    data = ['--image', str(images)] if script == 'visualize_attention.py' else ['--data', str(images)]
+    path = Path(__file__).resolve().parents[1] / 'scripts' / script
+    done = subprocess.run([sys.executable, '-c', BLOCKED_IMPORT, missing, str(path), *argv, *data, '--out',
+                           str(tmp_path / 'out')], capture_output=True, text=True, timeout=300)
+    assert (done.returncode, done.stderr) == (2, f"error: {missing} is not installed; expected the 'analysis' extra: "
+                                                 f"pip install 'swappable-attention-zoo[analysis]' (pip install -e "
+                                                 f"'.[analysis]' in a clone)\n")
     assert not list(tmp_path.iterdir())
