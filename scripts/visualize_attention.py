@@ -42,7 +42,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                                         'the hub (its weights)')
     parser.add_argument('--pretrained', action='store_true',
                         help="--model's released weights, downloaded once into the cache (as eval.py --model)")
-    parser.add_argument('--checkpoint', help='our checkpoint (its stored config builds the model)')
+    parser.add_argument('--checkpoint', help='our checkpoint (alone, its stored config builds the model), or with '
+                                             '--model any weights file of that model, a release included')
     parser.add_argument('--ema', action='store_true', help="the checkpoint's EMA weights")
     parser.add_argument('--image', required=True, help='an image file or a folder of images (searched recursively)')
     parser.add_argument('--max-images', type=int, default=4, help='images taken from a folder (default 4)')
