@@ -132,11 +132,29 @@ def _unexpected_keyword(error: TypeError) -> Optional[str]:
     return unexpected.group(1) if unexpected else None
 
 
+def _timm_create_model(cfg: CN, kwargs: Dict[str, Any]) -> nn.Module:
+    """`timm.create_model(MODEL.NAME, **kwargs)`, leaving out the engine's own keywords that a model has no argument
+    for and does not need: img_size (a convolutional net takes any input size) and a drop_path_rate of 0 (a net
+    without stochastic depth), unless MODEL.KWARGS gives them."""
+    name = cfg.MODEL.NAME
+    while True:
+        try:
+            return timm.create_model(name, **kwargs)
+        except TypeError as e:
+            keyword = _unexpected_keyword(e)
+            if keyword not in ('img_size', 'drop_path_rate') or keyword not in kwargs or keyword in cfg.MODEL.KWARGS:
+                raise
+            if keyword == 'drop_path_rate' and kwargs[keyword]:
+                raise ConfigError(f"model {name!r} has no stochastic depth (no drop_path_rate argument); expected "
+                                  f"MODEL.DROP_PATH_RATE 0.0, not {kwargs[keyword]}") from None
+            kwargs.pop(keyword)
+
+
 def create_model(cfg: CN, weights: Optional[Dict[str, Tensor]] = None, source: str = 'checkpoint',
                  device: Optional[str] = None, strict: bool = True) -> nn.Module:
     """`timm.create_model(MODEL.NAME, num_classes, img_size, drop_path_rate, **MODEL.KWARGS)`, its parameters
-    created on `device` (None: the default device); without `img_size` for a model that takes no such argument
-    (a convolutional net, which takes any input size), unless MODEL.KWARGS gives it.
+    created on `device` (None: the default device); without `img_size` or a `drop_path_rate` of 0 for a model that
+    has no such argument (a convolutional net, a net without stochastic depth), unless MODEL.KWARGS gives them.
 
     `weights` go through the family's checkpoint filter (official layouts, derived buffers, resizing), so our
     checkpoints and official releases load alike. A classifier for another class count is re-initialised (for
@@ -161,16 +179,11 @@ def create_model(cfg: CN, weights: Optional[Dict[str, Tensor]] = None, source: s
         classes = classifier_rows(name, weights) or cfg.MODEL.NUM_CLASSES
         kwargs.update(pretrained=True, pretrained_cfg_overlay=dict(state_dict=weights, num_classes=classes))
     try:
-        try:
-            model = timm.create_model(name, **kwargs)
-        except TypeError as e:
-            # a convolutional net takes images of any size and no img_size; the one the config gives is for the data
-            if _unexpected_keyword(e) != 'img_size' or 'img_size' in cfg.MODEL.KWARGS:
-                raise
-            kwargs.pop('img_size')
-            model = timm.create_model(name, **kwargs)
+        model = _timm_create_model(cfg, kwargs)
     except CheckpointError as e:
         raise CheckpointError(f"{source}: {e}") from None
+    except UsageError:
+        raise
     except TypeError as e:
         keyword = _unexpected_keyword(e)
         if keyword:

@@ -102,6 +102,8 @@ def eval_config(
         merge_opts(cfg, list(opts))
     else:
         raise UsageError("nothing to evaluate; expected --cfg FILE or --model NAME (with --checkpoint PATH)")
+    # stochastic depth is off in evaluation; at 0 a model without a drop_path_rate argument builds too
+    cfg.MODEL.DROP_PATH_RATE = 0.0
     validate_config(cfg)
     cfg.freeze()
     return cfg

@@ -986,6 +986,31 @@ def test_a_convolutional_net_of_timm_trains_and_evaluates_at_the_config_s_image_
                                             "(MODEL.KWARGS.img_size); expected the constructor's own argument names\n")
 
 
+def test_a_timm_model_without_stochastic_depth_evaluates_and_trains_only_at_a_drop_path_rate_of_0(tmp_path, digits,
+                                                                                                capsys):
+    """DLA takes no `drop_path_rate`: evaluation (where stochastic depth is off) builds it whatever the config's
+    rate; training refuses a non-zero MODEL.DROP_PATH_RATE on one line naming it, and trains at 0."""
+    code, out, err = _run(eval_main, ['--model', 'dla46x_c', '--throughput', '--batch-size', '2', '--img-size', '32',
+                                      '--warmup-forwards', '1', '--timed-forwards', '1'], capsys)
+    assert code == 0, err
+    cfg = tmp_path / 'dla.yaml'
+    cfg.write_text('DATA: {DATASET: digits, BATCH_SIZE: 64, IMG_SIZE: 32, NUM_WORKERS: 0}\n'
+                   'MODEL: {NAME: dla46x_c, NUM_CLASSES: 10}\n'
+                   'TRAIN: {EPOCHS: 1, WARMUP_EPOCHS: 0}\n'
+                   'AUG: {AUTO_AUGMENT: "", REPROB: 0.0, MIXUP: 0.0, CUTMIX: 0.0, REPEATED_AUG: 1}\n')
+    argv = ['--cfg', str(cfg), '--data-path', str(digits), '--output', str(tmp_path / 'run')]
+    code, _, err = _run(train_main, argv, capsys)
+    assert (code, err) == (USAGE_EXIT_CODE, "error: model 'dla46x_c' has no stochastic depth (no drop_path_rate "
+                                            "argument); expected MODEL.DROP_PATH_RATE 0.0, not 0.1\n")
+    assert not (tmp_path / 'run').exists()
+    code, _, err = _run(train_main, argv + ['--opts', 'MODEL.DROP_PATH_RATE', '0.0'], capsys)
+    assert code == 0, err
+    code, out, err = _run(eval_main, ['--checkpoint', str(tmp_path / 'run' / 'last.pth'), '--data-path', str(digits)],
+                          capsys)
+    assert code == 0, err
+    assert json.loads(out.strip().splitlines()[-1])['count'] == 360
+
+
 def test_a_checkpoint_of_another_attention_than_the_variant_s_evaluates(tmp_path, digits, capsys):
     """A model trained with MODEL.KWARGS.attn_type other than its registered variant's evaluates from its own
     checkpoint: the weights are the user's, not the variant's release."""
