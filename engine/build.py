@@ -127,9 +127,15 @@ def _check_channels(cfg: CN, in_chans: int) -> None:
                               f"{in_chans}); expected one mean and one std per channel, e.g. {example}")
 
 
-def _unexpected_keyword(error: TypeError) -> Optional[str]:
-    unexpected = re.search(r"unexpected keyword argument '(\w+)'", str(error))  # Python 3.13 appends a guess
-    return unexpected.group(1) if unexpected else None
+def _unexpected_keywords(error: TypeError) -> List[str]:
+    """The keywords a constructor refused, read from its message: Python's "unexpected keyword argument 'x'"
+    (Python 3.13 appends a guess), or "unexpected keyword argument(s): ['x', 'y']" of timm models that take
+    **kwargs."""
+    listed = re.search(r"unexpected keyword argument\(s\): \[([^\]]*)\]", str(error))
+    if listed:
+        return re.findall(r"'(\w+)'", listed.group(1))
+    single = re.search(r"unexpected keyword argument '(\w+)'", str(error))
+    return [single.group(1)] if single else []
 
 
 def _timm_create_model(cfg: CN, kwargs: Dict[str, Any]) -> nn.Module:
@@ -141,13 +147,15 @@ def _timm_create_model(cfg: CN, kwargs: Dict[str, Any]) -> nn.Module:
         try:
             return timm.create_model(name, **kwargs)
         except TypeError as e:
-            keyword = _unexpected_keyword(e)
-            if keyword not in ('img_size', 'drop_path_rate') or keyword not in kwargs or keyword in cfg.MODEL.KWARGS:
+            keywords = _unexpected_keywords(e)
+            if not keywords or any(k not in ('img_size', 'drop_path_rate') or k not in kwargs or k in cfg.MODEL.KWARGS
+                                   for k in keywords):
                 raise
-            if keyword == 'drop_path_rate' and kwargs[keyword]:
+            if 'drop_path_rate' in keywords and kwargs['drop_path_rate']:
                 raise ConfigError(f"model {name!r} has no stochastic depth (no drop_path_rate argument); expected "
-                                  f"MODEL.DROP_PATH_RATE 0.0, not {kwargs[keyword]}") from None
-            kwargs.pop(keyword)
+                                  f"MODEL.DROP_PATH_RATE 0.0, not {kwargs['drop_path_rate']}") from None
+            for keyword in keywords:
+                kwargs.pop(keyword)
 
 
 def create_model(cfg: CN, weights: Optional[Dict[str, Tensor]] = None, source: str = 'checkpoint',
@@ -185,8 +193,9 @@ def create_model(cfg: CN, weights: Optional[Dict[str, Tensor]] = None, source: s
     except UsageError:
         raise
     except TypeError as e:
-        keyword = _unexpected_keyword(e)
-        if keyword:
+        keywords = _unexpected_keywords(e)
+        if keywords:
+            keyword = keywords[0]
             raise ConfigError(f"model {name!r} does not accept the keyword {keyword!r} (MODEL.KWARGS.{keyword}); "
                               f"expected the constructor's own argument names") from e
         raise

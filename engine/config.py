@@ -326,7 +326,8 @@ def validate_config(cfg: CN) -> None:
     train = cfg.TRAIN
     _check(not train.LR_SCHEDULER.WARMUP_PREFIX or train.WARMUP_EPOCHS < train.EPOCHS, 'TRAIN.WARMUP_EPOCHS',
            train.WARMUP_EPOCHS, f'fewer than TRAIN.EPOCHS ({train.EPOCHS}) with TRAIN.LR_SCHEDULER.WARMUP_PREFIX')
-    _check(0 < cfg.TEST.CROP_PCT <= 1, 'TEST.CROP_PCT', cfg.TEST.CROP_PCT, 'a value in (0, 1]')
+    # above 1 the centre crop is larger than the resized image and padded, as timm does for some models (1.15)
+    _check(cfg.TEST.CROP_PCT > 0, 'TEST.CROP_PCT', cfg.TEST.CROP_PCT, 'a value > 0')
     for key in ('DATA.MEAN', 'DATA.STD'):
         value = _get(cfg, key)
         _check(len(value) in (1, 3) and all(isinstance(v, (int, float)) for v in value), key, value,

@@ -986,6 +986,20 @@ def test_a_convolutional_net_of_timm_trains_and_evaluates_at_the_config_s_image_
                                             "(MODEL.KWARGS.img_size); expected the constructor's own argument names\n")
 
 
+@pytest.mark.parametrize('name', ['caformer_s18', 'hrnet_w18_small', 'ese_vovnet19b_dw', 'volo_d4_448'])
+def test_timm_architectures_build_from_their_own_evaluation_config(name):
+    """timm models that refuse the engine's keywords in their own words ("unexpected keyword argument(s): [...]":
+    MetaFormer, HRNet without img_size nor drop_path_rate, VoVNet) and VOLO's crop of 1.15 (padded, as timm pads
+    it): each builds, as timm builds it, from the config of its name."""
+    cfg = engine.evaluation.eval_config(None, name, None)
+    assert cfg.TEST.CROP_PCT == timm.models.get_pretrained_cfg(name).crop_pct
+    ours = create_model(cfg, device='meta')
+    theirs = timm.create_model(name, device='meta')
+    assert type(ours) is type(theirs)
+    shapes = [[(k, v.shape) for k, v in model.state_dict().items()] for model in (ours, theirs)]
+    assert shapes[0] == shapes[1]
+
+
 def test_a_timm_model_without_stochastic_depth_evaluates_and_trains_only_at_a_drop_path_rate_of_0(tmp_path, digits,
                                                                                                 capsys):
     """DLA takes no `drop_path_rate`: evaluation (where stochastic depth is off) builds it whatever the config's
