@@ -49,8 +49,7 @@ def _hub_settings(name: str, option: str) -> Dict[str, Any]:
     settings = _model_data_settings(pretrained_cfg)
     settings['MODEL'] = dict(NAME=architecture,
                              NUM_CLASSES=int(kwargs.pop('num_classes', pretrained_cfg.get('num_classes', 1000))))
-    if 'drop_path_rate' in kwargs:
-        settings['MODEL']['DROP_PATH_RATE'] = float(kwargs.pop('drop_path_rate'))
+    kwargs.pop('drop_path_rate', None)  # stochastic depth is off in evaluation (eval_config)
     img_size = kwargs.pop('img_size', None)
     if img_size is not None:
         sides = [img_size] * 2 if isinstance(img_size, int) else list(img_size)
