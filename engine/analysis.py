@@ -11,6 +11,7 @@ import torch
 from torch import Tensor, nn
 from yacs.config import CfgNode as CN
 
+from models.analysis import attention_layers
 from models.checkpoint import has_released_weights, released_weights_file
 
 from .build import create_model
@@ -45,6 +46,10 @@ def load_analysis_model(model_name: Optional[str], checkpoint: Optional[str], op
     if checkpoint and not os.path.isfile(checkpoint):
         raise UsageError(f"checkpoint {checkpoint!r} not found")
     cfg = eval_config(None, model_name, None if model_name else checkpoint, opts, model_option=model_option)
+    # on the meta device, which allocates nothing: before any weights are read or downloaded
+    if not attention_layers(create_model(cfg, device='meta')):
+        raise UsageError(f"model {cfg.MODEL.NAME!r} has no attention layer of this zoo; expected one of the zoo's "
+                         f"models (timm.list_models('*_deit_*') and friends)")
     if not checkpoint and model_name and is_hub_name(model_name):
         checkpoint = hub_weights_file(model_name, model_option)
     elif not checkpoint and model_name and pretrained:

@@ -15,6 +15,7 @@ import timm
 import torch
 from PIL import Image
 
+import engine.analysis
 from engine.analysis import load_analysis_model
 from engine.errors import run_cli
 from models.analysis.plots import SIMPLEX_TEMPERATURES, plot_simplex, simplex_logits, simplex_points
@@ -269,3 +270,12 @@ def test_a_missing_analysis_dependency_is_one_line_before_any_work(images, tmp_p
                                                  f"pip install 'swappable-attention-zoo[analysis]' (pip install -e "
                                                  f"'.[analysis]' in a clone)\n")
     assert not list(tmp_path.iterdir())
+
+
+def test_a_model_without_attention_layers_of_the_zoo_is_refused_before_its_weights_are_fetched(images, tmp_path, capsys,
+                                                                                                 monkeypatch):
+    monkeypatch.setattr(engine.analysis, 'released_weights_file', lambda name: pytest.fail('downloaded'))
+    argv = ['--model', 'test_resnet', '--pretrained', '--image', str(images), '--out', str(tmp_path / 'out')]
+    assert run_cli(visualize.main, argv) == 2
+    assert capsys.readouterr().err == ("error: model 'test_resnet' has no attention layer of this zoo; expected one of "
+                                       "the zoo's models (timm.list_models('*_deit_*') and friends)\n")
