@@ -33,7 +33,7 @@ from yacs.config import CfgNode as CN
 from models._files import file_in_the_way
 
 from .config import mixup_active
-from .distributed import DistInfo, all_gather_objects, main_process_first
+from .distributed import DistInfo, all_gather_objects, each_node_first
 from .errors import BadImageError, UsageError
 
 __all__ = [
@@ -115,8 +115,7 @@ def resolve_data_root(cfg: CN, info: DistInfo) -> str:
     wait, and every process stops with its error when it cannot."""
     if cfg.DATA.DATASET == 'digits':
         root = cfg.DATA.DATA_PATH or default_digits_root()
-        main_process_first(info, lambda: prepare_digits(root), f"write the digits cache {root!r}", per_node=True)
-        return prepare_digits(root)
+        return each_node_first(info, lambda: prepare_digits(root), f"write the digits cache {root!r}")
     if not cfg.DATA.DATA_PATH:
         raise UsageError("no dataset given; expected --data-path DIR (an ImageNet-style folder with train/ and val/) "
                          "or DATA.DATASET 'digits'")

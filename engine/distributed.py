@@ -12,7 +12,7 @@ from models.checkpoint import CheckpointError
 from .errors import UsageError
 
 __all__ = ['DistInfo', 'init_distributed', 'cleanup_distributed', 'all_reduce_sum', 'all_gather_objects', 'barrier',
-           'any_rank', 'main_process_first', 'resolve_device']
+           'any_rank', 'main_process_first', 'each_node_first', 'resolve_device']
 
 T = TypeVar('T')
 
@@ -133,6 +133,14 @@ def main_process_first(info: DistInfo, action: Callable[[], T], what: str, per_n
     if any_rank(failure is not None, info.device):
         raise failure or UsageError(f"another process could not {what}")
     return result
+
+
+def each_node_first(info: DistInfo, action: Callable[[], T], what: str) -> T:
+    """`action()` on every process, the first process of each node first while the others of its node wait: for what
+    each machine keeps on its own disk (a download, a cache), which the others then find there. Errors as
+    `main_process_first`."""
+    result = main_process_first(info, action, what, per_node=True)
+    return result if info.local_rank == 0 else action()
 
 
 def all_gather_objects(obj: Any) -> List[Any]:

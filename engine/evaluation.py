@@ -18,7 +18,7 @@ from .compile import CompileTimer, compile_errors_reported, compile_model
 from .config import config_from_yaml_string, get_default_config, load_config, merge_dict, merge_opts, validate_config
 from .data import (build_eval_loader, check_images, check_trained_classes, eval_batch_size, eval_transform,
                    image_mode, load_split, report_scan, resolve_data_root)
-from .distributed import DistInfo, main_process_first
+from .distributed import DistInfo, each_node_first
 from .errors import UsageError
 from .hub import hub_config, is_hub_name
 from .loops import evaluate, measure_throughput
@@ -111,9 +111,7 @@ def eval_config(
 def released_checkpoint(name: str, info: DistInfo) -> str:
     """The cached file of model `name`'s released weights; the first process of each node downloads them while the
     others wait, so that one download serves every process of a machine."""
-    path = main_process_first(info, lambda: released_weights_file(name),
-                              f"download the released weights of {name!r}", per_node=True)
-    return path if path is not None else released_weights_file(name)
+    return each_node_first(info, lambda: released_weights_file(name), f"download the released weights of {name!r}")
 
 
 def load_weights(cfg: CN, checkpoint: str, ema: bool,

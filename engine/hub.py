@@ -5,7 +5,7 @@ import timm.models._hub
 
 from models.checkpoint import CheckpointError, error_summary, hub_weights_file as _hub_weights_file, is_hub_name
 
-from .distributed import DistInfo, main_process_first
+from .distributed import DistInfo, each_node_first
 from .errors import UsageError
 
 __all__ = ['is_hub_name', 'hub_config', 'hub_weights_file']
@@ -39,6 +39,4 @@ def hub_weights_file(name: str, setting: str, info: Optional[DistInfo] = None) -
     process alone). `setting` (the option that gave the name) starts the one-line error where there is none."""
     if info is None or name.startswith('local-dir:'):
         return _weights_file(name, setting)
-    path = main_process_first(info, lambda: _weights_file(name, setting), f"download the weights of {name!r}",
-                              per_node=True)
-    return path if path is not None else _weights_file(name, setting)
+    return each_node_first(info, lambda: _weights_file(name, setting), f"download the weights of {name!r}")

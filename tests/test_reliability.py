@@ -596,24 +596,28 @@ def test_a_rank_that_dies_ends_the_other_rank_with_a_non_zero_exit(tmp_path, dig
     assert not (tmp_path / 'out' / 'log.jsonl').exists()  # rank 0 never finished an epoch
 
 
-# Each rank records what `main_process_first` gave it, with and without `per_node`: the action fails, or returns.
+# Each rank records what `main_process_first` gave it, with and without `per_node`, then what `each_node_first`
+# gave it: the action fails, or returns.
 MAIN_PROCESS_FIRST = '''
 import os
 import sys
 
-from engine.distributed import cleanup_distributed, init_distributed, main_process_first
+from engine.distributed import cleanup_distributed, each_node_first, init_distributed, main_process_first
 from engine.errors import UsageError
 
 info = init_distributed('cpu')
 outcomes = []
-for per_node in (False, True):
+for first in ('main', 'main per node', 'each node'):
     for action in ('fails', 'returns'):
         def run(action=action):
             if action == 'fails':
                 raise UsageError(f'rank {info.rank} could not')
             return f'done by rank {info.rank}'
         try:
-            outcomes.append(repr(main_process_first(info, run, 'do it', per_node=per_node)))
+            if first == 'each node':
+                outcomes.append(repr(each_node_first(info, run, 'do it')))
+            else:
+                outcomes.append(repr(main_process_first(info, run, 'do it', per_node=first == 'main per node')))
         except UsageError as e:
             outcomes.append(str(e))
 with open(os.path.join(sys.argv[1], f'rank{info.rank}.txt'), 'w') as f:
@@ -626,7 +630,9 @@ cleanup_distributed()
 def test_what_the_main_process_does_alone_reaches_every_rank(tmp_path, nodes):
     """`main_process_first` runs the action on rank 0 alone (with `per_node`, on each node's first process): its
     error stops those with that error and the others with a line of their own, so that none waits at a collective
-    another never reaches; its result stays where it ran. Two ranks as one node or as two nodes of one process."""
+    another never reaches; its result stays where it ran. `each_node_first` fails as the per-node form, and then
+    runs the action on the others too, each with its own result. Two ranks as one node or as two nodes of one
+    process."""
     script = tmp_path / 'script.py'
     script.write_text(MAIN_PROCESS_FIRST)
     with socket.socket() as probe:
@@ -642,8 +648,9 @@ def test_what_the_main_process_does_alone_reaches_every_rank(tmp_path, nodes):
     assert [process.returncode for process in ranks] == [0, 0], errors
     main, other = ['rank 0 could not', "'done by rank 0'"], ['another process could not do it', 'None']
     own = ['rank 1 could not', "'done by rank 1'"]
-    assert (tmp_path / 'rank0.txt').read_text().splitlines() == main + main
-    assert (tmp_path / 'rank1.txt').read_text().splitlines() == other + (other if nodes == 1 else own)
+    assert (tmp_path / 'rank0.txt').read_text().splitlines() == main + main + main
+    assert (tmp_path / 'rank1.txt').read_text().splitlines() == other + (other if nodes == 1 else own) + (
+        ['another process could not do it', "'done by rank 1'"] if nodes == 1 else own)
 
 
 def test_a_digits_cache_the_main_process_cannot_write_is_one_line_under_torchrun(tmp_path):
