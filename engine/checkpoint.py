@@ -215,6 +215,10 @@ def _is_optimizer_state(value: Any) -> bool:
             and all(isinstance(g, Mapping) and isinstance(g.get('params'), list) for g in groups))
 
 
+def _is_name_list(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(name, str) for name in value)
+
+
 # what each field of a training checkpoint must be, checked before anything is built from it
 FIELDS: Tuple[Tuple[str, Callable[[Any], bool], str], ...] = (
     ('model', lambda v: isinstance(v, Mapping) and bool(v) and all(isinstance(t, torch.Tensor) for t in v.values()),
@@ -231,8 +235,7 @@ FIELDS: Tuple[Tuple[str, Callable[[Any], bool], str], ...] = (
      'a list of random states, one per process'),
     ('config', lambda v: isinstance(v, str), 'the config as YAML text'),
     ('metrics', lambda v: v is None or isinstance(v, Mapping), "None or the epoch's log record"),
-    ('classes', lambda v: v is None or (isinstance(v, list) and all(isinstance(c, str) for c in v)),
-     'None or the list of class folder names'),
+    ('classes', lambda v: v is None or _is_name_list(v), 'None or the list of class folder names'),
 )
 
 
@@ -286,7 +289,7 @@ def recorded_classes(checkpoint: Any) -> Optional[List[str]]:
     """The class folder names, in label order, that a training checkpoint of this engine records; None for any
     other file and for checkpoints written before the names were kept."""
     classes = checkpoint.get('classes') if isinstance(checkpoint, Mapping) else None
-    return classes if isinstance(classes, list) and all(isinstance(c, str) for c in classes) else None
+    return classes if _is_name_list(classes) else None
 
 
 class TrainingCheckpoint:
