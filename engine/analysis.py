@@ -12,13 +12,13 @@ from torch import Tensor, nn
 from yacs.config import CfgNode as CN
 
 from models.analysis import attention_layers
-from models.checkpoint import has_released_weights, released_weights_file
+from models.checkpoint import has_released_weights
 
 from .build import create_model
 from .data import BadImage, eval_transform, image_mode, read_image
 from .errors import UsageError
 from .evaluation import eval_config, load_weights
-from .hub import hub_weights_file, is_hub_name
+from .hub import is_hub_name, weights_file
 
 __all__ = ['IMAGE_EXTENSIONS', 'refuse_unreleased', 'load_analysis_model', 'find_images', 'load_images']
 
@@ -50,10 +50,8 @@ def load_analysis_model(model_name: Optional[str], checkpoint: Optional[str], op
     if not attention_layers(create_model(cfg, device='meta')):
         raise UsageError(f"model {cfg.MODEL.NAME!r} has no attention layer of this zoo; expected one of the zoo's "
                          f"models (timm.list_models('*_deit_*') and friends)")
-    if not checkpoint and model_name and is_hub_name(model_name):
-        checkpoint = hub_weights_file(model_name, model_option)
-    elif not checkpoint and model_name and pretrained:
-        checkpoint = released_weights_file(model_name)
+    if not checkpoint and model_name and (pretrained or is_hub_name(model_name)):
+        checkpoint = weights_file(model_name, model_option)
     if not checkpoint:
         return create_model(cfg).eval(), cfg
     cfg, weights, _ = load_weights(cfg, checkpoint, ema, adopt_classes=model_name is not None)

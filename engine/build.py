@@ -20,7 +20,7 @@ from models.onednn import convert_to_onednn, onednn_available
 
 from .config import ConfigError, mixup_active, model_kwargs
 from .errors import UsageError
-from .hub import hub_weights_file, is_hub_name
+from .hub import is_hub_name, weights_file
 
 __all__ = ['check_model_name', 'check_model_config', 'check_pretrained', 'official_weights', 'classifier_rows',
            'read_weights', 'checkpoint_weights', 'create_model', 'weight_changes', 'create_optimizer',
@@ -56,7 +56,7 @@ def check_pretrained(value: str) -> None:
         return
     if is_hub_name(value):
         if value.startswith('local-dir:'):
-            hub_weights_file(value, 'MODEL.PRETRAINED')
+            weights_file(value, 'MODEL.PRETRAINED')
         return
     expected = ("expected a checkpoint file, the name of a model with released weights, or 'local-dir:FOLDER' / "
                 "'hf-hub:REPO' of a model saved by timm.models.save_for_hf")

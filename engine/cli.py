@@ -8,8 +8,8 @@ from .build import check_model_config, check_onednn
 from .config import load_config
 from .data import check_splits, resolve_data_root
 from .distributed import cleanup_distributed, init_distributed
-from .evaluation import eval_config, evaluate_weights, released_checkpoint, throughput
-from .hub import hub_weights_file, is_hub_name
+from .evaluation import eval_config, evaluate_weights, throughput
+from .hub import weights_file
 from .trainer import setup_logging, train
 
 __all__ = ['train_main', 'eval_main']
@@ -125,8 +125,7 @@ def eval_main(argv: Sequence[str]) -> int:
             checkpoint = args.checkpoint
             if not checkpoint:
                 check_splits(resolve_data_root(cfg, info), ['val'])  # the data first: a download can take minutes
-                checkpoint = (hub_weights_file(args.model, '--model', info) if is_hub_name(args.model)
-                              else released_checkpoint(args.model, info))
+                checkpoint = weights_file(args.model, '--model', info)
             result = evaluate_weights(cfg, info, checkpoint, ema=args.ema, amp=args.amp,
                                       adopt_classes=bool(args.model), check_data=args.check_data,
                                       compile=args.compile, onednn=args.onednn)

@@ -8,7 +8,7 @@ import torch
 from torch import Tensor, nn
 from yacs.config import CfgNode as CN
 
-from models.checkpoint import CheckpointError, load_checkpoint_file, released_weights_file
+from models.checkpoint import CheckpointError, load_checkpoint_file
 from models.onednn import convert_to_onednn
 
 from .build import (autocast_dtype, check_model_name, checkpoint_weights, classifier_rows, create_model,
@@ -18,12 +18,12 @@ from .compile import CompileTimer, compile_errors_reported, compile_model
 from .config import config_from_yaml_string, get_default_config, load_config, merge_dict, merge_opts, validate_config
 from .data import (build_eval_loader, check_images, check_trained_classes, eval_batch_size, eval_transform,
                    image_mode, load_split, report_scan, resolve_data_root)
-from .distributed import DistInfo, each_node_first
+from .distributed import DistInfo
 from .errors import UsageError
 from .hub import hub_config, is_hub_name
 from .loops import evaluate, measure_throughput
 
-__all__ = ['eval_config', 'released_checkpoint', 'load_weights', 'evaluate_weights', 'throughput']
+__all__ = ['eval_config', 'load_weights', 'evaluate_weights', 'throughput']
 
 
 def _model_data_settings(pretrained_cfg: Dict[str, Any]) -> Dict[str, Any]:
@@ -106,12 +106,6 @@ def eval_config(
     validate_config(cfg)
     cfg.freeze()
     return cfg
-
-
-def released_checkpoint(name: str, info: DistInfo) -> str:
-    """The cached file of model `name`'s released weights; the first process of each node downloads them while the
-    others wait, so that one download serves every process of a machine."""
-    return each_node_first(info, lambda: released_weights_file(name), f"download the released weights of {name!r}")
 
 
 def load_weights(cfg: CN, checkpoint: str, ema: bool,

@@ -1,14 +1,16 @@
-"""Models saved by `timm.models.save_for_hf`, named as timm names them: `local-dir:FOLDER` or `hf-hub:REPO`."""
+"""Where a model's weights come from: models saved by `timm.models.save_for_hf`, named as timm names them
+(`local-dir:FOLDER` or `hf-hub:REPO`), checkpoint files, and the released weights of registered models."""
+import os
 from typing import Any, Dict, Optional, Tuple
 
 import timm.models._hub
 
-from models.checkpoint import CheckpointError, error_summary, hub_weights_file as _hub_weights_file, is_hub_name
+from models.checkpoint import CheckpointError, error_summary, is_hub_name, start_weights_file
 
 from .distributed import DistInfo, each_node_first
 from .errors import UsageError
 
-__all__ = ['is_hub_name', 'hub_config', 'hub_weights_file']
+__all__ = ['is_hub_name', 'hub_config', 'weights_file']
 
 
 def hub_config(name: str, setting: str) -> Tuple[Dict[str, Any], str, Dict[str, Any]]:
@@ -26,17 +28,21 @@ def hub_config(name: str, setting: str) -> Tuple[Dict[str, Any], str, Dict[str, 
                          f"timm.models.save_for_hf") from None
 
 
-def _weights_file(name: str, setting: str) -> str:
+def _resolved(source: str, setting: str) -> str:
     try:
-        return _hub_weights_file(name)
+        return start_weights_file(source)
     except CheckpointError as e:
-        raise UsageError(f"{setting} {e}") from None
+        if is_hub_name(source):  # its errors name the saved model; the option that gave it comes first
+            raise UsageError(f"{setting} {e}") from None
+        raise
 
 
-def hub_weights_file(name: str, setting: str, info: Optional[DistInfo] = None) -> str:
-    """The weights file of hub name `name`, the one timm reads (`models.checkpoint.hub_weights_file`); from the
-    hub, the first process of each node of `info`'s run downloads it while the others wait (without `info`, this
-    process alone). `setting` (the option that gave the name) starts the one-line error where there is none."""
-    if info is None or name.startswith('local-dir:'):
-        return _weights_file(name, setting)
-    return each_node_first(info, lambda: _weights_file(name, setting), f"download the weights of {name!r}")
+def weights_file(source: str, setting: str, info: Optional[DistInfo] = None) -> str:
+    """The local weights file of `source`, as `models.checkpoint.start_weights_file` finds it: a checkpoint file, a
+    `local-dir:` / `hf-hub:` name, or a registered model name with released weights. What is downloaded (a hub
+    repository, released weights), the first process of each node of `info`'s run downloads while the others wait
+    (without `info`, this process alone). `setting`, the option that gave `source`, starts the errors of a hub
+    name."""
+    if info is None or os.path.isfile(source) or source.startswith('local-dir:'):
+        return _resolved(source, setting)
+    return each_node_first(info, lambda: _resolved(source, setting), f"download the weights of {source!r}")

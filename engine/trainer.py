@@ -30,8 +30,7 @@ from .data import (build_eval_loader, build_mixup, build_train_loader, check_ima
                    report_scan, resolve_data_root, train_transform)
 from .distributed import DistInfo, all_gather_objects, all_reduce_sum, any_rank, barrier, main_process_first
 from .errors import Stopped, UsageError, exit_at_once
-from .evaluation import released_checkpoint
-from .hub import hub_weights_file, is_hub_name
+from .hub import weights_file
 from .loops import EpochOptions, TrainState, evaluate, train_one_epoch
 
 __all__ = ['LOG', 'CONFIG', 'train', 'seed_everything', 'setup_logging', 'StopSignal']
@@ -250,14 +249,7 @@ def _train(cfg: CN, info: DistInfo, lock: OutputLock, check_data: bool) -> Dict[
                               os.path.join(root, 'train'))
     pretrained = None
     if cfg.MODEL.PRETRAINED and stored is None:
-        start = cfg.MODEL.PRETRAINED
-        if os.path.isfile(start):
-            weights_file = start
-        elif is_hub_name(start):
-            weights_file = hub_weights_file(start, 'MODEL.PRETRAINED', info)
-        else:
-            weights_file = released_checkpoint(start, info)
-        pretrained = read_weights(weights_file)
+        pretrained = read_weights(weights_file(cfg.MODEL.PRETRAINED, 'MODEL.PRETRAINED', info))
     try:
         model = create_training_model(cfg, info.device, pretrained, source=cfg.MODEL.PRETRAINED,
                                       strict=cfg.MODEL.PRETRAINED_STRICT)

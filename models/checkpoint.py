@@ -45,7 +45,7 @@ from tqdm import tqdm
 
 __all__ = [
     'CheckpointError', 'DownloadError', 'checkpoint_cache_dir', 'cached_file_name', 'download_checkpoint',
-    'process_alive', 'HUB_SOURCES', 'is_hub_name', 'hub_weights_file', 'unknown_pretrained_tag',
+    'process_alive', 'HUB_SOURCES', 'is_hub_name', 'hub_weights_file', 'start_weights_file', 'unknown_pretrained_tag',
     'has_released_weights', 'released_weights_file', 'official_keys', 'filter_checkpoint', 'adapt_state_dict',
     'load_pretrained_into', 'load_shared_weights', 'TransferReport', 'SAFE_GLOBALS', 'load_checkpoint_file',
     'checkpoint_state_dict', 'error_summary',
@@ -524,6 +524,20 @@ def hub_weights_file(name: str) -> str:
     return _downloaded_weights_file(repr(name), location, _hub_filenames(None))
 
 
+def start_weights_file(source: str) -> str:
+    """The local weights file of `source`, where a model starts from: a checkpoint file itself; for a
+    `local-dir:FOLDER` / `hf-hub:REPO` name, the file timm reads (`hub_weights_file`); for a registered model name,
+    its released weights (`released_weights_file`), downloaded into the cache."""
+    if is_hub_name(source):
+        return hub_weights_file(source)
+    if os.path.isfile(source):
+        return source
+    if timm.is_model(source):
+        return released_weights_file(source)
+    raise CheckpointError(f"pretrained source {source!r} is neither a file nor a registered model name; expected a "
+                          f"checkpoint file, a registered model name, or 'local-dir:FOLDER' / 'hf-hub:REPO'")
+
+
 def load_pretrained_into(model: nn.Module, source: str) -> TransferReport:
     """Start `model` from the weights of `source`, a checkpoint file, a registered model name whose
     pretrained weights are downloaded into timm's cache, or the `local-dir:FOLDER` / `hf-hub:REPO` name of a model
@@ -533,15 +547,7 @@ def load_pretrained_into(model: nn.Module, source: str) -> TransferReport:
     Every tensor whose key and (after adaptation to the model's resolution) shape the model shares is loaded;
     the report names the model's new keys, which keep their initialisation, and the dropped ones.
     """
-    if is_hub_name(source):
-        path = hub_weights_file(source)
-    elif os.path.exists(source):
-        path = source
-    elif timm.is_model(source):
-        path = released_weights_file(source)
-    else:
-        raise CheckpointError(f"pretrained source {source!r} is neither a file nor a registered model name")
-    return load_shared_weights(model, checkpoint_state_dict(load_checkpoint_file(path)), source)
+    return load_shared_weights(model, checkpoint_state_dict(load_checkpoint_file(start_weights_file(source))), source)
 
 
 def load_shared_weights(model: nn.Module, state_dict: Mapping[str, Tensor], source: str) -> TransferReport:

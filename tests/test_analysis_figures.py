@@ -274,7 +274,7 @@ def test_a_missing_analysis_dependency_is_one_line_before_any_work(images, tmp_p
 
 def test_a_model_without_attention_layers_of_the_zoo_is_refused_before_its_weights_are_fetched(images, tmp_path, capsys,
                                                                                                  monkeypatch):
-    monkeypatch.setattr(engine.analysis, 'released_weights_file', lambda name: pytest.fail('downloaded'))
+    monkeypatch.setattr(engine.analysis, 'weights_file', lambda *args: pytest.fail('downloaded'))
     argv = ['--model', 'test_resnet', '--pretrained', '--image', str(images), '--out', str(tmp_path / 'out')]
     assert run_cli(visualize.main, argv) == 2
     assert capsys.readouterr().err == ("error: model 'test_resnet' has no attention layer of this zoo; expected one of "

@@ -3,6 +3,7 @@ unchanged state dicts, pretrained cfgs that belong to their architecture, and so
 import hashlib
 import json
 import logging
+import re
 from pathlib import Path
 from typing import Optional
 
@@ -332,6 +333,11 @@ def test_a_start_from_another_family_or_a_missing_source_is_one_line(tmp_path):
         load_pretrained_into(model, str(tmp_path / 'pvt.pth'))
     with pytest.raises(CheckpointError, match="pretrained source 'nope.pth' is neither a file nor a registered model"):
         load_pretrained_into(model, 'nope.pth')
+    with pytest.raises(CheckpointError, match=re.escape(f"pretrained source {str(tmp_path)!r} is neither a file nor a "
+                                                        f"registered model name; expected a checkpoint file, a "
+                                                        f"registered model name, or 'local-dir:FOLDER' / "
+                                                        f"'hf-hub:REPO'")):
+        load_pretrained_into(model, str(tmp_path))
     with pytest.raises(CheckpointError, match="model 'sima_deit_tiny' has no pretrained weights to start from"):
         load_pretrained_into(model, 'sima_deit_tiny')
 

@@ -633,7 +633,7 @@ UNKNOWN_TAG = ("unknown pretrained tag 'in22k' of 'inline_deit_tiny'; expected i
 
 @pytest.mark.parametrize('entry', ['train MODEL.NAME', 'train --pretrained', 'eval --model'])
 def test_an_unknown_pretrained_tag_is_one_line_before_any_data_is_read(tmp_path, capsys, monkeypatch, entry):
-    monkeypatch.setattr(engine.evaluation, 'released_weights_file', lambda name: pytest.fail('downloaded'))
+    monkeypatch.setattr(engine.hub, 'start_weights_file', lambda source: pytest.fail('downloaded'))
     data = tmp_path / 'digits'
     train = ['--cfg', TINY, '--output', str(tmp_path / 'out'), '--opts', 'DATA.DATA_PATH', str(data)]
     argv = {'train MODEL.NAME': (train_main, train + ['MODEL.NAME', 'inline_deit_tiny.in22k']),
@@ -685,7 +685,7 @@ def test_a_channel_count_the_data_cannot_feed_fails_before_any_data_is_read(tmp_
 
 
 def test_eval_refuses_a_model_it_cannot_build_before_downloading(monkeypatch, capsys):
-    monkeypatch.setattr(engine.evaluation, 'released_weights_file', lambda name: pytest.fail('downloaded'))
+    monkeypatch.setattr(engine.hub, 'start_weights_file', lambda source: pytest.fail('downloaded'))
     code, _, err = _run(eval_main, ['--model', 'inline_deit_tiny', '--opts', 'MODEL.KWARGS.in_chans', '1'], capsys)
     assert (code, err) == (USAGE_EXIT_CODE, GREY_NEEDS_ONE_MEAN)
 
@@ -696,7 +696,7 @@ def test_eval_refuses_a_model_it_cannot_build_before_downloading(monkeypatch, ca
     (['--data-path', 'nope'], "error: data path 'nope' does not exist; expected a folder with val inside\n"),
 ])
 def test_eval_refuses_missing_data_before_downloading_the_released_weights(monkeypatch, capsys, data, message):
-    monkeypatch.setattr(engine.evaluation, 'released_weights_file', lambda name: pytest.fail('downloaded'))
+    monkeypatch.setattr(engine.hub, 'start_weights_file', lambda source: pytest.fail('downloaded'))
     code, _, err = _run(eval_main, ['--model', 'inline_deit_tiny', *data], capsys)
     assert (code, err) == (USAGE_EXIT_CODE, message)
 
