@@ -7,6 +7,7 @@ and merged first, in order. Unknown keys and values of the wrong type fail with 
 import difflib
 import math
 import os
+import re
 from typing import Any, Dict, List, Optional, Sequence
 
 import yaml
@@ -227,6 +228,11 @@ def merge_dict(cfg: CN, updates: Dict[str, Any], source: str, prefix: str = '') 
 
 def merge_opts(cfg: CN, opts: Sequence[str]) -> None:
     """Merge `--opts KEY VALUE [KEY VALUE ...]` overrides; values are read as Python literals when they parse."""
+    # --opts takes the rest of the command line, so an option written after it lands here
+    misplaced = next((item for item in opts if re.match(r'--[A-Za-z]', item)), None)
+    if misplaced:
+        raise ConfigError(f"--opts takes KEY VALUE pairs up to the end of the command, got the option {misplaced} "
+                          f"among them; expected {misplaced} before --opts")
     if len(opts) % 2:
         raise ConfigError(f"--opts needs KEY VALUE pairs, got an odd number of items: {' '.join(opts)}")
     for key, value in zip(opts[0::2], opts[1::2]):

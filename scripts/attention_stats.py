@@ -52,7 +52,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument('--out', required=True, help='output path without extension: OUT.csv, OUT.md, OUT.png')
     parser.add_argument('--debug', action='store_true', help='show tracebacks instead of one-line errors')
     parser.add_argument('--opts', nargs=argparse.REMAINDER, default=[], metavar='KEY VALUE',
-                        help='config overrides for every model, e.g. --opts DATA.IMG_SIZE 32')
+                        help='config overrides for every model, last on the command line, e.g. --opts DATA.IMG_SIZE 32')
     args = parser.parse_args(argv)
     if not args.checkpoints and not args.models:
         parser.error('expected --checkpoints or --models')

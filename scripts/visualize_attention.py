@@ -56,7 +56,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument('--out', required=True, help='output folder of the PNG files')
     parser.add_argument('--debug', action='store_true', help='show tracebacks instead of one-line errors')
     parser.add_argument('--opts', nargs=argparse.REMAINDER, default=[], metavar='KEY VALUE',
-                        help='config overrides, e.g. --opts MODEL.KWARGS.depth 2')
+                        help='config overrides, last on the command line, e.g. --opts MODEL.KWARGS.depth 2')
     args = parser.parse_args(argv)
     if not args.model and not args.checkpoint:
         parser.error('expected --model NAME or --checkpoint PATH')

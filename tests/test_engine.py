@@ -684,6 +684,22 @@ def test_a_channel_count_the_data_cannot_feed_fails_before_any_data_is_read(tmp_
     assert not data.exists() and not (tmp_path / 'out').exists()
 
 
+@pytest.mark.parametrize('main, argv', [
+    (train_main, ['--cfg', TINY, '--opts', 'TRAIN.EPOCHS', '1', '--output', 'out']),
+    (train_main, ['--cfg', TINY, '--opts', 'TRAIN.EPOCHS', '1', '--amp']),
+    (eval_main, ['--cfg', TINY, '--throughput', '--opts', 'DATA.IMG_SIZE', '16', '--amp', 'TEST.CROP_PCT', '1.0']),
+])
+def test_an_option_given_after_opts_is_named_with_where_it_goes(tmp_path, monkeypatch, capsys, main, argv):
+    """--opts takes the rest of the command line: an option after it is said to belong before it, whether the
+    items are even (an unknown key otherwise) or odd in number."""
+    monkeypatch.chdir(tmp_path)
+    option = next(item for item in argv if item.startswith('--') and argv.index(item) > argv.index('--opts'))
+    assert _run(main, argv, capsys) == (USAGE_EXIT_CODE, '', f"error: --opts takes KEY VALUE pairs up to the end of "
+                                                             f"the command, got the option {option} among them; "
+                                                             f"expected {option} before --opts\n")
+    assert not list(tmp_path.iterdir())
+
+
 def test_eval_refuses_a_model_it_cannot_build_before_downloading(monkeypatch, capsys):
     monkeypatch.setattr(engine.hub, 'start_weights_file', lambda source: pytest.fail('downloaded'))
     code, _, err = _run(eval_main, ['--model', 'inline_deit_tiny', '--opts', 'MODEL.KWARGS.in_chans', '1'], capsys)
