@@ -22,7 +22,8 @@ def _common_arguments(parser: argparse.ArgumentParser) -> None:
                         help='decode every image before starting; bad files follow DATA.BAD_IMAGES (error or skip)')
     parser.add_argument('--debug', action='store_true', help='show tracebacks instead of one-line errors')
     parser.add_argument('--opts', nargs=argparse.REMAINDER, default=[], metavar='KEY VALUE',
-                        help='config overrides, last on the command line, e.g. --opts TRAIN.EPOCHS 100 MODEL.KWARGS.depth 6')
+                        help='config overrides, last on the command line, e.g. --opts TRAIN.EPOCHS 100 '
+                             'MODEL.KWARGS.depth 6')
 
 
 def _overrides(args: argparse.Namespace, mapping: Dict[str, str]) -> Dict[str, Any]:
