@@ -1,11 +1,13 @@
 """What a user sees of a run: whole progress lines when the output is not a terminal, an end-of-run summary, one
-line for each thing `--pretrained` changed, and a first throughput result after one forward."""
+line for each thing `--pretrained` changed, checkpoints timm's own loader reads, and a first throughput result after
+one forward."""
 import json
 import re
 from pathlib import Path
 
 import numpy as np
 import pytest
+import timm
 import torch
 from PIL import Image
 
@@ -55,6 +57,24 @@ def test_a_finished_run_ends_with_its_best_and_last_epoch(finished_run):
         f"] finished 2 epochs: best val top-1 {best['val_top1']:.2f} at epoch {best['epoch']} "
         f"({finished_run / 'best.pth'}), last {records[-1]['val_top1']:.2f} ({finished_run / 'last.pth'}); "
         f"log {finished_run / 'log.jsonl'}")
+
+
+def test_timm_reads_the_weights_and_their_ema_from_a_run_checkpoint(finished_run):
+    """`timm.create_model(name, checkpoint_path=…)` and `timm.models.load_checkpoint`, what timm's own scripts call,
+    find the trained weights and their moving average in a run's checkpoint: the average by timm's default, the
+    weights with `use_ema=False` (timm's validate.py without --use-ema)."""
+    cfg = load_config(str(finished_run / 'config.yaml'))
+    best = finished_run / 'best.pth'
+    stored = torch.load(best, weights_only=True)
+    model = timm.create_model(cfg.MODEL.NAME, checkpoint_path=str(best), img_size=cfg.DATA.IMG_SIZE,
+                              num_classes=cfg.MODEL.NUM_CLASSES, **cfg.MODEL.KWARGS)
+    for weights in ('model_ema', 'model'):
+        if weights == 'model':
+            timm.models.load_checkpoint(model, str(best), use_ema=False)
+        loaded = model.state_dict()
+        assert loaded.keys() == stored[weights].keys()
+        assert all(torch.equal(loaded[k], v) for k, v in stored[weights].items())
+    assert not torch.equal(stored['model']['head.weight'], stored['model_ema']['head.weight'])
 
 
 def test_pretrained_weights_say_what_they_changed(finished_run, tmp_path):
