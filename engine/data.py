@@ -134,12 +134,21 @@ def _class_folders(folder: str) -> List[str]:
 
 
 def check_splits(root: str, splits: Sequence[str]) -> None:
-    """Raise `UsageError` unless `root` exists and holds a folder for each of `splits`."""
+    """Raise `UsageError` unless `root` exists and holds, for each of `splits`, a folder of class folders: one
+    listing per split, cheap enough to run before any download or scan."""
     if not os.path.isdir(root):
         raise UsageError(f"data path {root!r} does not exist; expected a folder with {' and '.join(splits)} inside")
     for split in splits:
-        if not os.path.isdir(os.path.join(root, split)):
+        folder = os.path.join(root, split)
+        if not os.path.isdir(folder):
             raise UsageError(f"data path {root!r} has no {split}/ folder; expected {split}/<class>/<images>")
+        if _class_folders(folder):
+            continue
+        flat = sum(1 for e in os.scandir(folder) if has_file_allowed_extension(e.name, IMAGE_EXTENSIONS))
+        if flat:  # ImageNet's validation archive unpacks this way
+            raise UsageError(f"dataset folder {folder!r} holds {flat} image files but no class folders; expected "
+                             f"{folder}/<class>/<images> (sort a flat split into its class folders first)")
+        raise UsageError(f"dataset folder {folder!r} is empty; expected one folder of images per class")
 
 
 def class_difference(first: Sequence[str], second: Sequence[str], first_place: str, second_place: str) -> str:
@@ -338,17 +347,11 @@ class ImageFolderSplit(ImageFolder):
 
 def load_split(root: str, split: str, transform, num_classes: Optional[int] = None, bad_images: str = 'error',
                replace_bad: bool = False, image_mode: str = 'RGB') -> ImageFolderSplit:
-    """`ImageFolderSplit(root/split)` after checking the folder exists, has class folders with images, and
+    """`ImageFolderSplit(root/split)` after checking the folder exists, has class folders (`check_splits`) and
     (when given) `num_classes` of them; images are read in Pillow's `image_mode`."""
     check_splits(root, [split])
     folder = os.path.join(root, split)
     classes = _class_folders(folder)
-    if not classes:
-        flat = sum(1 for e in os.scandir(folder) if has_file_allowed_extension(e.name, IMAGE_EXTENSIONS))
-        if flat:  # ImageNet's validation archive unpacks this way
-            raise UsageError(f"dataset folder {folder!r} holds {flat} image files but no class folders; expected "
-                             f"{folder}/<class>/<images> (sort a flat split into its class folders first)")
-        raise UsageError(f"dataset folder {folder!r} is empty; expected one folder of images per class")
     if num_classes is not None and len(classes) != num_classes:
         hidden = [c for c in classes if c.startswith('.')]
         among = f", among them the hidden {', '.join(hidden)}" if hidden else ''

@@ -717,6 +717,26 @@ def test_eval_refuses_missing_data_before_downloading_the_released_weights(monke
     assert (code, err) == (USAGE_EXIT_CODE, message)
 
 
+@pytest.mark.parametrize('entry', ['eval --model', 'train --pretrained'])
+def test_a_flat_validation_folder_is_named_before_the_released_weights_are_downloaded(tmp_path, monkeypatch, capsys,
+                                                                                       entry):
+    """ImageNet's validation archive unpacks without class folders: one listing finds it before a download that
+    can take minutes."""
+    monkeypatch.setattr(engine.hub, 'start_weights_file', lambda source: pytest.fail('downloaded'))
+    for split, folder in (('train', 'train/a'), ('train', 'train/b'), ('val', 'val')):
+        (tmp_path / folder).mkdir(parents=True, exist_ok=True)
+        Image.new('RGB', (16, 16)).save(tmp_path / folder / f'{split}_0.JPEG')
+    argv = {'eval --model': (eval_main, ['--model', 'inline_deit_tiny', '--data-path', str(tmp_path)]),
+            'train --pretrained': (train_main, ['--cfg', TINY, '--pretrained', 'inline_deit_tiny', '--data-path',
+                                                str(tmp_path), '--output', str(tmp_path / 'out'), '--opts',
+                                                'DATA.DATASET', 'imagefolder', 'MODEL.NUM_CLASSES', '2'])}[entry]
+    assert _run(*argv, capsys) == (USAGE_EXIT_CODE, '', f"error: dataset folder '{tmp_path / 'val'}' holds 1 image "
+                                                        f"files but no class folders; expected {tmp_path / 'val'}/"
+                                                        f"<class>/<images> (sort a flat split into its class folders "
+                                                        f"first)\n")
+    assert not (tmp_path / 'out').exists()
+
+
 GREY = ['MODEL.KWARGS.in_chans', '1', 'DATA.MEAN', '[0.5]', 'DATA.STD', '[0.5]']
 
 
