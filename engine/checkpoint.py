@@ -29,7 +29,7 @@ from torch import nn
 from models._files import TEMP_NAME, atomic_write, file_in_the_way, temporary_path
 from models.checkpoint import CheckpointError, load_checkpoint_file, load_state_dict_checked, process_alive
 
-from .config import config_from_yaml_string
+from .config import ConfigError, config_changes, config_from_yaml_string
 from .distributed import DistInfo, all_gather_objects
 from .errors import UsageError
 from .loops import TrainState, schedule_position
@@ -292,6 +292,13 @@ def recorded_classes(checkpoint: Any) -> Optional[List[str]]:
     return classes if _is_name_list(classes) else None
 
 
+# Where and how often a run writes, where its data lies, how it starts or pauses: values a resumed run may change
+# without changing what it trains (a start from pretrained weights does not apply to a resumed run)
+_NOT_TRAINING_KEYS = ('OUTPUT', 'PRINT_FREQ', 'SAVE_FREQ', 'DATA.DATA_PATH', 'DATA.PIN_MEMORY', 'MODEL.PRETRAINED',
+                      'MODEL.PRETRAINED_STRICT', 'MODEL.RESUME', 'TRAIN.AUTO_RESUME', 'TRAIN.EPOCHS_PER_RUN',
+                      'DIST.BACKEND', 'DIST.TIMEOUT_MIN')
+
+
 class TrainingCheckpoint:
     """The checkpoint of one training run: what it holds, the atomic writing of `last.pth` / `best.pth`, reading
     one back checked, and restoring one into the live model, EMA, optimizer, scaler, schedule, state and RNG."""
@@ -426,3 +433,17 @@ class TrainingCheckpoint:
             logger.warning(f"{path} was written by {checkpoint['world_size']} processes, not "
                            f"{self.info.world_size}: random streams restart from the seed")
         logger.info(f"resumed from {path} at epoch {state.epoch} batch {state.epoch_batches} (step {state.step})")
+        self._report_config_changes(checkpoint, path)
+
+    def _report_config_changes(self, checkpoint: Mapping[str, Any], path: str) -> None:
+        """Say which config values this run changes from the run it resumes: they take effect from here on (the
+        learning-rate schedule is this run's), which a resume into the same folder would otherwise do silently."""
+        try:
+            stored = config_from_yaml_string(checkpoint['config'], f"checkpoint {path!r}")
+        except ConfigError as e:
+            logger.warning(f"{path}: the config it holds cannot be compared with this run's ({e})")
+            return
+        changes = config_changes(stored, config_from_yaml_string(self.config, 'this run'), ignore=_NOT_TRAINING_KEYS)
+        if changes:
+            logger.warning(f"{path} was written under another config: {'; '.join(changes)}; the run goes on with "
+                           f"this run's values, its learning-rate schedule included")

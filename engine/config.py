@@ -17,8 +17,8 @@ from .errors import UsageError
 
 __all__ = [
     'ConfigError', 'get_default_config', 'load_config', 'config_from_yaml_string', 'merge_dict', 'merge_opts',
-    'validate_config', 'compile_backends', 'mixup_active', 'total_batch_size', 'scaled_lrs', 'ema_decay',
-    'model_kwargs',
+    'validate_config', 'config_changes', 'compile_backends', 'mixup_active', 'total_batch_size', 'scaled_lrs',
+    'ema_decay', 'model_kwargs',
 ]
 
 
@@ -353,6 +353,28 @@ def validate_config(cfg: CN) -> None:
                'one of ' + ', '.join(repr(b) for b in backends))
         _check(cfg.TRAIN.COMPILE_MODE == 'default', 'TRAIN.COMPILE_MODE', cfg.TRAIN.COMPILE_MODE,
                f"'default' with TRAIN.COMPILE_BACKEND {cfg.TRAIN.COMPILE_BACKEND!r} (the other modes are inductor's)")
+
+
+def _leaves(node: CN, prefix: str = '') -> Dict[str, Any]:
+    leaves: Dict[str, Any] = {}
+    for key, value in node.items():
+        if isinstance(value, CN):
+            leaves.update(_leaves(value, f'{prefix}{key}.'))
+        else:
+            leaves[prefix + key] = value
+    return leaves
+
+
+def config_changes(before: CN, after: CN, ignore: Sequence[str] = ()) -> List[str]:
+    """'KEY old (this run: new)' for every value `after` holds otherwise than `before`, keys of `ignore` aside; a key
+    only one of them holds (such as one of MODEL.KWARGS) is 'unset' in the other."""
+    old, new = _leaves(before), _leaves(after)
+
+    def shown(values: Dict[str, Any], key: str) -> str:
+        return repr(values[key]) if key in values else 'unset'
+    keys = list(new) + [key for key in old if key not in new]
+    return [f"{key} {shown(old, key)} (this run: {shown(new, key)})" for key in keys
+            if key not in ignore and (key not in old or key not in new or old[key] != new[key])]
 
 
 def compile_backends() -> List[str]:

@@ -7,7 +7,7 @@ import pytest
 import timm
 
 import models  # noqa: F401  (registers the families)
-from engine.config import (ConfigError, config_from_yaml_string, ema_decay, get_default_config, load_config,
+from engine.config import (ConfigError, config_changes, config_from_yaml_string, ema_decay, get_default_config, load_config,
                            merge_opts, model_kwargs, scaled_lrs)
 
 CONFIGS = Path(__file__).resolve().parents[1] / 'configs'
@@ -118,6 +118,16 @@ def test_bad_opts_name_the_key():
         load_config(None, ['TRAIN.BASE_LR', 'fast'])
     with pytest.raises(ConfigError, match='odd number'):
         merge_opts(get_default_config(), ['TRAIN.EPOCHS'])
+
+
+def test_config_changes_name_each_value_changed_and_each_key_one_side_lacks():
+    before = load_config(None, ['TRAIN.EPOCHS', '2', 'MODEL.KWARGS.depth', '4', 'OUTPUT', 'a'])
+    after = load_config(None, ['TRAIN.EPOCHS', '4', 'MODEL.KWARGS.mlp_ratio', '2.0', 'OUTPUT', 'b',
+                               'AUG.SCALE', '[0.5, 1.0]'])
+    assert config_changes(before, after, ignore=['OUTPUT']) == [
+        "MODEL.KWARGS.mlp_ratio unset (this run: 2.0)", "TRAIN.EPOCHS 2 (this run: 4)",
+        "AUG.SCALE [0.08, 1.0] (this run: [0.5, 1.0])", "MODEL.KWARGS.depth 4 (this run: unset)"]
+    assert config_changes(before, before.clone()) == []
 
 
 def test_missing_and_self_including_files(tmp_path):

@@ -254,12 +254,16 @@ def test_a_fresh_run_into_a_folder_holding_a_run_is_refused_and_replaces_nothing
     assert checkpoints(output) == before
 
 
-def test_resuming_a_finished_epoch_with_another_batch_size_keeps_its_record(tmp_path, digits, one_epoch):
+def test_resuming_a_finished_epoch_with_another_batch_size_keeps_its_record(tmp_path, digits, one_epoch, capsys):
     output = tmp_path / 'run'
     shutil.copytree(one_epoch, output)
     first = (output / 'log.jsonl').read_text()
     # 22 batches of 64 finished epoch 0; at 32 they would be 22 of its 44 batches
     assert run_cli(train_main, [*train_argv(output, digits), 'DATA.BATCH_SIZE', '32']) == 0
+    # the change is said once; another output folder and no TRAIN.EPOCHS_PER_RUN change nothing trained
+    said = [line.split('] ', 1)[1] for line in capsys.readouterr().out.splitlines() if 'another config' in line]
+    assert said == [f"{output / 'last.pth'} was written under another config: DATA.BATCH_SIZE 64 (this run: 32); the "
+                    f"run goes on with this run's values, its learning-rate schedule included"]
     assert (output / 'log.jsonl').read_text().startswith(first)
     assert [(r['epoch'], r['step']) for r in records(output)] == [(0, 22), (1, 66)]
     # epoch 1 follows this run's schedule of 44 updates per epoch: its last update is the schedule's 88th
@@ -280,7 +284,9 @@ def test_a_log_record_cut_by_a_kill_is_dropped_when_the_run_resumes(tmp_path, di
     assert run_cli(train_main, train_argv(output, digits)) == 0
     assert (output / 'log.jsonl').read_text().startswith(first)
     assert [r['epoch'] for r in records(output)] == [0, 1]
-    assert f"dropped the cut last line of {output / 'log.jsonl'}" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"dropped the cut last line of {output / 'log.jsonl'}" in out
+    assert 'another config' not in out  # the same config: nothing said
 
 
 @pytest.mark.parametrize('foreign, number', [('not a record', 1), ('{"loss": 1.5}', 1), ('[0, 1]', 2)])
