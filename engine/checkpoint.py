@@ -292,11 +292,13 @@ def recorded_classes(checkpoint: Any) -> Optional[List[str]]:
     return classes if _is_name_list(classes) else None
 
 
-# Where and how often a run writes, where its data lies, how it starts or pauses: values a resumed run may change
-# without changing what it trains (a start from pretrained weights does not apply to a resumed run)
-_NOT_TRAINING_KEYS = ('OUTPUT', 'PRINT_FREQ', 'SAVE_FREQ', 'DATA.DATA_PATH', 'DATA.PIN_MEMORY', 'MODEL.PRETRAINED',
-                      'MODEL.PRETRAINED_STRICT', 'MODEL.RESUME', 'TRAIN.AUTO_RESUME', 'TRAIN.EPOCHS_PER_RUN',
-                      'DIST.BACKEND', 'DIST.TIMEOUT_MIN')
+# Where and how often a run writes, where its data lies, how it starts or pauses, which kernels and device compute
+# it: values a resumed run may change without changing what it trains (a start from pretrained weights does not
+# apply to a resumed run)
+_NOT_TRAINING_KEYS = ('OUTPUT', 'PRINT_FREQ', 'SAVE_FREQ', 'DEVICE', 'DATA.DATA_PATH', 'DATA.PIN_MEMORY',
+                      'MODEL.PRETRAINED', 'MODEL.PRETRAINED_STRICT', 'MODEL.RESUME', 'TRAIN.AUTO_RESUME',
+                      'TRAIN.EPOCHS_PER_RUN', 'TRAIN.COMPILE', 'TRAIN.COMPILE_MODE', 'TRAIN.COMPILE_BACKEND',
+                      'TRAIN.ONEDNN', 'TRAIN.OPTIMIZER.FUSED', 'DIST.BACKEND', 'DIST.TIMEOUT_MIN')
 
 
 class TrainingCheckpoint:
@@ -437,7 +439,10 @@ class TrainingCheckpoint:
 
     def _report_config_changes(self, checkpoint: Mapping[str, Any], path: str) -> None:
         """Say which config values this run changes from the run it resumes: they take effect from here on (the
-        learning-rate schedule is this run's), which a resume into the same folder would otherwise do silently."""
+        learning-rate schedule is this run's), which a resume into the same folder would otherwise do silently.
+        Rank 0 says it: every rank holds the same config."""
+        if not self.info.is_main:
+            return
         try:
             stored = config_from_yaml_string(checkpoint['config'], f"checkpoint {path!r}")
         except ConfigError as e:

@@ -173,7 +173,11 @@ def test_two_processes_stop_resume_evaluate_and_match_one_process(tmp_path, digi
     first = torchrun(*args, '--compile', *opts, 'TRAIN.COMPILE_BACKEND', 'eager', cwd=tmp_path)
     assert 'torch.compile: the training step compiled in about' in first.stdout
     assert len(records(output)) == 1
-    torchrun(*args, *opts, cwd=tmp_path)
+    # resumed uncompiled (not counted as a change) and with a non-finite step allowed: said once, by rank 0
+    second = torchrun(*args, *opts, 'TRAIN.MAX_NONFINITE_STEPS', '1', cwd=tmp_path)
+    said = [line.split('] ', 1)[1] for line in second.stdout.splitlines() if 'another config' in line]
+    assert said == [f"{output / 'last.pth'} was written under another config: TRAIN.MAX_NONFINITE_STEPS 0 (this run: "
+                    f"1); the run goes on with this run's values, its learning-rate schedule included"]
     two = records(output)
     assert [r['epoch'] for r in two] == [0, 1] and two[-1]['step'] == 178
     checkpoint = TrainingCheckpoint.read(str(output / 'last.pth'))
