@@ -328,16 +328,18 @@ def check_state_dict(
         source: str = 'checkpoint',
         free_shape_prefixes: Sequence[str] = (),
         input_conv_weights: Sequence[str] = (),
+        strict: bool = True,
 ) -> None:
-    """Raise `CheckpointError` naming the missing, unexpected and mis-shaped keys, on one line.
+    """Raise `CheckpointError` naming the missing, unexpected and mis-shaped keys, on one line; not `strict`, the
+    mis-shaped ones only (as `load_state_dict(strict=False)` refuses them alone).
 
     Keys under `free_shape_prefixes` (a classifier that the loader re-creates for another class count) may differ
     in shape, and the weights in `input_conv_weights` in their input channels (dim 1), which timm's loader adapts
     to the model's `in_chans`.
     """
     own = model.state_dict()
-    missing = [k for k in own if k not in state_dict]
-    unexpected = [k for k in state_dict if k not in own]
+    missing = [k for k in own if k not in state_dict] if strict else []
+    unexpected = [k for k in state_dict if k not in own] if strict else []
     shapes = [f"{k} {tuple(state_dict[k].shape)} vs {tuple(own[k].shape)}"
               for k in own if k in state_dict and state_dict[k].shape != own[k].shape
               and not k.startswith(tuple(free_shape_prefixes))
@@ -432,20 +434,22 @@ def filter_checkpoint(
         checkpoint: Any,
         model: nn.Module,
         prepare: Callable[[Dict[str, Tensor]], Dict[str, Tensor]] = lambda state_dict: state_dict,
+        strict: bool = True,
 ) -> Dict[str, Tensor]:
     """A checkpoint made ready for `model`: weights unwrapped, derived buffers dropped, keys of timm's layout
     renamed (`official_keys`), `prepare` applied (a family's own adjustment), tensors of another resolution
-    adapted, a classifier the model is built without (`num_classes=0`) dropped, and the keys checked. Two kinds of
-    tensor may differ in shape, for timm's loader adapts them after this filter: the classifier (re-created for
-    another class count) and the cfg's `first_conv` weights in their input channels (adapted to the model's
-    `in_chans`)."""
+    adapted, a classifier the model is built without (`num_classes=0`) dropped, and the keys checked (not `strict`,
+    timm's `pretrained_strict=False`: their shapes only). Two kinds of tensor may differ in shape, for timm's
+    loader adapts them after this filter: the classifier (re-created for another class count) and the cfg's
+    `first_conv` weights in their input channels (adapted to the model's `in_chans`)."""
     state_dict = prepare(official_keys(model, drop_derived_buffers(checkpoint_state_dict(checkpoint))))
     state_dict = adapt_state_dict(model, state_dict)
     classifiers = tuple(f'{name}.' for name in _cfg_module_names(model, 'classifier', ('head',)))
     own = model.state_dict()
     state_dict = {k: v for k, v in state_dict.items() if k in own or not k.startswith(classifiers)}
     check_state_dict(model, state_dict, 'checkpoint', free_shape_prefixes=classifiers,
-                     input_conv_weights=[f'{name}.weight' for name in _cfg_module_names(model, 'first_conv')])
+                     input_conv_weights=[f'{name}.weight' for name in _cfg_module_names(model, 'first_conv')],
+                     strict=strict)
     return state_dict
 
 

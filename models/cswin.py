@@ -340,13 +340,14 @@ class CSWinTransformer(ZooModel):
         self.stages = self.stages[:num_stages]
 
 
-def checkpoint_filter_fn(state_dict: Mapping[str, Tensor], model: CSWinTransformer) -> Dict[str, Tensor]:
+def checkpoint_filter_fn(state_dict: Mapping[str, Tensor], model: CSWinTransformer,
+                         strict: bool = True) -> Dict[str, Tensor]:
     """An official CSwin state dict (any attention; the papers keep CSwin's key names) made ready for `model`.
 
     Unwraps 'model'/'state_dict', drops derived buffers, resizes grid-sized tensors to the model's grids, and
     raises `CheckpointError` listing the keys when the checkpoint belongs to another model.
     """
-    return filter_checkpoint(state_dict, model)
+    return filter_checkpoint(state_dict, model, strict=strict)
 
 
 def _create_cswin(variant: str, pretrained: bool, model_args: Dict[str, Any],

@@ -527,27 +527,39 @@ def create_variant(
     unless the user points at weights of their own: `pretrained_cfg_overlay=dict(file=...)`, `url=...` or
     `state_dict=...` (as `engine` does for a checkpoint of such a model), or the `pretrained_cfg` that timm passes
     for a `local-dir:` or `hf-hub:` model name (a model saved by `timm.models.save_for_hf`). Softmax weights become
-    the start of another attention through `models.checkpoint.load_pretrained_into`, which reports the new keys.
+    the start of another attention through `models.checkpoint.load_pretrained_into`, which reports the new keys, or
+    through timm's `pretrained_strict=False`, which loads every tensor the weights share with the model (any other
+    shape is refused, as timm's loader refuses it) and logs the keys it left, as timm does.
     """
     kwargs = _fold_attn_options(model_cls, dict(kwargs))
+    strict = kwargs.get('pretrained_strict', True)
+    if not strict:
+        build_kwargs['pretrained_filter_fn'] = functools.partial(build_kwargs['pretrained_filter_fn'], strict=False)
     built = {**model_args, **kwargs}
     native = {**built, 'attn_type': model_args['attn_type']}
+    released_elsewhere: Dict[str, Any] = {}
     if 'attn_type' in kwargs and _block_attentions(built) != _block_attentions(native):
         release_sources, own_weights = _weight_sources(variant, kwargs)
-        if pretrained and not own_weights:
+        if pretrained and not own_weights and strict:
             raise ValueError(
                 f"{variant}'s pretrained weights belong to attn_type {model_args.get('attn_type')!r}, not "
                 f"{kwargs['attn_type']!r}; build it with pretrained=False and start from them with "
-                f"models.checkpoint.load_pretrained_into(model, {variant!r}), or give your own file through "
-                f"pretrained_cfg_overlay=dict(file=...)")
-        cleared = {key: '' if key == 'url' else None for key in release_sources}
-        kwargs['pretrained_cfg_overlay'] = {**(kwargs.get('pretrained_cfg_overlay') or {}), **cleared}
+                f"models.checkpoint.load_pretrained_into(model, {variant!r}), or load the tensors they share with "
+                f"pretrained_strict=False, or give your own file through pretrained_cfg_overlay=dict(file=...)")
+        released_elsewhere = {key: '' if key == 'url' else None for key in release_sources}
+        if not pretrained or own_weights:
+            kwargs['pretrained_cfg_overlay'] = {**(kwargs.get('pretrained_cfg_overlay') or {}), **released_elsewhere}
+            released_elsewhere = {}
     if pretrained:
         _download_released_url(variant, kwargs)
     device, dtype = kwargs.pop('device', None), kwargs.pop('dtype', None)
     # timm's factory keywords: parameters are created on `device` (the meta device allocates nothing)
     with torch.device(device) if device is not None else contextlib.nullcontext():
         model = build_model_with_cfg(model_cls, variant, pretrained, **build_kwargs, **dict(model_args, **kwargs))
+    if released_elsewhere:  # started from the release of another attention, which is not this model's release
+        for module in model.modules():  # the model, and the model inside a features_only wrapper
+            if isinstance(getattr(module, 'pretrained_cfg', None), dict):
+                module.pretrained_cfg.update(released_elsewhere, file=None)
     return model if dtype is None else model.to(dtype=dtype)
 
 

@@ -281,10 +281,11 @@ def _drop_unused_norm(model: PyramidVisionTransformer) -> Any:
     return prepare
 
 
-def checkpoint_filter_fn(state_dict: Dict[str, Tensor], model: PyramidVisionTransformer) -> Dict[str, Tensor]:
+def checkpoint_filter_fn(state_dict: Dict[str, Tensor], model: PyramidVisionTransformer,
+                         strict: bool = True) -> Dict[str, Tensor]:
     """Adapt a PVT checkpoint (any attention) to `model`: unwrap, drop derived buffers and an unused final
     `norm.*` when the model has no final norm, resize grid-sized tensors to the model's grids, check the keys."""
-    return filter_checkpoint(state_dict, model, _drop_unused_norm(model))
+    return filter_checkpoint(state_dict, model, _drop_unused_norm(model), strict=strict)
 
 
 def _create_pvt(variant: str, pretrained: bool, model_args: Dict[str, Any],

@@ -308,10 +308,11 @@ def _from_timm_layout(state_dict: Dict[str, Tensor]) -> Dict[str, Tensor]:
     return {_timm_key_to_official(k): v for k, v in state_dict.items()}
 
 
-def checkpoint_filter_fn(state_dict: Dict[str, Tensor], model: PyramidVisionTransformerV2) -> Dict[str, Tensor]:
+def checkpoint_filter_fn(state_dict: Dict[str, Tensor], model: PyramidVisionTransformerV2,
+                         strict: bool = True) -> Dict[str, Tensor]:
     """Adapt a PVT v2 checkpoint (any attention; the official layout or timm's `pvt_v2_b*`) to `model`: unwrap,
     rename timm's keys to the official ones, resize grid-sized tensors to the model's grids, check the keys."""
-    return filter_checkpoint(state_dict, model)
+    return filter_checkpoint(state_dict, model, strict=strict)
 
 
 def _create_pvt_v2(variant: str, pretrained: bool, model_args: Dict[str, Any],

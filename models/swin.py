@@ -260,7 +260,8 @@ def _from_timm_layout(state_dict: Dict[str, Tensor]) -> Dict[str, Tensor]:
     return {official(k): v for k, v in state_dict.items()}
 
 
-def checkpoint_filter_fn(state_dict: Dict[str, Tensor], model: SwinTransformer) -> Dict[str, Tensor]:
+def checkpoint_filter_fn(state_dict: Dict[str, Tensor], model: SwinTransformer,
+                         strict: bool = True) -> Dict[str, Tensor]:
     """A Swin state dict (any attention; the official layout, which the papers keep, or timm's `swin_*`) made ready
     for `model`.
 
@@ -268,7 +269,7 @@ def checkpoint_filter_fn(state_dict: Dict[str, Tensor], model: SwinTransformer) 
     renames timm's keys to the official ones, resizes grid- and window-sized tensors to the model's, and raises
     `CheckpointError` listing the keys when the checkpoint belongs to another model.
     """
-    return filter_checkpoint(state_dict, model)
+    return filter_checkpoint(state_dict, model, strict=strict)
 
 
 def _create_swin(variant: str, pretrained: bool, model_args: Dict[str, Any],

@@ -271,10 +271,10 @@ def _drop_unused_logit_sigma(model: DeiT) -> Callable[[Dict[str, Tensor]], Dict[
     return prepare
 
 
-def checkpoint_filter_fn(state_dict: Dict[str, Tensor], model: DeiT) -> Dict[str, Tensor]:
+def checkpoint_filter_fn(state_dict: Dict[str, Tensor], model: DeiT, strict: bool = True) -> Dict[str, Tensor]:
     """Adapt a DeiT checkpoint (any attention) to `model`: unwrap, resize `pos_embed` to its grid, drop σ on the
     logits where the model has no classifier, check the keys."""
-    return filter_checkpoint(state_dict, model, _drop_unused_logit_sigma(model))
+    return filter_checkpoint(state_dict, model, _drop_unused_logit_sigma(model), strict=strict)
 
 
 def _create_deit(variant: str, pretrained: bool, model_args: Dict[str, Any], kwargs: Dict[str, Any]) -> DeiT:

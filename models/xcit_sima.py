@@ -412,12 +412,12 @@ class SimAXCiT(ZooModel):
         return take_indices
 
 
-def checkpoint_filter_fn(state_dict: Mapping[str, Any], model: SimAXCiT) -> Dict[str, Tensor]:
+def checkpoint_filter_fn(state_dict: Mapping[str, Any], model: SimAXCiT, strict: bool = True) -> Dict[str, Tensor]:
     """Adapt an official SimA checkpoint to `model`: its weights (under 'model', or 'model_ema' alone, or flat)
     unwrapped and the keys checked."""
     if 'model' not in state_dict and isinstance(state_dict.get('model_ema'), Mapping):
         state_dict = state_dict['model_ema']
-    return filter_checkpoint(state_dict, model)
+    return filter_checkpoint(state_dict, model, strict=strict)
 
 
 def _create_sima_xcit(variant: str, pretrained: bool, model_args: Dict[str, Any],

@@ -1,5 +1,6 @@
 """The seams between attentions, groupings and families: one registry, method options through `attn_kwargs`,
 unchanged state dicts, pretrained cfgs that belong to their architecture, and softmax weights as a start."""
+import dataclasses
 import hashlib
 import json
 import logging
@@ -12,6 +13,7 @@ import safetensors.torch
 import timm
 import timm.models._hub
 import torch
+from timm.models._registry import _model_pretrained_cfgs
 
 import models  # noqa: F401  (registers the families)
 from models.attention import GROUPINGS, build_attention, forms_score_matrix, list_attentions
@@ -146,7 +148,8 @@ def test_another_attention_does_not_inherit_the_weights_url(name):
         'input_size']
     with pytest.raises(ValueError, match=rf"{name}'s pretrained weights belong to attn_type .* not 'sima'; build it "
                                          rf"with pretrained=False and start from them with "
-                                         rf"models.checkpoint.load_pretrained_into\(model, '{name}'\)"):
+                                         rf"models.checkpoint.load_pretrained_into\(model, '{name}'\), or load the tensors they "
+                                         rf"share with pretrained_strict=False"):
         timm.create_model(name, attn_type='sima', pretrained=True)
 
 
@@ -167,6 +170,50 @@ def test_own_weights_of_another_attention_load_through_the_overlay(tmp_path, giv
     # timm gives a classifier of another class count than the pretrained cfg's a fresh init
     expected = source.state_dict()
     assert all(torch.equal(v, expected[k]) for k, v in model.state_dict().items() if not k.startswith('head.'))
+
+
+@pytest.mark.parametrize('family', ['deit', 'pvt', 'swin'])
+@pytest.mark.parametrize('release', [False, True])
+def test_pretrained_strict_false_loads_the_tensors_softmax_weights_share_with_another_attention(
+        tmp_path, monkeypatch, caplog, family, release):
+    """timm's `pretrained_strict=False`: softmax weights (one's own file, or the variant's release) start InLine
+    with the tensors `load_pretrained_into` loads, the others keep their initialisation, and timm logs them; a model
+    of another attention does not keep the release as its weights source. Strict, the weights are refused."""
+    name = f'softmax_{family}_tiny'
+    torch.manual_seed(0)
+    softmax = timm.create_model(name, **TINY[family]).state_dict()
+    torch.save(softmax, tmp_path / 'softmax.pth')
+    if release:  # the registered cfg's weights, as a release given by file
+        cfg = dataclasses.replace(_model_pretrained_cfgs[name], url='', file=str(tmp_path / 'softmax.pth'))
+        monkeypatch.setitem(_model_pretrained_cfgs, name, cfg)
+        monkeypatch.setitem(_model_pretrained_cfgs, f'{name}.{cfg.tag}', cfg)
+    overlay = {} if release else dict(pretrained_cfg_overlay=dict(file=str(tmp_path / 'softmax.pth')))
+    torch.manual_seed(1)
+    with caplog.at_level(logging.INFO, logger='timm.models._builder'):
+        model = timm.create_model(name, attn_type='inline', pretrained=True, pretrained_strict=False, **overlay,
+                                  **TINY[family])
+    torch.manual_seed(1)
+    fresh = timm.create_model(name, attn_type='inline', **TINY[family])
+    report = load_pretrained_into(fresh, str(tmp_path / 'softmax.pth'))
+    assert any('residual' in k for k in report.new)
+    expected = fresh.state_dict()
+    # timm gives a classifier of another class count than the pretrained cfg's a fresh init
+    assert all(torch.equal(v, expected[k]) for k, v in model.state_dict().items() if not k.startswith('head.'))
+    assert any(record.message.startswith('Missing keys (') for record in caplog.records)
+    assert model.pretrained_cfg['file'] == (None if release else str(tmp_path / 'softmax.pth'))
+    if not release:  # strict, a release of another attention is refused before it is read (above)
+        with pytest.raises(CheckpointError, match=r"^checkpoint does not match \w+: missing: "):
+            timm.create_model(name, attn_type='inline', pretrained=True, **overlay, **TINY[family])
+
+
+def test_pretrained_strict_false_still_refuses_tensors_of_another_shape(tmp_path):
+    """Softmax CSwin's LePE convolutions have another shape than InLine CSwin's: refused, as timm's loader refuses
+    them (`load_pretrained_into` drops them and says so)."""
+    torch.save(timm.create_model('softmax_cswin_tiny', **TINY['cswin']).state_dict(), tmp_path / 'softmax.pth')
+    with pytest.raises(CheckpointError, match=r"^checkpoint does not match CSWinTransformer: mis-shaped: "
+                                              r"stage1\.0\.attns\.0\.get_v\.weight \(8, 1, 3, 3\) vs \(16, 1, 3, 3\)"):
+        timm.create_model('softmax_cswin_tiny', attn_type='inline', pretrained=True, pretrained_strict=False,
+                          pretrained_cfg_overlay=dict(file=str(tmp_path / 'softmax.pth')), **TINY['cswin'])
 
 
 HUB_NAMES = {'deit': 'softmax_deit_tiny', 'pvt': 'inline_pvt_tiny', 'swin': 'flatten_swin_tiny',
