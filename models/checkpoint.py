@@ -48,7 +48,7 @@ __all__ = [
     'process_alive', 'HUB_SOURCES', 'is_hub_name', 'hub_weights_file', 'start_weights_file', 'unknown_pretrained_tag',
     'has_released_weights', 'released_weights_file', 'official_keys', 'filter_checkpoint', 'adapt_state_dict',
     'load_pretrained_into', 'load_shared_weights', 'TransferReport', 'SAFE_GLOBALS', 'load_checkpoint_file',
-    'checkpoint_state_dict', 'error_summary',
+    'checkpoint_state_dict', 'error_summary', 'DERIVED_BUFFERS',
     'drop_derived_buffers', 'check_state_dict', 'load_state_dict_checked', 'resample_grid_embedding',
     'resize_grid_embedding', 'resize_rel_pos_bias_table',
 ]

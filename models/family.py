@@ -19,7 +19,7 @@ from timm.models._input import update_model_input_size
 
 from .attention import list_attention_options, stage_attentions
 from .attention.layout import Grid, tokens_to_image
-from .checkpoint import HUB_SOURCES, cached_file_name, download_checkpoint
+from .checkpoint import DERIVED_BUFFERS, HUB_SOURCES, cached_file_name, download_checkpoint
 
 __all__ = [
     'ZooModel', 'create_variant', 'register_variants', 'Block', 'BlockStack', 'init_weights', 'OfficialKeys',
@@ -264,6 +264,13 @@ def tsinghua_url(file_id: str) -> str:
     return f'https://cloud.tsinghua.edu.cn/f/{file_id}/?dl=1'
 
 
+def _skip_derived_buffers(module: nn.Module, state_dict: Dict[str, Any], prefix: str, *args: Any) -> None:
+    """Load pre-hook: drop the relative position indices and shifted-window masks of a state dict below `prefix`;
+    a zoo model recomputes them (non-persistent buffers)."""
+    for key in [k for k in state_dict if k.startswith(prefix) and k.rsplit('.', 1)[-1] in DERIVED_BUFFERS]:
+        del state_dict[key]
+
+
 class ZooModel(nn.Module):
     """The timm model API that every family shares, over the family's stages.
 
@@ -282,6 +289,12 @@ class ZooModel(nn.Module):
     official_head_init: ClassVar[bool] = False
     # The final norm belongs to the last stage's width, so pruning stages drops it.
     norm_follows_last_stage: ClassVar[bool] = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        # official checkpoints hold the buffers these models recompute, so that `load_state_dict` of one works as
+        # in the official code, and so does timm's `load_checkpoint` (create_model's `checkpoint_path`)
+        self.register_load_state_dict_pre_hook(_skip_derived_buffers)
 
     def official_keys_of(self, state_dict: Dict[str, Tensor]) -> Dict[str, Tensor]:
         """`state_dict` under the family's official key names; a family whose weights also circulate in timm's

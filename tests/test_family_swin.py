@@ -66,13 +66,15 @@ def golden():
     return load_golden('flatten_swin_like_LLSS')
 
 
+def golden_kwargs(golden):
+    assert golden['spec']['ln_eps'] == 1e-5
+    return {k: golden['spec'][k] for k in ('img_size', 'patch_size', 'embed_dim', 'depths', 'num_heads', 'window_size',
+                                           'attn_type', 'focusing_factor', 'kernel_size', 'mlp_ratio', 'qkv_bias',
+                                           'num_classes')}
+
+
 def golden_model(golden):
-    spec = golden['spec']
-    assert spec['ln_eps'] == 1e-5
-    kwargs = {k: spec[k] for k in ('img_size', 'patch_size', 'embed_dim', 'depths', 'num_heads', 'window_size',
-                                   'attn_type', 'focusing_factor', 'kernel_size', 'mlp_ratio', 'qkv_bias',
-                                   'num_classes')}
-    model = timm.create_model('flatten_swin_tiny', **kwargs).eval()
+    model = timm.create_model('flatten_swin_tiny', **golden_kwargs(golden)).eval()
     model.load_state_dict(checkpoint_filter_fn(golden['state_dict'], model), strict=True)
     return model
 
@@ -84,6 +86,24 @@ def test_golden_flatten_swin_fp64_and_fp32(golden):
         out64 = model.double()(golden['input'].double())
     assert (out64 - golden['output_fp64']).abs().max() < 1e-10
     assert (out32 - golden['output_fp32']).abs().max() < 1e-4
+
+
+def test_an_official_state_dict_loads_as_it_is_strictly_also_through_timm_s_checkpoint_path(golden, tmp_path):
+    """`model.load_state_dict(official)`, as the official code loads its files, and timm's `checkpoint_path`
+    (`load_checkpoint`, no filter) take the saved relative position indices and shifted-window masks, which the
+    model recomputes: the official outputs."""
+    saved = golden['state_dict']
+    keys = list(saved)
+    assert any(k.endswith('.attn_mask') for k in keys) and any(k.endswith('.relative_position_index') for k in keys)
+    model = timm.create_model('flatten_swin_tiny', **golden_kwargs(golden)).eval()
+    model.load_state_dict(saved, strict=True)
+    torch.save({'model': saved}, tmp_path / 'official.pth')
+    through_timm = timm.create_model('flatten_swin_tiny', checkpoint_path=str(tmp_path / 'official.pth'),
+                                     **golden_kwargs(golden)).eval()
+    for loaded in (model, through_timm):
+        with torch.no_grad():
+            assert (loaded.double()(golden['input'].double()) - golden['output_fp64']).abs().max() < 1e-10
+    assert list(saved) == keys  # the caller's dict is left whole
 
 
 def test_golden_window_rule_of_the_official_window_size(golden):
