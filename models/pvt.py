@@ -210,6 +210,8 @@ class PyramidVisionTransformer(ZooModel):
         self.feature_info = [dict(module=f'stages.{i}', num_chs=embed_dims[i], reduction=patch_size * 2 ** i)
                              for i in range(NUM_STAGES)]
         OfficialKeys(_STAGE_KEYS.to_official, _STAGE_KEYS.to_module, _official_rank).register(self)
+        if not class_token:
+            self.register_load_state_dict_pre_hook(_skip_unused_norm)
 
         for stage in self.stages:
             trunc_normal_(stage.pos_embed, std=.02)
@@ -270,6 +272,13 @@ class PyramidVisionTransformer(ZooModel):
         self.num_prefix_tokens = 0
         self._init_output_fmt('NCHW')
         self.global_pool = 'avg' if self.global_pool == 'token' else self.global_pool
+
+
+def _skip_unused_norm(module: nn.Module, state_dict: Dict[str, Any], prefix: str, *args: Any) -> None:
+    """Load pre-hook of a model without a final norm: an official file's unused `norm.*` (one official model saves
+    it) is skipped, so that `load_state_dict` of that file works as in the official code."""
+    for key in [k for k in state_dict if k.startswith(f'{prefix}norm.')]:
+        del state_dict[key]
 
 
 def _drop_unused_norm(model: PyramidVisionTransformer) -> Any:

@@ -215,6 +215,9 @@ def test_flatten_official_checkpoint_with_its_unused_final_norm_loads_and_every_
         assert torch.allclose(model.head(model.forward_features(x).mean((2, 3))), source(x))
     model.train()(x).square().mean().backward()
     assert all(p.grad is not None for p in model.parameters())
+    plain = timm.create_model('flatten_pvt_tiny', **TINY)
+    plain.load_state_dict(state)  # as the official code loads the file: its unused norm skipped
+    assert all(torch.equal(v, source.state_dict()[k]) for k, v in plain.state_dict().items())
 
 
 def test_sr_ratios_apply_to_score_forming_and_la_sr_ratios_to_linear_attentions():
