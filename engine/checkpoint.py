@@ -359,7 +359,8 @@ class TrainingCheckpoint:
         missing: List[str] = [k for k in cls.KEYS if k not in checkpoint]
         if missing:
             raise CheckpointError(f"checkpoint {path!r} is not a training checkpoint of this engine: it lacks "
-                                  f"{', '.join(missing)}")
+                                  f"{', '.join(missing)}; expected a last.pth that train.py wrote (to start from "
+                                  f"the weights of another file: --pretrained {path})")
         checkpoint = dict(checkpoint)
         checkpoint.setdefault('metrics', None)
         checkpoint.setdefault('classes', None)  # not recorded before the class names were kept

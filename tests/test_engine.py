@@ -484,7 +484,9 @@ def test_a_training_checkpoint_missing_keys_fails_with_one_line(tmp_path):
     torch.save(partial, path)
     with pytest.raises(CheckpointError) as error:
         TrainingCheckpoint.read(path)
-    assert str(error.value) == f"checkpoint {path!r} is not a training checkpoint of this engine: it lacks scaler, rng"
+    assert str(error.value) == (f"checkpoint {path!r} is not a training checkpoint of this engine: it lacks scaler, "
+                                f"rng; expected a last.pth that train.py wrote (to start from the weights of another "
+                                f"file: --pretrained {path})")
     torch.save([partial], path)
     with pytest.raises(CheckpointError, match=r"holds a list, not a training checkpoint$"):
         TrainingCheckpoint.read(path)
