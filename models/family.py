@@ -3,6 +3,7 @@ official init, block running, head and input checks, and the pieces of their pre
 import contextlib
 import functools
 import inspect
+import itertools
 import re
 import sys
 from typing import Any, Callable, ClassVar, Dict, List, Mapping, Optional, Sequence, Tuple, Type, Union
@@ -271,6 +272,17 @@ def _skip_derived_buffers(module: nn.Module, state_dict: Dict[str, Any], prefix:
         del state_dict[key]
 
 
+def _missing_keys_as_saved(module: nn.Module, incompatible_keys: Any) -> None:
+    """Load post-hook: the missing keys under the names `state_dict` gives them (official ones), not the module
+    paths torch finds them at, so that `load_state_dict` reports (and, strict, refuses) keys of the state dict."""
+    if not incompatible_keys.missing_keys:
+        return
+    saved = {id(tensor): key for key, tensor in module.state_dict(keep_vars=True).items()}
+    tensors = itertools.chain(module.named_parameters(remove_duplicate=False), module.named_buffers())
+    names = {name: saved.get(id(tensor), name) for name, tensor in tensors}
+    incompatible_keys.missing_keys[:] = [names.get(key, key) for key in incompatible_keys.missing_keys]
+
+
 class ZooModel(nn.Module):
     """The timm model API that every family shares, over the family's stages.
 
@@ -295,6 +307,7 @@ class ZooModel(nn.Module):
         # official checkpoints hold the buffers these models recompute, so that `load_state_dict` of one works as
         # in the official code, and so does timm's `load_checkpoint` (create_model's `checkpoint_path`)
         self.register_load_state_dict_pre_hook(_skip_derived_buffers)
+        self.register_load_state_dict_post_hook(_missing_keys_as_saved)
 
     def official_keys_of(self, state_dict: Dict[str, Tensor]) -> Dict[str, Tensor]:
         """`state_dict` under the family's official key names; a family whose weights also circulate in timm's

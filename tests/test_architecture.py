@@ -206,6 +206,24 @@ def test_pretrained_strict_false_loads_the_tensors_softmax_weights_share_with_an
             timm.create_model(name, attn_type='inline', pretrained=True, **overlay, **TINY[family])
 
 
+@pytest.mark.parametrize('family', ['deit', 'pvt', 'swin', 'cswin', 'pvt_v2'])
+def test_load_state_dict_reports_missing_keys_under_the_state_dict_s_own_names(family):
+    """Torch finds missing tensors at their module paths (`stages.0.blocks.0.attn.mixer.residual…`); the model
+    reports them, and strict refuses them, under the keys its `state_dict` gives (`block1.0.attn.residual…`)."""
+    name = {'pvt_v2': 'softmax_pvt_v2_b0'}.get(family, f'softmax_{family}_tiny')
+    tiny = TINY.get(family, dict(img_size=64, embed_dims=[16, 32, 32, 32], num_heads=[1, 2, 2, 2],
+                                 mlp_ratios=[2, 2, 2, 2], depths=[1, 1, 1, 1]))
+    softmax = timm.create_model(name, **tiny).state_dict()
+    model = timm.create_model(name, attn_type='inline', **tiny)
+    shared = {k: v for k, v in softmax.items() if k in model.state_dict()
+              and v.shape == model.state_dict()[k].shape}
+    result = model.load_state_dict(shared, strict=False)
+    expected = [k for k in model.state_dict() if k not in shared]
+    assert result.missing_keys == expected and any('.residual.' in k for k in expected)
+    with pytest.raises(RuntimeError, match=re.escape(f'Missing key(s) in state_dict: "{expected[0]}"')):
+        model.load_state_dict(shared)
+
+
 def test_pretrained_strict_false_still_refuses_tensors_of_another_shape(tmp_path):
     """Softmax CSwin's LePE convolutions have another shape than InLine CSwin's: refused, as timm's loader refuses
     them (`load_pretrained_into` drops them and says so)."""
