@@ -1,6 +1,7 @@
 """Released weights download into timm's cache atomically, once, under the URL's file name or, for URLs without
 one (`/f/<id>/?dl=1`), under the model's name; failures are one line and leave no file. Served offline by an HTTP
 server on 127.0.0.1."""
+import concurrent.futures
 import dataclasses
 import io
 import json
@@ -47,14 +48,16 @@ EVAL_OPTS = ['MODEL.KWARGS.patch_size', '4', 'MODEL.KWARGS.embed_dim', '32', 'MO
 
 class Server:
     """Files served at `/f/<id>/?dl=1` as the release cloud does, and at any path ending in their name as release
-    pages do; `mode` 'ok', '404', 'cut' (the connection closes halfway through the body) or 'stall' (half the body,
-    then `stalled` is set and the rest waits for `release`). Every request path is recorded."""
+    pages do; `mode` 'ok', '404', 'cut' (the connection closes halfway through the body), 'stall' (half the body,
+    then `stalled` is set and the rest waits for `release`) or 'together' (half the body, then the rest once a
+    second request has received its half). Every request path is recorded."""
 
     def __init__(self) -> None:
         self.files: Dict[str, bytes] = {}
         self.requests: List[str] = []
         self.mode = 'ok'
         self.stalled, self.release = threading.Event(), threading.Event()
+        self.halfway = threading.Barrier(2, timeout=30)
         server = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -73,6 +76,9 @@ class Server:
                 self.end_headers()
                 self.wfile.write(body if server.mode == 'ok' else body[:len(body) // 2])
                 self.wfile.flush()
+                if server.mode == 'together':
+                    server.halfway.wait()
+                    self.wfile.write(body[len(body) // 2:])
                 if server.mode == 'stall':
                     server.stalled.set()
                     server.release.wait(timeout=30)
@@ -200,6 +206,21 @@ def test_a_url_with_a_file_name_downloads_under_it_and_fails_on_one_line(server,
     message = str(raised.value)
     assert message.startswith(f'cannot download {url} (host unreachable') and '\n' not in message
     assert 'pretrained_cfg_overlay=dict(file=...)' in message and not list(cache.iterdir())
+
+
+def test_two_downloads_of_one_release_at_once_each_land_whole(server, cache, monkeypatch):
+    """Processes that each call `create_model(pretrained=True)` on a fresh cache (a user's own multi-process
+    script) download side by side into files of their own: both halfway at once, then each renames a whole file
+    into place, and no partial file stays."""
+    state_dict, server.files['1d6b8191ad6d4114b291'] = official_checkpoint(**TINY)
+    register_url(monkeypatch, 'inline_deit_tiny', server.url('1d6b8191ad6d4114b291'))
+    server.mode = 'together'
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        built = list(pool.map(lambda _: timm.create_model('inline_deit_tiny', pretrained=True, **TINY), range(2)))
+    for model in built:
+        assert_weights(model, state_dict)
+    assert len(server.requests) == 2 and [p.name for p in cache.iterdir()] == ['inline_deit_tiny.pth']
+    assert (cache / 'inline_deit_tiny.pth').read_bytes() == server.files['1d6b8191ad6d4114b291']
 
 
 @pytest.mark.parametrize('failure', ['404', 'closed port', 'cut', 'web page'])
