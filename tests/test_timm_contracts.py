@@ -19,6 +19,7 @@ import torch
 
 import timm
 from timm.layers import get_notrace_functions, get_notrace_modules
+from timm.models._manipulate import reinit_non_persistent_buffers
 
 import models  # noqa: F401  (registers the families)
 from models.attention import build_attention, get_mixer_class, list_attentions
@@ -125,6 +126,28 @@ def test_torchscript_attention_matches_eager(grouping, attention):
         scripted = torch.jit.script(attn)
     with torch.no_grad():
         torch.testing.assert_close(scripted(x, grid), attn(x, grid), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize('name', [family_model(family) for family in (*FAMILIES, 'sima_xcit')] + ['flatten_swin_tiny'])
+def test_a_model_built_on_the_meta_device_runs_after_assign_or_to_empty_and_timm_s_buffer_reinit(name):
+    """A build that allocates nothing, then `load_state_dict(assign=True)` or `to_empty()` and a load, then timm's
+    `reinit_non_persistent_buffers` (which recomputes Swin's relative position indices and shifted-window masks,
+    left on the meta device or empty): the outputs of the model built as usual."""
+    reference = tiny_model(name)
+    x = images(reference, 2)
+    with torch.no_grad():
+        expected = reference(x)
+    assigned = tiny_model(name, device='meta')
+    assigned.load_state_dict(reference.state_dict(), assign=True)
+    emptied = tiny_model(name, device='meta').to_empty(device='cpu')
+    for model in (assigned, emptied):
+        reinitialised = reinit_non_persistent_buffers(model)
+        assert bool(reinitialised) == ('_swin_' in name)
+        if model is emptied:
+            model.load_state_dict(reference.state_dict())
+        assert not any(t.is_meta for t in (*model.parameters(), *model.buffers()))
+        with torch.no_grad():
+            assert torch.equal(model.eval()(x), expected)
 
 
 def export_cases() -> List[Any]:

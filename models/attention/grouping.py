@@ -344,6 +344,18 @@ class WindowAttention(GroupedAttention):
         else:
             self.grid_size = grid
 
+    @torch.jit.ignore
+    def init_non_persistent_buffers(self) -> None:
+        """Recompute the relative position index and the shifted-window mask where the weights are: timm's
+        `reinit_non_persistent_buffers` calls it after a build on the meta device and `load_state_dict(...,
+        assign=True)`, or after `to_empty()`, which leave these computed buffers on the meta device or empty."""
+        weight = self.qkv.weight
+        if self.bias_window is not None:
+            self.relative_position_index = relative_position_index(self.bias_window).to(weight.device)
+        if self.masked:
+            self.attn_mask = shifted_window_mask(self.mask_grid, self.window, self.shift_size, weight.device).to(
+                weight.dtype)
+
     def adapt_loaded_tensor(self, name: str, tensor: Tensor) -> Tensor:
         """A bias table of another window, resized bicubically as the official fine-tuning does."""
         if name == 'relative_position_bias_table' and tensor.shape[1:] == self.relative_position_bias_table.shape[1:]:
