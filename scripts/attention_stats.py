@@ -18,13 +18,15 @@ from typing import Dict, List, Sequence, Tuple
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import models  # noqa: E402,F401  (registers the families)
 from engine.analysis import find_images, load_analysis_model, load_images, refuse_unreleased  # noqa: E402
 from engine.checkpoint import atomic_write_text, refuse_unwritable_out  # noqa: E402
+from engine.distributed import DistInfo  # noqa: E402
 from engine.errors import UsageError, exit_for_missing_extra, refuse_below, run_cli  # noqa: E402
+from engine.loops import Progress  # noqa: E402
+from engine.trainer import setup_logging  # noqa: E402
 from models.analysis import record_attention  # noqa: E402
 try:
     from models.analysis.plots import plot_layer_curves
@@ -78,12 +80,14 @@ def sources(args: argparse.Namespace) -> List[Tuple[str, str, str]]:
 def measure(model: torch.nn.Module, inputs: torch.Tensor, batch_size: int, label: str) -> List[Dict[str, object]]:
     image_size = tuple(inputs.shape[-2:])
     summary = AttentionStatistics(image_size)
-    with torch.no_grad():
-        for start in tqdm(range(0, len(inputs), batch_size), desc=label, unit='batch'):
+    starts = range(0, len(inputs), batch_size)
+    with torch.no_grad(), Progress(len(starts), label) as progress:
+        for start in starts:
             with record_attention(model) as rec:
                 model(inputs[start:start + batch_size])
             for name in rec:
                 summary.add(rec[name])
+            progress.update()
     return summary.rows(label)
 
 
@@ -113,6 +117,8 @@ def _line(model: str, layer: str, group: Sequence[Dict[str, object]]) -> str:
 
 def main(argv: Sequence[str]) -> int:
     args = parse_args(argv)
+    # progress as train.py shows it: a bar on a terminal, whole lines in a log file or a pipe
+    setup_logging(DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device('cpu')), stream=sys.stderr)
     files = find_images(args.data, args.max_images)
     rows: List[Dict[str, object]] = []
     for label, name, checkpoint in sources(args):

@@ -16,6 +16,7 @@ import torch
 from PIL import Image
 
 import engine.analysis
+import engine.loops
 from engine.analysis import load_analysis_model
 from engine.errors import run_cli
 from models.analysis.plots import SIMPLEX_TEMPERATURES, plot_simplex, simplex_logits, simplex_points
@@ -152,11 +153,18 @@ def test_attention_stats_refuses_a_count_below_one_before_building_a_model(flag,
     assert not list(tmp_path.iterdir())
 
 
-def test_attention_stats_writes_csv_markdown_and_plot(images, tmp_path):
+def test_attention_stats_writes_csv_markdown_and_plot(images, tmp_path, monkeypatch, capsys):
+    """...and shows its progress as train.py does: whole lines, not bar fragments, where stderr is no terminal."""
+    monkeypatch.setattr(engine.loops, 'PLAIN_PROGRESS_SECONDS', 0.0)
     out = tmp_path / 'stats'
     argv = ['--models', 'softmax_deit_tiny', 'linear_deit_tiny', 'inline_deit_tiny', '--data', str(images),
             '--batch-size', '2', '--out', str(out), '--opts'] + TINY
     assert run_cli(attention_stats.main, argv) == 0
+    err = capsys.readouterr().err
+    assert '\r' not in err
+    for model in ('softmax_deit_tiny', 'linear_deit_tiny', 'inline_deit_tiny'):  # 3 images in batches of 2
+        progress = [line.split('] ', 1)[1] for line in err.splitlines() if f'] {model} ' in line]
+        assert [line.split(',')[0] for line in progress] == [f'{model} 1/2 (50%)', f'{model} 2/2 (100%)']
     with open(f'{out}.csv') as f:
         rows = list(csv.DictReader(f))
     assert len(rows) == 3 * 2 * 2  # models x layers x heads
