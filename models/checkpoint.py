@@ -25,6 +25,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 import uuid
+import weakref
 import warnings
 import zipfile
 from collections import OrderedDict
@@ -48,7 +49,7 @@ __all__ = [
     'process_alive', 'HUB_SOURCES', 'is_hub_name', 'hub_weights_file', 'start_weights_file', 'unknown_pretrained_tag',
     'has_released_weights', 'released_weights_file', 'official_keys', 'filter_checkpoint', 'adapt_state_dict',
     'load_pretrained_into', 'load_shared_weights', 'TransferReport', 'SAFE_GLOBALS', 'load_checkpoint_file',
-    'checkpoint_state_dict', 'error_summary', 'DERIVED_BUFFERS',
+    'checkpoint_state_dict', 'error_summary', 'DERIVED_BUFFERS', 'rename_loaded_keys', 'loaded_key_names',
     'drop_derived_buffers', 'check_state_dict', 'load_state_dict_checked', 'resample_grid_embedding',
     'resize_grid_embedding', 'resize_rel_pos_bias_table',
 ]
@@ -311,6 +312,28 @@ def checkpoint_state_dict(checkpoint: Any, keys: Sequence[str] = ('model', 'stat
                 name = name[len(prefix):]
         state_dict[name] = value
     return state_dict
+
+
+# For each module, the keys its load-state-dict pre-hooks renamed in the loads through it: a new key -> the key it
+# had, so that a model names unexpected keys as the loaded state dict named them
+_LOAD_RENAMES: 'weakref.WeakKeyDictionary[nn.Module, Dict[str, str]]' = weakref.WeakKeyDictionary()
+
+
+def rename_loaded_keys(module: nn.Module, state_dict: Dict[str, Any], renames: Mapping[str, str]) -> None:
+    """In a load-state-dict pre-hook of `module`: move each entry of `state_dict` from a key of `renames` to the key
+    it maps to, remembering the key it had (`loaded_key_names`)."""
+    for key, new_key in renames.items():
+        state_dict[new_key] = state_dict.pop(key)
+    if renames:
+        _LOAD_RENAMES.setdefault(module, {}).update({new: old for old, new in renames.items()})
+
+
+def loaded_key_names(root: nn.Module) -> Dict[str, str]:
+    """The renames of the pre-hooks of `root`'s modules (a renamed key -> the key it had), forgotten once read."""
+    renames: Dict[str, str] = {}
+    for module in root.modules():
+        renames.update(_LOAD_RENAMES.pop(module, {}))
+    return renames
 
 
 def drop_derived_buffers(state_dict: Mapping[str, Tensor]) -> Dict[str, Tensor]:

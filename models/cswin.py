@@ -35,7 +35,7 @@ from timm.models import generate_default_cfgs
 
 from .attention import build_attention, check_attn_kwargs, forms_score_matrix, list_attentions, stage_attentions
 from .attention.layout import Grid, image_to_tokens, tokens_to_image
-from .checkpoint import filter_checkpoint
+from .checkpoint import filter_checkpoint, rename_loaded_keys
 from .family import (
     FLATTEN_META, INLINE_META, BlockStack, OfficialKeys, ZooModel, check_arguments, create_variant, imagenet_cfg,
     init_weights, register_variants, tag_weights, tsinghua_url,
@@ -62,8 +62,8 @@ def _to_official_names(module: nn.Module, state_dict: Dict[str, Any], prefix: st
 
 def _from_official_names(module: nn.Module, state_dict: Dict[str, Any], prefix: str, *args: Any) -> None:
     """Load-state-dict pre-hook of a block: `qkv.*`, `proj.*`, `attns.*` -> `attn.qkv.*` etc."""
-    for key in [k for k in state_dict if k.startswith(prefix) and k[len(prefix):].startswith(_ATTN_KEYS)]:
-        state_dict[prefix + 'attn.' + key[len(prefix):]] = state_dict.pop(key)
+    rename_loaded_keys(module, state_dict, {key: prefix + 'attn.' + key[len(prefix):] for key in state_dict
+                                            if key.startswith(prefix) and key[len(prefix):].startswith(_ATTN_KEYS)})
 
 
 _STAGE_KEY = re.compile(r'^stages\.(\d+)\.(embed|blocks)(?=\.|$)')

@@ -20,7 +20,8 @@ from timm.models._input import update_model_input_size
 
 from .attention import list_attention_options, stage_attentions
 from .attention.layout import Grid, tokens_to_image
-from .checkpoint import DERIVED_BUFFERS, HUB_SOURCES, cached_file_name, download_checkpoint
+from .checkpoint import (DERIVED_BUFFERS, HUB_SOURCES, cached_file_name, download_checkpoint, loaded_key_names,
+                         rename_loaded_keys)
 
 __all__ = [
     'ZooModel', 'create_variant', 'register_variants', 'Block', 'BlockStack', 'init_weights', 'OfficialKeys',
@@ -134,10 +135,8 @@ class OfficialKeys:
         state_dict.update(entries)
 
     def rename_loaded(self, module: nn.Module, state_dict: Dict[str, Any], prefix: str, *args: Any) -> None:
-        for key in [k for k in state_dict if k.startswith(prefix)]:
-            renamed = prefix + self.to_module(key[len(prefix):])
-            if renamed != key:
-                state_dict[renamed] = state_dict.pop(key)
+        renamed = {key: prefix + self.to_module(key[len(prefix):]) for key in state_dict if key.startswith(prefix)}
+        rename_loaded_keys(module, state_dict, {key: new for key, new in renamed.items() if new != key})
 
 
 class NumberedStageKeys:
@@ -272,15 +271,24 @@ def _skip_derived_buffers(module: nn.Module, state_dict: Dict[str, Any], prefix:
         del state_dict[key]
 
 
-def _missing_keys_as_saved(module: nn.Module, incompatible_keys: Any) -> None:
-    """Load post-hook: the missing keys under the names `state_dict` gives them (official ones), not the module
-    paths torch finds them at, so that `load_state_dict` reports (and, strict, refuses) keys of the state dict."""
-    if not incompatible_keys.missing_keys:
-        return
-    saved = {id(tensor): key for key, tensor in module.state_dict(keep_vars=True).items()}
-    tensors = itertools.chain(module.named_parameters(remove_duplicate=False), module.named_buffers())
-    names = {name: saved.get(id(tensor), name) for name, tensor in tensors}
-    incompatible_keys.missing_keys[:] = [names.get(key, key) for key in incompatible_keys.missing_keys]
+def _keys_as_named(module: nn.Module, incompatible_keys: Any) -> None:
+    """Load post-hook: missing keys under the names `state_dict` gives them (official ones), unexpected keys under
+    the names the loaded state dict gave them, not the module paths torch meets them at, so that `load_state_dict`
+    reports (and, strict, refuses) keys a user can find."""
+    renames = loaded_key_names(module)
+    if incompatible_keys.missing_keys:
+        saved = {id(tensor): key for key, tensor in module.state_dict(keep_vars=True).items()}
+        tensors = itertools.chain(module.named_parameters(remove_duplicate=False), module.named_buffers())
+        names = {name: saved.get(id(tensor), name) for name, tensor in tensors}
+        incompatible_keys.missing_keys[:] = [names.get(key, key) for key in incompatible_keys.missing_keys]
+    given = []
+    for key in incompatible_keys.unexpected_keys:
+        for _ in range(len(renames)):  # a key renamed by the model's hook, then by a block's or an attention's
+            if key not in renames:
+                break
+            key = renames[key]
+        given.append(key)
+    incompatible_keys.unexpected_keys[:] = given
 
 
 class ZooModel(nn.Module):
@@ -307,7 +315,7 @@ class ZooModel(nn.Module):
         # official checkpoints hold the buffers these models recompute, so that `load_state_dict` of one works as
         # in the official code, and so does timm's `load_checkpoint` (create_model's `checkpoint_path`)
         self.register_load_state_dict_pre_hook(_skip_derived_buffers)
-        self.register_load_state_dict_post_hook(_missing_keys_as_saved)
+        self.register_load_state_dict_post_hook(_keys_as_named)
 
     def official_keys_of(self, state_dict: Dict[str, Tensor]) -> Dict[str, Tensor]:
         """`state_dict` under the family's official key names; a family whose weights also circulate in timm's

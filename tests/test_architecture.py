@@ -148,8 +148,8 @@ def test_another_attention_does_not_inherit_the_weights_url(name):
         'input_size']
     with pytest.raises(ValueError, match=rf"{name}'s pretrained weights belong to attn_type .* not 'sima'; build it "
                                          rf"with pretrained=False and start from them with "
-                                         rf"models.checkpoint.load_pretrained_into\(model, '{name}'\), or load the tensors they "
-                                         rf"share with pretrained_strict=False"):
+                                         rf"models.checkpoint.load_pretrained_into\(model, '{name}'\), or load the "
+                                         rf"tensors they share with pretrained_strict=False"):
         timm.create_model(name, attn_type='sima', pretrained=True)
 
 
@@ -207,21 +207,26 @@ def test_pretrained_strict_false_loads_the_tensors_softmax_weights_share_with_an
 
 
 @pytest.mark.parametrize('family', ['deit', 'pvt', 'swin', 'cswin', 'pvt_v2'])
-def test_load_state_dict_reports_missing_keys_under_the_state_dict_s_own_names(family):
-    """Torch finds missing tensors at their module paths (`stages.0.blocks.0.attn.mixer.residual…`); the model
-    reports them, and strict refuses them, under the keys its `state_dict` gives (`block1.0.attn.residual…`)."""
+def test_load_state_dict_reports_keys_under_the_names_of_the_state_dicts(family):
+    """Torch meets tensors at their module paths (`stages.0.blocks.0.attn.mixer.residual…`); the model reports, and
+    strict refuses, missing keys under the keys its `state_dict` gives (`block1.0.attn.residual…`) and unexpected
+    keys under those of the state dict it was given: softmax weights into InLine, InLine weights into softmax."""
     name = {'pvt_v2': 'softmax_pvt_v2_b0'}.get(family, f'softmax_{family}_tiny')
     tiny = TINY.get(family, dict(img_size=64, embed_dims=[16, 32, 32, 32], num_heads=[1, 2, 2, 2],
                                  mlp_ratios=[2, 2, 2, 2], depths=[1, 1, 1, 1]))
-    softmax = timm.create_model(name, **tiny).state_dict()
-    model = timm.create_model(name, attn_type='inline', **tiny)
-    shared = {k: v for k, v in softmax.items() if k in model.state_dict()
-              and v.shape == model.state_dict()[k].shape}
-    result = model.load_state_dict(shared, strict=False)
-    expected = [k for k in model.state_dict() if k not in shared]
-    assert result.missing_keys == expected and any('.residual.' in k for k in expected)
-    with pytest.raises(RuntimeError, match=re.escape(f'Missing key(s) in state_dict: "{expected[0]}"')):
-        model.load_state_dict(shared)
+    softmax = timm.create_model(name, **tiny)
+    inline = timm.create_model(name, attn_type='inline', **tiny)
+    for model, other in ((inline, softmax), (softmax, inline)):
+        own = model.state_dict()
+        given = {k: v for k, v in other.state_dict().items() if k not in own or v.shape == own[k].shape}
+        result = model.load_state_dict(given, strict=False)
+        assert result.missing_keys == [k for k in own if k not in given]
+        assert result.unexpected_keys == [k for k in given if k not in own]
+        new_keys = result.missing_keys if model is inline else result.unexpected_keys
+        assert any('.residual.' in k for k in new_keys)
+    unexpected = result.unexpected_keys[0]
+    with pytest.raises(RuntimeError, match=re.escape(f'Unexpected key(s) in state_dict: "{unexpected}"')):
+        softmax.load_state_dict(given)
 
 
 def test_pretrained_strict_false_still_refuses_tensors_of_another_shape(tmp_path):

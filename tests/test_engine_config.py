@@ -7,8 +7,8 @@ import pytest
 import timm
 
 import models  # noqa: F401  (registers the families)
-from engine.config import (ConfigError, config_changes, config_from_yaml_string, ema_decay, get_default_config, load_config,
-                           merge_opts, model_kwargs, scaled_lrs)
+from engine.config import (ConfigError, config_changes, config_from_yaml_string, ema_decay, get_default_config,
+                           load_config, merge_opts, model_kwargs, scaled_lrs)
 
 CONFIGS = Path(__file__).resolve().parents[1] / 'configs'
 ALL_YAML = sorted(CONFIGS.rglob('*.yaml'))

@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from timm.layers import register_notrace_module, trunc_normal_
 
-from ..checkpoint import resize_rel_pos_bias_table
+from ..checkpoint import rename_loaded_keys, resize_rel_pos_bias_table
 from .layout import (
     Grid, crop_tokens, image_to_tokens, pad_tokens, padded_grid, relative_position_index, roll_tokens,
     shifted_window_mask, tokens_to_image, window_partition, window_reverse,
@@ -56,9 +56,9 @@ def _lift_mixer_keys(module: 'MixerHost', state_dict: Dict[str, Any], prefix: st
 
 def _sink_mixer_keys(module: 'MixerHost', state_dict: Dict[str, Any], prefix: str, *args: Any) -> None:
     """Load-state-dict pre-hook: `prefix.x` -> `prefix.mixer.x` for the names the mixer owns."""
-    for key in [k for k in state_dict if k.startswith(prefix)]:
-        if key[len(prefix):].split('.', 1)[0] in module.mixer_keys:
-            state_dict[prefix + 'mixer.' + key[len(prefix):]] = state_dict.pop(key)
+    rename_loaded_keys(module, state_dict, {key: prefix + 'mixer.' + key[len(prefix):] for key in state_dict
+                                            if key.startswith(prefix)
+                                            and key[len(prefix):].split('.', 1)[0] in module.mixer_keys})
 
 
 class MixerHost(nn.Module):
