@@ -25,8 +25,8 @@ import urllib.error
 import urllib.parse
 import urllib.request
 import uuid
-import weakref
 import warnings
+import weakref
 import zipfile
 from collections import OrderedDict
 from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
