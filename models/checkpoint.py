@@ -49,7 +49,7 @@ __all__ = [
     'process_alive', 'HUB_SOURCES', 'is_hub_name', 'hub_weights_file', 'start_weights_file', 'unknown_pretrained_tag',
     'has_released_weights', 'released_weights_file', 'official_keys', 'filter_checkpoint', 'adapt_state_dict',
     'load_pretrained_into', 'load_shared_weights', 'TransferReport', 'SAFE_GLOBALS', 'load_checkpoint_file',
-    'checkpoint_state_dict', 'error_summary', 'DERIVED_BUFFERS', 'rename_loaded_keys', 'loaded_key_names',
+    'checkpoint_state_dict', 'error_summary', 'rename_loaded_keys', 'loaded_key_names', 'is_derived_buffer',
     'drop_derived_buffers', 'check_state_dict', 'load_state_dict_checked', 'resample_grid_embedding',
     'resize_grid_embedding', 'resize_rel_pos_bias_table',
 ]
@@ -336,9 +336,15 @@ def loaded_key_names(root: nn.Module) -> Dict[str, str]:
     return renames
 
 
+def is_derived_buffer(key: str) -> bool:
+    """Whether state-dict `key` names a buffer the models recompute (a relative position index, a shifted-window
+    mask), which official checkpoints hold."""
+    return key.rsplit('.', 1)[-1] in DERIVED_BUFFERS
+
+
 def drop_derived_buffers(state_dict: Mapping[str, Tensor]) -> Dict[str, Tensor]:
-    """Remove the buffers the models recompute (relative position indices, shifted-window masks)."""
-    return {k: v for k, v in state_dict.items() if k.rsplit('.', 1)[-1] not in DERIVED_BUFFERS}
+    """Remove the buffers the models recompute (`is_derived_buffer`)."""
+    return {k: v for k, v in state_dict.items() if not is_derived_buffer(k)}
 
 
 def _differ_in_input_channels_only(a: Tensor, b: Tensor) -> bool:

@@ -20,7 +20,7 @@ from timm.models._input import update_model_input_size
 
 from .attention import list_attention_options, stage_attentions
 from .attention.layout import Grid, tokens_to_image
-from .checkpoint import (DERIVED_BUFFERS, HUB_SOURCES, cached_file_name, download_checkpoint, loaded_key_names,
+from .checkpoint import (HUB_SOURCES, cached_file_name, download_checkpoint, is_derived_buffer, loaded_key_names,
                          rename_loaded_keys)
 
 __all__ = [
@@ -267,7 +267,7 @@ def tsinghua_url(file_id: str) -> str:
 def _skip_derived_buffers(module: nn.Module, state_dict: Dict[str, Any], prefix: str, *args: Any) -> None:
     """Load pre-hook: drop the relative position indices and shifted-window masks of a state dict below `prefix`;
     a zoo model recomputes them (non-persistent buffers)."""
-    for key in [k for k in state_dict if k.startswith(prefix) and k.rsplit('.', 1)[-1] in DERIVED_BUFFERS]:
+    for key in [k for k in state_dict if k.startswith(prefix) and is_derived_buffer(k)]:
         del state_dict[key]
 
 
@@ -580,10 +580,11 @@ def create_variant(
                 f"{kwargs['attn_type']!r}; build it with pretrained=False and start from them with "
                 f"models.checkpoint.load_pretrained_into(model, {variant!r}), or load the tensors they share with "
                 f"pretrained_strict=False, or give your own file through pretrained_cfg_overlay=dict(file=...)")
-        released_elsewhere = {key: '' if key == 'url' else None for key in release_sources}
-        if not pretrained or own_weights:
-            kwargs['pretrained_cfg_overlay'] = {**(kwargs.get('pretrained_cfg_overlay') or {}), **released_elsewhere}
-            released_elsewhere = {}
+        cleared = {key: '' if key == 'url' else None for key in release_sources}
+        if pretrained and not own_weights:  # pretrained_strict=False: loaded from the release, cleared after
+            released_elsewhere = cleared
+        else:
+            kwargs['pretrained_cfg_overlay'] = {**(kwargs.get('pretrained_cfg_overlay') or {}), **cleared}
     if pretrained:
         _download_released_url(variant, kwargs)
     device, dtype = kwargs.pop('device', None), kwargs.pop('dtype', None)

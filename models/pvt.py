@@ -286,7 +286,9 @@ def _drop_unused_norm(model: PyramidVisionTransformer) -> Any:
     def prepare(state_dict: Dict[str, Tensor]) -> Dict[str, Tensor]:
         if 'norm.weight' in model.state_dict():
             return state_dict
-        return {k: v for k, v in state_dict.items() if not k.startswith('norm.')}
+        state_dict = dict(state_dict)
+        _skip_unused_norm(model, state_dict, '')
+        return state_dict
     return prepare
 
 
