@@ -6,6 +6,7 @@ import inspect
 import itertools
 import re
 import sys
+import weakref
 from typing import Any, Callable, ClassVar, Dict, List, Mapping, Optional, Sequence, Tuple, Type, Union
 
 import torch
@@ -271,15 +272,26 @@ def _skip_derived_buffers(module: nn.Module, state_dict: Dict[str, Any], prefix:
         del state_dict[key]
 
 
+# The prefix each model's state dict is loaded under (`module.` inside DistributedDataParallel), which torch gives
+# the load pre-hooks but not the post-hooks.
+_LOAD_PREFIXES: 'weakref.WeakKeyDictionary[nn.Module, str]' = weakref.WeakKeyDictionary()
+
+
+def _remember_load_prefix(module: nn.Module, state_dict: Dict[str, Any], prefix: str, *args: Any) -> None:
+    """Load pre-hook: record `prefix` for `_keys_as_named`."""
+    _LOAD_PREFIXES[module] = prefix
+
+
 def _keys_as_named(module: nn.Module, incompatible_keys: Any) -> None:
     """Load post-hook: missing keys under the names `state_dict` gives them (official ones), unexpected keys under
     the names the loaded state dict gave them, not the module paths torch meets them at, so that `load_state_dict`
-    reports (and, strict, refuses) keys a user can find."""
+    reports (and, strict, refuses) keys a user can find, the model loaded on its own or inside a wrapper."""
     renames = loaded_key_names(module)
+    prefix = _LOAD_PREFIXES.pop(module, '')
     if incompatible_keys.missing_keys:
         saved = {id(tensor): key for key, tensor in module.state_dict(keep_vars=True).items()}
         tensors = itertools.chain(module.named_parameters(remove_duplicate=False), module.named_buffers())
-        names = {name: saved.get(id(tensor), name) for name, tensor in tensors}
+        names = {prefix + name: prefix + saved.get(id(tensor), name) for name, tensor in tensors}
         incompatible_keys.missing_keys[:] = [names.get(key, key) for key in incompatible_keys.missing_keys]
     given = []
     for key in incompatible_keys.unexpected_keys:
@@ -315,6 +327,7 @@ class ZooModel(nn.Module):
         # official checkpoints hold the buffers these models recompute, so that `load_state_dict` of one works as
         # in the official code, and so does timm's `load_checkpoint` (create_model's `checkpoint_path`)
         self.register_load_state_dict_pre_hook(_skip_derived_buffers)
+        self.register_load_state_dict_pre_hook(_remember_load_prefix)
         self.register_load_state_dict_post_hook(_keys_as_named)
 
     def official_keys_of(self, state_dict: Dict[str, Tensor]) -> Dict[str, Tensor]:

@@ -13,6 +13,7 @@ import safetensors.torch
 import timm
 import timm.models._hub
 import torch
+from torch import nn
 from timm.models._registry import _model_pretrained_cfgs
 
 import models  # noqa: F401  (registers the families)
@@ -206,16 +207,27 @@ def test_pretrained_strict_false_loads_the_tensors_softmax_weights_share_with_an
             timm.create_model(name, attn_type='inline', pretrained=True, **overlay, **TINY[family])
 
 
+class _Wrapper(nn.Module):
+    """A model held as `module`, as DistributedDataParallel holds it."""
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.module = module
+
+
+@pytest.mark.parametrize('wrapped', [False, True], ids=['model', 'wrapped'])
 @pytest.mark.parametrize('family', ['deit', 'pvt', 'swin', 'cswin', 'pvt_v2'])
-def test_load_state_dict_reports_keys_under_the_names_of_the_state_dicts(family):
+def test_load_state_dict_reports_keys_under_the_names_of_the_state_dicts(family, wrapped):
     """Torch meets tensors at their module paths (`stages.0.blocks.0.attn.mixer.residual…`); the model reports, and
     strict refuses, missing keys under the keys its `state_dict` gives (`block1.0.attn.residual…`) and unexpected
-    keys under those of the state dict it was given: softmax weights into InLine, InLine weights into softmax."""
+    keys under those of the state dict it was given: softmax weights into InLine, InLine weights into softmax; the
+    same for the model held by a wrapper (`module.block1.0.attn.residual…`), as under DistributedDataParallel."""
     name = {'pvt_v2': 'softmax_pvt_v2_b0'}.get(family, f'softmax_{family}_tiny')
     tiny = TINY.get(family, dict(img_size=64, embed_dims=[16, 32, 32, 32], num_heads=[1, 2, 2, 2],
                                  mlp_ratios=[2, 2, 2, 2], depths=[1, 1, 1, 1]))
-    softmax = timm.create_model(name, **tiny)
-    inline = timm.create_model(name, attn_type='inline', **tiny)
+    wrap = _Wrapper if wrapped else (lambda model: model)
+    softmax = wrap(timm.create_model(name, **tiny))
+    inline = wrap(timm.create_model(name, attn_type='inline', **tiny))
     for model, other in ((inline, softmax), (softmax, inline)):
         own = model.state_dict()
         given = {k: v for k, v in other.state_dict().items() if k not in own or v.shape == own[k].shape}
