@@ -16,7 +16,7 @@ from torch.utils.checkpoint import checkpoint
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.layers import DropPath, Mlp, global_pool_nlc, register_notrace_function, to_2tuple, trunc_normal_
 from timm.models import build_model_with_cfg, register_model, resolve_pretrained_cfg
-from timm.models._features import feature_take_indices
+from timm.models._features import FeatureGetterNet, feature_take_indices
 from timm.models._input import update_model_input_size
 
 from .attention import list_attention_options, stage_attentions
@@ -578,6 +578,7 @@ def create_variant(
     through timm's `pretrained_strict=False`, which loads every tensor the weights share with the model (any other
     shape is refused, as timm's loader refuses it) and logs the keys it left, as timm does.
     """
+    _check_feature_cls(variant, kwargs)
     kwargs = _fold_attn_options(model_cls, dict(kwargs))
     strict = kwargs.get('pretrained_strict', True)
     if not strict:
@@ -609,6 +610,22 @@ def create_variant(
             if isinstance(getattr(module, 'pretrained_cfg', None), dict):
                 module.pretrained_cfg.update(released_elsewhere, file=None)
     return model if dtype is None else model.to(dtype=dtype)
+
+
+def _check_feature_cls(variant: str, kwargs: Mapping[str, Any]) -> None:
+    """A ValueError for a `features_only` extractor other than timm's getter: the stages run inside the model's own
+    loop, so no stage module outputs the stage's map for module hooks or graph nodes to take."""
+    feature_cls = kwargs.get('feature_cls')
+    if not kwargs.get('features_only') or feature_cls is None:
+        return
+    if isinstance(feature_cls, str):
+        getter = feature_cls.lower() == 'getter'
+    else:
+        getter = isinstance(feature_cls, type) and issubclass(feature_cls, FeatureGetterNet)
+    if not getter:
+        raise ValueError(f"feature_cls {feature_cls!r} is not supported by {variant}: no stage module outputs the "
+                         f"stage's map for hooks or graph nodes to take; expected 'getter' (the default), which takes "
+                         f"the maps from forward_intermediates")
 
 
 def _weight_sources(variant: str, kwargs: Mapping[str, Any]) -> Tuple[List[str], bool]:

@@ -19,6 +19,7 @@ import torch
 
 import timm
 from timm.layers import get_notrace_functions, get_notrace_modules
+from timm.models._features import FeatureGetterNet, FeatureHookNet
 from timm.models._manipulate import reinit_non_persistent_buffers
 
 import models  # noqa: F401  (registers the families)
@@ -245,3 +246,24 @@ def test_torchscript_of_the_fx_graph_matches_eager(family, attn_type):
     x = images(model, 2)
     with torch.no_grad():
         torch.testing.assert_close(scripted(x), model(x), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize('feature_cls', ['hook', 'fx', 'list', 'dict', FeatureHookNet])
+@pytest.mark.parametrize('family', [*FAMILIES, 'sima_xcit'])
+def test_features_only_refuses_extractors_other_than_the_getter(family, feature_cls):
+    """The stages run inside the model's own loop, so hooks and graph nodes at `feature_info`'s modules saw no
+    stage maps (Swin and PVT: an empty list; PVT v2 and CSwin: tokens); they are refused in one line, and the
+    getter, named or as a class, gives the maps of `forward_intermediates`."""
+    name = family_model(family)
+    with pytest.raises(ValueError, match=rf"^feature_cls {re.escape(repr(feature_cls))} is not supported by {name}: "
+                                         r".*; expected 'getter' \(the default\)"):
+        timm.create_model(name, features_only=True, feature_cls=feature_cls, out_indices=(0, 1), **TINY[family])
+    torch.manual_seed(0)
+    model = timm.create_model(name, **TINY[family]).eval()
+    x = torch.randn(2, 3, *model.img_size)
+    expected = model.forward_intermediates(x, indices=(0, 1), intermediates_only=True)
+    for getter in ('Getter', FeatureGetterNet):
+        features = timm.create_model(name, features_only=True, feature_cls=getter, out_indices=(0, 1),
+                                     **TINY[family]).eval()
+        assert not features.model.load_state_dict(model.state_dict(), strict=False).missing_keys
+        assert all(torch.equal(a, b) for a, b in zip(features(x), expected, strict=True))
