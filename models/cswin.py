@@ -188,7 +188,10 @@ class CSWinBlock(nn.Module):
 
 
 def _parse_split(value: Union[str, Sequence[int]], what: str) -> List[int]:
-    sizes = [int(s) for s in value.split('-')] if isinstance(value, str) else [int(s) for s in value]
+    parts = value.split('-') if isinstance(value, str) else value
+    if not isinstance(parts, (list, tuple)) or not all(str(part).isdigit() for part in parts):
+        parts = []
+    sizes = [int(part) for part in parts]
     if len(sizes) != NUM_STAGES or min(sizes) < 1:
         raise ValueError(f"{what} {value!r} must give {NUM_STAGES} positive stripe widths, e.g. '56-28-14-7'")
     return sizes
@@ -246,7 +249,8 @@ class CSWinTransformer(ZooModel):
         check_arguments(
             sizes=dict(img_size=img_size, in_chans=in_chans, embed_dim=embed_dim, num_heads=num_heads),
             counts=dict(num_classes=num_classes, depth=depth), ratios=dict(mlp_ratio=mlp_ratio),
-            rates=dict(drop_rate=drop_rate, attn_drop_rate=attn_drop_rate, drop_path_rate=drop_path_rate))
+            rates=dict(drop_rate=drop_rate, attn_drop_rate=attn_drop_rate, drop_path_rate=drop_path_rate),
+            per_stage=('depth', 'num_heads'))
         if patch_size != 4:
             raise ValueError(f"patch_size {patch_size} is not supported: the CSwin stem has stride 4 (expected 4)")
         if len(depth) != NUM_STAGES or len(num_heads) != NUM_STAGES:

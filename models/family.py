@@ -7,7 +7,7 @@ import itertools
 import re
 import sys
 import weakref
-from typing import Any, Callable, ClassVar, Dict, List, Mapping, Optional, Sequence, Tuple, Type, Union
+from typing import Any, Callable, ClassVar, Collection, Dict, List, Mapping, Optional, Sequence, Tuple, Type, Union
 
 import torch
 from torch import Tensor, nn
@@ -189,19 +189,28 @@ def check_arguments(
         counts: Optional[Mapping[str, Any]] = None,
         ratios: Optional[Mapping[str, Any]] = None,
         rates: Optional[Mapping[str, Any]] = None,
+        per_stage: Collection[str] = (),
 ) -> None:
     """A ValueError naming the first constructor argument out of range, before any layer is built (a layer would
     fail later with a message about tensors): `sizes` (widths, heads, patch and window sizes) take integers > 0,
     `counts` (depths, classes) integers >= 0, `ratios` numbers > 0 and `rates` (dropout, drop path) numbers in
-    [0, 1]; each argument is one value or one per stage (None: not used)."""
+    [0, 1]. Each argument is one value, `img_size` also an (H, W) pair, and those named in `per_stage` a list with
+    a value per stage (None: not used)."""
     given = dict(sizes=sizes, counts=counts, ratios=ratios, rates=rates)
     for kind, expected, valid in _ARGUMENT_KINDS:
         for name, value in (given[kind] or {}).items():
             if value is None:
                 continue
-            entries = list(value) if isinstance(value, (list, tuple)) else [value]
+            listed = isinstance(value, (list, tuple))
+            if name in per_stage and not listed:
+                raise ValueError(f"{name} {value!r} is not a list; expected {expected} per stage, as a list")
+            if name == 'img_size' and listed and len(value) != 2:
+                raise ValueError(f"img_size {value!r} is not an (H, W) pair; expected {expected} or a pair of them")
+            if listed and name not in per_stage and name != 'img_size':
+                raise ValueError(f"{name} {value!r} is not one value; expected {expected}")
+            entries = list(value) if listed else [value]
             if not entries or not all(valid(v) for v in entries):
-                each = ' each' if isinstance(value, (list, tuple)) else ''
+                each = ' each' if listed else ''
                 raise ValueError(f"{name} {value!r} is out of range; expected {expected}{each}")
 
 

@@ -47,6 +47,8 @@ from .family import (
 __all__ = ['PyramidVisionTransformer', 'PvtStage', 'check_stage_lists', 'checkpoint_filter_fn']
 
 NUM_STAGES = 4
+# The constructor arguments of both PVTs that take a list with a value per stage.
+PER_STAGE_ARGUMENTS = ('embed_dims', 'num_heads', 'mlp_ratios', 'depths', 'sr_ratios')
 
 
 def check_stage_lists(la_sr_ratios: Union[str, Sequence[int]], **per_stage: Sequence[Any]) -> List[int]:
@@ -167,7 +169,8 @@ class PyramidVisionTransformer(ZooModel):
             sizes=dict(img_size=img_size, patch_size=patch_size, in_chans=in_chans, embed_dims=embed_dims,
                        num_heads=num_heads, sr_ratios=sr_ratios),
             counts=dict(num_classes=num_classes, depths=depths), ratios=dict(mlp_ratios=mlp_ratios),
-            rates=dict(drop_rate=drop_rate, attn_drop_rate=attn_drop_rate, drop_path_rate=drop_path_rate))
+            rates=dict(drop_rate=drop_rate, attn_drop_rate=attn_drop_rate, drop_path_rate=drop_path_rate),
+            per_stage=PER_STAGE_ARGUMENTS)
         la_sr_ratios = check_stage_lists(embed_dims=embed_dims, num_heads=num_heads, mlp_ratios=mlp_ratios,
                                          depths=depths, sr_ratios=sr_ratios, la_sr_ratios=la_sr_ratios)
         global_pool = ('token' if class_token else 'avg') if global_pool is None else global_pool

@@ -37,10 +37,10 @@ from .attention.layout import Grid, image_to_tokens, tokens_to_image
 from .checkpoint import filter_checkpoint
 from .onednn import fuses_in_inference, onednn_conv2d_gelu
 from .family import (
-    FLATTEN_META, BlockStack, NumberedStageKeys, OfficialKeys, ZooModel, create_variant, imagenet_cfg, init_weights,
-    register_variants, tag_weights, tsinghua_url,
+    FLATTEN_META, BlockStack, NumberedStageKeys, OfficialKeys, ZooModel, check_arguments, create_variant, imagenet_cfg,
+    init_weights, register_variants, tag_weights, tsinghua_url,
 )
-from .pvt import NUM_STAGES, check_stage_lists
+from .pvt import NUM_STAGES, PER_STAGE_ARGUMENTS, check_stage_lists
 
 __all__ = ['PyramidVisionTransformerV2', 'PvtV2Stage', 'OverlapPatchEmbed', 'DepthwiseConvMlp', 'PvtV2Block',
            'checkpoint_filter_fn']
@@ -201,6 +201,12 @@ class PyramidVisionTransformerV2(ZooModel):
             dynamic_img_size: bool = False,
     ):
         super().__init__()
+        check_arguments(
+            sizes=dict(img_size=img_size, in_chans=in_chans, embed_dims=embed_dims, num_heads=num_heads,
+                       sr_ratios=sr_ratios),
+            counts=dict(num_classes=num_classes, depths=depths), ratios=dict(mlp_ratios=mlp_ratios),
+            rates=dict(drop_rate=drop_rate, attn_drop_rate=attn_drop_rate, drop_path_rate=drop_path_rate),
+            per_stage=PER_STAGE_ARGUMENTS)
         la_sr_ratios = check_stage_lists(embed_dims=embed_dims, num_heads=num_heads, mlp_ratios=mlp_ratios,
                                          depths=depths, sr_ratios=sr_ratios, la_sr_ratios=la_sr_ratios)
         self.num_stages = NUM_STAGES

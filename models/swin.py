@@ -153,7 +153,8 @@ class SwinTransformer(ZooModel):
             sizes=dict(img_size=img_size, patch_size=patch_size, in_chans=in_chans, embed_dim=embed_dim,
                        num_heads=num_heads, window_size=window_size, la_window_size=la_window_size),
             counts=dict(num_classes=num_classes, depths=depths), ratios=dict(mlp_ratio=mlp_ratio),
-            rates=dict(drop_rate=drop_rate, attn_drop_rate=attn_drop_rate, drop_path_rate=drop_path_rate))
+            rates=dict(drop_rate=drop_rate, attn_drop_rate=attn_drop_rate, drop_path_rate=drop_path_rate),
+            per_stage=('depths', 'num_heads'))
         self.img_size: Grid = tuple(to_2tuple(img_size))
         self.img_divisor = patch_size
         self.dynamic_img_size = dynamic_img_size
@@ -279,6 +280,7 @@ def _create_swin(variant: str, pretrained: bool, model_args: Dict[str, Any],
     softmax_window = model_args.pop('softmax_window_rule', None)
     if softmax_window is not None and 'window_size' in kwargs:
         linear_window = kwargs.pop('window_size')
+        check_arguments(sizes=dict(window_size=linear_window))
         kwargs.setdefault('la_window_size', linear_window)
         model_args['window_size'] = softmax_window(linear_window)
     return create_variant(SwinTransformer, variant, pretrained, model_args, kwargs,

@@ -90,8 +90,29 @@ def test_an_option_no_attention_of_the_model_takes_is_one_line(family):
     ('inline_swin_tiny', dict(depths=[2, 2, -6, 2]), "depths [2, 2, -6, 2] is out of range; expected an integer >= 0 "
                                                      "each"),
     ('inline_cswin_tiny', dict(embed_dim=0.5), "embed_dim 0.5 is out of range; expected an integer > 0"),
+    # one value where the constructors take one, a list where they take one per stage, an (H, W) pair for img_size
+    ('inline_deit_tiny', dict(img_size=(224,)),
+     "img_size (224,) is not an (H, W) pair; expected an integer > 0 or a pair of them"),
+    ('inline_deit_tiny', dict(patch_size=(16, 16)), "patch_size (16, 16) is not one value; expected an integer > 0"),
+    ('inline_swin_tiny', dict(window_size=(7, 7)), "window_size (7, 7) is not one value; expected an integer > 0"),
+    ('inline_swin_tiny', dict(embed_dim=[96, 192, 384, 768]),
+     "embed_dim [96, 192, 384, 768] is not one value; expected an integer > 0"),
+    ('inline_swin_tiny', dict(num_heads=3), "num_heads 3 is not a list; expected an integer > 0 per stage, as a list"),
+    ('inline_pvt_tiny', dict(mlp_ratios=8), "mlp_ratios 8 is not a list; expected a number > 0 per stage, as a list"),
+    ('softmax_pvt_v2_b0', dict(depths=2), "depths 2 is not a list; expected an integer >= 0 per stage, as a list"),
+    ('softmax_pvt_v2_b0', dict(drop_rate=2.0), "drop_rate 2.0 is out of range; expected a number in [0, 1]"),
+    ('inline_cswin_tiny', dict(depth=2), "depth 2 is not a list; expected an integer >= 0 per stage, as a list"),
+    ('inline_cswin_tiny', dict(split_size=7), "split_size 7 must give 4 positive stripe widths, e.g. '56-28-14-7'"),
+    ('softmax_deit_tiny', dict(attn_type=3),
+     "bad attn_type 3 (neither a name, a list nor a pattern); expected an attention name (softmax, multimax, inline, "
+     "flatten, sima, additive, linear), a list of 1 name, or a pattern of 1 letter from I (inline), L (flatten), "
+     "S (softmax), M (mixed) with the number of linear blocks of the M stage appended, e.g. 'IIMS2'"),
+    ('flatten_deit_tiny', dict(attn_kwargs='focusing_factor=3'),
+     "attn_kwargs 'focusing_factor=3' is not a dict; expected a dict of method options, e.g. dict(focusing_factor=3)"),
 ])
 def test_an_argument_out_of_range_is_named_before_any_layer_is_built(name, kwargs, message):
+    """A ValueError naming the argument and what it takes, never Python's own error from deep in the constructor
+    ("object of type 'int' has no len()", "tuple index out of range")."""
     with pytest.raises(ValueError) as error:
         timm.create_model(name, **kwargs)
     assert str(error.value) == message

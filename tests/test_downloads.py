@@ -373,9 +373,9 @@ EXPECTED_START = ("expected a checkpoint file, the name of a model with released
     ('linear_deit_tiny', f"MODEL.PRETRAINED 'linear_deit_tiny' has no released weights; {EXPECTED_START}"),
     ('local-dir:missing', "MODEL.PRETRAINED 'local-dir:missing': 'missing' is not a folder; expected one written by "
                           "timm.models.save_for_hf"),
-    ('local-dir:empty', "MODEL.PRETRAINED 'local-dir:empty': the folder holds no weights; expected model.safetensors or "
-                    "pytorch_model.bin (the files timm.models.save_for_hf writes), or a .safetensors / .pth / .pth.tar "
-                    "/ .bin file"),
+    ('local-dir:empty', "MODEL.PRETRAINED 'local-dir:empty': the folder holds no weights; expected model.safetensors "
+                        "or pytorch_model.bin (the files timm.models.save_for_hf writes), or a .safetensors / .pth / "
+                        ".pth.tar / .bin file"),
 ])
 def test_a_start_that_is_neither_a_file_nor_a_release_fails_before_any_data_is_read(tmp_path, capsys, monkeypatch,
                                                                                     start, message):

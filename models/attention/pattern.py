@@ -1,5 +1,5 @@
 """Which attention each block of a staged backbone gets, from a name, a list or an official pattern string."""
-from typing import List, Optional, Sequence, Union
+from typing import Any, List, Optional, Sequence, Union
 
 from .registry import get_mixer_class, list_attentions
 
@@ -9,11 +9,12 @@ __all__ = ['PATTERN_LETTERS', 'stage_attentions']
 PATTERN_LETTERS = {'I': 'inline', 'L': 'flatten', 'S': 'softmax'}
 
 
-def _pattern_error(attn_type: str, num_stages: int, why: str) -> ValueError:
+def _pattern_error(attn_type: Any, num_stages: int, why: str) -> ValueError:
+    plural = '' if num_stages == 1 else 's'
     return ValueError(
         f"bad attn_type {attn_type!r} ({why}); expected an attention name ({', '.join(list_attentions())}), "
-        f"a list of {num_stages} names, or a pattern of {num_stages} letters from I (inline), L (flatten), "
-        f"S (softmax), M (mixed) with the number of linear blocks of the M stage appended, e.g. 'IIMS2'")
+        f"a list of {num_stages} name{plural}, or a pattern of {num_stages} letter{plural} from I (inline), "
+        f"L (flatten), S (softmax), M (mixed) with the number of linear blocks of the M stage appended, e.g. 'IIMS2'")
 
 
 def stage_attentions(
@@ -51,6 +52,8 @@ def stage_attentions(
             else:
                 stages.append([PATTERN_LETTERS[letter]] * depth)
         return stages
+    if not isinstance(attn_type, (list, tuple)):
+        raise _pattern_error(attn_type, num_stages, 'neither a name, a list nor a pattern')
     names = list(attn_type)
     if len(names) != num_stages:
         raise _pattern_error(str(names), num_stages, f'{len(names)} names for {num_stages} stages')

@@ -73,6 +73,9 @@ def list_attention_options() -> Dict[str, List[str]]:
 
 def check_attn_kwargs(names: Iterable[str], attn_kwargs: Optional[Mapping[str, Any]]) -> Dict[str, Any]:
     """`attn_kwargs` as a dict, or a ValueError naming an option that none of the attentions `names` takes."""
+    if attn_kwargs is not None and not isinstance(attn_kwargs, Mapping):
+        raise ValueError(f"attn_kwargs {attn_kwargs!r} is not a dict; expected a dict of method options, e.g. "
+                         f"dict(focusing_factor=3)")
     attn_kwargs = dict(attn_kwargs or {})
     names = sorted(set(names))
     taken = {option for name in names for option in get_mixer_class(name).option_names()}
