@@ -91,6 +91,14 @@ def test_causal_module_matches_the_masked_formula_with_a_class_token(name):
 
 
 @pytest.mark.parametrize('name', CAUSAL)
+def test_scripted_causal_module_matches_the_masked_formula(name):
+    """TorchScript takes each attention's plain path: causal there too (MultiMax's let later tokens in)."""
+    attn = build64(name)
+    x = 2 * torch.randn(2, 1 + 100, DIM, dtype=torch.float64)
+    assert max_abs_err(torch.jit.script(attn)(x, (10, 10)), naive_causal_module(attn, x)) < 1e-10
+
+
+@pytest.mark.parametrize('name', CAUSAL)
 def test_causal_output_ignores_later_tokens_in_global_and_unreduced_reduction_grouping(name):
     for grouping in ('global', 'reduction'):
         attn = build64(name, grouping)

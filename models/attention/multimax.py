@@ -213,7 +213,7 @@ def multimax_attention(
     (`models.convert_to_onednn`), where this torch has them.
     """
     if torch.jit.is_scripting():  # the plain path without the custom autograd functions
-        return _multimax_plain(q, k, v, ranges, ts, bias, mask, dropout_p)
+        return _multimax_plain(q, k, v, ranges, ts, bias, mask, dropout_p, causal)
     B, h, n, _ = q.shape
     # torch.export keeps the batch symbolic: the path and the block size then follow one image's scores, which
     # are static, so that one graph serves every batch size
