@@ -62,7 +62,7 @@ class PatchMerging(nn.Module):
             x = F.pad(x, (0, 0, 0, W % 2, 0, H % 2))
         # Channel order of the original: (row, col) offsets (0, 0), (1, 0), (0, 1), (1, 1).
         x = torch.cat([x[:, 0::2, 0::2], x[:, 1::2, 0::2], x[:, 0::2, 1::2], x[:, 1::2, 1::2]], dim=-1)
-        return self.reduction(self.norm(x.view(B, -1, 4 * C)))
+        return self.reduction(self.norm(x.flatten(1, 2)))
 
 
 class SwinStage(nn.Module):

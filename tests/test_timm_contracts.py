@@ -267,3 +267,19 @@ def test_features_only_refuses_extractors_other_than_the_getter(family, feature_
                                      **TINY[family]).eval()
         assert not features.model.load_state_dict(model.state_dict(), strict=False).missing_keys
         assert all(torch.equal(a, b) for a, b in zip(features(x), expected, strict=True))
+
+
+@pytest.mark.parametrize('attn_type', list_attentions())
+@pytest.mark.parametrize('family', FAMILIES)
+def test_an_empty_batch_gives_empty_logits(family, attn_type):
+    """A batch of no images, as timm's ViT takes it: (0, classes) logits in inference, and a backward pass in
+    training (InLine's per-sample convolution had zero groups, MultiMax's row blocks a division by zero, Swin's
+    patch merging a size to infer from no elements); the causal forms of the global grouping likewise."""
+    model = tiny_model(family_model(family), attn_type=attn_type)
+    with torch.no_grad():
+        assert model(images(model, 0)).shape == (0, 5)
+    model.train()
+    model(images(model, 0)).sum().backward()
+    if attn_type in ('softmax', 'multimax', 'additive', 'linear'):  # the attentions with a causal form
+        attn = build_attention(attn_type, 8, 2, (3, 4), attn_kwargs=dict(causal=True))
+        assert attn(torch.randn(0, 12, 8), (3, 4)).shape == (0, 12, 8)

@@ -40,7 +40,7 @@ def inline_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, onednn: bool
             # oneDNN's batched product adds no term that broadcasts over the rows: v̄ after it
             return onednn_matmul(q, state) + v_mean
     out = torch.baddbmm(v_mean.flatten(0, 1), q.reshape(B * h, n, d), state.flatten(0, 1))
-    return out.view(B, h, n, -1)
+    return out.view(B, h, n, v.shape[-1])
 
 
 def inline_local_residual(v: Tensor, grid: Grid, kernels: Tensor) -> Tensor:
@@ -51,6 +51,8 @@ def inline_local_residual(v: Tensor, grid: Grid, kernels: Tensor) -> Tensor:
     """
     B, N, C = v.shape
     H, W = grid
+    if B == 0:  # a convolution takes no zero groups
+        return torch.zeros_like(v)
     if not torch.jit.is_scripting():
         if is_exporting():
             # a convolution's group count must be static in ONNX, and B is symbolic under torch.export: the nine

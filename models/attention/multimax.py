@@ -218,7 +218,7 @@ def multimax_attention(
     # torch.export keeps the batch symbolic: the path and the block size then follow one image's scores, which
     # are static, so that one graph serves every batch size
     images = 1 if is_exporting() else B
-    row_bytes = images * h * k.shape[-2] * 4
+    row_bytes = max(1, images * h * k.shape[-2] * 4)  # an empty batch takes the plain path
     training = needs_grad(q, k, v, ranges, ts, bias)
     kernel_scores = not causal and not dropout_p and not (training and (bias is not None or mask is not None))
     if use_kernel is None:
