@@ -11,6 +11,7 @@ import re
 from typing import Any, Dict, List, Optional, Sequence
 
 import yaml
+from timm.data import create_transform
 from yacs.config import CfgNode as CN
 
 from .errors import UsageError
@@ -159,11 +160,13 @@ _CHOICES = {
 }
 
 _POSITIVE = ('DATA.BATCH_SIZE', 'DATA.IMG_SIZE', 'MODEL.NUM_CLASSES', 'TRAIN.EPOCHS', 'TRAIN.ACCUMULATION_STEPS',
-             'TRAIN.BASE_LR', 'PRINT_FREQ', 'SAVE_FREQ', 'DIST.TIMEOUT_MIN', 'AUG.REPEATED_AUG')
+             'TRAIN.BASE_LR', 'TRAIN.LR_SCHEDULER.DECAY_EPOCHS', 'PRINT_FREQ', 'SAVE_FREQ', 'DIST.TIMEOUT_MIN',
+             'AUG.REPEATED_AUG')
 _NON_NEGATIVE = ('SEED', 'DATA.NUM_WORKERS', 'TRAIN.WARMUP_EPOCHS', 'TRAIN.COOLDOWN_EPOCHS', 'TRAIN.EPOCHS_PER_RUN',
                  'TRAIN.MAX_NONFINITE_STEPS', 'TRAIN.WARMUP_LR', 'TRAIN.MIN_LR', 'TRAIN.WEIGHT_DECAY',
-                 'TEST.BATCH_SIZE', 'EMA.REFERENCE_BATCH', 'MODEL.DROP_PATH_RATE', 'MODEL.LABEL_SMOOTHING', 'AUG.MIXUP',
-                 'AUG.CUTMIX', 'AUG.REPROB')
+                 'TRAIN.OPTIMIZER.EPS', 'TRAIN.OPTIMIZER.MOMENTUM', 'TEST.BATCH_SIZE', 'EMA.REFERENCE_BATCH',
+                 'MODEL.DROP_PATH_RATE', 'MODEL.LABEL_SMOOTHING', 'AUG.COLOR_JITTER', 'AUG.MIXUP', 'AUG.CUTMIX',
+                 'AUG.REPROB')
 _UNIT_INTERVAL = ('MODEL.DROP_PATH_RATE', 'MODEL.LABEL_SMOOTHING', 'AUG.HFLIP', 'AUG.REPROB', 'AUG.MIXUP_PROB',
                   'AUG.MIXUP_SWITCH_PROB', 'EMA.DECAY')
 
@@ -341,6 +344,26 @@ def validate_config(cfg: CN) -> None:
     for key in ('AUG.SCALE', 'AUG.RATIO', 'TRAIN.OPTIMIZER.BETAS'):
         value = _get(cfg, key)
         _check(len(value) == 2 and all(isinstance(v, (int, float)) for v in value), key, value, 'two numbers')
+    _check(all(v > 0 for v in cfg.DATA.STD), 'DATA.STD', cfg.DATA.STD, 'standard deviations > 0')
+    for key in ('AUG.SCALE', 'AUG.RATIO'):
+        low, high = _get(cfg, key)
+        _check(0 < low <= high, key, [low, high], 'a range [min, max] with 0 < min <= max')
+    _check(all(0 <= beta < 1 for beta in train.OPTIMIZER.BETAS), 'TRAIN.OPTIMIZER.BETAS', train.OPTIMIZER.BETAS,
+           'two values in [0, 1)')
+    minmax = cfg.AUG.CUTMIX_MINMAX
+    _check(minmax is None or (len(minmax) == 2 and all(isinstance(v, (int, float)) for v in minmax)
+                              and 0 < minmax[0] <= minmax[1] <= 1),
+           'AUG.CUTMIX_MINMAX', minmax, "None or [min, max], cutmix's box side as a share of the image's, "
+                                    "0 < min <= max <= 1")
+    _check(_augmentation_policy_parses(cfg.AUG.AUTO_AUGMENT), 'AUG.AUTO_AUGMENT', cfg.AUG.AUTO_AUGMENT,
+           "'' (none) or a policy timm's transforms take, e.g. 'rand-m9-mstd0.5-inc1', 'augmix-m5-w3' or 'original'")
+    _check(cfg.EMA.DECAY < 1, 'EMA.DECAY', cfg.EMA.DECAY,
+           'a value in [0, 1) (at 1 the EMA weights never leave their start)')
+    for key, engine_key in (('num_classes', 'MODEL.NUM_CLASSES'), ('img_size', 'DATA.IMG_SIZE')):
+        given, engine_value = cfg.MODEL.KWARGS.get(key), _get(cfg, engine_key)
+        if given is not None and _same_size(given) != _same_size(engine_value):
+            raise ConfigError(f"config key MODEL.KWARGS.{key} is {given!r} but {engine_key} is {engine_value!r}; "
+                              f"expected {engine_key} {given!r} alone (the engine passes it as {key})")
     if mixup_active(cfg):
         _check(cfg.DATA.BATCH_SIZE % 2 == 0, 'DATA.BATCH_SIZE', cfg.DATA.BATCH_SIZE,
                'an even batch size while mixup/cutmix is on')
@@ -353,6 +376,24 @@ def validate_config(cfg: CN) -> None:
                'one of ' + ', '.join(repr(b) for b in backends))
         _check(cfg.TRAIN.COMPILE_MODE == 'default', 'TRAIN.COMPILE_MODE', cfg.TRAIN.COMPILE_MODE,
                f"'default' with TRAIN.COMPILE_BACKEND {cfg.TRAIN.COMPILE_BACKEND!r} (the other modes are inductor's)")
+
+
+def _same_size(value: Any) -> Any:
+    """An image size as an (H, W) pair, so that 224 and [224, 224] compare equal; other values as they are."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return (value, value)
+    return tuple(value) if isinstance(value, (list, tuple)) else value
+
+
+def _augmentation_policy_parses(policy: str) -> bool:
+    """Whether timm's transform factory builds the auto-augmentation `policy` ('' for none)."""
+    if not policy:
+        return True
+    try:
+        create_transform(32, is_training=True, auto_augment=policy)
+    except (AssertionError, ValueError, KeyError, IndexError, TypeError):
+        return False
+    return True
 
 
 def _leaves(node: CN, prefix: str = '') -> Dict[str, Any]:

@@ -310,6 +310,9 @@ def _train(cfg: CN, info: DistInfo, lock: OutputLock, check_data: bool) -> Dict[
                     + (f"; compiled (torch.compile, backend {cfg.TRAIN.COMPILE_BACKEND}, mode "
                        f"{cfg.TRAIN.COMPILE_MODE})" if compiled else '')
                     + ('; products through oneDNN' if cfg.TRAIN.ONEDNN else ''))
+        if cfg.TRAIN.WARMUP_EPOCHS >= cfg.TRAIN.EPOCHS:
+            logger.warning(f"TRAIN.WARMUP_EPOCHS {cfg.TRAIN.WARMUP_EPOCHS} >= TRAIN.EPOCHS {cfg.TRAIN.EPOCHS}: the "
+                           f"learning rate stays in its warm-up for the whole run, below TRAIN.BASE_LR")
 
     record: Dict[str, Any] = {}
     epochs_run, stopped = 0, False

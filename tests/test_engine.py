@@ -475,6 +475,18 @@ def test_a_training_checkpoint_restores_every_field(tmp_path):
     assert (validating.state.epoch, validating.state.epoch_batches, validating.state.step) == (1, 9, 8)
 
 
+def test_a_run_shorter_than_its_warm_up_says_so(tmp_path, digits, capsys):
+    """Warm-up inside TRAIN.EPOCHS (no WARMUP_PREFIX) as long as the run: the learning rate never reaches its base,
+    which the run used to do in silence."""
+    code, out, err = _run(train_main, ['--cfg', TINY, '--data-path', str(digits), '--output', str(tmp_path / 'run'),
+                                       '--opts', 'TRAIN.EPOCHS', '1', 'TRAIN.WARMUP_EPOCHS', '1'], capsys)
+    assert code == 0, err
+    assert ("TRAIN.WARMUP_EPOCHS 1 >= TRAIN.EPOCHS 1: the learning rate stays in its warm-up for the whole run, below "
+            "TRAIN.BASE_LR") in out + err
+    record = json.loads((tmp_path / 'run' / 'log.jsonl').read_text().splitlines()[-1])
+    assert record['lr'] < load_config(TINY).TRAIN.BASE_LR
+
+
 def test_a_training_checkpoint_missing_keys_fails_with_one_line(tmp_path):
     saved = _training_objects(tmp_path, TrainState())
     saved.save()

@@ -93,6 +93,46 @@ def test_bad_files_name_the_key_and_the_expectation(tmp_path, text, words):
         assert word in message
 
 
+@pytest.mark.parametrize('opts, message', [
+    (['AUG.AUTO_AUGMENT', 'bogus'], "config key AUG.AUTO_AUGMENT is 'bogus'; expected '' (none) or a policy timm's "
+                                    "transforms take, e.g. 'rand-m9-mstd0.5-inc1', 'augmix-m5-w3' or 'original'"),
+    (['AUG.COLOR_JITTER', '-0.5'], "config key AUG.COLOR_JITTER is -0.5; expected a value >= 0"),
+    (['AUG.CUTMIX_MINMAX', '[0.2]'], "config key AUG.CUTMIX_MINMAX is [0.2]; expected None or [min, max], cutmix's "
+                                     "box side as a share of the image's, 0 < min <= max <= 1"),
+    (['AUG.RATIO', '[0.0, 0.0]'], "config key AUG.RATIO is [0.0, 0.0]; expected a range [min, max] with "
+                                  "0 < min <= max"),
+    (['AUG.SCALE', '[1.0, 0.5]'], "config key AUG.SCALE is [1.0, 0.5]; expected a range [min, max] with "
+                                  "0 < min <= max"),
+    (['DATA.STD', '[0.0, 1.0, 1.0]'], "config key DATA.STD is [0.0, 1.0, 1.0]; expected standard deviations > 0"),
+    (['TRAIN.OPTIMIZER.BETAS', '[0.9, 1.5]'], "config key TRAIN.OPTIMIZER.BETAS is [0.9, 1.5]; expected two values "
+                                              "in [0, 1)"),
+    (['TRAIN.OPTIMIZER.EPS', '-1.0'], "config key TRAIN.OPTIMIZER.EPS is -1.0; expected a value >= 0"),
+    (['TRAIN.LR_SCHEDULER.DECAY_EPOCHS', '0'], "config key TRAIN.LR_SCHEDULER.DECAY_EPOCHS is 0; expected a value > 0"),
+    (['EMA.DECAY', '1.0'], "config key EMA.DECAY is 1.0; expected a value in [0, 1) (at 1 the EMA weights never leave "
+                           "their start)"),
+    (['MODEL.NUM_CLASSES', '10', 'MODEL.KWARGS.num_classes', '5'],
+     "config key MODEL.KWARGS.num_classes is 5 but MODEL.NUM_CLASSES is 10; expected MODEL.NUM_CLASSES 5 alone (the "
+     "engine passes it as num_classes)"),
+    (['DATA.IMG_SIZE', '16', 'MODEL.KWARGS.img_size', '32'],
+     "config key MODEL.KWARGS.img_size is 32 but DATA.IMG_SIZE is 16; expected DATA.IMG_SIZE 32 alone (the engine "
+     "passes it as img_size)"),
+])
+def test_values_that_would_fail_inside_timm_or_torch_or_contradict_are_named(opts, message):
+    """Each was an exception from timm's or torch's own checks (some at the first batch or scheduler step), a
+    silent no-op (an EMA that never moves) or a contradiction that failed in the first training step (a classifier
+    for 5 classes fed labels of 10)."""
+    with pytest.raises(ConfigError) as error:
+        load_config(None, opts)
+    assert str(error.value) == message
+
+
+def test_values_that_timm_takes_pass():
+    cfg = load_config(None, ['AUG.AUTO_AUGMENT', 'augmix-m5-w3', 'AUG.CUTMIX_MINMAX', '[0.2, 0.8]',
+                             'DATA.IMG_SIZE', '16', 'MODEL.KWARGS.img_size', '[16, 16]', 'AUG.COLOR_JITTER', '0.0'])
+    assert cfg.AUG.AUTO_AUGMENT == 'augmix-m5-w3' and cfg.MODEL.KWARGS.img_size == [16, 16]
+    assert load_config(None, ['AUG.AUTO_AUGMENT', 'original', 'AUG.AUTO_AUGMENT', '']).AUG.AUTO_AUGMENT == ''
+
+
 def test_a_yaml_error_names_its_line_and_a_non_utf8_file_its_byte(tmp_path):
     path = write(tmp_path / 'bad.yaml', 'TRAIN:\n  EPOCHS: 3\n BASE_LR: [1\n')
     with pytest.raises(ConfigError) as error:
