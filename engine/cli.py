@@ -17,7 +17,6 @@ __all__ = ['train_main', 'eval_main']
 
 def _common_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument('--data-path', help='dataset folder with train/ and val/ (DATA.DATA_PATH)')
-    parser.add_argument('--batch-size', type=int, help='images per process (DATA.BATCH_SIZE)')
     parser.add_argument('--check-data', action='store_true',
                         help='decode every image before starting; bad files follow DATA.BAD_IMAGES (error or skip)')
     parser.add_argument('--debug', action='store_true', help='show tracebacks instead of one-line errors')
@@ -56,6 +55,7 @@ def train_main(argv: Sequence[str]) -> int:
     parser.add_argument('--onednn', action='store_true', default=None,
                         help="CPU, AMP off: the linear layers' and attention products through oneDNN "
                              '(TRAIN.ONEDNN)')
+    parser.add_argument('--batch-size', type=int, help='training images per process (DATA.BATCH_SIZE)')
     _common_arguments(parser)
     args = parser.parse_args(argv)
     cfg = load_config(args.cfg, args.opts, _overrides(args, dict(
@@ -97,10 +97,15 @@ def eval_main(argv: Sequence[str]) -> int:
                         help='untimed forwards before --throughput measures (default 50, as the official scripts)')
     parser.add_argument('--timed-forwards', type=int, default=30, metavar='N',
                         help='forwards --throughput times (default 30, as the official scripts)')
+    parser.add_argument('--batch-size', type=int,
+                        help='images per process (TEST.BATCH_SIZE, by default 1.5 x DATA.BATCH_SIZE); with '
+                             '--throughput the batch it times (by default DATA.BATCH_SIZE)')
     _common_arguments(parser)
     args = parser.parse_args(argv)
     if not args.checkpoint and not args.throughput and not args.model:
         parser.error('--checkpoint is required (except with --model or --throughput)')
+    if args.batch_size is not None and args.batch_size < 1:
+        parser.error(f'--batch-size {args.batch_size}: expected at least 1 image')
     if args.warmup_forwards < 0 or args.timed_forwards < 1:
         parser.error(f'--warmup-forwards {args.warmup_forwards} --timed-forwards {args.timed_forwards}: expected '
                      f'at least 0 warm-up and 1 timed forward')

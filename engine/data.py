@@ -39,7 +39,8 @@ from .errors import BadImageError, UsageError
 __all__ = [
     'DIGITS_STAMP', 'default_digits_root', 'prepare_digits', 'resolve_data_root', 'check_splits', 'class_difference',
     'check_trained_classes', 'load_split',
-    'BadImage', 'ImageFolderSplit', 'ImageLoader', 'image_mode', 'read_image', 'check_images', 'report_scan',
+    'BadImage', 'ImageFolderSplit', 'ImageLoader', 'image_mode', 'image_channels', 'read_image', 'check_images',
+    'report_scan',
     'posterize', 'train_transform', 'eval_transform', 'build_mixup', 'ShardSampler', 'SkipSampler', 'SeededSamples',
     'build_train_loader', 'build_eval_loader', 'eval_batch_size',
 ]
@@ -210,6 +211,11 @@ def _stat_image(path: str) -> Union[os.stat_result, BadImage]:
 def image_mode(cfg: CN) -> str:
     """The Pillow mode images are read in: 'L' (grey-scale) when DATA.MEAN holds one channel, else 'RGB'."""
     return 'L' if len(cfg.DATA.MEAN) == 1 else 'RGB'
+
+
+def image_channels(cfg: CN) -> int:
+    """The channels of the images the data pipeline feeds the model: 1 in `image_mode` 'L', else 3."""
+    return 1 if image_mode(cfg) == 'L' else 3
 
 
 def read_image(path: str, mode: str = 'RGB') -> Union[Image.Image, BadImage]:

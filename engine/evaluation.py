@@ -17,7 +17,7 @@ from .checkpoint import recorded_classes
 from .compile import CompileTimer, compile_errors_reported, compile_model
 from .config import config_from_yaml_string, get_default_config, load_config, merge_dict, merge_opts, validate_config
 from .data import (build_eval_loader, check_images, check_trained_classes, eval_batch_size, eval_transform,
-                   image_mode, load_split, report_scan, resolve_data_root)
+                   image_channels, image_mode, load_split, report_scan, resolve_data_root)
 from .distributed import DistInfo
 from .errors import UsageError
 from .hub import hub_config, is_hub_name
@@ -183,7 +183,7 @@ def throughput(cfg: CN, info: DistInfo, batch_size: int, checkpoint: Optional[st
         cfg, weights, _ = load_weights(cfg, checkpoint, ema, adopt_classes)
     model = create_model(cfg, weights, source=f"checkpoint {checkpoint!r}").to(info.device)
     generator = torch.Generator().manual_seed(cfg.SEED)
-    images = torch.randn(batch_size, 3, cfg.DATA.IMG_SIZE, cfg.DATA.IMG_SIZE, generator=generator)
+    images = torch.randn(batch_size, image_channels(cfg), cfg.DATA.IMG_SIZE, cfg.DATA.IMG_SIZE, generator=generator)
     dtype = autocast_dtype(cfg, info.device, amp)
     model = _inference_model(model, cfg, onednn, compile)
     with compile_errors_reported(cfg.MODEL.NAME):

@@ -43,7 +43,9 @@ import timm  # noqa: E402
 from engine.build import autocast_dtype, create_criterion, create_optimizer, create_training_model  # noqa: E402
 from engine.checkpoint import atomic_write_text, refuse_unwritable_out  # noqa: E402
 from engine.config import load_config  # noqa: E402
-from engine.data import build_mixup, build_train_loader, image_mode, load_split, train_transform  # noqa: E402
+from engine.data import (  # noqa: E402
+    build_mixup, build_train_loader, image_channels, image_mode, load_split, train_transform,
+)
 from engine.distributed import DistInfo, resolve_device  # noqa: E402
 from engine.errors import UsageError, refuse_below  # noqa: E402
 from engine.loops import autocast  # noqa: E402
@@ -113,7 +115,7 @@ def model_rate(cfg, info: DistInfo, steps: int, repeats: int) -> float:
     optimizer = create_optimizer(cfg, model, cfg.TRAIN.BASE_LR)
     criterion = create_criterion(cfg)
     size, batch = cfg.DATA.IMG_SIZE, cfg.DATA.BATCH_SIZE
-    images = torch.randn(batch, 3, size, size, device=info.device)
+    images = torch.randn(batch, image_channels(cfg), size, size, device=info.device)
     targets = torch.randint(cfg.MODEL.NUM_CLASSES, (batch,), device=info.device)
     mixup = build_mixup(cfg)
     if mixup is not None:

@@ -775,6 +775,10 @@ def test_grey_scale_images_train_and_evaluate_a_one_channel_model(tmp_path, digi
     code, out, err = _run(eval_main, ['--checkpoint', str(output / 'best.pth')], capsys)
     assert code == 0, err
     assert json.loads(out.strip().splitlines()[-1])['count'] == 360
+    code, out, err = _run(eval_main, ['--checkpoint', str(output / 'best.pth'), '--throughput', '--batch-size', '2',
+                                      '--warmup-forwards', '0', '--timed-forwards', '1'], capsys)
+    assert code == 0, err  # timed on one-channel images (three before: a traceback)
+    assert json.loads(out.strip().splitlines()[-1])['batch_size'] == 2
     # RGB weights start it as timm adapts them: the first convolution summed over the colour channels
     rgb = _tiny_checkpoint(tmp_path, load_config(TINY, ['DATA.DATA_PATH', str(digits)]))
     code, out, err = _run(train_main, ['--cfg', TINY, '--output', str(tmp_path / 'from_rgb'), '--pretrained', rgb,

@@ -143,9 +143,13 @@ def test_throughput_shows_a_first_result_after_one_forward_and_keeps_stdout_for_
                                                                                           timed=3)
 
 
-def test_throughput_needs_a_timed_forward(capsys):
+@pytest.mark.parametrize('argv, message', [
+    (['--timed-forwards', '0'], '--warmup-forwards 50 --timed-forwards 0: expected at least 0 warm-up and 1 timed '
+                                'forward'),
+    (['--batch-size', '0'], '--batch-size 0: expected at least 1 image'),  # timed DATA.BATCH_SIZE's images
+])
+def test_throughput_needs_a_timed_forward_of_an_image(capsys, argv, message):
     with pytest.raises(SystemExit) as exited:
-        eval_main(['--model', 'inline_deit_tiny', '--throughput', '--timed-forwards', '0'])
+        eval_main(['--model', 'inline_deit_tiny', '--throughput', *argv])
     assert exited.value.code == USAGE_EXIT_CODE
-    assert capsys.readouterr().err.strip().splitlines()[-1] == (
-        'eval.py: error: --warmup-forwards 50 --timed-forwards 0: expected at least 0 warm-up and 1 timed forward')
+    assert capsys.readouterr().err.strip().splitlines()[-1] == f'eval.py: error: {message}'
