@@ -1,10 +1,14 @@
 """Bad input and a diverged training run are reported on one line with exit status 2, an interruption on one
-line with status 128 + the signal's number; `--debug` shows the traceback instead (except for `exit_at_once`)."""
+line with status 128 + the signal's number, a collective that failed because another process of the run ended on
+one line with status 1; `--debug` shows the traceback instead (except for `exit_at_once`)."""
 import argparse
 import os
+import re
 import signal
 import sys
 from typing import Callable, Mapping, NoReturn, Optional, Sequence, Tuple
+
+import torch.distributed
 
 from models._files import UNFINISHED_FILES
 from models.checkpoint import CheckpointError
@@ -72,7 +76,8 @@ def run_cli(main: Callable[[Sequence[str]], int], argv: Optional[Sequence[str]] 
     meets the same bad input and all ranks agree on a non-finite loss. An interruption (Ctrl-C outside the
     training loop, or a signal that stopped training after saving) exits with 128 + the signal's number, as a shell
     reports it, so `train.py ... && eval.py ...` does not go on after a stopped run; so does a second signal,
-    through `exit_at_once`.
+    through `exit_at_once`. Under torchrun, a collective that fails because another process ended (after its own
+    one-line error) or stopped answering exits with status 1, rank 0 saying so on one line.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
@@ -90,6 +95,13 @@ def run_cli(main: Callable[[Sequence[str]], int], argv: Optional[Sequence[str]] 
         if _reports():
             print(f"error: {str(e) or f'interrupted by {signal.Signals(signum).name}'}", file=sys.stderr)
         return 128 + signum
+    except RuntimeError as e:
+        if '--debug' in argv or not _peer_gone(e):
+            raise
+        if _reports():
+            print(f"error: a collective with the other processes failed ({_first_sentence(e)}): another process "
+                  f"ended or stopped answering; its own output says why", file=sys.stderr)
+        return 1
 
 
 def refuse_below(parser: argparse.ArgumentParser, minimums: Mapping[str, Tuple[Optional[float], float]]) -> None:
@@ -99,6 +111,27 @@ def refuse_below(parser: argparse.ArgumentParser, minimums: Mapping[str, Tuple[O
     for flag, (value, least) in minimums.items():
         if value is not None and value < least:
             parser.error(f'{flag} {value}: expected {least} or more')
+
+
+# What gloo says when the process at the other end of a collective has gone (exited, killed) or hangs.
+_GLOO_PEER_GONE = ('Connection reset by peer', 'Connection closed by peer', 'Broken pipe', 'Timed out waiting')
+
+
+def _peer_gone(error: RuntimeError) -> bool:
+    """Whether `error` is a collective that failed in a run of several processes: another process ended (after its
+    own error, which it reports) or stopped answering, so a traceback here would only bury that report."""
+    try:
+        several = int(os.environ.get('WORLD_SIZE', '1')) > 1
+    except ValueError:
+        return False
+    backend_error = getattr(torch.distributed, 'DistBackendError', ())
+    return several and (isinstance(error, backend_error) or any(words in str(error) for words in _GLOO_PEER_GONE))
+
+
+def _first_sentence(error: Exception) -> str:
+    """The first sentence of `error`'s message, without the source location gloo starts it with."""
+    text = re.sub(r'^\[[^\]]*\]\s*', '', (str(error).splitlines() or [''])[0])
+    return text.split('. ', 1)[0].rstrip('.') or type(error).__name__
 
 
 def _reports() -> bool:

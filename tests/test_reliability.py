@@ -600,6 +600,34 @@ def test_a_rank_that_dies_ends_the_other_rank_with_a_non_zero_exit(tmp_path, dig
     assert 'rank      : 1' in root_cause and 'exitcode  : 3' in root_cause, result.stderr[-3000:]
     assert 'rank      : 0' in result.stderr.split('Root Cause')[0], result.stderr[-3000:]
     assert not (tmp_path / 'out' / 'log.jsonl').exists()  # rank 0 never finished an epoch
+    # rank 0's failed collective is one line (when torchrun has not ended it first), not a traceback
+    assert '[rank0]: Traceback' not in result.stderr, result.stderr[-3000:]
+
+
+@pytest.mark.parametrize('world_size, rank, debug', [('2', '0', False), ('2', '1', False), ('1', '0', False),
+                                                     ('2', '0', True)])
+def test_a_collective_failed_by_a_peer_that_ended_is_one_line_from_rank_0(monkeypatch, capsys, world_size, rank,
+                                                                          debug):
+    """The other rank of a run whose process failed on bad input (its own one-line error) or died met a failed
+    collective: rank 0 says so on one line, exit status 1; the others say nothing; alone, or with --debug, the
+    error keeps its traceback."""
+    monkeypatch.setenv('WORLD_SIZE', world_size)
+    monkeypatch.setenv('RANK', rank)
+    gone = RuntimeError('[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:545] Read error [127.0.0.1]:14518: '
+                        'Connection reset by peer. This is typically caused by a remote worker hanging or bugs in the '
+                        'application.')
+
+    def main(argv):
+        raise gone
+
+    if world_size == '1' or debug:
+        with pytest.raises(RuntimeError):
+            run_cli(main, ['--debug'] if debug else [])
+        return
+    assert run_cli(main, []) == 1
+    said = ("error: a collective with the other processes failed (Read error [127.0.0.1]:14518: Connection reset by "
+            "peer): another process ended or stopped answering; its own output says why\n")
+    assert capsys.readouterr().err == (said if rank == '0' else '')
 
 
 # Each rank records what `main_process_first` gave it, with and without `per_node`, then what `each_node_first`
