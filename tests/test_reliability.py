@@ -212,6 +212,18 @@ def saved_steps(output: Path) -> Dict[str, int]:
     return {p.name: TrainingCheckpoint.read(str(p))['step'] for p in output.iterdir() if p.suffix == '.pth'}
 
 
+@pytest.mark.parametrize('script', ['train.py', 'eval.py'])
+def test_ctrl_c_while_the_modules_load_exits_130_without_a_traceback(tmp_path, script):
+    """The first seconds of a command import torch, timm and the models (about 4 s on two cores): Ctrl-C there
+    printed a 67-line KeyboardInterrupt traceback through the imports."""
+    process = subprocess.Popen([sys.executable, str(REPO / script), '--help'], cwd=tmp_path, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    time.sleep(0.5)
+    process.send_signal(signal.SIGINT)
+    out, err = process.communicate(timeout=60)
+    assert (process.returncode, out, err) == (130, '', '')
+
+
 def test_sigint_saves_after_the_current_step_and_exits_with_130(tmp_path, digits, one_epoch, monkeypatch, capsys):
     output = tmp_path / 'run'
     shutil.copytree(one_epoch, output)
