@@ -21,6 +21,7 @@ from timm.models._input import update_model_input_size
 
 from .attention import list_attention_options, stage_attentions
 from .attention.layout import Grid, tokens_to_image
+from .attention.mixer import is_integer, is_number
 from .checkpoint import (HUB_SOURCES, cached_file_name, download_checkpoint, is_derived_buffer, loaded_key_names,
                          rename_loaded_keys)
 
@@ -168,19 +169,11 @@ def new_classifier(model: nn.Module, num_features: int, num_classes: int) -> nn.
     return head.train(model.training)
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
 _ARGUMENT_KINDS = (
-    ('sizes', 'an integer > 0', lambda v: _is_int(v) and v > 0),
-    ('counts', 'an integer >= 0', lambda v: _is_int(v) and v >= 0),
-    ('ratios', 'a number > 0', lambda v: _is_number(v) and v > 0),
-    ('rates', 'a number in [0, 1]', lambda v: _is_number(v) and 0 <= v <= 1),
+    ('sizes', 'an integer > 0', lambda v: is_integer(v) and v > 0),
+    ('counts', 'an integer >= 0', lambda v: is_integer(v) and v >= 0),
+    ('ratios', 'a number > 0', lambda v: is_number(v) and v > 0),
+    ('rates', 'a number in [0, 1]', lambda v: is_number(v) and 0 <= v <= 1),
 )
 
 

@@ -90,6 +90,7 @@ def test_causal_module_matches_the_masked_formula_with_a_class_token(name):
     assert max_abs_err(attn(x, (10, 10)), naive_causal_module(attn, x)) < 1e-10
 
 
+@pytest.mark.filterwarnings('ignore:`torch.jit.script` is deprecated')
 @pytest.mark.parametrize('name', CAUSAL)
 def test_scripted_causal_module_matches_the_masked_formula(name):
     """TorchScript takes each attention's plain path: causal there too (MultiMax's let later tokens in)."""

@@ -256,6 +256,39 @@ def test_bad_input_errors_name_the_bad_value(name):
         windowed(torch.randn(1, 17, 16), (4, 4))
 
 
+@pytest.mark.parametrize('name, kwargs, message', [
+    # a truthy string made MultiMax causal; softmax failed at its first forward
+    ('multimax', dict(attn_kwargs=dict(causal='False')), "multimax attention option causal is 'False'; expected true "
+                                                         "or false"),
+    ('softmax', dict(attn_kwargs=dict(causal=1)), "softmax attention option causal is 1; expected true or false"),
+    # a misspelt option of no attention was dropped in silence
+    ('softmax', dict(attn_kwargs=dict(casual=True)), "attn_kwargs 'casual' is not an option of any attention; did you "
+                                                     "mean 'causal'? expected one of: causal, focusing_factor, "
+                                                     "kernel_size"),
+    ('flatten', dict(attn_kwargs=dict(kernel_size=3.0)), "flatten attention option kernel_size is 3.0; expected an "
+                                                         "integer"),
+    ('flatten', dict(attn_kwargs=dict(focusing_factor=None)), "flatten attention option focusing_factor is None; "
+                                                              "expected a number"),
+    ('flatten', dict(attn_kwargs=dict(focusing_factor=0)), "flatten attention: focusing_factor 0 must be > 0"),
+    ('softmax', dict(grouping='reduction', sr_ratio=2.0), "sr_ratio 2.0 must be a positive integer"),
+    ('softmax', dict(grouping='window', window_size='7'), "window_size '7' must be an integer or an (h, w) pair of "
+                                                          "integers"),
+    ('softmax', dict(grouping='window', window_size=2, shift_size=1.0), "shift_size 1.0 must be an integer"),
+    ('softmax', dict(grouping='stripes', split_size=2.0), "split_size 2.0 must be a positive stripe width"),
+])
+def test_options_and_grouping_keywords_of_another_type_are_named(name, kwargs, message):
+    """Each was accepted and then failed inside torch (or silently did something else)."""
+    with pytest.raises(ValueError) as error:
+        build_attention(name, 16, 2, (4, 4), **kwargs)
+    assert str(error.value) == message
+
+
+def test_options_of_the_annotated_types_pass():
+    attn = build_attention('flatten', 16, 2, (4, 4), grouping='window', window_size=[2, 2], shift_size=1,
+                           attn_kwargs=dict(focusing_factor=2, kernel_size=3, causal=False))
+    assert (attn.window, attn.mixer.focusing_factor, attn.mixer.kernel_size) == ((2, 2), 2, 3)
+
+
 def test_reduction_needs_an_attention_that_supports_it():
     with pytest.raises(ValueError, match='sr_ratio 2 needs'):
         build_attention('additive', 16, 2, (4, 4), grouping='reduction', sr_ratio=2)

@@ -94,6 +94,8 @@ class FocusedLinearMixer(Mixer):
         super().__init__(dim, num_heads, group_grid, attn_drop)
         if kernel_size < 1 or kernel_size % 2 == 0:
             raise ValueError(f"flatten attention: kernel_size {kernel_size} must be a positive odd number")
+        if focusing_factor <= 0:  # at 0 every token's feature is the same, below it ReLU's zeros become infinities
+            raise ValueError(f"flatten attention: focusing_factor {focusing_factor} must be > 0")
         self.focusing_factor = focusing_factor
         self.kernel_size = kernel_size
         gh, gw = self.require_group_grid('the positional encoding')

@@ -26,7 +26,7 @@ from .layout import (
     Grid, crop_tokens, image_to_tokens, pad_tokens, padded_grid, relative_position_index, roll_tokens,
     shifted_window_mask, tokens_to_image, window_partition, window_reverse,
 )
-from .mixer import Mixer, MixContext
+from .mixer import Mixer, MixContext, is_integer
 
 __all__ = [
     'MixerHost', 'GroupedAttention', 'GlobalAttention', 'SpatialReductionAttention', 'WindowAttention',
@@ -182,8 +182,8 @@ class SpatialReductionAttention(GroupedAttention):
             proj_drop: float = 0.,
     ):
         super().__init__(dim, num_heads, grid_size)
-        if sr_ratio < 1:
-            raise ValueError(f"sr_ratio {sr_ratio} must be a positive integer")
+        if not is_integer(sr_ratio) or sr_ratio < 1:
+            raise ValueError(f"sr_ratio {sr_ratio!r} must be a positive integer")
         if sr_ratio > 1 and not mixer_cls.reduces_keys:
             raise ValueError(f"{mixer_cls.attention_name} attention takes no reduced keys: sr_ratio {sr_ratio} needs "
                              f"an attention that supports them (sr_ratio=1 expected)")
@@ -222,6 +222,11 @@ def _resolve_window(grid: Grid, window_size: Union[int, Grid], shift_size: int) 
     never reaches past the grid. A grid that does not divide into windows is padded to whole ones where used.
     """
     H, W = grid
+    pair = isinstance(window_size, (tuple, list)) and len(window_size) == 2 and all(map(is_integer, window_size))
+    if not (is_integer(window_size) or pair):
+        raise ValueError(f"window_size {window_size!r} must be an integer or an (h, w) pair of integers")
+    if not is_integer(shift_size):
+        raise ValueError(f"shift_size {shift_size!r} must be an integer")
     if isinstance(window_size, int):
         if min(H, W) <= window_size:
             window_size, shift_size = min(H, W), 0
@@ -474,8 +479,8 @@ class CrossShapedAttention(GroupedAttention):
     ):
         super().__init__(dim, num_heads, grid_size)
         grid = self._require_grid('split_size')
-        if split_size < 1:
-            raise ValueError(f"split_size {split_size} must be a positive stripe width")
+        if not is_integer(split_size) or split_size < 1:
+            raise ValueError(f"split_size {split_size!r} must be a positive stripe width")
         self.qkv = nn.Linear(dim, dim * 3, bias=qkv_bias)
         H, W = grid
         options = dict(attn_drop=attn_drop, **(mixer_options or {}))

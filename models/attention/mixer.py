@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from .layout import Grid, split_heads
 
 __all__ = ['Mixer', 'MixContext', 'autocast_off', 'cpu_float32_kernels_apply', 'differentiable_grads',
-           'is_exporting', 'needs_grad']
+           'is_exporting', 'is_integer', 'is_number', 'needs_grad']
 
 # Device types with an autocast mode; others (the meta device used to count parameters and FLOPs) have none to turn off.
 _AUTOCAST_DEVICES = frozenset(d for d in ('cpu', 'cuda', 'xpu', 'mps', 'hpu') if torch.amp.is_autocast_available(d))
@@ -82,6 +82,21 @@ class MixContext(NamedTuple):
     tokens: Optional[Tensor] = None
 
 
+def is_integer(value: Any) -> bool:
+    """An int that is not a bool."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value: Any) -> bool:
+    """An int or a float that is not a bool."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+# What a method option's annotation asks of its value: (in words, test).
+_OPTION_TYPES = {bool: ('true or false', lambda v: isinstance(v, bool)), int: ('an integer', is_integer),
+                 float: ('a number', is_number)}
+
+
 class Mixer(nn.Module):
     """Base of every registered attention's mixing.
 
@@ -119,9 +134,18 @@ class Mixer(nn.Module):
 
     @classmethod
     def take_options(cls, attn_kwargs: Optional[Dict[str, Any]]) -> Dict[str, Any]:
-        """The entries of `attn_kwargs` that are this mixer's options."""
-        names = cls.option_names()
-        return {key: value for key, value in (attn_kwargs or {}).items() if key in names}
+        """The entries of `attn_kwargs` that are this mixer's options, or a ValueError for a value that is not of
+        the type its annotation names (bool, int or float)."""
+        params = inspect.signature(cls.__init__).parameters
+        options = {}
+        for key, value in (attn_kwargs or {}).items():
+            if key not in params or params[key].kind is not inspect.Parameter.KEYWORD_ONLY:
+                continue
+            expected, valid = _OPTION_TYPES.get(params[key].annotation, ('', None))
+            if valid is not None and not valid(value):
+                raise ValueError(f"{cls.attention_name} attention option {key} is {value!r}; expected {expected}")
+            options[key] = value
+        return options
 
     def heads(self, q: Tensor, k: Tensor, v: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
         """q, k, v: (B', n, C) each as (B', heads, n, C / heads), the layout of the pure attention functions."""

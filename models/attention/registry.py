@@ -3,6 +3,7 @@
 The registry is the single list of attentions: families build every block from it, and the entrypoints, the
 benchmark, the zoo table and the tests iterate it.
 """
+import difflib
 import inspect
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Type, TypeVar
 
@@ -119,6 +120,13 @@ def build_attention(
         if key not in params or key in ('mixer_cls', 'mixer_options'):
             keywords = [p for p in params if params[p].kind is inspect.Parameter.KEYWORD_ONLY and p != 'mixer_options']
             raise ValueError(f"grouping {grouping!r} takes no keyword {key!r}; expected one of {', '.join(keywords)}")
+    known = list_attention_options()
+    for key in attn_kwargs or {}:
+        if key not in known:
+            close = difflib.get_close_matches(str(key), known, n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ''
+            raise ValueError(f"attn_kwargs {key!r} is not an option of any attention; {hint}expected one of: "
+                             f"{', '.join(sorted(known))}")
     options = cls.take_options(attn_kwargs)
     if (attn_kwargs or {}).get('causal'):
         if 'causal' not in options:  # one dict serves several attentions, but a model is causal only if all are
