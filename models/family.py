@@ -479,7 +479,8 @@ class ZooModel(nn.Module):
         `indices`: the last n stages (int), the given stages (list) or all (None). `norm` applies the final norm
         (to every output when it does not follow the last stage, else to the last one). Returns the
         intermediates, or (final features, intermediates), the final features in the layout of `forward_features`
-        (normed only when every stage ran). As timm's ViT: in a model with prefix tokens `return_prefix_tokens`
+        (normed, after a `stop_early` too where the norm does not follow the last stage, as in timm's ViT; the
+        norm of a pyramid's last stage does not fit an earlier one's width). As timm's ViT: in a model with prefix tokens `return_prefix_tokens`
         pairs each output with its stage's (B, n, C) prefix tokens (n = 0 in stages before a class token joins),
         and `output_dict` returns {'image_intermediates', 'image_intermediates_prefix' (with
         `return_prefix_tokens`), 'image_features' (unless `intermediates_only`)}.
@@ -502,7 +503,7 @@ class ZooModel(nn.Module):
         with_prefixes = return_prefix_tokens and self.num_prefix_tokens > 0
         features: Optional[Tensor] = None
         if not intermediates_only:
-            if num_stages == self.num_stages:
+            if num_stages == self.num_stages or not self.norm_follows_last_stage:
                 final = self._final_norm(final)
             features = self._format_features(final, final_grid)
         if output_dict:

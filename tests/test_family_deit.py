@@ -281,7 +281,8 @@ def test_intermediates_with_prefix_tokens_and_as_a_dict_equal_timms_deit():
     calls = [dict(return_prefix_tokens=True, output_fmt='NLC', intermediates_only=True),
              dict(return_prefix_tokens=True, indices=[0], norm=True),
              dict(return_prefix_tokens=True, output_dict=True),
-             dict(output_dict=True, intermediates_only=True, output_fmt='NLC')]
+             dict(output_dict=True, intermediates_only=True, output_fmt='NLC'),
+             dict(indices=[0], stop_early=True)]  # the final features normed after the first block
     with torch.no_grad():
         for kwargs in calls:
             torch.testing.assert_close(ours.forward_intermediates(x, **kwargs),
