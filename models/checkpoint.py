@@ -358,18 +358,21 @@ def check_state_dict(
         free_shape_prefixes: Sequence[str] = (),
         input_conv_weights: Sequence[str] = (),
         strict: bool = True,
+        given_shapes: Optional[Mapping[str, torch.Size]] = None,
 ) -> None:
     """Raise `CheckpointError` naming the missing, unexpected and mis-shaped keys, on one line; not `strict`, the
     mis-shaped ones only (as `load_state_dict(strict=False)` refuses them alone).
 
     Keys under `free_shape_prefixes` (a classifier that the loader re-creates for another class count) may differ
     in shape, and the weights in `input_conv_weights` in their input channels (dim 1), which timm's loader adapts
-    to the model's `in_chans`.
+    to the model's `in_chans`. A mis-shaped tensor is shown in its `given_shapes` one where that is given (the
+    shape in the file, before a resampling to the model's grid).
     """
     own = model.state_dict()
+    given_shapes = given_shapes or {}
     missing = [k for k in own if k not in state_dict] if strict else []
     unexpected = [k for k in state_dict if k not in own] if strict else []
-    shapes = [f"{k} {tuple(state_dict[k].shape)} vs {tuple(own[k].shape)}"
+    shapes = [f"{k} {tuple(given_shapes.get(k, state_dict[k].shape))} vs {tuple(own[k].shape)}"
               for k in own if k in state_dict and state_dict[k].shape != own[k].shape
               and not k.startswith(tuple(free_shape_prefixes))
               and not (k in input_conv_weights and _differ_in_input_channels_only(state_dict[k], own[k]))]
@@ -472,13 +475,14 @@ def filter_checkpoint(
     loader adapts them after this filter: the classifier (re-created for another class count) and the cfg's
     `first_conv` weights in their input channels (adapted to the model's `in_chans`)."""
     state_dict = prepare(official_keys(model, drop_derived_buffers(checkpoint_state_dict(checkpoint))))
+    given_shapes = {k: v.shape for k, v in state_dict.items()}
     state_dict = adapt_state_dict(model, state_dict)
     classifiers = tuple(f'{name}.' for name in _cfg_module_names(model, 'classifier', ('head',)))
     own = model.state_dict()
     state_dict = {k: v for k, v in state_dict.items() if k in own or not k.startswith(classifiers)}
     check_state_dict(model, state_dict, 'checkpoint', free_shape_prefixes=classifiers,
                      input_conv_weights=[f'{name}.weight' for name in _cfg_module_names(model, 'first_conv')],
-                     strict=strict)
+                     strict=strict, given_shapes=given_shapes)
     return state_dict
 
 

@@ -371,6 +371,16 @@ def test_checkpoint_with_another_class_count_gets_a_fresh_head(tmp_path):
     assert torch.equal(model.pos_embed, source.pos_embed)
 
 
+def test_a_checkpoint_of_another_width_and_grid_is_named_in_the_shapes_of_the_file():
+    """`pos_embed` is resampled to the model's grid before the keys are checked; the report names the shape the
+    file holds, not the resampled one."""
+    other = timm.create_model('softmax_deit_tiny', **dict(TINY, img_size=64, embed_dim=16))
+    model = timm.create_model('softmax_deit_tiny', **TINY)
+    with pytest.raises(CheckpointError) as info:
+        models.vit.checkpoint_filter_fn(other.state_dict(), model)
+    assert 'pos_embed (1, 65, 16) vs (1, 17, 32)' in str(info.value)
+
+
 def test_distilled_deit_checkpoint_fails_with_one_line_report():
     distilled = timm.create_model('deit_tiny_distilled_patch16_224', **TINY)
     model = timm.create_model('softmax_deit_tiny', **TINY)
