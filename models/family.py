@@ -480,10 +480,10 @@ class ZooModel(nn.Module):
         (to every output when it does not follow the last stage, else to the last one). Returns the
         intermediates, or (final features, intermediates), the final features in the layout of `forward_features`
         (normed, after a `stop_early` too where the norm does not follow the last stage, as in timm's ViT; the
-        norm of a pyramid's last stage does not fit an earlier one's width). As timm's ViT: in a model with prefix tokens `return_prefix_tokens`
-        pairs each output with its stage's (B, n, C) prefix tokens (n = 0 in stages before a class token joins),
-        and `output_dict` returns {'image_intermediates', 'image_intermediates_prefix' (with
-        `return_prefix_tokens`), 'image_features' (unless `intermediates_only`)}.
+        norm of a pyramid's last stage does not fit an earlier one's width). As timm's ViT: in a model with prefix
+        tokens `return_prefix_tokens` pairs each output with its stage's (B, n, C) prefix tokens (n = 0 in stages
+        before a class token joins), and `output_dict` returns {'image_intermediates', 'image_intermediates_prefix'
+        (with `return_prefix_tokens`), 'image_features' (unless `intermediates_only`)}.
         """
         check_output_fmt(output_fmt)
         take_indices, max_index = feature_take_indices(self.num_stages, indices)
