@@ -380,14 +380,15 @@ def _train(cfg: CN, info: DistInfo, lock: OutputLock, check_data: bool) -> Dict[
                 if record['skipped_images']:
                     logger.warning(f"epoch {epoch}: skipped {skipped_train} training and {skipped_val} validation "
                                    f"image(s) that could not be read (DATA.BAD_IMAGES 'skip')")
-            if is_best or due:
+            # a checkpoint with its epoch's record resumes at the next epoch: saved before the epoch moves on
+            stop_now = any_rank(stop(), info.device)
+            if is_best or due or stop_now:
                 checkpoint.save(record, best=is_best)
             state.epoch, state.epoch_batches = epoch + 1, 0
             if pause and not last_epoch:
                 logger.info(f"paused after {epochs_run} epoch(s) (TRAIN.EPOCHS_PER_RUN); run again to continue")
                 break
-            if any_rank(stop(), info.device):
-                checkpoint.save(record)
+            if stop_now:
                 stopped = True
                 break
         barrier()

@@ -363,6 +363,36 @@ def test_evaluating_a_checkpoint_on_other_classes_is_refused_and_one_without_cla
 WORKERS = ['DATA.NUM_WORKERS', '2', 'AUG.AUTO_AUGMENT', 'rand-m9-mstd0.5-inc1', 'AUG.REPROB', '0.25']
 
 
+def test_a_signal_during_validation_resumes_at_the_next_epoch_to_the_uninterrupted_result(tmp_path, digits,
+                                                                                          monkeypatch):
+    """SIGTERM while epoch 0 is validated: the run saves after the validation and stops; running again trains
+    epoch 1 and ends where an uninterrupted run ends (the saved epoch was counted twice: the resumed run skipped
+    epoch 1 and ended at step 22 of 44)."""
+    reference = tmp_path / 'uninterrupted'
+    assert run_cli(train_main, train_argv(reference, digits)) == 0
+    output = tmp_path / 'stopped'
+    real_evaluate, calls = engine.trainer.evaluate, []
+
+    def evaluate(*args, **kwargs):
+        calls.append(kwargs.get('desc'))
+        if len(calls) == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real_evaluate(*args, **kwargs)
+
+    monkeypatch.setattr(engine.trainer, 'evaluate', evaluate)
+    assert run_cli(train_main, train_argv(output, digits)) == 128 + signal.SIGTERM
+    assert calls == ['val', 'val ema'] and len(records(output)) == 1  # epoch 0 validated whole, then the stop
+    monkeypatch.undo()
+    assert run_cli(train_main, train_argv(output, digits)) == 0
+    assert records(output) == records(reference)
+    resumed = torch.load(output / 'last.pth', weights_only=True)
+    reference = torch.load(reference / 'last.pth', weights_only=True)
+    assert resumed['step'] == reference['step'] == 44
+    for key in ('model', 'model_ema'):
+        for name, value in reference[key].items():
+            assert torch.equal(resumed[key][name], value), (key, name)
+
+
 def test_sigterm_with_dataloader_workers_resumes_to_the_uninterrupted_weights(tmp_path, digits, monkeypatch):
     reference = tmp_path / 'uninterrupted'
     assert run_cli(train_main, [*train_argv(reference, digits), *WORKERS]) == 0
