@@ -127,7 +127,7 @@ _C.TEST.CROP_MODE = 'center'  # 'center' (shorter side, DeiT/Swin) or 'squash' (
 _C.AMP = CN()
 _C.AMP.ENABLED = True
 _C.AMP.DTYPE = 'float16'  # 'float16' (with a gradient scaler) or 'bfloat16'
-_C.AMP.EVAL = False  # evaluate under autocast too (the official evaluation runs in float32)
+_C.AMP.EVAL = True  # validate under autocast too, as DeiT, Swin, PVT and CSwin do (InLine / FLatten: float32)
 
 _C.EMA = CN()
 _C.EMA.ENABLED = True

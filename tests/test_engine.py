@@ -1028,8 +1028,9 @@ def test_a_convolutional_net_of_timm_trains_and_evaluates_at_the_config_s_image_
                         capsys)
     assert code == 0, err
     logged = [json.loads(line) for line in (tmp_path / 'run' / 'log.jsonl').read_text().splitlines()]
-    code, out, err = _run(eval_main, ['--checkpoint', str(tmp_path / 'run' / 'last.pth'), '--data-path', str(digits)],
-                          capsys)
+    # the DeiT recipe validates under autocast (AMP.EVAL), as eval.py does with --amp
+    code, out, err = _run(eval_main, ['--checkpoint', str(tmp_path / 'run' / 'last.pth'), '--data-path', str(digits),
+                                      '--amp'], capsys)
     assert code == 0, err
     result = json.loads(out.strip().splitlines()[-1])
     assert (result['model'], result['img_size'], result['count']) == ('test_resnet', 16, 360)
