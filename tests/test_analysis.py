@@ -206,6 +206,18 @@ def test_causal_layers_are_refused_in_one_line():
             pass
 
 
+@pytest.mark.parametrize('name,grouping', CASES)
+def test_a_grid_other_than_the_built_one_is_recorded_as_the_layer_runs_it(name, grouping):
+    """Built for 4x4, run on 6x6 (a model with `dynamic_img_size`): the stripes follow the grid, and so does
+    FLatten's resampled positional encoding; the rows rebuild the layer's output there too."""
+    attn, _ = build(name, grouping)
+    prefix = GROUPINGS[grouping][1]
+    x = torch.randn(2, prefix + 36, 16, dtype=torch.float64)
+    with record_attention(attn) as rec:
+        out = attn(x, (6, 6))
+    assert max_abs_err(recorded_output(attn, rec[0], x), out) < 1e-10
+
+
 # windows and stripes of 3 on the 4x4 grid, zero-padded to 6 tokens a side (a shift of 2 keeps padding and grid in
 # one region of the shift mask, where a shift of 1 would mask the padding away)
 PADDED = {'window': dict(window_size=3, shift_size=2), 'stripes': dict(split_size=3)}

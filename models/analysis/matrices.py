@@ -120,7 +120,7 @@ def inline_weights(mixer: InLineMixer, q: Tensor, k: Tensor, v: Tensor, ctx: Mix
 def flatten_weights(mixer: FocusedLinearMixer, q: Tensor, k: Tensor, v: Tensor, ctx: MixContext,
                     rows: Optional[Tensor]) -> MixerWeights:
     """A_ij = φq_i·φk_j / (Σ_j φq_i·φk_j + n·1e-6), with the focused feature map φ."""
-    k = k + F.pad(mixer.positional_encoding.to(k.dtype), (0, 0, ctx.num_prefix_tokens, 0))
+    k = mixer.positioned_keys(k, ctx)
     phi_q, phi_k = (split_heads(focused_feature_map(t, mixer.scale, float(mixer.focusing_factor)), mixer.num_heads)
                     for t in (q, k))
     kernel = _take(phi_q, rows) @ phi_k.transpose(-2, -1)

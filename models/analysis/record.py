@@ -117,7 +117,7 @@ def _mixers(layer: GroupedAttention) -> List[Tuple[int, Mixer, Optional[StripeBr
 def _origin(layer: GroupedAttention, branch: Optional[StripeBranch], size: Grid, num_tokens: int) -> Tensor:
     """(G, n) token index, in the layer's input, of every position of the G groups of one image; a position in
     the padding of a grid that does not divide into the windows takes `num_tokens`, a row `_ungroup` drops."""
-    window = branch.window if branch is not None else getattr(layer, 'window', None)
+    window = branch.stripe_on(size) if branch is not None else getattr(layer, 'window', None)
     if window is None:
         return torch.arange(num_tokens).view(1, num_tokens)
     # numbered from 1, so that the layer's zero padding reads as index -1

@@ -130,12 +130,18 @@ class FocusedLinearMixer(Mixer):
         image = tokens_to_image(v.contiguous(), grid)
         return image_to_tokens(F.conv2d(image, weight, bias, padding=self.kernel_size // 2, groups=self.dim))
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, ctx: MixContext) -> Tensor:
-        grid, num_prefix = ctx.grid, ctx.num_prefix_tokens
+    def positioned_keys(self, k: Tensor, ctx: MixContext) -> Tensor:
+        """k: (B', n, C) -> k + the positional encoding on the group's grid (resampled to another grid), none on
+        the prefix tokens."""
+        grid = ctx.grid
         encoding = self.positional_encoding
         if (grid[0], grid[1]) != self.group_grid:
             encoding = resample_grid_embedding(encoding, self.group_grid, grid)
-        k = k + F.pad(encoding, (0, 0, num_prefix, 0))
+        return k + F.pad(encoding.to(k.dtype), (0, 0, ctx.num_prefix_tokens, 0))
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, ctx: MixContext) -> Tensor:
+        grid, num_prefix = ctx.grid, ctx.num_prefix_tokens
+        k = self.positioned_keys(k, ctx)
         power = float(self.focusing_factor)  # an int option is the same power; TorchScript wants the float
         phi_q = focused_feature_map(q, self.scale, power)
         phi_k = focused_feature_map(k, self.scale, power)

@@ -429,6 +429,10 @@ class StripeBranch(MixerHost):
         window = _stripe(grid, self.split_size, self.vertical)
         return None if window == (grid[0], grid[1]) else window
 
+    def stripe_on(self, size: Grid) -> Optional[Grid]:
+        """The stripes a call on the grid `size` takes: the built grid's, else `stripe(size)`."""
+        return self.window if size == self.grid_size else self.stripe(size)
+
     def set_grid(self, grid: Grid) -> None:
         """Make `grid` the grid of every call, the mixer's grid-tied parameters resampled for its stripes."""
         self.grid_size = (grid[0], grid[1])
@@ -437,7 +441,7 @@ class StripeBranch(MixerHost):
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, size: Grid, tokens: Optional[Tensor]) -> Tensor:
         """q, k, v: (B, H*W, C') over the grid `size` -> (B, H*W, C')."""
-        window = self.window if size == self.grid_size else self.stripe(size)
+        window = self.stripe_on(size)
         if window is None:
             return self._mix(q, k, v, size, tokens)
         padded = padded_grid(size, window)
