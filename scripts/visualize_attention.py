@@ -120,12 +120,18 @@ def main(argv: Sequence[str]) -> int:
     try:
         with torch.no_grad(), record_attention(model, parse_layers(args.layers), queries) as rec:
             logits = model(inputs)
+        recorded = {name: rec[name] for name in rec}
     except ValueError as e:
         raise UsageError(str(e)) from None
+    if 'cls' in labels:  # PVT's class token joins in its last stage, and SimA-XCiT's in its class attention
+        for name, layer in recorded.items():
+            if not layer.is_pooling and layer.num_prefix_tokens == 0:
+                raise UsageError(f"query 'cls': layer {name} has no class token (its tokens are the "
+                                 f"{layer.grid[0]}x{layer.grid[1]} grid); expected Y,X points for it, or --layers "
+                                 f"that hold the class token")
     for index, file in enumerate(tqdm(files, desc='images', disable=len(files) < 2)):
         stem = slug(os.path.splitext(os.path.basename(file))[0])
-        for name in rec:
-            layer = rec[name]
+        for name, layer in recorded.items():
             rows = range(layer.weights.shape[2]) if layer.is_pooling else range(len(queries))
             for row in rows:
                 label = f'pool{row}' if layer.is_pooling else labels[row]

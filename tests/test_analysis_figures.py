@@ -120,6 +120,25 @@ def test_class_token_models_without_a_rollout_draw_the_rest(images, tmp_path, ca
     assert not any('rollout' in name for name in names)
 
 
+@pytest.mark.parametrize('model, opts, layer', [
+    ('softmax_pvt_tiny', ['DATA.IMG_SIZE', '32', 'MODEL.KWARGS.embed_dims', '[8,16,16,16]', 'MODEL.KWARGS.num_heads',
+                          '[1,2,2,2]', 'MODEL.KWARGS.depths', '[1,1,1,1]'], 'stages.0.blocks.0.attn'),
+    ('sima_nano_12_p16', ['DATA.IMG_SIZE', '32', 'MODEL.KWARGS.embed_dim', '16', 'MODEL.KWARGS.depth', '1',
+                          'MODEL.KWARGS.num_heads', '2'], 'blocks.0.attn'),
+])
+def test_a_class_token_query_on_a_layer_without_one_is_one_line(images, tmp_path, capsys, model, opts, layer):
+    """PVT's class token joins in its last stage and SimA-XCiT's in its class attention: 'cls' on an earlier layer
+    drew the top-left patch's row under a 'cls' file name."""
+    out = tmp_path / 'figures'
+    argv = ['--model', model, '--image', str(images), '--max-images', '1', '--layers', layer, '--queries', 'cls',
+            '--out', str(out), '--opts']
+    assert run_cli(visualize.main, argv + opts) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: query 'cls': layer {layer} has no class token (its tokens are the ") \
+        and err.endswith("grid); expected Y,X points for it, or --layers that hold the class token\n")
+    assert not out.exists() or not os.listdir(out)
+
+
 @pytest.mark.parametrize('change,message', [
     (['--layers', 'blocks.7.attn'], "error: unknown layer 'blocks.7.attn'"),
     (['--queries', '16,3'], "error: query '16,3' is outside the 16x16 image"),
