@@ -68,7 +68,7 @@ from engine.checkpoint import atomic_write_text, refuse_unwritable_out  # noqa: 
 from engine.compile import compile_model  # noqa: E402
 from engine.config import load_config  # noqa: E402
 from engine.distributed import resolve_device  # noqa: E402
-from engine.errors import UsageError, refuse_below  # noqa: E402
+from engine.errors import UsageError, refuse_below, run_cli  # noqa: E402
 from models.attention import forms_score_matrix, list_attentions  # noqa: E402
 from models.onednn import convert_to_onednn, onednn_available, onednn_linear  # noqa: E402
 
@@ -756,4 +756,4 @@ def _cpu_name() -> str:
 
 
 if __name__ == '__main__':
-    main()
+    sys.exit(run_cli(main))

@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from engine.data import DIGITS_SPLIT_SEED, DIGITS_VAL_FRACTION  # noqa: E402
-from engine.errors import refuse_below  # noqa: E402
+from engine.errors import refuse_below, run_cli  # noqa: E402
 from models.attention import build_attention  # noqa: E402
 from models.family import Block  # noqa: E402
 
@@ -137,4 +137,4 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 
 
 if __name__ == '__main__':
-    main()
+    sys.exit(run_cli(main))

@@ -40,7 +40,7 @@ sys.path[:0] = [os.path.dirname(SCRIPTS), SCRIPTS]  # the repository's packages,
 from benchmark import child_results, error_result, interleaved_seconds, peak_memory_mib  # noqa: E402
 from engine.checkpoint import atomic_write_text, refuse_unwritable_out  # noqa: E402
 from engine.distributed import resolve_device  # noqa: E402
-from engine.errors import UsageError, refuse_below  # noqa: E402
+from engine.errors import UsageError, refuse_below, run_cli  # noqa: E402
 from models.attention import MixContext, get_mixer_class  # noqa: E402
 from models.attention.linear import elu_feature_map  # noqa: E402
 
@@ -251,4 +251,4 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 
 
 if __name__ == '__main__':
-    main()
+    sys.exit(run_cli(main))

@@ -47,7 +47,7 @@ from engine.data import (  # noqa: E402
     build_mixup, build_train_loader, image_channels, image_mode, load_split, train_transform,
 )
 from engine.distributed import DistInfo, resolve_device  # noqa: E402
-from engine.errors import UsageError, refuse_below  # noqa: E402
+from engine.errors import UsageError, refuse_below, run_cli  # noqa: E402
 from engine.loops import autocast  # noqa: E402
 
 # ImageNet-1k's median image is 500x375; its JPEGs average about 110 KB.
@@ -241,4 +241,4 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 if __name__ == '__main__':
-    sys.exit(main())
+    sys.exit(run_cli(main))

@@ -20,6 +20,7 @@ import timm
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import models  # noqa: E402,F401  (registers the families)
+from engine.errors import run_cli  # noqa: E402
 from models.attention import list_attentions  # noqa: E402
 
 # ImageNet-1k top-1 reported by the papers / official READMEs (None: no released weights or figure, or a figure
@@ -123,4 +124,4 @@ def main(argv: Optional[List[str]] = None) -> None:
 
 
 if __name__ == '__main__':
-    main()
+    sys.exit(run_cli(main))

@@ -6,7 +6,9 @@ import json
 import os
 import platform
 import re
+import signal
 import statistics
+import subprocess
 import sys
 from types import ModuleType
 from typing import Tuple
@@ -505,3 +507,19 @@ def test_compare_fla_table_states_its_setting_and_shows_failed_and_unrelated_row
     header = lines.index('| tokens | kernel | out err | grad q err | grad k err | grad v err | forward ms | '
                          'forward ×zoo | forward MiB | fwd+bwd ms | fwd+bwd ×zoo | fwd+bwd MiB |')
     assert [line.count('|') for line in lines[header:]] == [13] * 4
+
+
+def test_ctrl_c_during_a_benchmark_is_one_line_with_status_130(tmp_path):
+    """The scripts run through the engine's command-line wrapper, as train.py does: an interruption while the
+    benchmark measures is `error: interrupted by SIGINT` and status 130, not a KeyboardInterrupt traceback."""
+    command = [sys.executable, os.path.join(SCRIPTS, 'benchmark.py'), '--device', 'cpu', '--threads', '1',
+               '--families', 'deit', '--sizes', 'tiny', '--attentions', 'softmax', '--resolutions', '32', '--iters',
+               '200', '--warmup', '0', '--no-train', '--matmul-size', '64', '--out', str(tmp_path / 'b')]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    started = ''
+    while 'deit-tiny @ 32' not in started and process.poll() is None:
+        started += process.stderr.readline()
+    process.send_signal(signal.SIGINT)
+    _, err = process.communicate(timeout=120)
+    assert (process.returncode, err) == (130, 'error: interrupted by SIGINT\n')
+    assert not (tmp_path / 'b').exists() or not os.listdir(tmp_path / 'b')
