@@ -335,7 +335,7 @@ class TrainingCheckpoint:
             scaler=self.scaler.state_dict(), epoch=state.epoch, epoch_batches=state.epoch_batches, step=state.step,
             max_accuracy=state.max_accuracy, max_ema_accuracy=state.max_ema_accuracy, rng=rngs,
             world_size=self.info.world_size, config=self.config, metrics=metrics, train_record=train_record,
-            classes=self.classes)
+            classes=self.classes, epoch_loss=(state.epoch_loss_sum, state.epoch_loss_count))
         # best.pth first: a run killed between the two writes leaves a best.pth at least as new as the best epoch
         # that last.pth records, never an older one
         for path in ([self.best_path] if best else []) + [self.last_path]:
@@ -422,10 +422,12 @@ class TrainingCheckpoint:
         state.epoch, state.epoch_batches = checkpoint['epoch'], checkpoint['epoch_batches']
         state.step, state.max_accuracy = checkpoint['step'], checkpoint['max_accuracy']
         state.max_ema_accuracy = checkpoint.get('max_ema_accuracy', 0.0)
+        with _loading(path, "an epoch's running loss", 'a (sum, count) pair of numbers'):
+            state.epoch_loss_sum, state.epoch_loss_count = (float(v) for v in checkpoint.get('epoch_loss', (0, 0)))
         if checkpoint.get('train_record') is not None and checkpoint['metrics'] is None:
             state.epoch_batches = batches_per_epoch
         elif checkpoint['metrics'] is not None or state.epoch_batches >= batches_per_epoch:
-            state.epoch, state.epoch_batches = state.epoch + 1, 0
+            state.next_epoch()
         # the stored schedule is not loaded: the schedule follows this run's config at this point of training
         self.scheduler.step_update(num_updates=schedule_position(state, batches_per_epoch // accumulation,
                                                                  accumulation))

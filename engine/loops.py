@@ -28,13 +28,22 @@ logger = logging.getLogger('engine')
 @dataclass
 class TrainState:
     """Where training stands: `epoch` in progress, `epoch_batches` of it trained, `step` optimizer updates;
-    `skipped_steps` updates dropped for a non-finite loss in this run (not checkpointed)."""
+    `epoch_loss_sum` and `epoch_loss_count`, the training loss of the epoch so far summed over its images on every
+    process, and those images (so that an epoch resumed mid-way reports the mean over all of it); `skipped_steps`
+    updates dropped for a non-finite loss in this run (not checkpointed)."""
     epoch: int = 0
     epoch_batches: int = 0
     step: int = 0
     max_accuracy: float = 0.0
     max_ema_accuracy: float = 0.0
+    epoch_loss_sum: float = 0.0
+    epoch_loss_count: float = 0.0
     skipped_steps: int = 0
+
+    def next_epoch(self) -> None:
+        """Stand at the start of the next epoch."""
+        self.epoch, self.epoch_batches = self.epoch + 1, 0
+        self.epoch_loss_sum = self.epoch_loss_count = 0.0
 
 
 def schedule_position(state: TrainState, updates_per_epoch: int, accumulation: int) -> int:
@@ -232,7 +241,9 @@ def train_one_epoch(
             if stopped:
                 break
     loss_sum, count = all_reduce_sum([loss_meter.sum, loss_meter.count], info.device)
-    return EpochResult(loss=loss_sum / max(count, 1), lr=lr, images=images,
+    state.epoch_loss_sum += loss_sum
+    state.epoch_loss_count += count
+    return EpochResult(loss=state.epoch_loss_sum / max(state.epoch_loss_count, 1), lr=lr, images=images,
                        seconds=time.perf_counter() - start, stopped=stopped)
 
 

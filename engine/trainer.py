@@ -384,7 +384,7 @@ def _train(cfg: CN, info: DistInfo, lock: OutputLock, check_data: bool) -> Dict[
             stop_now = any_rank(stop(), info.device)
             if is_best or due or stop_now:
                 checkpoint.save(record, best=is_best)
-            state.epoch, state.epoch_batches = epoch + 1, 0
+            state.next_epoch()
             if pause and not last_epoch:
                 logger.info(f"paused after {epochs_run} epoch(s) (TRAIN.EPOCHS_PER_RUN); run again to continue")
                 break

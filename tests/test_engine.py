@@ -412,7 +412,8 @@ def _assert_same(a, b, where: str = 'checkpoint') -> None:
 
 def test_a_training_checkpoint_restores_every_field(tmp_path):
     saved = _training_objects(tmp_path / 'saved', TrainState(epoch=1, epoch_batches=3, step=8, max_accuracy=62.5,
-                                                             max_ema_accuracy=60.0, skipped_steps=1))
+                                                             max_ema_accuracy=60.0, epoch_loss_sum=12.5,
+                                                             epoch_loss_count=16.0, skipped_steps=1))
     for step in range(6, 9):  # optimizer moments, a grown scaler, a moved EMA and schedule (epoch 0 made 5 updates)
         loss = saved.model(torch.randn(8, 4)).logsumexp(1).mean()
         saved.scaler.scale(loss).backward()
@@ -425,17 +426,18 @@ def test_a_training_checkpoint_restores_every_field(tmp_path):
     saved.save(best=True)  # mid-epoch: no metrics
     draws = (random.random(), np.random.rand(3), torch.rand(3))
     stored = TrainingCheckpoint.read(saved.last_path)
-    # the keys (and their order) of the format that earlier checkpoints were written in, then `train_record` and
-    # `classes`
+    # the keys (and their order) of the format that earlier checkpoints were written in, then `train_record`,
+    # `classes` and `epoch_loss`
     assert list(stored) == ['model', 'model_ema', 'optimizer', 'scheduler', 'scaler', 'epoch', 'epoch_batches',
                             'step', 'max_accuracy', 'max_ema_accuracy', 'rng', 'world_size', 'config', 'metrics',
-                            'train_record', 'classes']
+                            'train_record', 'classes', 'epoch_loss']
     assert stored['classes'] == ['cat', 'dog', 'fox']
     _assert_same(TrainingCheckpoint.read(saved.best_path), stored)
 
     restored = _training_objects(tmp_path / 'restored', TrainState(), seed=1)
     restored.restore(stored, saved.last_path, batches_per_epoch=5)
-    assert restored.state == TrainState(epoch=1, epoch_batches=3, step=8, max_accuracy=62.5, max_ema_accuracy=60.0)
+    assert restored.state == TrainState(epoch=1, epoch_batches=3, step=8, max_accuracy=62.5, max_ema_accuracy=60.0,
+                                        epoch_loss_sum=12.5, epoch_loss_count=16.0)
     restored.save()  # nothing drew a random number since the restore
     _assert_same(TrainingCheckpoint.read(restored.last_path), stored)
     again = (random.random(), np.random.rand(3), torch.rand(3))
