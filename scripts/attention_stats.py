@@ -41,7 +41,8 @@ PLOTTED = ('effective_tokens', 'top5_mass', 'gini', 'negative', 'distance_px', '
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog='attention_stats.py', description=__doc__.split('\n\n')[0])
     parser.add_argument('--checkpoints', nargs='+', default=[], metavar='[LABEL=]PATH',
-                        help='our checkpoints; the label defaults to the attention of the stored config')
+                        help="our checkpoints; the label defaults to the stored config's MODEL.KWARGS.attn_type, "
+                             "else its MODEL.NAME")
     parser.add_argument('--models', nargs='+', default=[], metavar='NAME',
                         help="registered models (random weights without --pretrained), or 'local-dir:FOLDER' / "
                              "'hf-hub:REPO' of models saved for the hub (their weights)")

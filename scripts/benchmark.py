@@ -684,8 +684,9 @@ def write_outputs(args: argparse.Namespace, rows: List[Dict], skipped: List[str]
         f'- machine: {machine}' + (f' ({args.note})' if args.note else ''),
         f'- versions: torch {torch.__version__}, timm {timm.__version__}, Python {platform.python_version()}',
         f'- command: `python {" ".join(shlex.quote(a) for a in sys.argv)}` ({seconds / 60:.0f} min)',
-        f'- batch {args.batch_size}, {args.stat} of {args.iters} inference and {args.train_iters} training rounds '
-        f'after {args.warmup} warm-up calls, models of a row group interleaved'
+        f'- batch {args.batch_size}, {args.stat} of {args.iters} inference'
+        + (f' and {args.train_iters} training' if args.train else '')
+        + f' rounds after {args.warmup} warm-up calls, models of a row group interleaved'
         + (', bfloat16 autocast' if device.type == 'cuda' else ', float32')
         + (', eager and torch.compile(fullgraph=True) rows' if args.compile else '')
         + (', steady allocator (freed memory kept in the process)' if args.steady_malloc else '')

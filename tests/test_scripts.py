@@ -182,8 +182,9 @@ def test_benchmark_times_both_cpu_matrix_product_libraries_and_runs_linear_layer
     with open(str(out) + '.csv') as f:
         row = next(csv.DictReader(f))
     assert float(row['onednn_gflop_s']) > 0 and float(row['infer_best_pct']) <= float(row['infer_mm_pct']) + 1e-9
-    assert ("the models' linear layers, attention products and, in inference, their MLPs' GELU through oneDNN"
-            in (tmp_path / 'b.md').read_text())
+    text = (tmp_path / 'b.md').read_text()
+    assert "the models' linear layers, attention products and, in inference, their MLPs' GELU through oneDNN" in text
+    assert '- batch 1, min of 1 inference rounds after 0 warm-up calls' in text  # --no-train: no training rounds
 
 
 def test_train_throughput_measures_loader_and_step_on_imagenet_shaped_images(tmp_path):
