@@ -19,6 +19,7 @@ import engine.analysis
 import engine.loops
 from engine.analysis import load_analysis_model
 from engine.errors import run_cli
+from models.analysis import plots, record_attention
 from models.analysis.plots import SIMPLEX_TEMPERATURES, plot_simplex, simplex_logits, simplex_points
 
 from reference import max_abs_err
@@ -76,6 +77,25 @@ def test_a_figure_interrupted_while_written_leaves_the_previous_one(tmp_path, mo
         plot_simplex(str(path), torch.tensor([0.1, 0.2, -0.3, 0.4]), torch.tensor([0.5, 0.3, 0.2, 0.1]))
     assert path.read_bytes() == before and os.listdir(tmp_path) == ['simplex.png']
     assert plt.get_fignums() == []
+
+
+@pytest.mark.parametrize('name', ['multimax', 'additive'])
+def test_a_one_head_figure_keeps_its_whole_title(tmp_path, monkeypatch, name):
+    """One head's panel is narrower than the attention, query and layer name on one line: the title was cut at
+    both ends ('nax: query token 18, layers.0.blocks.1')."""
+    model = timm.create_model('softmax_swin_tiny', attn_type=name, img_size=32, embed_dim=16, depths=[2, 1, 1, 1],
+                              num_heads=[1, 2, 2, 2], window_size=4, num_classes=5).eval()
+    figures = []
+    monkeypatch.setattr(plots, '_save', lambda fig, path: figures.append(fig))
+    with torch.no_grad(), record_attention(model, ['layers.0.blocks.1.attn'], [(0.5, 0.5)]) as rec:
+        model(torch.randn(1, 3, 32, 32))
+    plots.plot_query_maps(np.zeros((32, 32)), rec[0], 0, str(tmp_path / 'q.png'))
+    fig = figures[0]
+    renderer = fig.canvas.get_renderer()
+    box, title = fig.bbox, fig._suptitle.get_text()
+    extent = fig._suptitle.get_window_extent(renderer)
+    assert title.endswith('\nlayers.0.blocks.1.attn') and box.x0 <= extent.x0 and extent.x1 <= box.x1
+    plt.close(fig)
 
 
 @pytest.fixture(scope='module')

@@ -68,13 +68,14 @@ def plot_query_maps(image: np.ndarray, layer: LayerAttention, row: int, path: st
     maps = grid_map(layer, row, image_index).numpy()
     heads = maps.shape[0]
     signed = bool((maps < 0).any())
-    fig, axes = plt.subplots(1, heads, figsize=(2.6 * heads, 2.8), squeeze=False)
+    # the layer's name on a line of its own: one head's panel is narrower than the title on one line
+    fig, axes = plt.subplots(1, heads, figsize=(max(2.6 * heads, 3.2), 3.0), squeeze=False)
     if layer.is_pooling:
         G = layer.weights.shape[2] // 2
-        title = f"{layer.attention}: {'query' if row < G else 'key'} pooling, {layer.name}"
+        title = f"{layer.attention}: {'query' if row < G else 'key'} pooling\n{layer.name}"
     else:
         token = int(layer.queries[row])
-        title = f"{layer.attention}: query token {token}, {layer.name}"
+        title = f"{layer.attention}: query token {token}\n{layer.name}"
     for head, ax in enumerate(axes[0]):
         shown = _overlay(ax, image, maps[head], signed)
         fig.colorbar(shown, ax=ax, fraction=0.046, pad=0.04)
