@@ -120,11 +120,18 @@ def test_visualize_attention_writes_figures(images, tmp_path):
     assert all(os.path.getsize(out / name) > 1000 for name in names)
 
 
+# Models whose class token joins late (PVT's last stage, SimA-XCiT's class attention), at tiny sizes.
+LATE_CLASS_TOKEN = {
+    'softmax_pvt_tiny': ['DATA.IMG_SIZE', '32', 'MODEL.KWARGS.embed_dims', '[8,16,16,16]', 'MODEL.KWARGS.num_heads',
+                         '[1,2,2,2]', 'MODEL.KWARGS.depths', '[1,1,1,1]'],
+    'sima_nano_12_p16': ['DATA.IMG_SIZE', '32', 'MODEL.KWARGS.embed_dim', '16', 'MODEL.KWARGS.depth', '1',
+                         'MODEL.KWARGS.num_heads', '2'],
+}
+
+
 @pytest.mark.parametrize('model, opts, layer', [
-    ('softmax_pvt_tiny', ['DATA.IMG_SIZE', '32', 'MODEL.KWARGS.embed_dims', '[8,16,16,16]', 'MODEL.KWARGS.num_heads',
-                          '[1,2,2,2]', 'MODEL.KWARGS.depths', '[1,1,1,1]'], 'stages-3-blocks-0-attn'),
-    ('sima_nano_12_p16', ['DATA.IMG_SIZE', '32', 'MODEL.KWARGS.embed_dim', '16', 'MODEL.KWARGS.depth', '1',
-                          'MODEL.KWARGS.num_heads', '2'], 'blocks-0-attn'),
+    ('softmax_pvt_tiny', LATE_CLASS_TOKEN['softmax_pvt_tiny'], 'stages-3-blocks-0-attn'),
+    ('sima_nano_12_p16', LATE_CLASS_TOKEN['sima_nano_12_p16'], 'blocks-0-attn'),
 ])
 def test_class_token_models_without_a_rollout_draw_the_rest(images, tmp_path, capsys, model, opts, layer):
     """PVT's stages mix different tokens and XCiT's blocks mix channels, so the rollout the script adds for
@@ -141,10 +148,8 @@ def test_class_token_models_without_a_rollout_draw_the_rest(images, tmp_path, ca
 
 
 @pytest.mark.parametrize('model, opts, layer', [
-    ('softmax_pvt_tiny', ['DATA.IMG_SIZE', '32', 'MODEL.KWARGS.embed_dims', '[8,16,16,16]', 'MODEL.KWARGS.num_heads',
-                          '[1,2,2,2]', 'MODEL.KWARGS.depths', '[1,1,1,1]'], 'stages.0.blocks.0.attn'),
-    ('sima_nano_12_p16', ['DATA.IMG_SIZE', '32', 'MODEL.KWARGS.embed_dim', '16', 'MODEL.KWARGS.depth', '1',
-                          'MODEL.KWARGS.num_heads', '2'], 'blocks.0.attn'),
+    ('softmax_pvt_tiny', LATE_CLASS_TOKEN['softmax_pvt_tiny'], 'stages.0.blocks.0.attn'),
+    ('sima_nano_12_p16', LATE_CLASS_TOKEN['sima_nano_12_p16'], 'blocks.0.attn'),
 ])
 def test_a_class_token_query_on_a_layer_without_one_is_one_line(images, tmp_path, capsys, model, opts, layer):
     """PVT's class token joins in its last stage and SimA-XCiT's in its class attention: 'cls' on an earlier layer

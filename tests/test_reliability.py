@@ -385,12 +385,21 @@ def test_a_signal_during_validation_resumes_at_the_next_epoch_to_the_uninterrupt
     monkeypatch.undo()
     assert run_cli(train_main, train_argv(output, digits)) == 0
     assert records(output) == records(reference)
+    assert_same_end(output, reference)
+
+
+def assert_same_end(output: Path, reference: Path) -> None:
+    """The last checkpoints of a resumed and an uninterrupted run hold the same step, weights, EMA and optimizer
+    state."""
     resumed = torch.load(output / 'last.pth', weights_only=True)
     reference = torch.load(reference / 'last.pth', weights_only=True)
     assert resumed['step'] == reference['step'] == 44
     for key in ('model', 'model_ema'):
         for name, value in reference[key].items():
             assert torch.equal(resumed[key][name], value), (key, name)
+    for index, state in reference['optimizer']['state'].items():
+        for name, value in state.items():
+            assert torch.equal(resumed['optimizer']['state'][index][name], value), (index, name)
 
 
 def test_sigterm_with_dataloader_workers_resumes_to_the_uninterrupted_weights(tmp_path, digits, monkeypatch):
@@ -409,15 +418,7 @@ def test_sigterm_with_dataloader_workers_resumes_to_the_uninterrupted_weights(tm
     # in two parts
     assert resumed[1].pop('train_loss') == pytest.approx(uninterrupted[1].pop('train_loss'), rel=1e-12)
     assert resumed == uninterrupted
-    resumed = torch.load(output / 'last.pth', weights_only=True)
-    reference = torch.load(reference / 'last.pth', weights_only=True)
-    assert resumed['step'] == reference['step'] == 44
-    for key in ('model', 'model_ema'):
-        for name, value in reference[key].items():
-            assert torch.equal(resumed[key][name], value), (key, name)
-    for index, state in reference['optimizer']['state'].items():
-        for name, value in state.items():
-            assert torch.equal(resumed['optimizer']['state'][index][name], value), (index, name)
+    assert_same_end(output, reference)
 
 
 # Sends the given (update, signal) pairs to itself, as `signals_at` does, then trains: a second signal ends the
