@@ -285,6 +285,24 @@ def test_autocast_forward_backward_finite_at_input_std_10(name, dtype):
     assert rel < 0.05
 
 
+@pytest.mark.parametrize('p, x, scale', [
+    (5., -0.5, 0.), (3., -0.5, 40.),  # every channel <= 0: (1e-6 / softplus(s))^p, whose squares underflow
+    (6., 1e3, 0.), (12., 50., 0.),    # large features: powers whose squares overflow
+])
+def test_flatten_features_stay_finite_where_the_float64_formula_is(p, x, scale):
+    """t^p / ‖t^p‖ taken in float32 as written gave inf or NaN (a norm that underflowed to 0) or zeros (one that
+    overflowed) where the float64 formula is finite; the features equal it to float32 rounding."""
+    torch.manual_seed(9)
+    tokens = x * (1 + 0.1 * torch.rand(2, 5, 16))
+    if x > 0:
+        tokens[:, :, ::2] = -1.0  # half the channels cut by the ReLU
+    scales = torch.full((16,), scale)
+    features = focused_feature_map(tokens, scales, p)
+    expected = focus(tokens.double(), scales.double(), p)
+    assert torch.isfinite(expected).all() and torch.isfinite(features).all()
+    torch.testing.assert_close(features.double(), expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+
+
 def test_flatten_pure_functions_keep_half_inputs_finite():
     torch.manual_seed(8)
     q, k, v = (10 * torch.randn(3, 1, 256, 32)).half().unbind(0)

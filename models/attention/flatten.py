@@ -40,7 +40,9 @@ def focused_feature_map(x: Tensor, scale: Tensor, focusing_factor: float = 3.) -
 def _focused_feature_map(x: Tensor, scale: Tensor, focusing_factor: float) -> Tensor:
     dtype = torch.promote_types(x.dtype, torch.float32)
     x = (F.relu(x.to(dtype)) + 1e-6) / F.softplus(scale.to(dtype))
-    powered = x ** focusing_factor
+    # t^p / ‖t^p‖ is the same for t over its largest entry, whose power is then 1: ‖t^p‖ neither underflows to 0
+    # (a token with every channel cut by the ReLU, as (1e-6 / softplus(s))^p) nor overflows (large features)
+    powered = (x / x.amax(dim=-1, keepdim=True)) ** focusing_factor
     return powered * (torch.linalg.vector_norm(x, dim=-1, keepdim=True)
                       / torch.linalg.vector_norm(powered, dim=-1, keepdim=True))
 
