@@ -216,15 +216,18 @@ def check_global_pool(global_pool: str, supported: Sequence[str]) -> str:
 
 
 @register_notrace_function
-def check_input(x: Tensor, img_size: Grid, divisor: int, dynamic: bool) -> None:
+def check_input(x: Tensor, img_size: Grid, divisor: int, dynamic: bool, least: int = 1) -> None:
     """A ValueError unless `x` is (B, C, H, W) images the model takes: of its (H, W) `img_size`, or with `dynamic`
-    of any size whose sides are positive multiples of `divisor`. A leaf of symbolic traces."""
+    of any size whose sides are positive multiples of `divisor` and at least `least`. A leaf of symbolic traces."""
     if x.dim() != 4:
         raise ValueError(f"expected images (B, C, H, W), got a tensor with {x.dim()} dimensions")
     H, W = x.shape[-2], x.shape[-1]
     if dynamic:
         if H < divisor or W < divisor or H % divisor != 0 or W % divisor != 0:
             raise ValueError(f"input image size {H}x{W} must have sides that are positive multiples of {divisor}")
+        if H < least or W < least:
+            raise ValueError(f"input image size {H}x{W} must have sides of at least {least}, the smallest the "
+                             f"model's stages take")
     elif H != img_size[0] or W != img_size[1]:
         raise ValueError(f"input image size {H}x{W} does not match the model's img_size {img_size[0]}x{img_size[1]}; "
                          f"build the model with img_size=({H}, {W}) instead of ({img_size[0]}, {img_size[1]}), or "
@@ -309,13 +312,14 @@ class ZooModel(nn.Module):
     """The timm model API that every family shares, over the family's stages.
 
     A family builds `norm`, `head`, `feature_info`, `num_features`, `global_pool`, `num_prefix_tokens`,
-    `num_stages`, `img_size`, `img_divisor` and `dynamic_img_size`, calls `_init_output_fmt`, and implements
+    `num_stages`, `img_size`, `img_divisor` (and `img_min_side` where its stages need more than one divisor, 1 by
+    default) and `dynamic_img_size`, calls `_init_output_fmt`, and implements
     `_run_stages(x, num_stages, keep)`: the first `num_stages` stages on the images (grid from `_input_grid`),
     keeping the tokens and (H, W) grid of the stages in `keep`, as a loop over its stage modules that TorchScript
     unrolls, and `_set_grids(img_size)` for `set_input_size`. Intermediates are taken at the stages' outputs.
 
-    With `dynamic_img_size` the model takes images of any size whose sides are multiples of `img_divisor`, the
-    grids following the input; otherwise only `img_size`, every grid then fixed when the model is built (which
+    With `dynamic_img_size` the model takes images of any size whose sides are multiples of `img_divisor` and at
+    least `img_min_side`, the grids following the input; otherwise only `img_size`, every grid then fixed when the model is built (which
     symbolic tracing needs).
     """
     global_pools: ClassVar[Tuple[str, ...]] = ('avg', '')
@@ -326,6 +330,7 @@ class ZooModel(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
+        self.img_min_side = 1
         # official checkpoints hold the buffers these models recompute, so that `load_state_dict` of one works as
         # in the official code, and so does timm's `load_checkpoint` (create_model's `checkpoint_path`)
         self.register_load_state_dict_pre_hook(_skip_derived_buffers)
@@ -349,13 +354,17 @@ class ZooModel(nn.Module):
             self.output_fmt = output_fmt
 
     def _check_input(self, x: Tensor) -> None:
-        check_input(x, self.img_size, self.img_divisor, self.dynamic_img_size)
+        check_input(x, self.img_size, self.img_divisor, self.dynamic_img_size, self.img_min_side)
 
     def _check_size(self, size: Grid, what: str) -> None:
-        """A ValueError unless `size` has sides that are positive multiples of `img_divisor`."""
+        """A ValueError unless `size` has sides that are positive multiples of `img_divisor`, at least
+        `img_min_side`."""
         d = self.img_divisor
         if size[0] < d or size[1] < d or size[0] % d or size[1] % d:
             raise ValueError(f"{what} {size[0]}x{size[1]} must have sides that are positive multiples of {d}")
+        if min(size) < self.img_min_side:
+            raise ValueError(f"{what} {size[0]}x{size[1]} must have sides of at least {self.img_min_side}, the "
+                             f"smallest the model's stages take")
 
     def _set_grids(self, img_size: Grid) -> None:
         raise NotImplementedError

@@ -44,7 +44,7 @@ from .family import (
     create_variant, imagenet_cfg, init_weights, register_variants, tag_weights, tsinghua_url,
 )
 
-__all__ = ['PyramidVisionTransformer', 'PvtStage', 'check_stage_lists', 'checkpoint_filter_fn']
+__all__ = ['PyramidVisionTransformer', 'PvtStage', 'check_stage_lists', 'checkpoint_filter_fn', 'smallest_side']
 
 NUM_STAGES = 4
 # The constructor arguments of both PVTs that take a list with a value per stage.
@@ -60,6 +60,19 @@ def check_stage_lists(la_sr_ratios: Union[str, Sequence[int]], **per_stage: Sequ
     if not all(str(r).isdigit() for r in la_sr_ratios):
         raise ValueError(f"la_sr_ratios {la_sr_ratios!r} must be {NUM_STAGES} non-negative integers, e.g. '1111'")
     return [int(r) for r in la_sr_ratios]
+
+
+def smallest_side(strides: Sequence[int], names: Sequence[Sequence[str]], sr_ratios: Sequence[int],
+                  la_sr_ratios: Sequence[int]) -> int:
+    """The smallest image side whose stage grids (ceil(side / stride), stage after stage) hold the key reduction of
+    each stage's attentions `names` (`sr_ratios` for those that form scores, else `la_sr_ratios`), a strided
+    convolution that needs a whole window: a grid of at least n after a stride s needs an input of s * (n - 1) + 1."""
+    need = 1
+    for i in reversed(range(len(strides))):
+        reduction = max((sr_ratios[i] if forms_score_matrix(name) else la_sr_ratios[i] for name in names[i]),
+                        default=1)
+        need = strides[i] * (max(need, reduction) - 1) + 1
+    return need
 
 
 class PvtStage(nn.Module):
@@ -174,8 +187,11 @@ class PyramidVisionTransformer(ZooModel):
         la_sr_ratios = check_stage_lists(embed_dims=embed_dims, num_heads=num_heads, mlp_ratios=mlp_ratios,
                                          depths=depths, sr_ratios=sr_ratios, la_sr_ratios=la_sr_ratios)
         global_pool = ('token' if class_token else 'avg') if global_pool is None else global_pool
+        names = stage_attentions(attn_type, depths)
         self.num_stages = NUM_STAGES
         self.img_divisor = patch_size * 2 ** (NUM_STAGES - 1)
+        least = smallest_side((patch_size, 2, 2, 2), names, sr_ratios, la_sr_ratios)
+        self.img_min_side = -(-least // self.img_divisor) * self.img_divisor  # the sides are multiples of it
         self.dynamic_img_size = dynamic_img_size
         self.img_size: Grid = tuple(to_2tuple(img_size))
         self._check_size(self.img_size, 'img_size')
@@ -188,7 +204,6 @@ class PyramidVisionTransformer(ZooModel):
         self.grad_checkpointing = False
 
         self.grid_sizes = self._stage_grids(self.img_size)
-        names = stage_attentions(attn_type, depths)
         attn_kwargs = check_attn_kwargs([name for stage in names for name in stage], attn_kwargs)
         rates = iter(calculate_drop_path_rates(drop_path_rate, sum(depths)))
         self.stages = nn.ModuleList()

@@ -40,7 +40,7 @@ from .family import (
     FLATTEN_META, BlockStack, NumberedStageKeys, OfficialKeys, ZooModel, check_arguments, create_variant, imagenet_cfg,
     init_weights, register_variants, tag_weights, tsinghua_url,
 )
-from .pvt import NUM_STAGES, PER_STAGE_ARGUMENTS, check_stage_lists
+from .pvt import NUM_STAGES, PER_STAGE_ARGUMENTS, check_stage_lists, smallest_side
 
 __all__ = ['PyramidVisionTransformerV2', 'PvtV2Stage', 'OverlapPatchEmbed', 'DepthwiseConvMlp', 'PvtV2Block',
            'checkpoint_filter_fn']
@@ -158,6 +158,10 @@ def init_weights_pvt_v2(module: nn.Module) -> None:
             nn.init.zeros_(module.bias)
 
 
+# The stride of each stage's overlapping patch embedding.
+_STRIDES = (4, 2, 2, 2)
+
+
 class PyramidVisionTransformerV2(ZooModel):
     """PVT v2 with swappable attention.
 
@@ -209,8 +213,10 @@ class PyramidVisionTransformerV2(ZooModel):
             per_stage=PER_STAGE_ARGUMENTS)
         la_sr_ratios = check_stage_lists(embed_dims=embed_dims, num_heads=num_heads, mlp_ratios=mlp_ratios,
                                          depths=depths, sr_ratios=sr_ratios, la_sr_ratios=la_sr_ratios)
+        names = stage_attentions(attn_type, depths)
         self.num_stages = NUM_STAGES
         self.img_divisor = 1
+        self.img_min_side = smallest_side(_STRIDES, names, sr_ratios, la_sr_ratios)
         self.dynamic_img_size = dynamic_img_size
         self.img_size: Grid = tuple(to_2tuple(img_size))
         self._check_size(self.img_size, 'img_size')
@@ -222,13 +228,12 @@ class PyramidVisionTransformerV2(ZooModel):
         self.global_pool = self._check_pool(global_pool, num_classes)
         self.grad_checkpointing = False
 
-        names = stage_attentions(attn_type, depths)
         attn_kwargs = check_attn_kwargs([name for stage in names for name in stage], attn_kwargs)
         rates = iter(calculate_drop_path_rates(drop_path_rate, sum(depths)))
         grid = self.img_size
         self.stages = nn.ModuleList()
         for i in range(NUM_STAGES):
-            patch_size, stride = (7, 4) if i == 0 else (3, 2)
+            patch_size, stride = (7, _STRIDES[i]) if i == 0 else (3, _STRIDES[i])
             dim = embed_dims[i]
             patch_embed = OverlapPatchEmbed(patch_size, stride, in_chans if i == 0 else embed_dims[i - 1], dim)
             grid = patch_embed.output_grid(grid)

@@ -265,3 +265,24 @@ def test_sizes_that_cannot_work_are_one_line_errors():
     with pytest.raises(ValueError, match='^img_size 80x80 must have sides that are positive multiples of 32$'):
         pvt.set_input_size(80)
     assert pvt.img_size == (64, 64)
+
+
+@pytest.mark.parametrize('name, kwargs, small, least', [
+    ('softmax_pvt_v2_b0', {}, 28, 29),                       # stage 0's 8-wide key reduction, a ceil(side / 4) grid
+    ('softmax_pvt_tiny', dict(sr_ratios=[16, 4, 2, 1]), 32, 64),  # a 16-wide one on a side / 4 grid, multiples of 32
+])
+def test_a_size_too_small_for_the_key_reduction_is_one_line(name, kwargs, small, least):
+    """PVT's stages take keys from a strided convolution as wide as the stage's reduction: a smaller grid failed
+    in that convolution ("Kernel size can't be greater than actual input size"), at the first forward; now the
+    build, `set_input_size` and a dynamic model's input say so. Attentions without reduced keys take any size."""
+    message = f"{small}x{small} must have sides of at least {least}, the smallest the model's stages take$"
+    with pytest.raises(ValueError, match=f'^img_size {message}'):
+        timm.create_model(name, img_size=small, **kwargs)
+    model = timm.create_model(name, img_size=least, dynamic_img_size=True, num_classes=3, **kwargs).eval()
+    assert model(torch.randn(1, 3, least, least)).shape == (1, 3)
+    with pytest.raises(ValueError, match=f'^img_size {message}'):
+        model.set_input_size(small)
+    with pytest.raises(ValueError, match=f'^input image size {message}'):
+        model(torch.randn(1, 3, small, small))
+    linear = timm.create_model(name, attn_type='linear', img_size=small, num_classes=3, **kwargs).eval()
+    assert linear(torch.randn(1, 3, small, small)).shape == (1, 3)
