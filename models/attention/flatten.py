@@ -139,7 +139,7 @@ class FocusedLinearMixer(Mixer):
         encoding = self.positional_encoding
         if (grid[0], grid[1]) != self.group_grid:
             encoding = resample_grid_embedding(encoding, self.group_grid, grid)
-        return k + F.pad(encoding.to(k.dtype), (0, 0, ctx.num_prefix_tokens, 0))
+        return k + F.pad(encoding, (0, 0, ctx.num_prefix_tokens, 0))
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, ctx: MixContext) -> Tensor:
         grid, num_prefix = ctx.grid, ctx.num_prefix_tokens
