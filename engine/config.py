@@ -379,7 +379,8 @@ def validate_config(cfg: CN) -> None:
 
 
 def _same_size(value: Any) -> Any:
-    """An image size as an (H, W) pair, so that 224 and [224, 224] compare equal; other values as they are."""
+    """An int as (n, n) and a list as a tuple, so that an image size given either way (224, [224, 224]) compares
+    equal; a class count (an int on both sides) compares as before."""
     if isinstance(value, int) and not isinstance(value, bool):
         return (value, value)
     return tuple(value) if isinstance(value, (list, tuple)) else value

@@ -319,8 +319,8 @@ class ZooModel(nn.Module):
     unrolls, and `_set_grids(img_size)` for `set_input_size`. Intermediates are taken at the stages' outputs.
 
     With `dynamic_img_size` the model takes images of any size whose sides are multiples of `img_divisor` and at
-    least `img_min_side`, the grids following the input; otherwise only `img_size`, every grid then fixed when the model is built (which
-    symbolic tracing needs).
+    least `img_min_side`, the grids following the input; otherwise only `img_size`, every grid then fixed when the
+    model is built (which symbolic tracing needs).
     """
     global_pools: ClassVar[Tuple[str, ...]] = ('avg', '')
     # The new classifier of `reset_classifier` takes the official init (else PyTorch's Linear init).

@@ -44,7 +44,8 @@ from .family import (
     create_variant, imagenet_cfg, init_weights, register_variants, tag_weights, tsinghua_url,
 )
 
-__all__ = ['PyramidVisionTransformer', 'PvtStage', 'check_stage_lists', 'checkpoint_filter_fn', 'smallest_side']
+__all__ = ['PyramidVisionTransformer', 'PvtStage', 'check_stage_lists', 'checkpoint_filter_fn', 'key_reduction',
+           'smallest_side']
 
 NUM_STAGES = 4
 # The constructor arguments of both PVTs that take a list with a value per stage.
@@ -62,15 +63,20 @@ def check_stage_lists(la_sr_ratios: Union[str, Sequence[int]], **per_stage: Sequ
     return [int(r) for r in la_sr_ratios]
 
 
+def key_reduction(name: str, sr_ratio: int, la_sr_ratio: int) -> int:
+    """The spatial reduction of the keys of attention `name` in a stage: `sr_ratio` for an attention that forms
+    scores, `la_sr_ratio` for one that forms none."""
+    return sr_ratio if forms_score_matrix(name) else la_sr_ratio
+
+
 def smallest_side(strides: Sequence[int], names: Sequence[Sequence[str]], sr_ratios: Sequence[int],
                   la_sr_ratios: Sequence[int]) -> int:
     """The smallest image side whose stage grids (ceil(side / stride), stage after stage) hold the key reduction of
-    each stage's attentions `names` (`sr_ratios` for those that form scores, else `la_sr_ratios`), a strided
-    convolution that needs a whole window: a grid of at least n after a stride s needs an input of s * (n - 1) + 1."""
+    each stage's attentions `names` (`key_reduction`), a strided convolution that needs a whole window: a grid of at
+    least n after a stride s needs an input of s * (n - 1) + 1."""
     need = 1
     for i in reversed(range(len(strides))):
-        reduction = max((sr_ratios[i] if forms_score_matrix(name) else la_sr_ratios[i] for name in names[i]),
-                        default=1)
+        reduction = max((key_reduction(name, sr_ratios[i], la_sr_ratios[i]) for name in names[i]), default=1)
         need = strides[i] * (max(need, reduction) - 1) + 1
     return need
 
@@ -217,7 +223,7 @@ class PyramidVisionTransformer(ZooModel):
                     dim,
                     build_attention(
                         name, dim, num_heads[i], grid, qkv_bias, grouping='reduction', attn_kwargs=attn_kwargs,
-                        sr_ratio=sr_ratios[i] if forms_score_matrix(name) else la_sr_ratios[i],
+                        sr_ratio=key_reduction(name, sr_ratios[i], la_sr_ratios[i]),
                         attn_drop=attn_drop_rate, proj_drop=drop_rate),
                     mlp_ratio=mlp_ratios[i], drop=drop_rate, drop_path=next(rates),
                     norm_layer=partial(nn.LayerNorm, eps=1e-6))

@@ -32,7 +32,7 @@ from torch import Tensor, nn
 from timm.layers import DropPath, calculate_drop_path_rates, to_2tuple
 from timm.models import generate_default_cfgs
 
-from .attention import build_attention, check_attn_kwargs, forms_score_matrix, list_attentions, stage_attentions
+from .attention import build_attention, check_attn_kwargs, list_attentions, stage_attentions
 from .attention.layout import Grid, image_to_tokens, tokens_to_image
 from .checkpoint import filter_checkpoint
 from .onednn import fuses_in_inference, onednn_conv2d_gelu
@@ -40,7 +40,7 @@ from .family import (
     FLATTEN_META, BlockStack, NumberedStageKeys, OfficialKeys, ZooModel, check_arguments, create_variant, imagenet_cfg,
     init_weights, register_variants, tag_weights, tsinghua_url,
 )
-from .pvt import NUM_STAGES, PER_STAGE_ARGUMENTS, check_stage_lists, smallest_side
+from .pvt import NUM_STAGES, PER_STAGE_ARGUMENTS, check_stage_lists, key_reduction, smallest_side
 
 __all__ = ['PyramidVisionTransformerV2', 'PvtV2Stage', 'OverlapPatchEmbed', 'DepthwiseConvMlp', 'PvtV2Block',
            'checkpoint_filter_fn']
@@ -233,7 +233,7 @@ class PyramidVisionTransformerV2(ZooModel):
         grid = self.img_size
         self.stages = nn.ModuleList()
         for i in range(NUM_STAGES):
-            patch_size, stride = (7, _STRIDES[i]) if i == 0 else (3, _STRIDES[i])
+            patch_size, stride = 7 if i == 0 else 3, _STRIDES[i]
             dim = embed_dims[i]
             patch_embed = OverlapPatchEmbed(patch_size, stride, in_chans if i == 0 else embed_dims[i - 1], dim)
             grid = patch_embed.output_grid(grid)
@@ -242,7 +242,7 @@ class PyramidVisionTransformerV2(ZooModel):
                     dim,
                     build_attention(
                         name, dim, num_heads[i], grid, qkv_bias, grouping='reduction', attn_kwargs=attn_kwargs,
-                        sr_ratio=sr_ratios[i] if forms_score_matrix(name) else la_sr_ratios[i],
+                        sr_ratio=key_reduction(name, sr_ratios[i], la_sr_ratios[i]),
                         attn_drop=attn_drop_rate, proj_drop=drop_rate),
                     mlp_ratio=mlp_ratios[i], drop=drop_rate, drop_path=next(rates))
                 for name in names[i]], dim))

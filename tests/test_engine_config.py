@@ -170,7 +170,8 @@ def test_config_changes_name_each_value_changed_and_each_key_one_side_lacks():
     assert config_changes(before, before.clone()) == []
 
 
-@pytest.mark.parametrize('path', [p for p in ALL_YAML if p.parent.name != 'demo'], ids=lambda p: f'{p.parent.name}/{p.stem}')
+@pytest.mark.parametrize('path', [p for p in ALL_YAML if p.parent.name != 'demo'],
+                         ids=lambda p: f'{p.parent.name}/{p.stem}')
 def test_validation_runs_under_autocast_as_the_official_code_of_the_recipe_does(path):
     """DeiT's, PVT's, Swin's, CSwin's, MultiMax's and SimA's validation runs under autocast when they train with
     it; the InLine / FLatten code validates in float32."""
