@@ -18,6 +18,7 @@ from typing import Dict, List, Sequence, Tuple
 
 import numpy as np
 import torch
+from yacs.config import CfgNode as CN
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import models  # noqa: E402,F401  (registers the families)
@@ -121,13 +122,17 @@ def main(argv: Sequence[str]) -> int:
     # progress as train.py shows it: a bar on a terminal, whole lines in a log file or a pipe
     setup_logging(DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device('cpu')), stream=sys.stderr)
     files = find_images(args.data, args.max_images)
-    rows: List[Dict[str, object]] = []
+    # every model built and labelled before the first is measured: a bad one fails at once, not after a long run
+    loaded: Dict[str, Tuple[torch.nn.Module, CN]] = {}
     for label, name, checkpoint in sources(args):
         model, cfg = load_analysis_model(name or None, checkpoint or None, args.opts, args.ema, '--models',
                                          pretrained=args.pretrained)
         label = label or str(cfg.MODEL.KWARGS.get('attn_type', cfg.MODEL.NAME))
-        if any(row['model'] == label for row in rows):
+        if label in loaded:
             raise UsageError(f"two models are labelled {label!r}; give them labels as LABEL=PATH")
+        loaded[label] = model, cfg
+    rows: List[Dict[str, object]] = []
+    for label, (model, cfg) in loaded.items():
         inputs, _ = load_images(files, cfg)
         rows += measure(model, inputs, args.batch_size, label)
     table = io.StringIO()

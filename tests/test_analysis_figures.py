@@ -331,3 +331,20 @@ def test_a_model_without_attention_layers_of_the_zoo_is_refused_before_its_weigh
     assert run_cli(visualize.main, argv) == 2
     assert capsys.readouterr().err == ("error: model 'test_resnet' has no attention layer of this zoo; expected one of "
                                        "the zoo's models (timm.list_models('*_deit_*') and friends)\n")
+
+
+@pytest.mark.parametrize('models, message', [
+    (['softmax_deit_tiny', 'softmax_deit_tiny'], "error: two models are labelled 'softmax_deit_tiny'; give them "),
+    (['softmax_deit_tiny', 'softmax_deit_tny'], "error: unknown model 'softmax_deit_tny': expected a model "),
+])
+def test_attention_stats_checks_every_model_before_measuring_the_first(models, message, images, tmp_path,
+                                                                       monkeypatch, capsys):
+    """Two models with one label, or a second model that cannot be built, are refused before any image is measured,
+    not after the first model's whole run."""
+    measured = []
+    monkeypatch.setattr(attention_stats, 'measure', lambda *args: measured.append(args[-1]) or [])
+    argv = ['--models', *models, '--data', str(images), '--out', str(tmp_path / 'stats'), '--opts'] + TINY
+    assert run_cli(attention_stats.main, argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(message) and err.count('\n') == 1, err
+    assert measured == [] and not list(tmp_path.iterdir())
