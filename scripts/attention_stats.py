@@ -16,24 +16,27 @@ import shlex
 import sys
 from typing import Dict, List, Sequence, Tuple
 
-import numpy as np
-import torch
-from yacs.config import CfgNode as CN
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import models  # noqa: E402,F401  (registers the families)
-from engine.analysis import find_images, load_analysis_model, load_images, refuse_unreleased  # noqa: E402
-from engine.checkpoint import atomic_write_text, refuse_unwritable_out  # noqa: E402
-from engine.distributed import DistInfo  # noqa: E402
-from engine.errors import UsageError, exit_for_missing_extra, refuse_below, run_cli  # noqa: E402
-from engine.loops import Progress  # noqa: E402
-from engine.trainer import setup_logging  # noqa: E402
-from models.analysis import record_attention  # noqa: E402
 try:
-    from models.analysis.plots import plot_layer_curves
-except ModuleNotFoundError as missing:
-    exit_for_missing_extra(missing, 'analysis')
-from models.analysis.stats import STATISTICS, AttentionStatistics  # noqa: E402
+    import numpy as np
+    import torch
+    from yacs.config import CfgNode as CN
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    import models  # noqa: F401  (registers the families)
+    from engine.analysis import find_images, load_analysis_model, load_images, refuse_unreleased
+    from engine.checkpoint import atomic_write_text, refuse_unwritable_out
+    from engine.distributed import DistInfo
+    from engine.errors import UsageError, exit_for_missing_extra, refuse_below, run_cli
+    from engine.loops import Progress
+    from engine.trainer import setup_logging
+    from models.analysis import record_attention
+    try:
+        from models.analysis.plots import plot_layer_curves
+    except ModuleNotFoundError as missing:
+        exit_for_missing_extra(missing, 'analysis')
+    from models.analysis.stats import STATISTICS, AttentionStatistics
+except KeyboardInterrupt:  # Ctrl-C while torch and the models load: nothing has started
+    sys.exit(130)
 
 # The per-layer plot's panels.
 PLOTTED = ('effective_tokens', 'top5_mass', 'gini', 'negative', 'distance_px', 'collisions')

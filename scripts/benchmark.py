@@ -55,22 +55,25 @@ import sys
 import time
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
-import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.flop_counter import FlopCounterMode, conv_flop_count, flop_registry
+try:
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils.flop_counter import FlopCounterMode, conv_flop_count, flop_registry
 
-import timm
+    import timm
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import models  # noqa: E402,F401  (registers the families)
-from engine.build import create_optimizer  # noqa: E402
-from engine.checkpoint import atomic_write_text, refuse_unwritable_out  # noqa: E402
-from engine.compile import compile_model  # noqa: E402
-from engine.config import load_config  # noqa: E402
-from engine.distributed import resolve_device  # noqa: E402
-from engine.errors import UsageError, refuse_below, run_cli  # noqa: E402
-from models.attention import forms_score_matrix, list_attentions  # noqa: E402
-from models.onednn import convert_to_onednn, onednn_available, onednn_linear  # noqa: E402
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    import models  # noqa: F401  (registers the families)
+    from engine.build import create_optimizer
+    from engine.checkpoint import atomic_write_text, refuse_unwritable_out
+    from engine.compile import compile_model
+    from engine.config import load_config
+    from engine.distributed import resolve_device
+    from engine.errors import UsageError, refuse_below, run_cli
+    from models.attention import forms_score_matrix, list_attentions
+    from models.onednn import convert_to_onednn, onednn_available, onednn_linear
+except KeyboardInterrupt:  # Ctrl-C while torch and the models load: nothing has started
+    sys.exit(130)
 
 # The attention every `×softmax` ratio compares against.
 BASELINE = 'softmax'

@@ -15,15 +15,18 @@ import sys
 import time
 from typing import List, Optional, Sequence, Tuple
 
-import torch
-import torch.nn.functional as F
-from torch import Tensor, nn
+try:
+    import torch
+    import torch.nn.functional as F
+    from torch import Tensor, nn
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from engine.data import DIGITS_SPLIT_SEED, DIGITS_VAL_FRACTION  # noqa: E402
-from engine.errors import refuse_below, run_cli  # noqa: E402
-from models.attention import build_attention  # noqa: E402
-from models.family import Block  # noqa: E402
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from engine.data import DIGITS_SPLIT_SEED, DIGITS_VAL_FRACTION
+    from engine.errors import refuse_below, run_cli
+    from models.attention import build_attention
+    from models.family import Block
+except KeyboardInterrupt:  # Ctrl-C while torch and the models load: nothing has started
+    sys.exit(130)
 
 LEVELS = 17  # grey levels of the digits
 SIDE = 8

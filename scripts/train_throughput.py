@@ -31,24 +31,27 @@ import tempfile
 import time
 from typing import Dict, List, Optional
 
-import numpy as np
-import torch
-from PIL import Image
+try:
+    import numpy as np
+    import torch
+    from PIL import Image
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+    ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    sys.path.insert(0, ROOT)
 
-import timm  # noqa: E402
+    import timm
 
-from engine.build import autocast_dtype, create_criterion, create_optimizer, create_training_model  # noqa: E402
-from engine.checkpoint import atomic_write_text, refuse_unwritable_out  # noqa: E402
-from engine.config import load_config  # noqa: E402
-from engine.data import (  # noqa: E402
-    build_mixup, build_train_loader, image_channels, image_mode, load_split, train_transform,
-)
-from engine.distributed import DistInfo, resolve_device  # noqa: E402
-from engine.errors import UsageError, refuse_below, run_cli  # noqa: E402
-from engine.loops import autocast  # noqa: E402
+    from engine.build import autocast_dtype, create_criterion, create_optimizer, create_training_model
+    from engine.checkpoint import atomic_write_text, refuse_unwritable_out
+    from engine.config import load_config
+    from engine.data import (
+        build_mixup, build_train_loader, image_channels, image_mode, load_split, train_transform,
+    )
+    from engine.distributed import DistInfo, resolve_device
+    from engine.errors import UsageError, refuse_below, run_cli
+    from engine.loops import autocast
+except KeyboardInterrupt:  # Ctrl-C while torch and the models load: nothing has started
+    sys.exit(130)
 
 # ImageNet-1k's median image is 500x375; its JPEGs average about 110 KB.
 IMAGE_SIZE = (500, 375)

@@ -16,23 +16,26 @@ import re
 import sys
 from typing import List, Sequence, Union
 
-import torch
-from tqdm import tqdm
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import models  # noqa: E402,F401  (registers the families)
-from engine.analysis import find_images, load_analysis_model, load_images, refuse_unreleased  # noqa: E402
-from engine.checkpoint import refuse_unwritable_out  # noqa: E402
-from engine.errors import UsageError, exit_for_missing_extra, refuse_below, run_cli  # noqa: E402
-from models.analysis import Query, attention_layers, record_attention  # noqa: E402
 try:
-    from models.analysis.plots import (
-        attention_rollout, grad_cam, plot_heat_map, plot_multimax_sigma, plot_query_maps, plot_simplex,
-        plot_token_norms, rollout_problem,
-    )
-except ModuleNotFoundError as missing:
-    exit_for_missing_extra(missing, 'analysis')
-from models.attention.multimax import MultiMaxMixer  # noqa: E402
+    import torch
+    from tqdm import tqdm
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    import models  # noqa: F401  (registers the families)
+    from engine.analysis import find_images, load_analysis_model, load_images, refuse_unreleased
+    from engine.checkpoint import refuse_unwritable_out
+    from engine.errors import UsageError, exit_for_missing_extra, refuse_below, run_cli
+    from models.analysis import Query, attention_layers, record_attention
+    try:
+        from models.analysis.plots import (
+            attention_rollout, grad_cam, plot_heat_map, plot_multimax_sigma, plot_query_maps, plot_simplex,
+            plot_token_norms, rollout_problem,
+        )
+    except ModuleNotFoundError as missing:
+        exit_for_missing_extra(missing, 'analysis')
+    from models.attention.multimax import MultiMaxMixer
+except KeyboardInterrupt:  # Ctrl-C while torch and the models load: nothing has started
+    sys.exit(130)
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:

@@ -6,6 +6,7 @@ uninterrupted run, keeps `best.pth` and leaves no temp files or lock behind; one
 unwritable or full output folder is one line; a resume with another batch split never retrains a finished epoch; a
 rank that dies ends the others."""
 import errno
+import glob
 import json
 import math
 import os
@@ -212,10 +213,12 @@ def saved_steps(output: Path) -> Dict[str, int]:
     return {p.name: TrainingCheckpoint.read(str(p))['step'] for p in output.iterdir() if p.suffix == '.pth'}
 
 
-@pytest.mark.parametrize('script', ['train.py', 'eval.py'])
+@pytest.mark.parametrize('script', ['train.py', 'eval.py'] + sorted(
+    os.path.relpath(path, REPO) for path in glob.glob(str(REPO / 'scripts' / '*.py'))))
 def test_ctrl_c_while_the_modules_load_exits_130_without_a_traceback(tmp_path, script):
     """The first seconds of a command import torch, timm and the models (about 4 s on two cores): Ctrl-C there
-    printed a 67-line KeyboardInterrupt traceback through the imports."""
+    printed a 67-line KeyboardInterrupt traceback through the imports, in the training and evaluation commands and
+    in every script."""
     process = subprocess.Popen([sys.executable, str(REPO / script), '--help'], cwd=tmp_path, stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True)
     time.sleep(0.5)
