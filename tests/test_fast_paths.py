@@ -559,6 +559,22 @@ def test_kernel_build_removes_a_lock_left_by_a_killed_build_under_an_os_lock_of_
         fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
 
 
+def test_kernel_build_finds_the_ninja_pip_installed_outside_path(monkeypatch, tmp_path):
+    """`ninja` is a dependency, installed by pip beside the environment's Python; torch runs it from PATH, which
+    lacks that folder where the environment is used without activating it (`/path/venv/bin/python train.py`, a
+    notebook kernel, a service): the kernel then never built and the warning asked to install ninja."""
+    from torch.utils.cpp_extension import is_ninja_available
+    monkeypatch.setenv('PATH', str(tmp_path))
+    monkeypatch.setenv('TORCH_EXTENSIONS_DIR', str(tmp_path))
+    assert not is_ninja_available()
+    seen = []
+    monkeypatch.setattr(multimax_cpu, '_extension', multimax_cpu._NOT_LOADED)
+    monkeypatch.setattr('torch.utils.cpp_extension.load', lambda *args, **kwargs: seen.append(is_ninja_available()))
+    multimax_cpu.cpu_kernel_available()
+    assert seen == [True]
+    assert os.environ['PATH'] == str(tmp_path)  # only while it builds
+
+
 def test_kernel_builds_apart_for_each_torch_install(monkeypatch):
     """torch names its cache folder by Python's and CUDA's versions alone: two installs of one torch version in
     two environments would rebuild one folder over each other's on every alternation."""

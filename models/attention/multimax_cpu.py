@@ -30,7 +30,8 @@ import logging
 import math
 import os
 import platform
-from typing import Any, Optional, Tuple
+import shutil
+from typing import Any, Iterator, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -64,6 +65,26 @@ def _build_tag() -> str:
     return hashlib.sha1(build.encode()).hexdigest()[:8]
 
 
+@contextlib.contextmanager
+def _pip_ninja_on_path() -> Iterator[None]:
+    """torch runs `ninja` from PATH. pip installs it, a declared dependency, beside the environment's Python,
+    which is not on PATH where the environment is used without being activated (its Python called by path, a
+    notebook kernel, a service): that folder goes on PATH while the kernel builds."""
+    path = os.environ.get('PATH')
+    if shutil.which('ninja') is None:
+        with contextlib.suppress(ImportError):
+            import ninja
+            if ninja.BIN_DIR:
+                os.environ['PATH'] = os.pathsep.join([ninja.BIN_DIR, path or os.defpath])
+    try:
+        yield
+    finally:
+        if path is None:
+            os.environ.pop('PATH', None)
+        else:
+            os.environ['PATH'] = path
+
+
 def _build(name: str) -> Any:
     """torch's `cpp_extension.load` of the kernel, one process at a time. torch before 2.14 marks a build in
     progress by the mere existence of a file `lock` in the build folder, which a process killed while building
@@ -77,7 +98,9 @@ def _build(name: str) -> Any:
         fcntl.flock(guard, fcntl.LOCK_EX)
         with contextlib.suppress(FileNotFoundError):
             os.remove(os.path.join(directory, 'lock'))
-        return load(name, [_SOURCE], extra_cflags=_CFLAGS, extra_ldflags=['-fopenmp'], build_directory=directory)
+        with _pip_ninja_on_path():
+            return load(name, [_SOURCE], extra_cflags=_CFLAGS, extra_ldflags=['-fopenmp'],
+                        build_directory=directory)
 
 
 def _load() -> Optional[Any]:
