@@ -1,0 +1,66 @@
+"""The project's source and wheel distributions, built by the declared build backend from a copy of the checkout:
+the sdist holds everything its own tests, the demo and the documented commands read, the wheel the packages with
+the kernel's C++ source."""
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import zipfile
+from pathlib import Path
+from typing import Sequence, Set
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+# What a checkout holds beyond the project: version control, CI, environments, build and run outputs, caches.
+NOT_THE_PROJECT = {'.git', '.ci', '.gitignore', '.venv', '.ci-venv', 'build', 'dist', 'output', 'data', '.pytest_cache'}
+CACHES = shutil.ignore_patterns('__pycache__', '*.pyc', '*.egg-info')
+
+
+def outside_the_project(folder: str, names: Sequence[str]) -> Set[str]:
+    top = NOT_THE_PROJECT if Path(folder) == REPO else set()
+    return top.intersection(names) | CACHES(folder, names)
+
+
+@pytest.fixture(scope='module')
+def dists(tmp_path_factory):
+    """(the copied checkout, the sdist's files, the wheel's files), paths relative to their roots."""
+    tmp = tmp_path_factory.mktemp('packaging')
+    source = tmp / 'source'
+    shutil.copytree(REPO, source, ignore=outside_the_project)
+    names = []
+    for kind in ('sdist', 'wheel'):  # one process each, as a build frontend calls the backend
+        build = f"from setuptools import build_meta; import sys; print(build_meta.build_{kind}(sys.argv[1]))"
+        done = subprocess.run([sys.executable, '-c', build, str(tmp / 'dist')], cwd=source, capture_output=True,
+                              text=True)
+        assert done.returncode == 0, done.stderr
+        names.append(done.stdout.split()[-1])
+    sdist_name, wheel_name = names
+    with tarfile.open(tmp / 'dist' / sdist_name) as sdist:
+        sdist_files = {name.split('/', 1)[1] for name in sdist.getnames() if '/' in name}
+    with zipfile.ZipFile(tmp / 'dist' / wheel_name) as wheel:
+        wheel_files = set(wheel.namelist())
+    return source, sdist_files, wheel_files
+
+
+def files_under(root: Path, *tops: str) -> Set[str]:
+    return {os.path.relpath(os.path.join(folder, name), root) for top in tops
+            for folder, _, names in os.walk(root / top) for name in names}
+
+
+def test_the_sdist_holds_what_its_tests_demo_and_commands_read(dists):
+    """The sdist held the test modules but not their conftest, helpers, goldens and fingerprints, nor the configs,
+    scripts, train.py and eval.py they run: 21 of its test modules failed to load."""
+    source, sdist_files, _ = dists
+    wanted = files_under(source, 'models', 'engine', 'tests', 'configs', 'scripts', 'docs') | {
+        'train.py', 'eval.py', 'README.md', 'pyproject.toml'}
+    assert {'tests/conftest.py', 'tests/data/state_dict_fingerprints.json', 'configs/demo/digits.yaml'} <= wanted
+    assert sorted(wanted - sdist_files) == []
+
+
+def test_the_wheel_holds_the_packages_and_the_kernel_source(dists):
+    source, _, wheel_files = dists
+    assert files_under(source, 'models', 'engine') <= wheel_files
+    assert 'models/attention/csrc/multimax_cpu.cpp' in wheel_files
+    assert not {name for name in wheel_files if name.startswith(('tests/', 'configs/', 'scripts/'))}
