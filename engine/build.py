@@ -14,8 +14,8 @@ from torch import Tensor, nn
 from yacs.config import CfgNode as CN
 
 import models  # noqa: F401  (registers the zoo's families with timm)
-from models.checkpoint import (CheckpointError, checkpoint_state_dict, has_released_weights, load_checkpoint_file,
-                               load_shared_weights, official_keys, unknown_pretrained_tag)
+from models.checkpoint import (EMA_KEYS, MODEL_KEYS, CheckpointError, checkpoint_state_dict, has_released_weights,
+                               load_checkpoint_file, load_shared_weights, official_keys, unknown_pretrained_tag)
 from models.onednn import convert_to_onednn, onednn_available
 
 from .config import ConfigError, mixup_active, model_kwargs
@@ -26,8 +26,6 @@ __all__ = ['check_model_name', 'check_model_config', 'check_pretrained', 'offici
            'read_weights', 'checkpoint_weights', 'create_model', 'weight_changes', 'create_optimizer',
            'create_scheduler', 'create_criterion', 'autocast_dtype', 'check_onednn', 'create_training_model']
 
-MODEL_KEYS = ('model', 'state_dict')
-EMA_KEYS = ('model_ema', 'state_dict_ema')
 # optimizers whose `fused=True` kernel runs on every device the engine trains on (CPU, CUDA); Adagrad's is CPU only
 FUSED_OPTIMIZERS = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
 logger = logging.getLogger('engine')
@@ -109,8 +107,8 @@ def checkpoint_weights(checkpoint: Any, path: str, ema: bool = False) -> Dict[st
         if not isinstance(checkpoint, Mapping) or not any(isinstance(checkpoint.get(k), Mapping) for k in EMA_KEYS):
             raise CheckpointError(f"checkpoint {path!r} has no EMA weights; expected one of the keys "
                                   f"{', '.join(EMA_KEYS)} (drop --ema to use the model weights)")
-        return checkpoint_state_dict(checkpoint, EMA_KEYS)
-    return checkpoint_state_dict(checkpoint, MODEL_KEYS)
+        return checkpoint_state_dict(checkpoint, EMA_KEYS, f"checkpoint {path!r}")
+    return checkpoint_state_dict(checkpoint, MODEL_KEYS, f"checkpoint {path!r}")
 
 
 def _check_channels(cfg: CN, in_chans: int) -> None:

@@ -27,7 +27,6 @@ import urllib.request
 import uuid
 import warnings
 import weakref
-import zipfile
 from collections import OrderedDict
 from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
@@ -49,8 +48,8 @@ __all__ = [
     'process_alive', 'HUB_SOURCES', 'is_hub_name', 'hub_weights_file', 'start_weights_file', 'unknown_pretrained_tag',
     'has_released_weights', 'released_weights_file', 'official_keys', 'filter_checkpoint', 'adapt_state_dict',
     'load_pretrained_into', 'load_shared_weights', 'TransferReport', 'SAFE_GLOBALS', 'load_checkpoint_file',
-    'checkpoint_state_dict', 'error_summary', 'rename_loaded_keys', 'loaded_key_names', 'is_derived_buffer',
-    'drop_derived_buffers', 'check_state_dict', 'load_state_dict_checked', 'resample_grid_embedding',
+    'MODEL_KEYS', 'EMA_KEYS', 'checkpoint_state_dict', 'error_summary', 'rename_loaded_keys', 'loaded_key_names',
+    'is_derived_buffer', 'drop_derived_buffers', 'check_state_dict', 'load_state_dict_checked', 'resample_grid_embedding',
     'resize_grid_embedding', 'resize_rel_pos_bias_table',
 ]
 
@@ -63,6 +62,9 @@ _logger = logging.getLogger(__name__)
 
 DERIVED_BUFFERS = ('relative_position_index', 'relative_coords_table', 'attn_mask')
 WRAPPER_PREFIXES = ('module.', '_orig_mod.')
+# Where a checkpoint keeps its model weights, and its EMA weights: ours, DeiT's and Swin's, timm's train.py.
+MODEL_KEYS = ('model', 'state_dict')
+EMA_KEYS = ('model_ema', 'state_dict_ema')
 # Seconds a connection attempt or a read may stall before the download is given up.
 DOWNLOAD_TIMEOUT_S = 60.
 DOWNLOAD_CHUNK = 1 << 20
@@ -143,6 +145,11 @@ def _remove_stale_partials(folder: str, file_name: str) -> None:
                 pass  # removed by another process at the same time
 
 
+def _unwritable(folder: str, error: OSError) -> 'DownloadError':
+    return DownloadError(f"cannot write the download folder {folder!r} ({error_summary(error)}); expected a folder "
+                         f"this user can write, with room for the file (TORCH_HOME sets it, or cache_dir=)")
+
+
 def download_checkpoint(url: str, file_name: str, cache_dir: Optional[str] = None, progress: bool = True) -> str:
     """The cached copy of `url` as `file_name` in the download folder (`checkpoint_cache_dir`), downloaded first
     when it is not there yet, with a progress bar on stderr when `progress`.
@@ -159,39 +166,44 @@ def download_checkpoint(url: str, file_name: str, cache_dir: Optional[str] = Non
     hint = (f"without network access, download it where you can and load it with "
             f"pretrained_cfg_overlay=dict(file=...) (eval.py: --checkpoint FILE, train.py: --pretrained FILE), "
             f"or copy it to {path}")
-    partial = None
+    # named before it is made, so that the `finally` removes it whenever an interruption comes
+    partial = os.path.join(folder, f'{file_name}.{socket.gethostname()}.{os.getpid()}.{uuid.uuid4().hex[:8]}.partial')
     try:
-        os.makedirs(folder, exist_ok=True)
-        _remove_stale_partials(folder, file_name)
-        with urllib.request.urlopen(url, timeout=DOWNLOAD_TIMEOUT_S) as response:
+        try:
+            os.makedirs(folder, exist_ok=True)
+            _remove_stale_partials(folder, file_name)
+            out = open(partial, 'xb')
+        except OSError as e:
+            raise _unwritable(folder, e) from None
+        with out, urllib.request.urlopen(url, timeout=DOWNLOAD_TIMEOUT_S) as response:
             length = response.headers.get('Content-Length')
             expected = int(length) if length and length.isdigit() else None
-            # named before it is made, so that the `finally` removes it whenever an interruption comes
-            partial = os.path.join(folder, f'{file_name}.{socket.gethostname()}.{os.getpid()}.'
-                                           f'{uuid.uuid4().hex[:8]}.partial')
             received = 0
-            with open(partial, 'xb') as f, tqdm(total=expected, unit='B', unit_scale=True, unit_divisor=1024,
-                                                 desc=file_name, disable=not progress) as bar:
+            with tqdm(total=expected, unit='B', unit_scale=True, unit_divisor=1024, desc=file_name,
+                      disable=not progress) as bar:
                 while chunk := response.read(DOWNLOAD_CHUNK):
-                    f.write(chunk)
+                    try:
+                        out.write(chunk)
+                    except OSError as e:
+                        raise _unwritable(folder, e) from None
                     received += len(chunk)
                     bar.update(len(chunk))
         if expected is not None and received != expected:
             raise DownloadError(f"cannot download {url}: the connection closed after {received} of {expected} "
                                 f"bytes; {hint}")
-        with open(partial, 'rb') as f:
-            head = f.read(4)
-        if not head.startswith(CHECKPOINT_MAGIC):  # a web page
-            raise DownloadError(f"cannot download {url}: the server sent {received} bytes that are not a torch "
-                                f"checkpoint (starting {head!r}); {hint}")
+        # read whole before it is cached: a server that announces no length, or a wrong one, can cut the file
+        # short unnoticed, and a web page or another archive can stand in for it
+        try:
+            load_checkpoint_file(partial, shown_as=f"the file received ({received} bytes)")
+        except CheckpointError as e:
+            raise DownloadError(f"cannot download {url}: {e}; {hint}") from None
         os.replace(partial, path)
-        partial = None
     except (OSError, http.client.HTTPException, ValueError) as e:
         if isinstance(e, DownloadError):
             raise
         raise DownloadError(f"cannot download {url} ({_download_failure(e)}); {hint}") from None
     finally:
-        if partial is not None and os.path.exists(partial):
+        if os.path.exists(partial):
             os.remove(partial)
     return path
 
@@ -253,28 +265,30 @@ def _is_safetensors(head: bytes) -> bool:
     return len(head) == 9 and head[8:9] == b'{' and int.from_bytes(head[:8], 'little') > 1
 
 
-def load_checkpoint_file(path: str, map_location: Any = 'cpu') -> Any:
+def load_checkpoint_file(path: str, map_location: Any = 'cpu', shown_as: Optional[str] = None) -> Any:
     """Load a checkpoint file, refusing pickled objects outside the allow-list without running them.
 
     A safetensors file (weights as the Hugging Face hub keeps them) loads as its flat state dict. A file that
-    begins as neither (an image, a text file) is named as such before any unpickling.
+    begins as neither (an image, a text file) is named as such before any unpickling. `shown_as` names the file
+    in the errors instead of its path.
     """
+    what = shown_as or f"checkpoint {path!r}"
     if not os.path.isfile(path):
-        raise CheckpointError(f"checkpoint {path!r} does not exist or is not a file")
+        raise CheckpointError(f"{what} does not exist or is not a file")
     try:
         with open(path, 'rb') as f:
             head = f.read(9)
     except OSError as e:
-        raise CheckpointError(f"checkpoint {path!r} cannot be read ({e.strerror})") from None
+        raise CheckpointError(f"{what} cannot be read ({e.strerror})") from None
     if _is_safetensors(head):
         try:
             return safetensors.torch.load_file(path, device=str(map_location))
         except (safetensors.SafetensorError, OSError, ValueError) as e:
-            raise CheckpointError(f"checkpoint {path!r} is truncated or corrupt ({error_summary(e)})") from None
+            raise CheckpointError(f"{what} is truncated or corrupt ({error_summary(e)})") from None
     if not head.startswith(CHECKPOINT_MAGIC):
         start = f"starts with {head[:8]!r}" if head else "is empty"
-        raise CheckpointError(f"{path!r} is not a checkpoint: it {start}; expected a file written by torch.save "
-                              f"(a zip archive or a pickle) or a safetensors file")
+        raise CheckpointError(f"{shown_as or repr(path)} is not a checkpoint: it {start}; expected a file written "
+                              f"by torch.save (a zip archive or a pickle) or a safetensors file")
     # Registered again rather than through the `safe_globals` context manager, whose exit would also remove the
     # process-wide registration that timm's own loader relies on.
     torch.serialization.add_safe_globals(SAFE_GLOBALS)
@@ -285,28 +299,38 @@ def load_checkpoint_file(path: str, map_location: Any = 'cpu') -> Any:
             return torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as e:
         raise CheckpointError(
-            f"checkpoint {path!r} is refused: it pickles objects outside the allow-list of tensors and plain "
+            f"{what} is refused: it pickles objects outside the allow-list of tensors and plain "
             f"containers ({_refusal(e)}); nothing of it ran") from None
-    except (RuntimeError, EOFError, zipfile.BadZipFile, OSError, ValueError) as e:
-        raise CheckpointError(f"checkpoint {path!r} is truncated or corrupt ({error_summary(e)})") from None
+    except MemoryError:
+        raise
+    except Exception as e:  # a damaged pickle fails in the unpickler with any error: KeyError, IndexError, ...
+        raise CheckpointError(f"{what} is truncated or corrupt ({error_summary(e)})") from None
 
 
-def checkpoint_state_dict(checkpoint: Any, keys: Sequence[str] = ('model', 'state_dict')) -> Dict[str, Tensor]:
-    """The model weights inside a checkpoint: the first of `keys` present, else the checkpoint itself.
+def _a(type_name: str) -> str:
+    return f"{'an' if type_name[0].lower() in 'aeiou' else 'a'} {type_name}"
+
+
+def checkpoint_state_dict(checkpoint: Any, keys: Sequence[str] = MODEL_KEYS,
+                          source: str = 'the checkpoint') -> Dict[str, Tensor]:
+    """The model weights inside a checkpoint: the first of `keys` present, else the first of `EMA_KEYS` (a file of
+    EMA weights alone, as some releases are), else the checkpoint itself; `source` names it in the errors.
 
     Wrapper prefixes ('module.' from DDP, '_orig_mod.' from torch.compile) are removed.
     """
+    held_under = ', '.join(dict.fromkeys([*keys, *EMA_KEYS]))
+    expected = f"expected a flat state dict of tensors or one under the key {held_under}"
     if not isinstance(checkpoint, Mapping):
-        raise CheckpointError(f"expected a checkpoint dict, got {type(checkpoint).__name__}")
-    for key in keys:
+        raise CheckpointError(f"{source} holds {_a(type(checkpoint).__name__)}; {expected}")
+    for key in (*keys, *EMA_KEYS):
         if isinstance(checkpoint.get(key), Mapping):
             checkpoint = checkpoint[key]
             break
     state_dict = {}
     for name, value in checkpoint.items():
         if not isinstance(value, Tensor):
-            raise CheckpointError(f"checkpoint entry {name!r} is a {type(value).__name__}, not a tensor; "
-                                  f"expected one of the keys {', '.join(keys)} or a flat state dict")
+            raise CheckpointError(f"{source} holds {name!r}, {_a(type(value).__name__)}, beside its tensors; "
+                                  f"{expected}")
         for prefix in WRAPPER_PREFIXES:
             if name.startswith(prefix):
                 name = name[len(prefix):]
@@ -584,7 +608,9 @@ def load_pretrained_into(model: nn.Module, source: str) -> TransferReport:
     Every tensor whose key and (after adaptation to the model's resolution) shape the model shares is loaded;
     the report names the model's new keys, which keep their initialisation, and the dropped ones.
     """
-    return load_shared_weights(model, checkpoint_state_dict(load_checkpoint_file(start_weights_file(source))), source)
+    path = start_weights_file(source)
+    return load_shared_weights(model, checkpoint_state_dict(load_checkpoint_file(path), source=f"checkpoint {path!r}"),
+                               source)
 
 
 def load_shared_weights(model: nn.Module, state_dict: Mapping[str, Tensor], source: str) -> TransferReport:

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+import zipfile
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Dict, Iterator, List, Tuple
@@ -49,8 +50,9 @@ EVAL_OPTS = ['MODEL.KWARGS.patch_size', '4', 'MODEL.KWARGS.embed_dim', '32', 'MO
 class Server:
     """Files served at `/f/<id>/?dl=1` as the release cloud does, and at any path ending in their name as release
     pages do; `mode` 'ok', '404', 'cut' (the connection closes halfway through the body), 'stall' (half the body,
-    then `stalled` is set and the rest waits for `release`) or 'together' (half the body, then the rest once a
-    second request has received its half). Every request path is recorded."""
+    then `stalled` is set and the rest waits for `release`), 'together' (half the body, then the rest once a
+    second request has received its half), 'cut unannounced' (half the body, no Content-Length) or 'short length'
+    (half the body, announced as the whole). Every request path is recorded."""
 
     def __init__(self) -> None:
         self.files: Dict[str, bytes] = {}
@@ -72,7 +74,9 @@ class Server:
                     return
                 self.send_response(200)
                 self.send_header('Content-Type', 'application/octet-stream')
-                self.send_header('Content-Length', str(len(body)))
+                if server.mode != 'cut unannounced':
+                    self.send_header('Content-Length', str(len(body) // 2 if server.mode == 'short length' else
+                                                           len(body)))
                 self.end_headers()
                 self.wfile.write(body if server.mode == 'ok' else body[:len(body) // 2])
                 self.wfile.flush()
@@ -223,14 +227,24 @@ def test_two_downloads_of_one_release_at_once_each_land_whole(server, cache, mon
     assert (cache / 'inline_deit_tiny.pth').read_bytes() == server.files['1d6b8191ad6d4114b291']
 
 
-@pytest.mark.parametrize('failure', ['404', 'closed port', 'cut', 'web page'])
+@pytest.mark.parametrize('failure', ['404', 'closed port', 'cut', 'web page', 'cut unannounced', 'short length',
+                                     'zip of something else', 'damaged pickle'])
 def test_failures_are_one_line_and_leave_no_file(server, cache, monkeypatch, failure):
+    """...also where the server announces no length or a wrong one, or sends a whole file that is no checkpoint:
+    such a file was cached, and every later call failed on it."""
     _, server.files['1d6b8191ad6d4114b291'] = official_checkpoint(**TINY)
     url = server.url('1d6b8191ad6d4114b291')
     if failure == 'closed port':
         server.stop()
     elif failure == 'web page':
         server.files['1d6b8191ad6d4114b291'] = b'<!DOCTYPE html><html>sign in</html>'
+    elif failure == 'zip of something else':
+        archive = io.BytesIO()
+        with zipfile.ZipFile(archive, 'w') as z:
+            z.writestr('readme.txt', 'weights elsewhere')
+        server.files['1d6b8191ad6d4114b291'] = archive.getvalue()
+    elif failure == 'damaged pickle':
+        server.files['1d6b8191ad6d4114b291'] = b'\x80\x02h\x00.'
     else:
         server.mode = failure
     register_url(monkeypatch, 'inline_deit_tiny', url)
@@ -239,8 +253,34 @@ def test_failures_are_one_line_and_leave_no_file(server, cache, monkeypatch, fai
     message = str(raised.value)
     assert '\n' not in message and url in message and 'pretrained_cfg_overlay=dict(file=...)' in message
     assert {'404': 'HTTP 404', 'closed port': 'host unreachable', 'cut': 'connection closed after',
-            'web page': 'not a torch checkpoint'}[failure] in message
+            'web page': 'the file received (35 bytes) is not a checkpoint: it starts with',
+            'zip of something else': 'is truncated or corrupt'}.get(failure, 'is truncated or corrupt') in message
     assert not cache.exists() or not list(cache.iterdir())
+
+
+def test_a_safetensors_file_downloads_and_loads(server, cache):
+    state_dict, _ = official_checkpoint(**TINY)
+    server.files['weights.safetensors'] = safetensors.torch.save(state_dict)
+    url = f'http://127.0.0.1:{server.port}/release/weights.safetensors'
+    model = timm.create_model('inline_deit_tiny', pretrained=True, **TINY, pretrained_cfg_overlay=dict(url=url))
+    assert_weights(model, state_dict)
+    assert [p.name for p in cache.iterdir()] == ['weights.safetensors']
+
+
+def test_a_cache_folder_that_cannot_be_written_is_named_as_such(server, tmp_path, monkeypatch):
+    """It was reported as a failed download, with the advice to copy the file to a path inside a file."""
+    _, server.files['1d6b8191ad6d4114b291'] = official_checkpoint(**TINY)
+    register_url(monkeypatch, 'inline_deit_tiny', server.url('1d6b8191ad6d4114b291'))
+    (tmp_path / 'a_file').write_text('')
+    monkeypatch.setenv('TORCH_HOME', str(tmp_path / 'a_file' / 'torch'))
+    folder = tmp_path / 'a_file' / 'torch' / 'hub' / 'checkpoints'
+    with pytest.raises(DownloadError) as raised:
+        timm.create_model('inline_deit_tiny', pretrained=True, **TINY)
+    message = str(raised.value)
+    assert message.startswith(f"cannot write the download folder {str(folder)!r} (NotADirectoryError") and \
+        message.endswith("; expected a folder this user can write, with room for the file (TORCH_HOME sets it, or "
+                         "cache_dir=)") and '\n' not in message, message
+    assert server.requests == []
 
 
 def test_eval_by_model_name_downloads_the_released_weights(server, cache, monkeypatch, tmp_path, capsys):

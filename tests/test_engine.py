@@ -379,6 +379,45 @@ def test_corrupt_and_foreign_checkpoints_fail_with_one_line(tmp_path):
     assert torch.equal(read_weights(str(both), ema=True)['w'], torch.zeros(1))
 
 
+def test_checkpoints_whose_pickle_is_damaged_fail_with_one_line(tmp_path):
+    """A damaged pickle fails inside torch's unpickler with KeyError, IndexError, AssertionError or TypeError, not
+    only the errors a cut-off file gives: each was a bare traceback through eval.py, train.py --pretrained and
+    load_pretrained_into."""
+    good = tmp_path / 'good.pth'
+    torch.save({'model': {'w': torch.zeros(3), 'b': torch.ones(2)}}, good)
+    data = bytearray(good.read_bytes())
+    data[64] = 0x68  # an opcode of the archive's data.pkl: a memo lookup of an entry never stored
+    damaged = {'flipped.pth': bytes(data), 'memo.pth': b'\x80\x02h\x00.'}
+    for name, content in damaged.items():
+        (tmp_path / name).write_bytes(content)
+        with pytest.raises(CheckpointError) as raised:
+            read_weights(str(tmp_path / name))
+        message = str(raised.value)
+        assert message.startswith(f"checkpoint {str(tmp_path / name)!r} is truncated or corrupt (") and \
+            '\n' not in message, message
+
+
+@pytest.mark.parametrize('key', ['model_ema', 'state_dict_ema'])
+def test_a_checkpoint_of_ema_weights_alone_gives_them_as_its_weights(tmp_path, key):
+    """Without --ema, a file that holds only EMA weights (a release of its EMA, as SimA's) gives those: it was
+    refused as 'entry ... is a dict, not a tensor'."""
+    path = tmp_path / 'ema.pth'
+    torch.save({key: {'module.w': torch.full((2,), 3.0)}, 'epoch': 5}, path)
+    assert torch.equal(read_weights(str(path))['w'], torch.full((2,), 3.0))
+    assert torch.equal(read_weights(str(path), ema=True)['w'], torch.full((2,), 3.0))
+
+
+@pytest.mark.parametrize('content, held', [([torch.ones(1)], 'a list'),
+                                           ({'w': torch.ones(1), 'step': 3}, "'step', an int")])
+def test_a_checkpoint_that_is_no_state_dict_is_named_on_one_line(tmp_path, content, held):
+    path = tmp_path / 'odd.pth'
+    torch.save(content, path)
+    with pytest.raises(CheckpointError) as raised:
+        read_weights(str(path))
+    message = str(raised.value)
+    assert message.startswith(f"checkpoint {str(path)!r} holds {held}") and '\n' not in message, message
+
+
 def _training_objects(output: Path, state: TrainState, info: DistInfo = CPU, seed: int = 0) -> TrainingCheckpoint:
     """The trainer's live objects around a small model (EMA, AdamW, a warm-up and cosine schedule per update, an
     enabled gradient scaler), in a `TrainingCheckpoint` writing to `output`."""
