@@ -284,6 +284,10 @@ def _train(cfg: CN, info: DistInfo, lock: OutputLock, check_data: bool) -> Dict[
         train_model = DistributedDataParallel(
             eval_model, device_ids=[info.local_rank] if info.device.type == 'cuda' else None,
             find_unused_parameters=cfg.DIST.FIND_UNUSED_PARAMETERS)
+        if ema is not None and stored is None:
+            # each process built its model under its own seed; DDP has just given them all the first one's weights,
+            # and the EMA starts from those too, or each process would average its own start into its EMA
+            ema.set(model)
     train_timer, val_timer = CompileTimer('the training step', compiled), CompileTimer('validation', compiled)
     criterion = create_criterion(cfg)
     mixup = build_mixup(cfg)
@@ -375,7 +379,7 @@ def _train(cfg: CN, info: DistInfo, lock: OutputLock, check_data: bool) -> Dict[
                 _append_log(os.path.join(output, LOG), record)
                 ema_text = f", ema top-1 {record['ema_val_top1']:.2f}" if 'ema_val_top1' in record else ''
                 logger.info(f"epoch {epoch}: train loss {record['train_loss']:.4f}, lr {record['lr']:.3e}, val top-1 "
-                            f"{val['top1']:.2f} top-5 {val['top5']:.2f}{ema_text} (max {state.max_accuracy:.2f}), "
+                            f"{val['top1']:.2f} (max {state.max_accuracy:.2f}) top-5 {val['top5']:.2f}{ema_text}, "
                             f"{record['images_per_second']:.0f} img/s")
                 if record['skipped_images']:
                     logger.warning(f"epoch {epoch}: skipped {skipped_train} training and {skipped_val} validation "

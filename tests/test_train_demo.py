@@ -207,6 +207,21 @@ def test_two_processes_stop_resume_evaluate_and_match_one_process(tmp_path, digi
             assert abs(a[key] - b[key]) <= 2.0, key
 
 
+def test_every_process_keeps_the_same_ema_so_the_logged_ema_accuracy_is_that_of_the_saved_ema(tmp_path, digits,
+                                                                                                 capsys):
+    """Each process built its model under its own seed and its EMA from that model, before DDP gave every process
+    the first one's weights: the logged EMA accuracy summed the processes' different EMAs, and matched neither the
+    saved EMA (the first process's) nor a resumed run's log. A decay near 1 keeps each EMA near its start."""
+    output = tmp_path / 'two'
+    torchrun(str(REPO / 'train.py'), '--cfg', TINY, '--output', str(output), '--data-path', str(digits),
+             '--batch-size', '8', '--opts', *FIXED, 'TRAIN.EPOCHS', '1', 'EMA.DECAY', '0.9999', cwd=tmp_path)
+    logged, = records(output)
+    capsys.readouterr()
+    assert eval_main(['--checkpoint', str(output / 'last.pth'), '--data-path', str(digits), '--ema']) == 0
+    evaluated = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert (evaluated['top1'], evaluated['top5']) == (logged['ema_val_top1'], logged['ema_val_top5'])
+
+
 def test_accumulation_checkpointing_and_bfloat16_train_the_same_updates(tmp_path, digits):
     # SGD: AdamW's first steps turn rounding noise in near-zero gradients into full-size updates.
     one_epoch = [*FIXED, 'TRAIN.EPOCHS', '1', 'EMA.ENABLED', 'False', 'TRAIN.OPTIMIZER.NAME', 'sgd',
