@@ -434,7 +434,7 @@ class TrainingCheckpoint:
         if checkpoint['world_size'] == self.info.world_size:
             with _loading(path, 'a random state', 'the states of torch, CUDA, NumPy and random that this engine saves'):
                 set_rng_state(checkpoint['rng'][self.info.rank])
-        else:
+        elif self.info.is_main:
             logger.warning(f"{path} was written by {checkpoint['world_size']} processes, not "
                            f"{self.info.world_size}: random streams restart from the seed")
         logger.info(f"resumed from {path} at epoch {state.epoch} batch {state.epoch_batches} (step {state.step})")

@@ -506,6 +506,15 @@ def test_a_training_checkpoint_restores_every_field(tmp_path):
     assert two.optimizer.param_groups[0]['lr'] == schedule.optimizer.param_groups[0]['lr'] \
         != saved.optimizer.param_groups[0]['lr']
     assert f"{saved.last_path} was written by 1 processes, not 2: random streams restart from the seed" in warnings
+    second = _training_objects(tmp_path / 'second', TrainState(), DistInfo(rank=1, world_size=2, local_rank=1,
+                                                                          device=torch.device('cpu')))
+    warnings.clear()
+    logging.getLogger('engine').addHandler(handler)
+    try:
+        second.restore(stored, saved.last_path, batches_per_epoch=3)
+    finally:
+        logging.getLogger('engine').removeHandler(handler)
+    assert not [w for w in warnings if 'random streams restart' in w]  # said once, by the first process
 
     # an epoch saved after its training, before its validation, stays at that epoch, fully trained, under any split
     saved.save(train_record=dict(train_loss=1.5, lr=1e-3, epoch_seconds=2.0, images_per_second=4.0))
