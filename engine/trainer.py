@@ -14,6 +14,7 @@ from typing import Any, Dict, Iterator, Optional, TextIO
 
 import numpy as np
 import torch
+import yaml
 from timm.utils import ModelEmaV3
 from torch.nn.parallel import DistributedDataParallel
 from yacs.config import CfgNode as CN
@@ -126,19 +127,30 @@ def _check_nothing_replaced(output: str, resume: Optional[str]) -> None:
                                                             or os.path.samefile(resume, last))):
         return  # nothing to replace, its own checkpoint resumed, or a missing MODEL.RESUME that reading names
     # without MODEL.RESUME, a last.pth that is not resumed means TRAIN.AUTO_RESUME is off
-    source = f"MODEL.RESUME is {resume}" if resume else "TRAIN.AUTO_RESUME is False"
+    source, advice = (f"MODEL.RESUME is {resume}", "without --resume") if resume else \
+        ("TRAIN.AUTO_RESUME is False", "TRAIN.AUTO_RESUME True")
     raise UsageError(f"output folder {output!r} holds the checkpoints of a run ({last}) that this run would "
                      f"replace, since {source}; expected a folder without one: choose another --output, or resume "
-                     f"that run (TRAIN.AUTO_RESUME True)")
+                     f"that run ({advice})")
+
+
+def _continues(last: str, resume: str) -> bool:
+    """Whether the checkpoint `last` was written by a run resumed from `resume` (its stored MODEL.RESUME names that
+    file): the run of the same command, paused or stopped, which that command goes on with."""
+    try:  # memory-mapped: the config alone is read, not the tensors
+        stored = yaml.safe_load(torch.load(last, map_location='cpu', weights_only=True, mmap=True)['config'])
+        started_from = stored['MODEL']['RESUME']
+        return bool(started_from) and os.path.exists(resume) and os.path.samefile(started_from, resume)
+    except Exception:  # unreadable or another layout: not this command's run, and reading it will say why
+        return False
 
 
 def _resume_path(cfg: CN) -> Optional[str]:
-    if cfg.MODEL.RESUME:
-        return cfg.MODEL.RESUME
     last = os.path.join(cfg.OUTPUT, LAST)
-    if cfg.TRAIN.AUTO_RESUME and os.path.isfile(last):
-        return last
-    return None
+    auto = cfg.TRAIN.AUTO_RESUME and os.path.isfile(last)
+    if cfg.MODEL.RESUME and not (auto and _continues(last, cfg.MODEL.RESUME)):
+        return cfg.MODEL.RESUME
+    return last if auto else None
 
 
 def _append_log(path: str, record: Dict[str, Any]) -> None:

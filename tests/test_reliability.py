@@ -265,8 +265,23 @@ def test_a_fresh_run_into_a_folder_holding_a_run_is_refused_and_replaces_nothing
     assert capsys.readouterr().err == (
         f"error: output folder {str(output)!r} holds the checkpoints of a run ({output / 'last.pth'}) that this run "
         f"would replace, since {source}; expected a folder without one: choose another --output, or resume that run "
-        f"(TRAIN.AUTO_RESUME True)\n")
+        f"({'TRAIN.AUTO_RESUME True' if how.startswith('TRAIN') else 'without --resume'})\n")
     assert checkpoints(output) == before
+
+
+def test_a_run_resumed_from_another_folder_goes_on_when_its_command_runs_again(tmp_path, digits, one_epoch, capsys):
+    """'Run the same command again' after a pause or a stop: a run started with --resume OTHER/last.pth was refused
+    the second time, since its folder then held a checkpoint that was not OTHER/last.pth (it now holds the run that
+    command started, which goes on, as the official engine's auto-resume does)."""
+    output = tmp_path / 'continued'
+    source = checkpoints(one_epoch)
+    argv = ['--cfg', TINY, '--output', str(output), '--data-path', str(digits), '--resume',
+            str(one_epoch / 'last.pth'), '--opts', *SHORT, 'TRAIN.EPOCHS', '3', 'TRAIN.EPOCHS_PER_RUN', '1']
+    for _ in range(2):
+        assert run_cli(train_main, argv) == 0, capsys.readouterr().err
+    assert [(r['epoch'], r['step']) for r in records(output)] == [(1, 44), (2, 66)]
+    assert f"resumed from {output / 'last.pth'} at epoch 2" in capsys.readouterr().out
+    assert checkpoints(one_epoch) == source
 
 
 def test_resuming_a_finished_epoch_with_another_batch_size_keeps_its_record(tmp_path, digits, one_epoch, capsys):
