@@ -94,17 +94,23 @@ def checkpoint_cache_dir(cache_dir: Optional[str] = None) -> str:
 
 def cached_file_name(name: str, url: str) -> str:
     """The cache file name of model `name`'s weights at `url`: the URL's own file name where it has one (as
-    torch.hub names it, so both share the file), else `<architecture>.pth` for the registered URL of its default
-    weights (with or without their tag in `name`) and `<name>-<hash>.pth` for another, so that a URL of the user's
-    own never reads the registered weights from the cache."""
-    base = os.path.basename(urllib.parse.urlparse(url).path)
+    torch.hub names it, so both share the file), with the URL's hash where a query tells files of one path apart
+    (`get?f=a`, `get?f=b`); else `<architecture>.pth` for the registered URL of its default weights (with or without
+    their tag in `name`) and `<name>-<hash>.pth` for another, so that a URL of the user's own never reads the
+    registered weights from the cache."""
+    parsed = urllib.parse.urlparse(url)
+    base = os.path.basename(parsed.path)
+    digest = hashlib.sha256(url.encode()).hexdigest()[:8]
+    if base and parsed.query:
+        stem, extension = os.path.splitext(base)
+        return f'{stem}-{digest}{extension}'
     if base:
         return base
     architecture, _ = split_model_name_tag(name)
     cfg = get_pretrained_cfg(architecture) if timm.is_model(architecture) else None
     if cfg is not None and cfg.url == url:
         return f'{architecture}.pth'
-    return f'{name}-{hashlib.sha256(url.encode()).hexdigest()[:8]}.pth'
+    return f'{name}-{digest}.pth'
 
 
 def _download_failure(error: BaseException) -> str:

@@ -258,6 +258,31 @@ def test_failures_are_one_line_and_leave_no_file(server, cache, monkeypatch, fai
     assert not cache.exists() or not list(cache.iterdir())
 
 
+def test_urls_that_differ_in_their_query_alone_are_cached_apart(server, cache):
+    """Two URLs of one path (`.../get?f=a`, `.../get?f=b`) shared the cache file `get`: the second model silently
+    loaded the first one's weights."""
+    weights = {'a': official_checkpoint(**TINY)[0]}
+    weights['b'] = {key: value + 1 for key, value in weights['a'].items()}
+    for name, state_dict in weights.items():
+        buffer = io.BytesIO()
+        torch.save({'model': state_dict}, buffer)
+        server.files[f'get?f={name}'] = buffer.getvalue()
+    for name in ('a', 'b'):
+        url = f'http://127.0.0.1:{server.port}/release/get?f={name}'
+        assert_weights(timm.create_model('inline_deit_tiny', pretrained=True, **TINY,
+                                         pretrained_cfg_overlay=dict(url=url)), weights[name])
+    assert len(list(cache.iterdir())) == 2
+
+
+def test_a_weights_file_that_does_not_exist_is_named(tmp_path):
+    """timm raised FileNotFoundError('') for an overlay `file` that is not there."""
+    missing = tmp_path / 'inline_deit_t.pth'
+    with pytest.raises(FileNotFoundError) as raised:
+        timm.create_model('inline_deit_tiny', pretrained=True, **TINY, pretrained_cfg_overlay=dict(file=str(missing)))
+    assert str(raised.value) == (f"[Errno 2] pretrained weights file not found (pretrained_cfg_overlay file=...): "
+                                 f"{str(missing)!r}")
+
+
 def test_a_safetensors_file_downloads_and_loads(server, cache):
     state_dict, _ = official_checkpoint(**TINY)
     server.files['weights.safetensors'] = safetensors.torch.save(state_dict)
