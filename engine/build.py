@@ -22,7 +22,8 @@ from .config import ConfigError, mixup_active, model_kwargs
 from .errors import UsageError
 from .hub import is_hub_name, weights_file
 
-__all__ = ['check_model_name', 'check_model_config', 'check_pretrained', 'official_weights', 'classifier_rows',
+__all__ = ['check_model_name', 'check_model_config', 'check_pretrained', 'official_weights', 'classifier_names',
+           'classifier_rows',
            'read_weights', 'checkpoint_weights', 'create_model', 'weight_changes', 'create_optimizer',
            'create_scheduler', 'create_criterion', 'autocast_dtype', 'check_onednn', 'create_training_model']
 
@@ -70,7 +71,8 @@ def check_pretrained(value: str) -> None:
         raise UsageError(f"MODEL.PRETRAINED {value!r} has no released weights; {expected}")
 
 
-def _classifier_names(name: str) -> Tuple[str, ...]:
+def classifier_names(name: str) -> Tuple[str, ...]:
+    """The state-dict names of model `name`'s classifier (its pretrained cfg's `classifier`)."""
     cfg = timm.models.get_pretrained_cfg(name)
     classifier = getattr(cfg, 'classifier', None) if cfg is not None else None
     if not classifier:
@@ -88,7 +90,7 @@ def official_weights(name: str, weights: Mapping[str, Tensor]) -> Dict[str, Tens
 
 def classifier_rows(name: str, state_dict: Mapping[str, Tensor]) -> Optional[int]:
     """The class count of the classifier weights in `state_dict` for model `name`, None when it has none."""
-    for classifier in _classifier_names(name):
+    for classifier in classifier_names(name):
         weight = state_dict.get(f'{classifier}.weight')
         if weight is not None:
             return int(weight.shape[0])
@@ -212,7 +214,7 @@ def weight_changes(name: str, weights: Mapping[str, Tensor], model: nn.Module) -
     class count, the first convolution adapted to another channel count (as timm's loader adapts it), and tensors
     resized to the model's resolution (position embeddings and tables)."""
     own = model.state_dict()
-    classifier_keys = {f'{c}.{part}' for c in _classifier_names(name) for part in ('weight', 'bias')}
+    classifier_keys = {f'{c}.{part}' for c in classifier_names(name) for part in ('weight', 'bias')}
     first_conv = getattr(model, 'pretrained_cfg', {}).get('first_conv')
     changes = []
     rows = classifier_rows(name, weights)

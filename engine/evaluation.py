@@ -11,8 +11,8 @@ from yacs.config import CfgNode as CN
 from models.checkpoint import CheckpointError, load_checkpoint_file
 from models.onednn import convert_to_onednn
 
-from .build import (autocast_dtype, check_model_name, checkpoint_weights, classifier_rows, create_model,
-                    official_weights)
+from .build import (autocast_dtype, check_model_name, checkpoint_weights, classifier_names, classifier_rows,
+                    create_model, official_weights)
 from .checkpoint import recorded_classes
 from .compile import CompileTimer, compile_errors_reported, compile_model
 from .config import config_from_yaml_string, get_default_config, load_config, merge_dict, merge_opts, validate_config
@@ -117,6 +117,11 @@ def load_weights(cfg: CN, checkpoint: str, ema: bool,
     weights = official_weights(cfg.MODEL.NAME, checkpoint_weights(stored, checkpoint, ema=ema))
     del stored  # a training checkpoint's optimizer state and EMA, not needed here
     rows = classifier_rows(cfg.MODEL.NAME, weights)
+    classifiers = classifier_names(cfg.MODEL.NAME)
+    if rows is None and classifiers:
+        raise CheckpointError(f"checkpoint {checkpoint!r} holds no classifier "
+                              f"({' or '.join(f'{name}.weight' for name in classifiers)}); expected the weights of a "
+                              f"model that classifies")
     if rows is None or rows == cfg.MODEL.NUM_CLASSES:
         return cfg, weights, classes
     if not adopt_classes:
