@@ -27,7 +27,6 @@ from timm.data.distributed_sampler import RepeatAugSampler
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, default_collate, get_worker_info
 from torchvision.datasets import ImageFolder
 from torchvision.datasets.folder import has_file_allowed_extension
-from tqdm import tqdm
 from yacs.config import CfgNode as CN
 
 from models._files import file_in_the_way
@@ -35,6 +34,7 @@ from models._files import file_in_the_way
 from .config import mixup_active
 from .distributed import DistInfo, all_gather_objects, each_node_first
 from .errors import BadImageError, UsageError
+from .loops import Progress
 
 __all__ = [
     'DIGITS_STAMP', 'default_digits_root', 'prepare_digits', 'resolve_data_root', 'check_splits', 'class_difference',
@@ -396,8 +396,11 @@ def check_images(dataset: ImageFolderSplit, cfg: CN, info: DistInfo) -> None:
     paths = [path for path, _ in dataset.samples[info.rank::info.world_size]]
     loader = DataLoader(_Decode(paths), batch_size=64, num_workers=_workers(cfg), collate_fn=list)
     start = time.perf_counter()
-    found = [bad for batch in tqdm(loader, desc=f'check {os.path.basename(dataset.root)}', disable=not info.is_main,
-                                   dynamic_ncols=True, leave=False) for bad in batch if bad is not None]
+    found = []
+    with Progress(len(loader), f'check {os.path.basename(dataset.root)}', enabled=info.is_main) as progress:
+        for batch in loader:
+            found += [bad for bad in batch if bad is not None]
+            progress.update()
     bad = sorted({b for found_by_rank in all_gather_objects(found) for b in found_by_rank})
     logger.info(f"--check-data: decoded the {len(dataset)} images of {dataset.root} in "
                 f"{time.perf_counter() - start:.1f} s, {len(bad)} bad")

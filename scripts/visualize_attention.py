@@ -18,13 +18,15 @@ from typing import List, Sequence, Union
 
 try:
     import torch
-    from tqdm import tqdm
 
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import models  # noqa: F401  (registers the families)
     from engine.analysis import find_images, load_analysis_model, load_images, refuse_unreleased
     from engine.checkpoint import refuse_unwritable_out
     from engine.errors import UsageError, exit_for_missing_extra, refuse_below, run_cli
+    from engine.distributed import DistInfo
+    from engine.loops import Progress
+    from engine.trainer import setup_logging
     from models.analysis import Query, attention_layers, record_attention
     try:
         from models.analysis.plots import (
@@ -106,6 +108,8 @@ def slug(text: str) -> str:
 
 def main(argv: Sequence[str]) -> int:
     args = parse_args(argv)
+    # progress as train.py shows it: a bar on a terminal, whole lines in a log file or a pipe
+    setup_logging(DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device('cpu')), stream=sys.stderr)
     model, cfg = load_analysis_model(args.model, args.checkpoint, args.opts, args.ema, pretrained=args.pretrained)
     size = cfg.DATA.IMG_SIZE
     files = find_images(args.image, args.max_images)
@@ -132,15 +136,19 @@ def main(argv: Sequence[str]) -> int:
                 raise UsageError(f"query 'cls': layer {name} has no class token (its tokens are the "
                                  f"{layer.grid[0]}x{layer.grid[1]} grid); expected Y,X points for it, or --layers "
                                  f"that hold the class token")
-    for index, file in enumerate(tqdm(files, desc='images', disable=len(files) < 2)):
-        stem = slug(os.path.splitext(os.path.basename(file))[0])
-        for name, layer in recorded.items():
-            rows = range(layer.weights.shape[2]) if layer.is_pooling else range(len(queries))
-            for row in rows:
-                label = f'pool{row}' if layer.is_pooling else labels[row]
-                plot_query_maps(shown[index], layer, row, save(f'{stem}_{slug(name)}_{label}.png'), index)
-            if 'q_norm' in layer.extras:
-                plot_token_norms(shown[index], layer, save(f'{stem}_{slug(name)}_norms.png'), index)
+    # each image's path under the folder, not its file name alone: `val/a/0.png` and `val/b/0.png` are two images
+    stems = [slug(os.path.splitext(os.path.relpath(file, args.image) if os.path.isdir(args.image)
+                                   else os.path.basename(file))[0]) for file in files]
+    with Progress(len(files), 'images', enabled=len(files) > 1) as progress:
+        for index, stem in enumerate(stems):
+            for name, layer in recorded.items():
+                rows = range(layer.weights.shape[2]) if layer.is_pooling else range(len(queries))
+                for row in rows:
+                    label = f'pool{row}' if layer.is_pooling else labels[row]
+                    plot_query_maps(shown[index], layer, row, save(f'{stem}_{slug(name)}_{label}.png'), index)
+                if 'q_norm' in layer.extras:
+                    plot_token_norms(shown[index], layer, save(f'{stem}_{slug(name)}_norms.png'), index)
+            progress.update()
     if has_class_token and all(layer.mixer.attention_name != 'additive' for layer in attention_layers(model).values()):
         with torch.no_grad(), record_attention(model) as full:
             model(inputs)
@@ -148,8 +156,7 @@ def main(argv: Sequence[str]) -> int:
         problem = rollout_problem(layers)
         if problem is None:
             rollout = attention_rollout(layers)
-            for index, file in enumerate(files):
-                stem = slug(os.path.splitext(os.path.basename(file))[0])
+            for index, stem in enumerate(stems):
                 plot_heat_map(shown[index], rollout[index].numpy(), 'attention rollout (class token)',
                               save(f'{stem}_rollout.png'))
         else:
@@ -157,8 +164,7 @@ def main(argv: Sequence[str]) -> int:
     if args.gradcam:
         cams = grad_cam(model, inputs)
         predicted = logits.argmax(dim=-1).tolist()
-        for index, file in enumerate(files):
-            stem = slug(os.path.splitext(os.path.basename(file))[0])
+        for index, stem in enumerate(stems):
             plot_heat_map(shown[index], cams[index], f'Grad-CAM, class {predicted[index]}', save(f'{stem}_gradcam.png'))
     multimax = [m for m in model.modules() if isinstance(m, MultiMaxMixer)]
     if multimax:

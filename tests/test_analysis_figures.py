@@ -107,6 +107,22 @@ def images(tmp_path_factory):
     return folder
 
 
+def test_visualize_attention_names_each_image_s_figures_by_its_path_under_the_folder(tmp_path, capsys):
+    """Images of one name in two class folders (`val/a/0.png`, `val/b/0.png`, as an ImageNet tree holds them) each
+    get their figures: the second image's replaced the first one's, and the count said otherwise. Its progress
+    over the images is no bar where stderr is no terminal."""
+    for folder in ('a', 'b'):
+        (tmp_path / 'val' / folder).mkdir(parents=True)
+        Image.new('L', (8, 8), 40 if folder == 'a' else 200).save(tmp_path / 'val' / folder / '0.png')
+    out = tmp_path / 'figures'
+    argv = ['--model', 'softmax_deit_tiny', '--image', str(tmp_path / 'val'), '--layers', '-1', '--queries', 'cls',
+            '--out', str(out), '--opts'] + TINY
+    assert run_cli(visualize.main, argv) == 0
+    assert sorted(os.listdir(out)) == ['a-0_blocks-1-attn_cls.png', 'a-0_rollout.png', 'b-0_blocks-1-attn_cls.png',
+                                       'b-0_rollout.png']
+    assert '\r' not in capsys.readouterr().err
+
+
 def test_visualize_attention_writes_figures(images, tmp_path):
     out = tmp_path / 'figures'
     # the class-token DeiT with MultiMax blocks: class-token queries and rollout, MultiMax's sigma curve

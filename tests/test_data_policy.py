@@ -20,6 +20,7 @@ import torch
 from PIL import Image
 from torchvision.datasets import ImageFolder
 
+import engine.loops
 from engine.cli import eval_main, train_main
 from engine.config import ConfigError, load_config
 from engine.data import (build_eval_loader, build_train_loader, eval_transform, load_split, prepare_digits,
@@ -292,12 +293,16 @@ def test_skip_logs_each_bad_file_and_counts_them_per_epoch(tmp_path, data):
     assert all(torch.equal(first[name], second[name]) for name in first)
 
 
-def test_check_data_finds_a_truncated_image_before_training(tmp_path, data, capsys):
+def test_check_data_finds_a_truncated_image_before_training(tmp_path, data, capsys, monkeypatch):
+    """...and shows its progress as training does: whole lines where stderr is no terminal, not bar updates."""
+    monkeypatch.setattr(engine.loops, 'PLAIN_PROGRESS_SECONDS', 0.0)
     bad = make_bad(data / 'train' / '9', 'truncated jpeg')
     output = tmp_path / 'run'
     assert run_cli(train_main, ['--check-data', *train_argv(output, data)]) == USAGE_EXIT_CODE
+    out, err = capsys.readouterr()
+    assert '\r' not in err and 'Traceback' not in err and 'check train 2/2 (100%)' in out, err
     assert re.fullmatch(rf"error: image {re.escape(repr(str(bad)))} {DECODE_BAD['truncated jpeg'][2]}{EXPECTED}\)",
-                        error_line(capsys))
+                        err.rstrip('\n').split('\n')[-1])
     log = (output / 'train.log').read_text()
     assert 'updates per epoch' not in log and not (output / 'last.pth').exists()
 
