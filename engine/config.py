@@ -321,6 +321,9 @@ def validate_config(cfg: CN) -> None:
     for key, choices in _CHOICES.items():
         value = _get(cfg, key)
         _check(value in choices, key, value, 'one of ' + ', '.join(repr(c) for c in choices))
+    for key in _POSITIVE + _NON_NEGATIVE:
+        value = _get(cfg, key)
+        _check(not math.isinf(value), key, value, 'a finite value')
     for key in _POSITIVE:
         value = _get(cfg, key)
         _check(value > 0, key, value, 'a value > 0')
@@ -335,8 +338,12 @@ def validate_config(cfg: CN) -> None:
     train = cfg.TRAIN
     _check(not train.LR_SCHEDULER.WARMUP_PREFIX or train.WARMUP_EPOCHS < train.EPOCHS, 'TRAIN.WARMUP_EPOCHS',
            train.WARMUP_EPOCHS, f'fewer than TRAIN.EPOCHS ({train.EPOCHS}) with TRAIN.LR_SCHEDULER.WARMUP_PREFIX')
-    # above 1 the centre crop is larger than the resized image and padded, as timm does for some models (1.15)
-    _check(cfg.TEST.CROP_PCT > 0, 'TEST.CROP_PCT', cfg.TEST.CROP_PCT, 'a value > 0')
+    # above 1 the centre crop is larger than the resized image and padded, as timm does for some models (1.15); the
+    # resize must leave a pixel, and 16 times the crop's side is far beyond any recipe (and memory at 1e-4)
+    size = cfg.DATA.IMG_SIZE
+    _check(1 / 16 <= cfg.TEST.CROP_PCT <= size, 'TEST.CROP_PCT', cfg.TEST.CROP_PCT,
+           f"a value in [1/16, {size}]: images are resized to floor(DATA.IMG_SIZE / TEST.CROP_PCT) before the "
+           f"{size}-pixel crop, at most 16 times the crop and at least 1 pixel")
     for key in ('DATA.MEAN', 'DATA.STD'):
         value = _get(cfg, key)
         _check(len(value) in (1, 3) and all(isinstance(v, (int, float)) for v in value), key, value,

@@ -116,6 +116,13 @@ def test_bad_files_name_the_key_and_the_expectation(tmp_path, text, words):
     (['DATA.IMG_SIZE', '16', 'MODEL.KWARGS.img_size', '32'],
      "config key MODEL.KWARGS.img_size is 32 but DATA.IMG_SIZE is 16; expected DATA.IMG_SIZE 32 alone (the engine "
      "passes it as img_size)"),
+    (['DATA.IMG_SIZE', '16', 'TEST.CROP_PCT', '100.0'],
+     "config key TEST.CROP_PCT is 100.0; expected a value in [1/16, 16]: images are resized to floor(DATA.IMG_SIZE / "
+     "TEST.CROP_PCT) before the 16-pixel crop, at most 16 times the crop and at least 1 pixel"),
+    (['DATA.IMG_SIZE', '224', 'TEST.CROP_PCT', '0.0001'],
+     "config key TEST.CROP_PCT is 0.0001; expected a value in [1/16, 224]: images are resized to floor(DATA.IMG_SIZE "
+     "/ TEST.CROP_PCT) before the 224-pixel crop, at most 16 times the crop and at least 1 pixel"),
+    (['TRAIN.BASE_LR', '1e999'], "config key TRAIN.BASE_LR is inf; expected a finite value"),
 ])
 def test_values_that_would_fail_inside_timm_or_torch_or_contradict_are_named(opts, message):
     """Each was an exception from timm's or torch's own checks (some at the first batch or scheduler step), a
