@@ -92,6 +92,9 @@ def check_writable_folder(folder: str, source: str) -> None:
 def refuse_unwritable_out(parser: argparse.ArgumentParser, out: str, prefix: bool) -> None:
     """`parser.error` (one line, status 2) unless a script's `--out` can be written: the folder of `out` when it
     is a prefix of the files (`docs/benchmarks` for .md and .csv), else `out` itself."""
+    if prefix and (out.endswith(os.sep) or os.path.isdir(out)):
+        parser.error(f"--out {out}: is a folder; expected a path prefix of the files, such as "
+                     f"{os.path.join(out, 'stats')} for {os.path.join(out, 'stats')}.csv")
     folder = (os.path.dirname(out) or '.') if prefix else out
     try:
         check_writable_folder(folder, f'--out {out}')

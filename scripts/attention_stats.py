@@ -72,12 +72,18 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     return args
 
 
+def labelled_checkpoint(item: str) -> Tuple[str, str]:
+    """(label or '', path) of a `--checkpoints` item: a file's path as it stands (sweep folders such as `lr=1e-3`
+    hold an '='), else LABEL=PATH split at the first '='."""
+    if os.path.isfile(item):
+        return '', item
+    label, _, path = item.partition('=')
+    return (label, path) if path else ('', item)
+
+
 def sources(args: argparse.Namespace) -> List[Tuple[str, str, str]]:
     """(label, model name or '', checkpoint or '') of every model to measure."""
-    found = []
-    for item in args.checkpoints:
-        label, _, path = item.rpartition('=')
-        found.append((label, '', path))
+    found = [(label, '', path) for label, path in map(labelled_checkpoint, args.checkpoints)]
     found += [(name, name, '') for name in args.models]
     return found
 

@@ -364,3 +364,28 @@ def test_attention_stats_checks_every_model_before_measuring_the_first(models, m
     err = capsys.readouterr().err
     assert err.startswith(message) and err.count('\n') == 1, err
     assert measured == [] and not list(tmp_path.iterdir())
+
+
+def test_attention_stats_takes_checkpoint_paths_that_hold_an_equals_sign(tmp_path):
+    """A sweep folder such as `lr=1e-3`: the path was split at its last '=' into a label and '1e-3/best.pth'."""
+    path = tmp_path / 'lr=1e-3' / 'best.pth'
+    path.parent.mkdir()
+    path.write_bytes(b'')
+    assert attention_stats.labelled_checkpoint(str(path)) == ('', str(path))
+    assert attention_stats.labelled_checkpoint(f'mine={path}') == ('mine', str(path))
+    assert attention_stats.labelled_checkpoint('runs/best.pth') == ('', 'runs/best.pth')
+    assert attention_stats.labelled_checkpoint('a=') == ('', 'a=')  # named as the checkpoint not found
+
+
+@pytest.mark.parametrize('script', ['attention_stats', 'benchmark'])
+def test_an_out_prefix_that_is_a_folder_is_refused(script, images, tmp_path, capsys):
+    """`--out DIR/` wrote the hidden files DIR/.csv, DIR/.md and DIR/.png."""
+    argv = {'attention_stats': ['--models', 'softmax_deit_tiny', '--data', str(images)],
+            'benchmark': ['--families', 'deit']}[script]
+    with pytest.raises(SystemExit) as stopped:
+        load_script(script).main([*argv, '--out', f'{tmp_path}{os.sep}'])
+    assert stopped.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1].endswith(
+        f"error: --out {tmp_path}{os.sep}: is a folder; expected a path prefix of the files, such as "
+        f"{tmp_path / 'stats'} for {tmp_path / 'stats'}.csv")
+    assert not list(tmp_path.iterdir())
