@@ -204,6 +204,8 @@ def _coerce(value: Any, default: Any, full_key: str, source: str) -> Any:
         return None
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if kind is bool and isinstance(value, str) and value.lower() in ('true', 'false'):  # YAML's spelling, in --opts
+        return value.lower() == 'true'
     if kind in (list, tuple) and isinstance(value, (list, tuple)):
         return list(value)
     if kind is type(None) or type(value) is kind:

@@ -138,7 +138,8 @@ def check_splits(root: str, splits: Sequence[str]) -> None:
     """Raise `UsageError` unless `root` exists and holds, for each of `splits`, a folder of class folders: one
     listing per split, cheap enough to run before any download or scan."""
     if not os.path.isdir(root):
-        raise UsageError(f"data path {root!r} does not exist; expected a folder with {' and '.join(splits)} inside")
+        state = 'is a file' if os.path.exists(root) else 'does not exist'
+        raise UsageError(f"data path {root!r} {state}; expected a folder with {' and '.join(splits)} inside")
     for split in splits:
         folder = os.path.join(root, split)
         if not os.path.isdir(folder):

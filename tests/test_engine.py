@@ -777,6 +777,8 @@ def test_eval_refuses_a_model_it_cannot_build_before_downloading(monkeypatch, ca
     ([], "error: no dataset given; expected --data-path DIR (an ImageNet-style folder with train/ and val/) or "
          "DATA.DATASET 'digits'\n"),
     (['--data-path', 'nope'], "error: data path 'nope' does not exist; expected a folder with val inside\n"),
+    (['--data-path', str(REPO / 'README.md')],
+     f"error: data path {str(REPO / 'README.md')!r} is a file; expected a folder with val inside\n"),
 ])
 def test_eval_refuses_missing_data_before_downloading_the_released_weights(monkeypatch, capsys, data, message):
     monkeypatch.setattr(engine.hub, 'start_weights_file', lambda source: pytest.fail('downloaded'))

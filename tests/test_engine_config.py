@@ -300,3 +300,16 @@ def test_official_hyper_parameters(key):
     assert cfg.TEST.CROP_PCT == crop_pct and cfg.TEST.CROP_MODE == 'squash'  # the official square resize
     assert cfg.TRAIN.LR_SCALING == 'all' and cfg.AUG.REPEATED_AUG == 1 and not cfg.TRAIN.LR_SCHEDULER.WARMUP_PREFIX
     assert cfg.AMP.ENABLED == key.startswith('inline/') and not cfg.AMP.EVAL  # InLine trains with --amp
+
+
+@pytest.mark.parametrize('given, read', [('true', True), ('false', False), ('True', True), ('False', False),
+                                         ('FALSE', False)])
+def test_opts_take_booleans_as_the_configs_spell_them(given, read):
+    """`--opts AMP.ENABLED false` was refused with 'expects true or false, got 'false''."""
+    assert load_config(None, ['AMP.ENABLED', given]).AMP.ENABLED is read
+
+
+def test_a_boolean_key_names_what_it_takes():
+    with pytest.raises(ConfigError) as error:
+        load_config(None, ['AMP.ENABLED', 'maybe'])
+    assert str(error.value) == "config key AMP.ENABLED expects true or false, got 'maybe' in --opts"
