@@ -213,16 +213,28 @@ def _coerce(value: Any, default: Any, full_key: str, source: str) -> Any:
     raise ConfigError(f"config key {full_key} expects {_type_name(kind)}, got {value!r} in {source}")
 
 
+def _free_form_value(value: Any) -> Any:
+    """A value of a node that takes any keys: read as a Python literal where it parses (from --opts), with YAML's
+    true / false, and a dict as a node that takes any keys too."""
+    value = CN._decode_cfg_value(value)
+    if isinstance(value, CN):
+        value.set_new_allowed(True)
+    elif isinstance(value, str) and value.lower() in ('true', 'false'):
+        value = value.lower() == 'true'
+    return value
+
+
 def merge_dict(cfg: CN, updates: Dict[str, Any], source: str, prefix: str = '') -> None:
     """Merge a nested dict into `cfg`, checking each key exists (unless its node allows new keys) and each type."""
     if not isinstance(updates, dict):
         raise ConfigError(f"{source} must hold a mapping of config keys, got {type(updates).__name__}")
     for key, value in updates.items():
         full_key = prefix + str(key)
-        if key not in cfg:
-            if not cfg.is_new_allowed():
+        free_form = cfg.is_new_allowed()  # MODEL.KWARGS: the constructor's keywords, of any type, at any depth
+        if key not in cfg or (free_form and not (isinstance(cfg[key], CN) and isinstance(value, dict))):
+            if not free_form:
                 raise _unknown_key(full_key, source)
-            cfg[key] = CN._decode_cfg_value(value)
+            cfg[key] = _free_form_value(value)
         elif isinstance(cfg[key], CN):
             if not isinstance(value, dict):
                 raise ConfigError(f"config key {full_key} is a group of keys, got {value!r} in {source}")

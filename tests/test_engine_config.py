@@ -313,3 +313,17 @@ def test_a_boolean_key_names_what_it_takes():
     with pytest.raises(ConfigError) as error:
         load_config(None, ['AMP.ENABLED', 'maybe'])
     assert str(error.value) == "config key AMP.ENABLED expects true or false, got 'maybe' in --opts"
+
+
+def test_model_keywords_are_free_form_at_every_depth(tmp_path):
+    """MODEL.KWARGS holds the constructor's keywords: a nested dict (attn_kwargs) set in a base config takes new keys
+    from a child config and from --opts, and a keyword takes a value of another type than the one it had (they were
+    refused as unknown keys, or as 'expects an integer' / 'expects a string')."""
+    base = write(tmp_path / 'base.yaml', "MODEL:\n  NAME: inline_deit_tiny\n  KWARGS:\n    attn_type: sima\n"
+                                         "    mlp_ratio: 4\n    attn_kwargs:\n      focusing_factor: 2\n")
+    child = write(tmp_path / 'child.yaml', f"BASE: [{base}]\nMODEL:\n  KWARGS:\n    attn_kwargs:\n      causal: true\n")
+    cfg = load_config(str(child), ['MODEL.KWARGS.attn_kwargs.kernel_size', '3', 'MODEL.KWARGS.mlp_ratio', '4.5',
+                                   'MODEL.KWARGS.attn_type', "['inline', 'softmax']", 'MODEL.KWARGS.qkv_bias', 'false'])
+    kwargs = cfg.MODEL.KWARGS
+    assert dict(kwargs.attn_kwargs) == dict(focusing_factor=2, causal=True, kernel_size=3)
+    assert kwargs.mlp_ratio == 4.5 and kwargs.attn_type == ['inline', 'softmax'] and kwargs.qkv_bias is False
