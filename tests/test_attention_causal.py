@@ -10,7 +10,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import models  # noqa: F401  (registers the families)
 from models.attention import build_attention
-from models.attention.additive import additive_attention, causal_additive_pool
+from models.attention.additive import causal_additive_pool
 from models.attention.linear import causal_linear_attention
 from models.attention.multimax import multimax_attention
 from models.attention.softmax import softmax_attention
@@ -204,10 +204,6 @@ def test_causal_function_gradchecks_across_chunks():
     q, k, v = (torch.randn(1, 1, 5, 2, dtype=torch.float64, requires_grad=True) for _ in range(3))
     assert gradcheck(lambda a, b, c: causal_linear_attention(a, b, c, chunk_size=2), (q, k, v))
     assert gradcheck(lambda a, b, c: softmax_attention(a, b, c, causal=True), (q, k, v))
-    tokens = [torch.randn(1, 3, 2, dtype=torch.float64, requires_grad=True) for _ in range(3)]
-    weights = [torch.randn(*shape, dtype=torch.float64, requires_grad=True)
-               for shape in ((1, 2), (1,), (1, 2), (1,), (2, 2), (2,))]
-    assert gradcheck(lambda *t: additive_attention(*t, causal=True), (*tokens, *weights))
 
 
 def test_causal_multimax_row_blocks_gradcheck_and_second_derivatives(monkeypatch):

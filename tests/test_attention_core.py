@@ -7,7 +7,7 @@ from torch.autograd import gradcheck
 from torch.utils.flop_counter import FlopCounterMode
 
 from models.attention import build_attention, list_attentions
-from models.attention.additive import additive_attention, additive_pool
+from models.attention.additive import additive_pool
 from models.attention.multimax import multimax_attention, multimax_modulation
 from models.attention.sima import l1_normalize_tokens, sima_attention
 from reference import SPEC_RANGES, SPEC_TS, dense, max_abs_err, naive_l1, naive_sigma, naive_softmax
@@ -218,10 +218,11 @@ def test_function_gradchecks():
     assert gradcheck(sima_attention, (q, k, v))
     q3, k3, v3 = (torch.randn(1, 2, 3, 4, dtype=torch.float64, requires_grad=True) for _ in range(3))
     assert gradcheck(sima_attention, (q3, k3, v3))
-    tokens = [torch.randn(1, 4, 4, dtype=torch.float64, requires_grad=True) for _ in range(3)]
-    weights = [torch.randn(*shape, dtype=torch.float64, requires_grad=True)
-               for shape in ((2, 4), (2,), (2, 4), (2,), (4, 4), (4,))]
-    assert gradcheck(additive_attention, (*tokens, *weights))
+    additive = build64('additive', dim=4, num_heads=2, grid=(2, 2))
+    x = torch.randn(1, 4, 4, dtype=torch.float64, requires_grad=True)
+    assert gradcheck(lambda t: additive(t, (2, 2)), (x,))
+    logits = torch.randn(1, 4, 2, dtype=torch.float64, requires_grad=True)
+    assert gradcheck(additive_pool, (x, logits))
 
 
 @pytest.mark.parametrize('dtype', [torch.bfloat16, torch.float16])
@@ -285,6 +286,32 @@ def test_unknown_attention_lists_valid_names():
         build_attention('nope', 64, 4, (8, 8))
     for name in list_attentions():
         assert name in str(info.value)
+
+
+class Wrapped(torch.nn.Module):
+    """A Linear inside a module of its own, with no `weight` of its own, as adapters and int8 quantization leave
+    them (a quantized Linear's `weight` is a method)."""
+
+    def __init__(self, inner: torch.nn.Linear):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x)
+
+
+@pytest.mark.parametrize('name', list_attentions())
+def test_every_attention_runs_with_its_linear_layers_replaced(name):
+    """The additive mixer read its layers' weights and failed once they were replaced ('function' object has no
+    attribute 'shape' under torch.ao.quantization.quantize_dynamic)."""
+    attn = build64(name, dim=8, num_heads=2, grid=(2, 2))
+    x = torch.randn(2, 4, 8, dtype=torch.float64)
+    expected = attn(x, (2, 2))
+    for parent in list(attn.modules()):
+        for child_name, child in list(parent.named_children()):
+            if type(child) is torch.nn.Linear:
+                setattr(parent, child_name, Wrapped(child))
+    assert max_abs_err(attn(x, (2, 2)), expected) == 0
 
 
 @pytest.mark.parametrize('name', list_attentions())

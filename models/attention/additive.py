@@ -22,7 +22,6 @@ import math
 from typing import Optional, Tuple
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .causal import CAUSAL_CHUNK, chunk_tokens, later_tokens
@@ -30,7 +29,7 @@ from .layout import Grid
 from .mixer import Mixer, MixContext, autocast_off
 from .registry import register_attention
 
-__all__ = ['additive_pool', 'causal_additive_pool', 'additive_attention', 'AdditiveMixer']
+__all__ = ['additive_pool', 'causal_additive_pool', 'AdditiveMixer']
 
 
 def additive_pool(x: Tensor, logits: Tensor) -> Tensor:
@@ -110,32 +109,6 @@ def _add_earlier_chunks(sums: Tensor, norms: Tensor, running_max: Tensor) -> Tup
     return torch.cat([sums[:, :, :1], later_sums], dim=2), torch.cat([norms[:, :, :1], later_norms], dim=2)
 
 
-def additive_attention(
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        query_att_weight: Tensor,
-        query_att_bias: Optional[Tensor],
-        key_att_weight: Tensor,
-        key_att_bias: Optional[Tensor],
-        transform_weight: Tensor,
-        transform_bias: Optional[Tensor],
-        causal: bool = False,
-) -> Tensor:
-    """q, k, v: (B, n, C); `*_att_weight`: (heads, C); `transform_weight`: (C, C) -> (B, n, C).
-
-    The number of heads is the number of rows of the score weights. `causal`: prefix pools, so that output i
-    depends on tokens 0..i only.
-    """
-    scale = (q.shape[-1] // query_att_weight.shape[0]) ** -0.5
-    query_logits = F.linear(q, query_att_weight, query_att_bias) * scale
-    global_query = causal_additive_pool(q, query_logits) if causal else additive_pool(q, query_logits)
-    p = k * global_query
-    key_logits = F.linear(p, key_att_weight, key_att_bias) * scale
-    global_key = causal_additive_pool(p, key_logits) if causal else additive_pool(p, key_logits)
-    return F.linear(global_key * v, transform_weight, transform_bias) + q
-
-
 @register_attention('additive')
 class AdditiveMixer(Mixer):
     """Fastformer's additive attention; prefix tokens pool like any token.
@@ -143,6 +116,9 @@ class AdditiveMixer(Mixer):
     Parameters: `query_att`, `key_att` (Linear(C, heads)) and `transform` (Linear(C, C)). Every query needs its
     own value, so keys and values cannot come from a reduced map; there is no score matrix, so no position bias
     or window mask applies. Option: `causal` (prefix pools, linear in the tokens).
+
+    The math on tensors is the pooling (`additive_pool`, `causal_additive_pool`); the layers run between the pools
+    as modules, so that layers swapped for others (int8 quantization, adapters) take part as they are.
     """
 
     def __init__(self, dim: int, num_heads: int, group_grid: Optional[Grid] = None, attn_drop: float = 0., *,
@@ -154,9 +130,15 @@ class AdditiveMixer(Mixer):
         self.transform = nn.Linear(dim, dim)
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, ctx: MixContext) -> Tensor:
-        return additive_attention(
-            q, k, v, self.query_att.weight, self.query_att.bias, self.key_att.weight, self.key_att.bias,
-            self.transform.weight, self.transform.bias, self.causal)
+        """q, k, v: (B, n, C) -> (B, n, C)."""
+        scale = self.head_dim ** -0.5
+        global_query = self._pool(q, self.query_att(q) * scale)
+        p = k * global_query
+        global_key = self._pool(p, self.key_att(p) * scale)
+        return self.transform(global_key * v) + q
+
+    def _pool(self, x: Tensor, logits: Tensor) -> Tensor:
+        return causal_additive_pool(x, logits) if self.causal else additive_pool(x, logits)
 
     def extra_repr(self) -> str:
         return 'causal=True' if self.causal else ''
