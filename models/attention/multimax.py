@@ -214,6 +214,8 @@ def multimax_attention(
     """
     if torch.jit.is_scripting():  # the plain path without the custom autograd functions
         return _multimax_plain(q, k, v, ranges, ts, bias, mask, dropout_p, causal)
+    if _under_func_transforms(q, k, v, ranges, ts, bias):
+        return _multimax_plain(q, k, v, ranges, ts, bias, mask, dropout_p, causal)
     B, h, n, _ = q.shape
     # torch.export keeps the batch symbolic: the path and the block size then follow one image's scores, which
     # are static, so that one graph serves every batch size
@@ -280,13 +282,24 @@ def _cpu_flex_compiles(q: Tensor, training: bool, bias: Optional[Tensor]) -> boo
             and torch.compiler.is_compiling() and not is_exporting())
 
 
+def _under_func_transforms(*tensors: Optional[Tensor]) -> bool:
+    """Whether `torch.func` transforms (grad, vmap, jacrev, ...) hold any of `tensors`: the formula, in plain
+    differentiable operations, serves them; the custom autograd functions and the CPU kernel have no rules for them.
+    Inside `torch.compile` none are checked (the compiler traces the transforms itself)."""
+    if torch.compiler.is_compiling():
+        return False
+    return any(t is not None and torch._C._functorch.is_functorch_wrapped_tensor(t) for t in tensors)
+
+
 def _multimax_plain(q: Tensor, k: Tensor, v: Tensor, ranges: Tensor, ts: Tensor, bias: Optional[Tensor],
                     mask: Optional[Tensor], dropout_p: float, causal: bool = False) -> Tensor:
     work = torch.promote_types(q.dtype, torch.float32)
     scores = torch.matmul(q * q.shape[-1] ** -0.5, k.transpose(-2, -1)).to(work)
     if bias is not None:
         scores = scores + bias.to(work)
-    if torch.jit.is_scripting():
+    if torch.jit.is_scripting():  # TorchScript compiles this branch alone
+        modulated = multimax_modulation(scores, ranges.to(work), ts.to(work))
+    elif _under_func_transforms(scores, ranges, ts):
         modulated = multimax_modulation(scores, ranges.to(work), ts.to(work))
     else:
         modulated = _Modulation.apply(scores, ranges.to(work), ts.to(work))
