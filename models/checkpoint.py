@@ -49,8 +49,8 @@ __all__ = [
     'has_released_weights', 'released_weights_file', 'official_keys', 'filter_checkpoint', 'adapt_state_dict',
     'load_pretrained_into', 'load_shared_weights', 'TransferReport', 'SAFE_GLOBALS', 'load_checkpoint_file',
     'MODEL_KEYS', 'EMA_KEYS', 'checkpoint_state_dict', 'error_summary', 'rename_loaded_keys', 'loaded_key_names',
-    'is_derived_buffer', 'drop_derived_buffers', 'check_state_dict', 'load_state_dict_checked', 'resample_grid_embedding',
-    'resize_grid_embedding', 'resize_rel_pos_bias_table',
+    'is_derived_buffer', 'drop_derived_buffers', 'check_state_dict', 'load_state_dict_checked',
+    'resample_grid_embedding', 'resize_grid_embedding', 'resize_rel_pos_bias_table',
 ]
 
 SAFE_GLOBALS = [(OrderedDict, 'yacs.config.CfgNode'), set, argparse.Namespace]
@@ -313,7 +313,7 @@ def load_checkpoint_file(path: str, map_location: Any = 'cpu', shown_as: Optiona
         raise CheckpointError(f"{what} is truncated or corrupt ({error_summary(e)})") from None
 
 
-def _a(type_name: str) -> str:
+def _with_article(type_name: str) -> str:
     return f"{'an' if type_name[0].lower() in 'aeiou' else 'a'} {type_name}"
 
 
@@ -327,7 +327,7 @@ def checkpoint_state_dict(checkpoint: Any, keys: Sequence[str] = MODEL_KEYS,
     held_under = ', '.join(dict.fromkeys([*keys, *EMA_KEYS]))
     expected = f"expected a flat state dict of tensors or one under the key {held_under}"
     if not isinstance(checkpoint, Mapping):
-        raise CheckpointError(f"{source} holds {_a(type(checkpoint).__name__)}; {expected}")
+        raise CheckpointError(f"{source} holds {_with_article(type(checkpoint).__name__)}; {expected}")
     for key in (*keys, *EMA_KEYS):
         if isinstance(checkpoint.get(key), Mapping):
             checkpoint = checkpoint[key]
@@ -335,8 +335,8 @@ def checkpoint_state_dict(checkpoint: Any, keys: Sequence[str] = MODEL_KEYS,
     state_dict = {}
     for name, value in checkpoint.items():
         if not isinstance(value, Tensor):
-            raise CheckpointError(f"{source} holds {name!r}, {_a(type(value).__name__)}, beside its tensors; "
-                                  f"{expected}")
+            raise CheckpointError(f"{source} holds {name!r}, {_with_article(type(value).__name__)}, beside its "
+                                  f"tensors; {expected}")
         for prefix in WRAPPER_PREFIXES:
             if name.startswith(prefix):
                 name = name[len(prefix):]
