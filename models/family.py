@@ -662,10 +662,12 @@ def _download_released_url(variant: str, kwargs: Dict[str, Any]) -> None:
     downloaded before is reused."""
     overlay = dict(kwargs.get('pretrained_cfg_overlay') or {})
     cfg = resolve_pretrained_cfg(variant, kwargs.get('pretrained_cfg'), overlay)
+    if cfg.source in HUB_SOURCES or cfg.state_dict is not None:
+        return
     if cfg.file and not os.path.isfile(cfg.file):  # timm's own error says nothing ('')
         raise FileNotFoundError(errno.ENOENT, "pretrained weights file not found (pretrained_cfg_overlay file=...)",
                                 cfg.file)
-    if cfg.source in HUB_SOURCES or cfg.state_dict is not None or cfg.file or cfg.hf_hub_id or not cfg.url:
+    if cfg.file or cfg.hf_hub_id or not cfg.url:
         return
     overlay['file'] = download_checkpoint(cfg.url, cached_file_name(variant, cfg.url), kwargs.get('cache_dir'))
     kwargs['pretrained_cfg_overlay'] = overlay
