@@ -4,6 +4,7 @@ The defaults hold the DeiT recipe (facebookresearch/deit `main.py`), with the le
 A YAML file may name base files in a top-level `BASE: [path, ...]` list, resolved relative to the including file
 and merged first, in order. Unknown keys and values of the wrong type fail with a `ConfigError` naming the key.
 """
+import collections.abc
 import difflib
 import math
 import os
@@ -269,9 +270,27 @@ def _yaml_problem(error: yaml.YAMLError) -> str:
     return f"at line {mark.line + 1}, column {mark.column + 1}: {problem}{within}"
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key that appears twice in one mapping: plain YAML keeps the last one, which
+    silently drops a whole block of keys written before it."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> Dict[Any, Any]:
+        first_seen: Dict[Any, yaml.Mark] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if not isinstance(key, collections.abc.Hashable):
+                continue  # the safe loader refuses it below, with its own message
+            if key in first_seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"the key {key!r} appears twice in one mapping (the first from line "
+                                f"{first_seen[key].line + 1})", key_node.start_mark)
+            first_seen[key] = key_node.start_mark
+        return super().construct_mapping(node, deep)
+
+
 def _parse_yaml(text: str, source: str) -> Any:
     try:
-        return yaml.safe_load(text)
+        return yaml.load(text, Loader=_UniqueKeyLoader)
     except yaml.YAMLError as e:
         raise ConfigError(f"{source} is not valid YAML {_yaml_problem(e)}") from None
 

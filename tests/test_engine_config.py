@@ -82,6 +82,10 @@ def test_none_turns_clipping_off():
     ('MODEL:\n  KWARGS:\n    Depth: 3\n', ['MODEL.KWARGS', 'lower-case']),
     ('- a\n- b\n', ['must hold a mapping']),
     ('TRAIN: [unclosed\n', ['not valid YAML']),
+    # YAML keeps the last of two equal keys: the first TRAIN block was dropped without a word
+    ('TRAIN:\n  EPOCHS: 3\nDATA:\n  BATCH_SIZE: 8\nTRAIN:\n  WARMUP_EPOCHS: 1\n',
+     ["is not valid YAML at line 5, column 1: the key 'TRAIN' appears twice in one mapping (the first from line 1)"]),
+    ('MODEL:\n  KWARGS:\n    depth: 3\n    depth: 4\n', ["line 4, column 5: the key 'depth' appears twice"]),
 ])
 def test_bad_files_name_the_key_and_the_expectation(tmp_path, text, words):
     path = write(tmp_path / 'bad.yaml', text)
