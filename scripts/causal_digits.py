@@ -130,8 +130,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     args = parser.parse_args(argv)
     refuse_below(parser, {'--steps': (args.steps, 1), '--batch-size': (args.batch_size, 1), '--dim': (args.dim, 1),
                           '--depth': (args.depth, 1), '--num-heads': (args.num_heads, 1)})
-    if not args.lr > 0:
-        parser.error(f'--lr {args.lr}: expected a positive learning rate')
+    if not 0 < args.lr < math.inf:
+        parser.error(f'--lr {args.lr}: expected a finite positive learning rate')
     try:  # the attention's own checks (a causal form, dim a multiple of num_heads) before the digits load
         build_attention(args.attn, args.dim, args.num_heads, (SIDE, SIDE), attn_kwargs=dict(causal=True))
     except ValueError as e:

@@ -37,7 +37,8 @@ def test_a_few_steps_lower_the_next_pixel_loss(capsys):
     (['--batch-size', '0'], '--batch-size 0: expected 1 or more'),
     (['--depth', '0'], '--depth 0: expected 1 or more'),
     (['--num-heads', '0'], '--num-heads 0: expected 1 or more'),
-    (['--lr', '-1'], '--lr -1.0: expected a positive learning rate'),
+    (['--lr', '-1'], '--lr -1.0: expected a finite positive learning rate'),
+    (['--lr', 'inf'], '--lr inf: expected a finite positive learning rate'),
     (['--attn', 'inline'], 'inline attention has no causal form'),
     (['--dim', '10', '--num-heads', '3'], 'additive attention: dim 10 must be a multiple of num_heads 3'),
 ])
