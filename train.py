@@ -2,11 +2,11 @@
 `torchrun --nproc_per_node=N train.py ...` on several devices or nodes."""
 import sys
 
-try:
+from engine.startup import quit_on_interrupt
+
+with quit_on_interrupt():  # while torch and the models load: nothing has started
     from engine.cli import train_main
     from engine.errors import run_cli
-except KeyboardInterrupt:  # Ctrl-C while torch and the models load: nothing has started
-    sys.exit(130)
 
 if __name__ == '__main__':
     sys.exit(run_cli(train_main))

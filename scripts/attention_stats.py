@@ -16,12 +16,14 @@ import shlex
 import sys
 from typing import Dict, List, Sequence, Tuple
 
-try:
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from engine.startup import quit_on_interrupt  # noqa: E402
+
+with quit_on_interrupt():  # while torch and the models load: nothing has started
     import numpy as np
     import torch
     from yacs.config import CfgNode as CN
 
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import models  # noqa: F401  (registers the families)
     from engine.analysis import find_images, load_analysis_model, load_images, refuse_unreleased
     from engine.checkpoint import atomic_write_text, refuse_unwritable_out
@@ -35,8 +37,6 @@ try:
     except ModuleNotFoundError as missing:
         exit_for_missing_extra(missing, 'analysis')
     from models.analysis.stats import STATISTICS, AttentionStatistics
-except KeyboardInterrupt:  # Ctrl-C while torch and the models load: nothing has started
-    sys.exit(130)
 
 # The per-layer plot's panels.
 PLOTTED = ('effective_tokens', 'top5_mass', 'gini', 'negative', 'distance_px', 'collisions')

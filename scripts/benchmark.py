@@ -55,14 +55,16 @@ import sys
 import time
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
-try:
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from engine.startup import quit_on_interrupt  # noqa: E402
+
+with quit_on_interrupt():  # while torch and the models load: nothing has started
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils.flop_counter import FlopCounterMode, conv_flop_count, flop_registry
 
     import timm
 
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import models  # noqa: F401  (registers the families)
     from engine.build import create_optimizer
     from engine.checkpoint import atomic_write_text, refuse_unwritable_out
@@ -72,8 +74,6 @@ try:
     from engine.errors import UsageError, refuse_below, run_cli
     from models.attention import forms_score_matrix, list_attentions
     from models.onednn import convert_to_onednn, onednn_available, onednn_linear
-except KeyboardInterrupt:  # Ctrl-C while torch and the models load: nothing has started
-    sys.exit(130)
 
 # The attention every `×softmax` ratio compares against.
 BASELINE = 'softmax'

@@ -15,18 +15,18 @@ import sys
 import time
 from typing import List, Optional, Sequence, Tuple
 
-try:
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from engine.startup import quit_on_interrupt  # noqa: E402
+
+with quit_on_interrupt():  # while torch and the models load: nothing has started
     import torch
     import torch.nn.functional as F
     from torch import Tensor, nn
 
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from engine.data import DIGITS_SPLIT_SEED, DIGITS_VAL_FRACTION
     from engine.errors import refuse_below, run_cli
     from models.attention import build_attention
     from models.family import Block
-except KeyboardInterrupt:  # Ctrl-C while torch and the models load: nothing has started
-    sys.exit(130)
 
 LEVELS = 17  # grey levels of the digits
 SIDE = 8

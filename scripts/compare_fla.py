@@ -32,20 +32,20 @@ import sys
 import time
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-try:
+SCRIPTS = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [os.path.dirname(SCRIPTS), SCRIPTS]  # the repository's packages, and benchmark.py beside this file
+from engine.startup import quit_on_interrupt  # noqa: E402
+
+with quit_on_interrupt():  # while torch and the models load: nothing has started
     import torch
     from torch import Tensor
 
-    SCRIPTS = os.path.dirname(os.path.abspath(__file__))
-    sys.path[:0] = [os.path.dirname(SCRIPTS), SCRIPTS]  # the repository's packages, and benchmark.py beside this file
     from benchmark import child_results, error_result, interleaved_seconds, peak_memory_mib
     from engine.checkpoint import atomic_write_text, refuse_unwritable_out
     from engine.distributed import resolve_device
     from engine.errors import UsageError, refuse_below, run_cli
     from models.attention import MixContext, get_mixer_class
     from models.attention.linear import elu_feature_map
-except KeyboardInterrupt:  # Ctrl-C while torch and the models load: nothing has started
-    sys.exit(130)
 
 FLA_KERNELS = ('chunk_linear_attn', 'fused_chunk_linear_attn', 'fused_recurrent_linear_attn')
 ZOO = 'zoo'

@@ -31,13 +31,14 @@ import tempfile
 import time
 from typing import Dict, List, Optional
 
-try:
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from engine.startup import quit_on_interrupt  # noqa: E402
+
+with quit_on_interrupt():  # while torch and the models load: nothing has started
     import numpy as np
     import torch
     from PIL import Image
-
-    ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    sys.path.insert(0, ROOT)
 
     import timm
 
@@ -50,8 +51,6 @@ try:
     from engine.distributed import DistInfo, resolve_device
     from engine.errors import UsageError, refuse_below, run_cli
     from engine.loops import autocast
-except KeyboardInterrupt:  # Ctrl-C while torch and the models load: nothing has started
-    sys.exit(130)
 
 # ImageNet-1k's median image is 500x375; its JPEGs average about 110 KB.
 IMAGE_SIZE = (500, 375)

@@ -16,10 +16,12 @@ import re
 import sys
 from typing import List, Sequence, Union
 
-try:
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from engine.startup import quit_on_interrupt  # noqa: E402
+
+with quit_on_interrupt():  # while torch and the models load: nothing has started
     import torch
 
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import models  # noqa: F401  (registers the families)
     from engine.analysis import find_images, load_analysis_model, load_images, refuse_unreleased
     from engine.checkpoint import refuse_unwritable_out
@@ -36,8 +38,6 @@ try:
     except ModuleNotFoundError as missing:
         exit_for_missing_extra(missing, 'analysis')
     from models.attention.multimax import MultiMaxMixer
-except KeyboardInterrupt:  # Ctrl-C while torch and the models load: nothing has started
-    sys.exit(130)
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:

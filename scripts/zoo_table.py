@@ -13,18 +13,18 @@ import re
 import sys
 from typing import Collection, List, Optional, Tuple
 
-try:
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from engine.startup import quit_on_interrupt  # noqa: E402
+
+with quit_on_interrupt():  # while torch and the models load: nothing has started
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
     import timm
 
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import models  # noqa: F401  (registers the families)
     from engine.errors import run_cli
     from models.attention import list_attentions
-except KeyboardInterrupt:  # Ctrl-C while torch and the models load: nothing has started
-    sys.exit(130)
 
 # ImageNet-1k top-1 reported by the papers / official READMEs (None: no released weights or figure, or a figure
 # only in a paper table not checked here: MultiMax-DeiT, SimA-XCiT; DeiT-S -> SimA's is the paper's as its
