@@ -29,17 +29,19 @@ def dists(tmp_path_factory):
     tmp = tmp_path_factory.mktemp('packaging')
     source = tmp / 'source'
     shutil.copytree(REPO, source, ignore=outside_the_project)
-    names = []
-    for kind in ('sdist', 'wheel'):  # one process each, as a build frontend calls the backend
-        build = f"from setuptools import build_meta; import sys; print(build_meta.build_{kind}(sys.argv[1]))"
-        done = subprocess.run([sys.executable, '-c', build, str(tmp / 'dist')], cwd=source, capture_output=True,
-                              text=True)
-        assert done.returncode == 0, done.stderr
-        names.append(done.stdout.split()[-1])
-    sdist_name, wheel_name = names
-    with tarfile.open(tmp / 'dist' / sdist_name) as sdist:
+    # the sdist through the backend's hook (it needs nothing beyond setuptools); the wheel as `pip install .`
+    # builds it, in an environment of the declared build requirements (setuptools before 70.1 needs `wheel` too)
+    build = "from setuptools import build_meta; import sys; print(build_meta.build_sdist(sys.argv[1]))"
+    done = subprocess.run([sys.executable, '-c', build, str(tmp / 'sdist')], cwd=source, capture_output=True,
+                          text=True)
+    assert done.returncode == 0, done.stderr
+    with tarfile.open(tmp / 'sdist' / done.stdout.split()[-1]) as sdist:
         sdist_files = {name.split('/', 1)[1] for name in sdist.getnames() if '/' in name}
-    with zipfile.ZipFile(tmp / 'dist' / wheel_name) as wheel:
+    done = subprocess.run([sys.executable, '-m', 'pip', 'wheel', '--quiet', '--no-deps', '--disable-pip-version-check',
+                           '--wheel-dir', str(tmp / 'wheel'), str(source)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    (wheel_path,) = (tmp / 'wheel').iterdir()
+    with zipfile.ZipFile(wheel_path) as wheel:
         wheel_files = set(wheel.namelist())
     return source, sdist_files, wheel_files
 
