@@ -18,7 +18,7 @@ import random
 import shutil
 import socket
 from contextlib import contextmanager
-from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, BinaryIO, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -44,7 +44,15 @@ logger = logging.getLogger('engine')
 
 def atomic_save(obj: Any, path: str) -> None:
     """`torch.save` through `atomic_write`: a crash at any point leaves the previous file or the new one."""
-    atomic_write(path, lambda f: torch.save(obj, f))
+    def save(f: BinaryIO) -> None:
+        try:
+            torch.save(obj, f)
+        except RuntimeError as e:  # torch's zip writer reports a failed write (a full disk) as its own error
+            if isinstance(e.__context__, OSError):
+                raise e.__context__ from None
+            raise
+
+    atomic_write(path, save)
 
 
 def atomic_write_text(path: str, text: str) -> None:
@@ -346,9 +354,10 @@ class TrainingCheckpoint:
                 atomic_save(payload, path)
             except OSError as e:
                 free = _free_bytes(os.path.dirname(path))
-                space = f"about {_tensor_bytes(payload) / 1e6:.1f} MB needed"
+                # the previous file stays until the new one is whole: both must fit at once
+                space = f"the checkpoint takes about {_tensor_bytes(payload) / 1e6:.1f} MB beside the previous one"
                 if free is not None:
-                    space += f", {free / 1e6:.1f} MB free"
+                    space += f"; {free / 1e6:.1f} MB are free"
                 raise UsageError(f"cannot write checkpoint {path!r}: {e.strerror} ({space}); the checkpoints saved "
                                  f"before are kept; expected a writable output folder with room for it") from None
 

@@ -2,6 +2,7 @@
 line with status 128 + the signal's number, a collective that failed because another process of the run ended on
 one line with status 1; `--debug` shows the traceback instead (except for `exit_at_once`)."""
 import argparse
+import errno
 import os
 import re
 import signal
@@ -95,6 +96,13 @@ def run_cli(main: Callable[[Sequence[str]], int], argv: Optional[Sequence[str]] 
         if _reports():
             print(f"error: {str(e) or f'interrupted by {signal.Signals(signum).name}'}", file=sys.stderr)
         return 128 + signum
+    except OSError as e:
+        if '--debug' in argv or e.errno not in _STORAGE_PROBLEMS:
+            raise
+        if _reports():
+            print(f"error: cannot write {e.filename!r} ({e.strerror}); expected {_STORAGE_PROBLEMS[e.errno]}",
+                  file=sys.stderr)
+        return USAGE_EXIT_CODE
     except RuntimeError as e:
         if '--debug' in argv or not _peer_gone(e):
             raise
@@ -113,6 +121,10 @@ def refuse_below(parser: argparse.ArgumentParser, minimums: Mapping[str, Tuple[O
             parser.error(f'{flag} {value}: expected {least} or more')
 
 
+# Writes that fail for a reason the user sets right outside the program, and what they need instead.
+_STORAGE_PROBLEMS = {errno.ENOSPC: 'free space on its disk', errno.EDQUOT: 'room in the disk quota',
+                     errno.EROFS: 'a disk that is not read-only', errno.EACCES: 'a folder this user can write',
+                     errno.EPERM: 'a folder this user can write'}
 # What gloo says when the process at the other end of a collective has gone (exited, killed) or hangs.
 _GLOO_PEER_GONE = ('Connection reset by peer', 'Connection closed by peer', 'Broken pipe', 'Timed out waiting')
 

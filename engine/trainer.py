@@ -19,6 +19,7 @@ from timm.utils import ModelEmaV3
 from torch.nn.parallel import DistributedDataParallel
 from yacs.config import CfgNode as CN
 
+from models._files import named_on_error
 from models.checkpoint import CheckpointError
 
 from .build import (autocast_dtype, check_model_config, check_onednn, check_pretrained, create_criterion,
@@ -154,7 +155,7 @@ def _resume_path(cfg: CN) -> Optional[str]:
 
 
 def _append_log(path: str, record: Dict[str, Any]) -> None:
-    with open(path, 'a') as f:
+    with named_on_error(path), open(path, 'a') as f:
         f.write(json.dumps(record) + '\n')
         f.flush()
         os.fsync(f.fileno())

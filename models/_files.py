@@ -6,8 +6,8 @@ import uuid
 from contextlib import contextmanager
 from typing import Any, BinaryIO, Callable, Iterator, Optional, Set
 
-__all__ = ['atomic_write', 'temporary_path', 'removed_by_an_exit_at_once', 'file_in_the_way', 'TEMP_NAME',
-           'UNFINISHED_FILES']
+__all__ = ['atomic_write', 'temporary_path', 'removed_by_an_exit_at_once', 'file_in_the_way', 'named_on_error',
+           'TEMP_NAME', 'UNFINISHED_FILES']
 
 # the names `temporary_path` gives: .<name>.<pid>.<8 hex digits>.tmp
 TEMP_NAME = re.compile(r'^\..+\.(\d+)\.[0-9a-f]{8}\.tmp$')
@@ -24,6 +24,18 @@ def removed_by_an_exit_at_once(path: str) -> Iterator[None]:
         yield
     finally:
         UNFINISHED_FILES.discard(path)
+
+
+@contextmanager
+def named_on_error(path: str) -> Iterator[None]:
+    """An OSError raised in the block without a file name (a write, flush or fsync that failed: a full disk) names
+    `path`, the file being written, so that its one-line report says where."""
+    try:
+        yield
+    except OSError as e:
+        if e.filename is None and e.errno is not None:
+            raise OSError(e.errno, e.strerror, path) from None
+        raise
 
 
 def _fsync_folder(folder: str) -> None:
@@ -54,7 +66,7 @@ def atomic_write(path: str, write: Callable[[BinaryIO], Any]) -> None:
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
     tmp = temporary_path(os.path.abspath(path))
-    with removed_by_an_exit_at_once(tmp):
+    with removed_by_an_exit_at_once(tmp), named_on_error(path):
         try:  # opened inside, so that an interruption just after the file appears still removes it
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # permissions from the umask, like open()
             with os.fdopen(fd, 'wb') as f:
