@@ -67,8 +67,13 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+# The signals that stop training after a save: a scheduler's or torchrun's SIGTERM, Ctrl-C, and the SIGHUP of a
+# terminal or ssh session that closes (torchrun passes it on to the processes too).
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
 class StopSignal:
-    """Remembers a SIGTERM / SIGINT so training can save and stop after the current step; a second one ends the
+    """Remembers a SIGTERM / SIGINT / SIGHUP so training can save and stop after the current step; a second one ends the
     process at once, without saving. Under torchrun, the copy of the first signal that torchrun passes on is not
     a second one."""
 
@@ -102,10 +107,10 @@ class StopSignal:
 
     @contextmanager
     def installed(self) -> Iterator['StopSignal']:
-        """The handler for SIGTERM and SIGINT while the block runs; after a signal, a collective that fails because
+        """The handler for the `STOP_SIGNALS` while the block runs; after a signal, a collective that fails because
         another process ended at once ends this one at once too, on one line."""
         self.pid = os.getpid()
-        previous = {s: signal.signal(s, self._handle) for s in (signal.SIGTERM, signal.SIGINT)}
+        previous = {s: signal.signal(s, self._handle) for s in STOP_SIGNALS}
         try:
             yield self
         except RuntimeError as e:

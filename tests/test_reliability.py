@@ -245,19 +245,24 @@ def test_ctrl_c_while_the_modules_load_exits_130_without_a_traceback(tmp_path, s
     assert (done.returncode, done.stdout, done.stderr) == (130, '', '')
 
 
-def test_sigint_saves_after_the_current_step_and_exits_with_130(tmp_path, digits, one_epoch, monkeypatch, capsys):
+@pytest.mark.parametrize('signum', [signal.SIGINT, signal.SIGHUP])
+def test_sigint_and_sighup_save_after_the_current_step_and_exit_with_128_plus_the_signal(
+        tmp_path, digits, one_epoch, monkeypatch, capsys, signum):
+    """...and SIGHUP, which a closed terminal or ssh session sends (and torchrun passes on), as SIGTERM: it ended
+    the run at once with status 129, without saving, losing the steps since the last save."""
     output = tmp_path / 'run'
     shutil.copytree(one_epoch, output)
-    signals_at(monkeypatch, (3, signal.SIGINT))
-    handler = signal.getsignal(signal.SIGINT)
+    signals_at(monkeypatch, (3, signum))
+    handler = signal.getsignal(signum)
     capsys.readouterr()
-    assert run_cli(train_main, train_argv(output, digits)) == 128 + signal.SIGINT
-    assert signal.getsignal(signal.SIGINT) is handler
-    assert capsys.readouterr().err.splitlines()[-1] == (f"error: stopped by SIGINT after saving {output / 'last.pth'}; "
+    assert run_cli(train_main, train_argv(output, digits)) == 128 + signum
+    assert signal.getsignal(signum) is handler
+    name = signal.Signals(signum).name
+    assert capsys.readouterr().err.splitlines()[-1] == (f"error: stopped by {name} after saving {output / 'last.pth'}; "
                                                         f"run the same command again to resume")
     stopped = torch.load(output / 'last.pth', weights_only=True)
     assert (stopped['epoch'], stopped['epoch_batches'], stopped['step']) == (1, 4, 26)
-    assert 'received SIGINT: saving a checkpoint after this step' in (output / 'train.log').read_text()
+    assert f'received {name}: saving a checkpoint after this step' in (output / 'train.log').read_text()
     assert not (output / '.train.lock').exists()
 
     # in the middle of an epoch, another batch size would point elsewhere in it: refused before any training
