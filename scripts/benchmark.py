@@ -548,6 +548,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                             continue
                         rows.append(result_row(res, results, spec, suffix, family=family, size=size,
                                                resolution=resolution))
+    if not rows:  # an empty table would replace the last run's
+        first = f", the first: {skipped[0]}" if skipped else ''
+        raise UsageError(f"no model was measured ({len(skipped)} skipped{first}); {args.out}.md and .csv are "
+                         f"unchanged")
     write_outputs(args, rows, skipped, time.time() - started)
 
 

@@ -20,7 +20,7 @@ from PIL import Image
 from torch.utils.flop_counter import flop_registry
 
 from engine.distributed import resolve_device
-from engine.errors import UsageError
+from engine.errors import UsageError, run_cli
 from models.attention import WindowAttention, forms_score_matrix, list_attentions
 
 from dispatch import DispatchRecorder
@@ -153,6 +153,22 @@ def test_benchmark_stopped_before_its_table_is_in_place_keeps_the_previous_table
     benchmark.write_outputs(args, [table_row()], [], 60.0)
     text = (tmp_path / 'b.md').read_text()
     assert 'the last run' not in text and text.endswith(f'{benchmark.NOTES_MARKER}\nnotes written by hand\n')
+
+
+def test_benchmark_that_measured_nothing_fails_and_keeps_the_previous_table(tmp_path, capsys):
+    """Every model skipped (DeiT cannot take 8-pixel images): the run exited 0 and replaced the table and the CSV
+    with empty ones, which with --out docs/benchmarks would wipe the published table."""
+    previous = {'b.md': f'# Benchmarks\n\nthe last run\n\n{benchmark.NOTES_MARKER}\nnotes\n', 'b.csv': 'model\nx\n'}
+    for name, text in previous.items():
+        (tmp_path / name).write_text(text)
+    argv = ['--device', 'cpu', '--threads', '1', '--families', 'deit', '--sizes', 'tiny', '--attentions', 'softmax',
+            '--no-reference', '--resolutions', '8', '--iters', '1', '--no-train', '--warmup', '0', '--out',
+            str(tmp_path / 'b')]
+    assert run_cli(benchmark.main, argv) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[-1].startswith("error: no model was measured (1 skipped, the first: softmax_deit_tiny ") and \
+        err[-1].endswith(f"); {tmp_path / 'b'}.md and .csv are unchanged"), err[-1]
+    assert {p.name: p.read_text() for p in tmp_path.iterdir()} == previous
 
 
 def test_benchmark_table_of_a_numbered_gpu_states_cuda_its_precision_and_goals(tmp_path, monkeypatch):
