@@ -144,7 +144,13 @@ def train_py_rate(args: argparse.Namespace, data: str, output: str, epochs: int)
     `epochs` on `data`: one epoch's rate varies by several percent from the next."""
     command = [sys.executable, os.path.join(ROOT, 'train.py'), '--cfg', args.cfg, '--opts', *train_opts(args, data),
                'OUTPUT', output, 'TRAIN.EPOCHS', str(epochs), 'TRAIN.WARMUP_EPOCHS', '0', 'EMA.EVAL', 'False']
-    subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
+    # with this process's thread count, which the loader and step measurements ran under
+    env = dict(os.environ, OMP_NUM_THREADS=str(torch.get_num_threads()))
+    done = subprocess.run(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    if done.returncode:
+        said = [line for line in done.stderr.splitlines() if line.strip()]
+        reason = said[-1].removeprefix('error: ') if said else f'exit status {done.returncode}'
+        raise UsageError(f"train.py failed, so no rate of it: {reason}")
     with open(os.path.join(output, 'log.jsonl')) as f:
         records = [json.loads(line) for line in f if line.strip()]
     return statistics.median(record['images_per_second'] for record in records[1:] or records)

@@ -231,6 +231,27 @@ def test_train_throughput_measures_loader_and_step_on_imagenet_shaped_images(tmp
     assert f'| model step alone | {step_alone:.1f} | 1.00 |' in text and 'recipe configs/base/deit.yaml' in text
 
 
+def test_train_throughput_runs_train_py_with_its_own_threads_and_names_its_failure(tmp_path, monkeypatch):
+    """train.py ran with torch's default thread count whatever --threads set here (a 1-thread step against a
+    2-thread train.py gave train.py 1.70x the step it contains), and its failure was a CalledProcessError
+    traceback."""
+    args = train_throughput.build_parser().parse_args(['--classes', '2', '--out', str(tmp_path / 't')])
+    seen = {}
+    real_run = subprocess.run
+
+    def run(command, **kwargs):
+        seen.update(kwargs.get('env') or {})
+        return real_run(command, **kwargs)
+
+    monkeypatch.setattr(subprocess, 'run', run)
+    monkeypatch.setattr(torch, 'get_num_threads', lambda: 1)
+    with pytest.raises(UsageError) as failed:
+        train_throughput.train_py_rate(args, str(tmp_path / 'missing'), str(tmp_path / 'run'), epochs=1)
+    assert seen['OMP_NUM_THREADS'] == '1'
+    assert str(failed.value) == (f"train.py failed, so no rate of it: data path {str(tmp_path / 'missing')!r} does "
+                                 f"not exist; expected a folder with train and val inside")
+
+
 @pytest.mark.parametrize('flag, value, least', [('--batches', 0, 1), ('--repeats', 0, 1), ('--epochs', 0, 1),
                                                ('--classes', 0, 1), ('--per-class', 0, 1), ('--threads', -1, 0),
                                                ('--workers', -1, 0), ('--batch-size', -2, 0)])
