@@ -35,11 +35,15 @@ from .errors import UsageError
 from .loops import TrainState, schedule_position
 
 __all__ = ['LAST', 'BEST', 'LOCK', 'recorded_classes', 'TrainingCheckpoint', 'OutputLock', 'check_writable_folder',
-           'refuse_unwritable_out', 'atomic_save', 'atomic_write_text', 'remove_stale_temp_files', 'rng_state',
-           'set_rng_state']
+           'refuse_unwritable_out', 'atomic_save', 'atomic_write_text', 'NOTES_MARKER', 'write_table_keeping_notes',
+           'remove_stale_temp_files', 'rng_state', 'set_rng_state']
 
 LAST, BEST, LOCK = 'last.pth', 'best.pth', '.train.lock'
 logger = logging.getLogger('engine')
+
+
+# Below this line in a script's Markdown output, the text is written by hand and kept by the script's next run.
+NOTES_MARKER = '<!-- notes -->'
 
 
 def atomic_save(obj: Any, path: str) -> None:
@@ -58,6 +62,18 @@ def atomic_save(obj: Any, path: str) -> None:
 def atomic_write_text(path: str, text: str) -> None:
     """`text` in UTF-8 through `atomic_write`, for the tables and notes that a long run writes at its end."""
     atomic_write(path, lambda f: f.write(text.encode('utf-8')))
+
+
+def write_table_keeping_notes(path: str, table: str) -> None:
+    """The Markdown `table` to `path` through `atomic_write_text`, keeping what the file there holds from
+    `NOTES_MARKER` on: the notes written by hand below a script's table survive the script's next run."""
+    notes = ''
+    if os.path.exists(path):
+        with open(path, encoding='utf-8') as f:
+            previous = f.read()
+        if NOTES_MARKER in previous:
+            notes = '\n' + NOTES_MARKER + previous.split(NOTES_MARKER, 1)[1]
+    atomic_write_text(path, table + notes)
 
 
 def remove_stale_temp_files(folder: str) -> List[str]:

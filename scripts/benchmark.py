@@ -67,7 +67,7 @@ with quit_on_interrupt():  # while torch and the models load: nothing has starte
 
     import models  # noqa: F401  (registers the families)
     from engine.build import create_optimizer
-    from engine.checkpoint import atomic_write_text, refuse_unwritable_out
+    from engine.checkpoint import atomic_write_text, refuse_unwritable_out, write_table_keeping_notes
     from engine.compile import compile_model
     from engine.config import load_config
     from engine.distributed import resolve_device
@@ -99,7 +99,6 @@ SLOWDOWN_GOALS = {'multimax_*': ('MultiMax / softmax', {'cuda': (None, 1.05), 'c
 # allocates big fresh tensors page-faults on some calls and not on others: timings of one op vary tenfold
 # between runs. These settings keep freed memory in the process, making every call pay the same.
 STEADY_MALLOC = {'MALLOC_MMAP_THRESHOLD_': str(2 ** 32), 'MALLOC_TRIM_THRESHOLD_': str(2 ** 32)}
-NOTES_MARKER = '<!-- notes -->'
 COMPILED = ' (compiled)'
 
 
@@ -735,13 +734,7 @@ def write_outputs(args: argparse.Namespace, rows: List[Dict], skipped: List[str]
         lines += ['', '## Targets', ''] + targets
     if skipped:
         lines += ['', '## Skipped', ''] + [f'- {line}' for line in skipped]
-    notes = ''
-    if os.path.exists(args.out + '.md'):
-        with open(args.out + '.md') as f:
-            previous = f.read()
-        if NOTES_MARKER in previous:
-            notes = NOTES_MARKER + previous.split(NOTES_MARKER, 1)[1]
-    atomic_write_text(args.out + '.md', '\n'.join(lines) + '\n' + ('\n' + notes if notes else ''))
+    write_table_keeping_notes(args.out + '.md', '\n'.join(lines) + '\n')
     print('\n'.join(lines))
 
 

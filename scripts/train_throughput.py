@@ -43,7 +43,7 @@ with quit_on_interrupt():  # while torch and the models load: nothing has starte
     import timm
 
     from engine.build import autocast_dtype, create_criterion, create_optimizer, create_training_model
-    from engine.checkpoint import atomic_write_text, refuse_unwritable_out
+    from engine.checkpoint import refuse_unwritable_out, write_table_keeping_notes
     from engine.config import load_config
     from engine.data import (
         build_mixup, build_train_loader, image_channels, image_mode, load_split, train_transform,
@@ -190,7 +190,7 @@ def write_table(args: argparse.Namespace, cfg, rates: Dict[str, float], seconds:
         lines.append(f'| {name} | {rate:.1f} | {rate / model:.2f} |')
     text = '\n'.join(lines) + '\n'
     if args.out:
-        atomic_write_text(args.out + '.md', text)
+        write_table_keeping_notes(args.out + '.md', text)
     return text
 
 

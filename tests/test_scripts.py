@@ -19,6 +19,7 @@ import torch
 from PIL import Image
 from torch.utils.flop_counter import flop_registry
 
+from engine.checkpoint import NOTES_MARKER
 from engine.distributed import resolve_device
 from engine.errors import UsageError, run_cli
 from models.attention import WindowAttention, forms_score_matrix, list_attentions
@@ -133,7 +134,7 @@ def test_benchmark_efficiency_is_the_median_share_of_the_matmul_rate_and_the_tab
 
 
 def test_benchmark_stopped_before_its_table_is_in_place_keeps_the_previous_table_and_notes(tmp_path, monkeypatch):
-    previous = f'# Benchmarks\n\nthe last run\n\n{benchmark.NOTES_MARKER}\nnotes written by hand\n'
+    previous = f'# Benchmarks\n\nthe last run\n\n{NOTES_MARKER}\nnotes written by hand\n'
     (tmp_path / 'b.md').write_text(previous)
     args = benchmark.build_parser().parse_args(['--device', 'cpu', '--out', str(tmp_path / 'b')])
     args.load_at_start = 0.0
@@ -152,13 +153,13 @@ def test_benchmark_stopped_before_its_table_is_in_place_keeps_the_previous_table
     monkeypatch.setattr(os, 'replace', replace)
     benchmark.write_outputs(args, [table_row()], [], 60.0)
     text = (tmp_path / 'b.md').read_text()
-    assert 'the last run' not in text and text.endswith(f'{benchmark.NOTES_MARKER}\nnotes written by hand\n')
+    assert 'the last run' not in text and text.endswith(f'{NOTES_MARKER}\nnotes written by hand\n')
 
 
 def test_benchmark_that_measured_nothing_fails_and_keeps_the_previous_table(tmp_path, capsys):
     """Every model skipped (DeiT cannot take 8-pixel images): the run exited 0 and replaced the table and the CSV
     with empty ones, which with --out docs/benchmarks would wipe the published table."""
-    previous = {'b.md': f'# Benchmarks\n\nthe last run\n\n{benchmark.NOTES_MARKER}\nnotes\n', 'b.csv': 'model\nx\n'}
+    previous = {'b.md': f'# Benchmarks\n\nthe last run\n\n{NOTES_MARKER}\nnotes\n', 'b.csv': 'model\nx\n'}
     for name, text in previous.items():
         (tmp_path / name).write_text(text)
     argv = ['--device', 'cpu', '--threads', '1', '--families', 'deit', '--sizes', 'tiny', '--attentions', 'softmax',
@@ -224,8 +225,10 @@ def test_train_throughput_measures_loader_and_step_on_imagenet_shaped_images(tmp
     logged = [json.loads(line)['images_per_second'] for line in (tmp_path / 'run' / 'log.jsonl').open()]
     assert len(logged) == 3 and rates['train.py (both)'] == statistics.median(logged[1:])
     assert all(rate > 0 for rate in rates.values())
+    (tmp_path / 't.md').write_text(f'an earlier table\n\n{NOTES_MARKER}\nnotes written by hand\n')
     text = train_throughput.write_table(args, cfg, rates, 1.)
-    assert (tmp_path / 't.md').read_text() == text
+    # the notes below an earlier table stay (they were lost, with docs/train_throughput.md's four sections)
+    assert (tmp_path / 't.md').read_text() == f'{text}\n{NOTES_MARKER}\nnotes written by hand\n'
     step_alone = rates['model step alone']
     assert f"| train.py (both) | {rates['train.py (both)']:.1f} | {rates['train.py (both)'] / step_alone:.2f} |" in text
     assert f'| model step alone | {step_alone:.1f} | 1.00 |' in text and 'recipe configs/base/deit.yaml' in text
