@@ -12,7 +12,9 @@ import json
 import logging
 import os
 import random
+import re
 import shutil
+import socket
 import stat
 import time
 import uuid
@@ -30,6 +32,7 @@ from torchvision.datasets.folder import has_file_allowed_extension
 from yacs.config import CfgNode as CN
 
 from models._files import file_in_the_way
+from models.checkpoint import process_alive
 
 from .config import mixup_active
 from .distributed import DistInfo, all_gather_objects, each_node_first
@@ -76,6 +79,15 @@ def _write_digits(root: str) -> None:
         json.dump(dict(train=len(train_idx), val=len(val_idx), classes=10, image_size=8), f)
 
 
+def _remove_stale_staging(parent: str) -> None:
+    """Remove the staging folders in `parent` of digits writers of this host that no longer run."""
+    pattern = re.compile(re.escape(f'.digits-{socket.gethostname()}.') + r'(\d+)\.[0-9a-f]{8}$')
+    for name in os.listdir(parent):
+        match = pattern.match(name)
+        if match and not process_alive(int(match.group(1))):
+            shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
+
+
 def prepare_digits(root: str) -> str:
     """Write the digits image folder at `root` unless it is there; return `root`.
 
@@ -89,10 +101,12 @@ def prepare_digits(root: str) -> str:
         raise UsageError(f"DATA.DATA_PATH {root!r} holds files but no digits cache ({DIGITS_STAMP}); expected a "
                          f"missing or empty folder for DATA.DATASET 'digits'")
     parent = os.path.dirname(root)
-    # named before it is made, so that the `finally` removes it whenever an interruption comes
-    staging = os.path.join(parent, f'.digits-{os.getpid()}.{uuid.uuid4().hex[:8]}')
+    # named before it is made, so that the `finally` removes it whenever an interruption comes; a writer killed
+    # outright (SIGTERM, SIGKILL) runs no `finally`, and the next writer on the host removes its folder
+    staging = os.path.join(parent, f'.digits-{socket.gethostname()}.{os.getpid()}.{uuid.uuid4().hex[:8]}')
     try:
         os.makedirs(parent, exist_ok=True)
+        _remove_stale_staging(parent)
         os.mkdir(staging)
         _write_digits(staging)
         try:
@@ -103,7 +117,7 @@ def prepare_digits(root: str) -> str:
     except OSError as e:
         blocker = file_in_the_way(root)
         reason = (f"{blocker!r} is a file, not a folder" if blocker
-                  else f"{e.strerror or type(e).__name__}: {e.filename!r}")
+                  else f"{e.strerror or type(e).__name__}" + (f": {e.filename!r}" if e.filename else ''))
         raise UsageError(f"cannot write the digits cache {root!r} ({reason}); expected a folder this user can write: "
                          f"set DATA.DATA_PATH, or XDG_CACHE_HOME for the default place") from None
     finally:

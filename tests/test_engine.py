@@ -9,6 +9,7 @@ import os
 import random
 import re
 import shutil
+import socket
 import stat
 import subprocess
 import sys
@@ -93,8 +94,22 @@ def test_a_killed_digits_writer_leaves_no_cache(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize('cause', ['a file on the path', 'a full disk'])
+def test_a_digits_writer_killed_outright_leaves_a_folder_the_next_writer_removes(tmp_path):
+    """SIGTERM or SIGKILL while the digits are written runs no clean-up: the staging folder stayed for good. The
+    next writer on the host removes those of processes that no longer run, and leaves a running writer's."""
+    finished = subprocess.run([sys.executable, '-c', 'import os; print(os.getpid())'], capture_output=True, text=True)
+    host = socket.gethostname()
+    killed = tmp_path / f'.digits-{host}.{finished.stdout.strip()}.0123abcd'
+    running = tmp_path / f'.digits-{host}.{os.getpid()}.4567cdef'
+    for folder in (killed, running):
+        (folder / 'train' / '0').mkdir(parents=True)
+    prepare_digits(str(tmp_path / 'digits'))
+    assert sorted(p.name for p in tmp_path.iterdir()) == [running.name, 'digits']
+
+
+@pytest.mark.parametrize('cause', ['a file on the path', 'a full disk', 'a full disk under an image library'])
 def test_a_digits_cache_that_cannot_be_written_is_one_line(tmp_path, monkeypatch, cause):
+    """...naming the file where the error does, and no 'None' where it does not (Pillow's writes)."""
     root = tmp_path / 'cache' / 'digits'
     if cause == 'a file on the path':
         (tmp_path / 'cache').write_text('not a folder')
@@ -102,9 +117,10 @@ def test_a_digits_cache_that_cannot_be_written_is_one_line(tmp_path, monkeypatch
     else:
         def full_disk(folder):
             (Path(folder) / 'train').mkdir()
-            raise OSError(28, 'No space left on device', str(Path(folder) / 'train' / '0000.png'))
+            name = None if cause.endswith('library') else str(Path(folder) / 'train' / '0000.png')
+            raise OSError(28, 'No space left on device', name)
         monkeypatch.setattr(engine.data, '_write_digits', full_disk)
-        detail = 'No space left on device: '
+        detail = 'No space left on device: ' if cause == 'a full disk' else 'No space left on device); '
     with pytest.raises(UsageError) as failure:
         prepare_digits(str(root))
     message = str(failure.value)
