@@ -35,7 +35,7 @@ from .errors import UsageError
 from .loops import TrainState, schedule_position
 
 __all__ = ['LAST', 'BEST', 'LOCK', 'recorded_classes', 'TrainingCheckpoint', 'OutputLock', 'check_writable_folder',
-           'refuse_unwritable_out', 'atomic_save', 'atomic_write_text', 'NOTES_MARKER', 'write_table_keeping_notes',
+           'prepare_script_out', 'atomic_save', 'atomic_write_text', 'NOTES_MARKER', 'write_table_keeping_notes',
            'remove_stale_temp_files', 'rng_state', 'set_rng_state']
 
 LAST, BEST, LOCK = 'last.pth', 'best.pth', '.train.lock'
@@ -113,17 +113,20 @@ def check_writable_folder(folder: str, source: str) -> None:
         raise UsageError(_not_writable(folder, e, source)) from None
 
 
-def refuse_unwritable_out(parser: argparse.ArgumentParser, out: str, prefix: bool) -> None:
+def prepare_script_out(parser: argparse.ArgumentParser, out: str, prefix: bool) -> None:
     """`parser.error` (one line, status 2) unless a script's `--out` can be written: the folder of `out` when it
-    is a prefix of the files (`docs/benchmarks` for .md and .csv), else `out` itself."""
+    is a prefix of the files (`docs/benchmarks` for .md and .csv), else `out` itself. The temporary files that runs
+    killed outright (SIGTERM, SIGKILL) while writing there left are removed (a finished or stopped run leaves none)."""
     if prefix and (out.endswith(os.sep) or os.path.isdir(out)):
         parser.error(f"--out {out}: is a folder; expected a path prefix of the files, such as "
-                     f"{os.path.join(out, 'stats')} for {os.path.join(out, 'stats')}.csv")
+                     f"{os.path.join(out, 'stats')}")
     folder = (os.path.dirname(out) or '.') if prefix else out
     try:
         check_writable_folder(folder, f'--out {out}')
     except UsageError as e:
         parser.error(str(e))
+    if os.path.isdir(folder):
+        remove_stale_temp_files(folder)
 
 
 class OutputLock:

@@ -26,7 +26,7 @@ with quit_on_interrupt():  # while torch and the models load: nothing has starte
 
     import models  # noqa: F401  (registers the families)
     from engine.analysis import find_images, load_analysis_model, load_images, refuse_unreleased
-    from engine.checkpoint import atomic_write_text, refuse_unwritable_out
+    from engine.checkpoint import atomic_write_text, prepare_script_out
     from engine.distributed import DistInfo
     from engine.errors import UsageError, exit_for_missing_extra, refuse_below, run_cli
     from engine.loops import Progress
@@ -68,7 +68,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     if args.pretrained:
         refuse_unreleased(parser, args.models)
     refuse_below(parser, {'--max-images': (args.max_images, 1), '--batch-size': (args.batch_size, 1)})
-    refuse_unwritable_out(parser, args.out, prefix=True)
+    prepare_script_out(parser, args.out, prefix=True)
     return args
 
 

@@ -67,7 +67,7 @@ with quit_on_interrupt():  # while torch and the models load: nothing has starte
 
     import models  # noqa: F401  (registers the families)
     from engine.build import create_optimizer
-    from engine.checkpoint import atomic_write_text, refuse_unwritable_out, write_table_keeping_notes
+    from engine.checkpoint import atomic_write_text, prepare_script_out, write_table_keeping_notes
     from engine.compile import compile_model
     from engine.config import load_config
     from engine.distributed import resolve_device
@@ -503,7 +503,7 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -
     except ValueError as e:
         parser.error(f'--resolutions: {e}; expected positive numbers or FAMILY=R1,R2 with FAMILY one of '
                      f'{", ".join(FAMILIES)}')
-    refuse_unwritable_out(parser, args.out, prefix=True)
+    prepare_script_out(parser, args.out, prefix=True)
     return resolutions
 
 

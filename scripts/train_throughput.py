@@ -43,7 +43,7 @@ with quit_on_interrupt():  # while torch and the models load: nothing has starte
     import timm
 
     from engine.build import autocast_dtype, create_criterion, create_optimizer, create_training_model
-    from engine.checkpoint import refuse_unwritable_out, write_table_keeping_notes
+    from engine.checkpoint import prepare_script_out, write_table_keeping_notes
     from engine.config import load_config
     from engine.data import (
         build_mixup, build_train_loader, image_channels, image_mode, load_split, train_transform,
@@ -228,7 +228,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     except UsageError as e:
         parser.error(f'--device: {e}')
     if args.out:
-        refuse_unwritable_out(parser, args.out, prefix=True)
+        prepare_script_out(parser, args.out, prefix=True)
     if args.threads:
         torch.set_num_threads(args.threads)
     start = time.perf_counter()

@@ -24,7 +24,7 @@ with quit_on_interrupt():  # while torch and the models load: nothing has starte
 
     import models  # noqa: F401  (registers the families)
     from engine.analysis import find_images, load_analysis_model, load_images, refuse_unreleased
-    from engine.checkpoint import refuse_unwritable_out
+    from engine.checkpoint import prepare_script_out
     from engine.errors import UsageError, exit_for_missing_extra, refuse_below, run_cli
     from engine.distributed import DistInfo
     from engine.loops import Progress
@@ -75,7 +75,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         except ModuleNotFoundError as missing:
             exit_for_missing_extra(missing, 'analysis')
     refuse_below(parser, {'--max-images': (args.max_images, 1)})
-    refuse_unwritable_out(parser, args.out, prefix=False)
+    prepare_script_out(parser, args.out, prefix=False)
     return args
 
 

@@ -1,5 +1,6 @@
 """The figures and the analysis scripts: the simplex points against their closed forms, and both scripts on tiny
 models writing non-empty PNG, CSV and Markdown files, with one-line errors for bad input."""
+import argparse
 import csv
 import io
 import os
@@ -16,6 +17,7 @@ import torch
 from PIL import Image
 
 import engine.analysis
+import engine.checkpoint
 import engine.loops
 from engine.analysis import load_analysis_model
 from engine.errors import run_cli
@@ -387,5 +389,17 @@ def test_an_out_prefix_that_is_a_folder_is_refused(script, images, tmp_path, cap
     assert stopped.value.code == 2
     assert capsys.readouterr().err.splitlines()[-1].endswith(
         f"error: --out {tmp_path}{os.sep}: is a folder; expected a path prefix of the files, such as "
-        f"{tmp_path / 'stats'} for {tmp_path / 'stats'}.csv")
+        f"{tmp_path / 'stats'}")
     assert not list(tmp_path.iterdir())
+
+
+def test_a_script_s_out_folder_loses_the_temporary_files_of_runs_killed_while_writing(tmp_path):
+    """SIGTERM while a script wrote its table left `.stats.csv.<pid>.<hex>.tmp`, which no later run removed; the
+    temporary file of a process that still runs stays."""
+    finished = subprocess.run([sys.executable, '-c', 'import os; print(os.getpid())'], capture_output=True, text=True)
+    killed = tmp_path / f'.stats.csv.{finished.stdout.strip()}.0123abcd.tmp'
+    running = tmp_path / f'.stats.md.{os.getpid()}.4567cdef.tmp'
+    for path in (killed, running):
+        path.write_text('half a table')
+    engine.checkpoint.prepare_script_out(argparse.ArgumentParser(), str(tmp_path / 'stats'), prefix=True)
+    assert [p.name for p in tmp_path.iterdir()] == [running.name]
