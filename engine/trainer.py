@@ -44,6 +44,22 @@ FORWARDED_WITHIN_S = 1.0
 logger = logging.getLogger('engine')
 
 
+class _LogFile(logging.FileHandler):
+    """`train.log`: a record it cannot write (a full disk) is said once, on one line, where logging would print a
+    traceback for every record; the console keeps them all."""
+
+    failed = False
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        if self.failed:
+            return
+        self.failed = True
+        error = sys.exc_info()[1]
+        reason = error.strerror if isinstance(error, OSError) and error.strerror else repr(error)
+        print(f"warning: cannot write {self.baseFilename!r} ({reason}); the log goes on on the console alone",
+              file=sys.stderr)
+
+
 def setup_logging(info: DistInfo, output: Optional[str] = None, stream: Optional[TextIO] = None) -> None:
     """Rank 0 logs to `stream`, stdout by default (and `output/train.log`); the other ranks only log warnings."""
     for old in list(logger.handlers):
@@ -56,7 +72,7 @@ def setup_logging(info: DistInfo, output: Optional[str] = None, stream: Optional
     handler.setFormatter(fmt)
     logger.addHandler(handler)
     if output and info.is_main:
-        file_handler = logging.FileHandler(os.path.join(output, 'train.log'))
+        file_handler = _LogFile(os.path.join(output, 'train.log'))
         file_handler.setFormatter(fmt)
         logger.addHandler(file_handler)
 
@@ -73,9 +89,9 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
 class StopSignal:
-    """Remembers a SIGTERM / SIGINT / SIGHUP so training can save and stop after the current step; a second one ends the
-    process at once, without saving. Under torchrun, the copy of the first signal that torchrun passes on is not
-    a second one."""
+    """Remembers a SIGTERM / SIGINT / SIGHUP so training can save and stop after the current step; a second one ends
+    the process at once, without saving. Under torchrun, the copy of the first signal that torchrun passes on is
+    not a second one."""
 
     def __init__(self):
         self.received: Optional[int] = None

@@ -6,8 +6,10 @@ uninterrupted run, keeps `best.pth` and leaves no temp files or lock behind; one
 unwritable or full output folder is one line; a resume with another batch split never retrains a finished epoch; a
 rank that dies ends the others."""
 import errno
+import io
 import glob
 import json
+import logging
 import math
 import os
 import re
@@ -1042,6 +1044,25 @@ def test_an_output_path_that_is_a_file_or_read_only_is_one_line_before_training(
     assert capsys.readouterr().err == (f"error: output folder {str(read_only)!r} is not writable (Permission denied); "
                                        f"expected a folder this user can write (OUTPUT / --output)\n")
     assert list(read_only.iterdir()) == []
+
+
+def test_a_log_file_that_cannot_be_written_is_said_once_not_as_a_traceback_per_record(tmp_path, capsys):
+    """A full disk under train.log printed logging's 20-line 'Logging error' traceback for every record."""
+    engine.trainer.setup_logging(CPU, str(tmp_path))
+    file_handler = next(h for h in logging.getLogger('engine').handlers if isinstance(h, logging.FileHandler))
+
+    class FullDisk(io.StringIO):
+        def write(self, text):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    file_handler.stream = FullDisk()
+    for epoch in range(3):
+        logging.getLogger('engine').info(f'epoch {epoch}')
+    out, err = capsys.readouterr()
+    assert err == (f"warning: cannot write {str(tmp_path / 'train.log')!r} (No space left on device); the log goes "
+                   f"on on the console alone\n")
+    assert [line.split('] ', 1)[1] for line in out.splitlines()] == ['epoch 0', 'epoch 1', 'epoch 2']
+    engine.trainer.setup_logging(CPU)
 
 
 @pytest.mark.parametrize('file', ['log.jsonl', 'config.yaml'])
