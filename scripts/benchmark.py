@@ -434,7 +434,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument('--attentions', nargs='+', default=list_attentions(), choices=list_attentions())
     parser.add_argument('--resolutions', nargs='+', default=['224', '384', '512', '768', '1024'],
                         help='input sizes, as numbers for every family or FAMILY=R1,R2 for one (swin=224,448); a '
-                             'size a model cannot take (Swin windows of 7: multiples of 224) is reported and skipped')
+                             'size a model cannot take (DeiT: multiples of its 16-pixel patches) is reported and '
+                             'skipped')
     parser.add_argument('--no-reference', dest='reference', action='store_false',
                         help="do not time timm's own models")
     parser.add_argument('--batch-size', type=int, default=1)
