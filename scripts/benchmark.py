@@ -383,7 +383,7 @@ def measure(args: argparse.Namespace) -> List[Dict]:
             result[key] = args.batch_size / seconds if mode == 'infer' else 1000 * seconds
             result[f'{mode}_mm_pct'] = efficiency(flops, model_times, matmul_flops, matmul_times['matmul'])
             result[f'{mode}_best_pct'] = efficiency(flops, model_times, matmul_flops, best_times)
-            result.update(rates)
+            result.update({f'{mode}_{name}': rate for name, rate in rates.items()})
         for replay_times, (runner, _) in zip(alone_times, alone):
             runner.result[f'{mode}_ceiling_pct'] = efficiency(runner.flops[mode], replay_times, matmul_flops,
                                                               best_times)
@@ -568,7 +568,8 @@ def result_row(res: Dict, results: Dict[str, Dict], spec: Dict, suffix: str, **w
         infer_mm_pct=res['infer_mm_pct'], infer_best_pct=res['infer_best_pct'], train_step_ms=res.get('train_step_ms'),
         train_mm_pct=res.get('train_mm_pct'), train_best_pct=res.get('train_best_pct'),
         infer_ceiling_pct=ceilings.get('infer_ceiling_pct'), train_ceiling_pct=ceilings.get('train_ceiling_pct'),
-        matmul_gflop_s=res['matmul_gflop_s'], onednn_gflop_s=res.get('onednn_gflop_s'),
+        infer_matmul_gflop_s=res['infer_matmul_gflop_s'], infer_onednn_gflop_s=res.get('infer_onednn_gflop_s'),
+        train_matmul_gflop_s=res.get('train_matmul_gflop_s'), train_onednn_gflop_s=res.get('train_onednn_gflop_s'),
         infer_mem_mib=res['infer_mem_mib'], train_mem_mib=res.get('train_mem_mib'),
         infer_vs_timm=_ratio(res, reference, 'infer_img_s'),
         train_vs_timm=_ratio(res, reference, 'train_step_ms', inverse=True),
@@ -699,10 +700,9 @@ def write_outputs(args: argparse.Namespace, rows: List[Dict], skipped: List[str]
         + (', steady allocator (freed memory kept in the process)' if args.steady_malloc else '')
         + (", the models' linear layers, attention products and, in inference, their MLPs' GELU through oneDNN"
            if args.onednn else ''),
-        f'- matrix-multiply rate ({args.matmul_size}² product, {matmul_dtype}, median of each process\'s rounds): '
-        f'`torch.matmul` {_span(r["matmul_gflop_s"] for r in rows)} GFLOP/s'
-        + (f', oneDNN {_span(r["onednn_gflop_s"] for r in rows)} GFLOP/s'
-           if any(r['onednn_gflop_s'] for r in rows) else ''),
+        f'- matrix-multiply rate ({args.matmul_size}² product, {matmul_dtype}, median of each process\'s rounds), '
+        f'which the `% mm` and `% best` of the same rounds divide by: '
+        + '; '.join(_rates_text(rows, mode) for mode in ('infer', 'train') if rows[0][f'{mode}_matmul_gflop_s']),
         f'- load average (1 min) of the machine at the start and end: {args.load_at_start:.1f}, '
         f'{os.getloadavg()[0]:.1f}', '',
         'Ratios are taken between models timed in the same process, above 1 meaning faster: `×timm` against '
@@ -737,6 +737,14 @@ def write_outputs(args: argparse.Namespace, rows: List[Dict], skipped: List[str]
         lines += ['', '## Skipped', ''] + [f'- {line}' for line in skipped]
     write_table_keeping_notes(args.out + '.md', '\n'.join(lines) + '\n')
     print('\n'.join(lines))
+
+
+def _rates_text(rows: List[Dict], mode: str) -> str:
+    """The matrix-multiply rates measured in the `mode` rounds of the table's rows."""
+    onednn = [r[f'{mode}_onednn_gflop_s'] for r in rows if r[f'{mode}_onednn_gflop_s']]
+    return (f"{'inference' if mode == 'infer' else 'training'} rounds `torch.matmul` "
+            f"{_span(r[f'{mode}_matmul_gflop_s'] for r in rows)} GFLOP/s"
+            + (f', oneDNN {_span(onednn)} GFLOP/s' if onednn else ''))
 
 
 def _span(values) -> str:
