@@ -26,8 +26,8 @@ from timm.scheduler.scheduler import Scheduler
 from timm.utils import ModelEmaV3
 from torch import nn
 
-from models._files import TEMP_NAME, atomic_write, file_in_the_way, temporary_path
-from models.checkpoint import CheckpointError, load_checkpoint_file, load_state_dict_checked, process_alive
+from models._files import TEMP_NAME, atomic_write, file_in_the_way, remove_left_by_dead_processes, temporary_path
+from models.checkpoint import CheckpointError, load_checkpoint_file, load_state_dict_checked
 
 from .config import ConfigError, config_changes, config_from_yaml_string
 from .distributed import DistInfo, all_gather_objects
@@ -79,16 +79,7 @@ def write_table_keeping_notes(path: str, table: str) -> None:
 def remove_stale_temp_files(folder: str) -> List[str]:
     """Remove the temporary files of `atomic_save` calls whose process no longer runs on this host (killed
     mid-write); return their names."""
-    removed = []
-    for name in sorted(os.listdir(folder)):
-        match = TEMP_NAME.match(name)
-        if match and not process_alive(int(match.group(1))):
-            try:
-                os.remove(os.path.join(folder, name))
-            except FileNotFoundError:
-                continue
-            removed.append(name)
-    return removed
+    return remove_left_by_dead_processes(folder, TEMP_NAME)
 
 
 def _not_writable(folder: str, error: OSError, source: str) -> str:

@@ -31,8 +31,7 @@ from torchvision.datasets import ImageFolder
 from torchvision.datasets.folder import has_file_allowed_extension
 from yacs.config import CfgNode as CN
 
-from models._files import file_in_the_way
-from models.checkpoint import process_alive
+from models._files import file_in_the_way, remove_left_by_dead_processes
 
 from .config import mixup_active
 from .distributed import DistInfo, all_gather_objects, each_node_first
@@ -81,11 +80,8 @@ def _write_digits(root: str) -> None:
 
 def _remove_stale_staging(parent: str) -> None:
     """Remove the staging folders in `parent` of digits writers of this host that no longer run."""
-    pattern = re.compile(re.escape(f'.digits-{socket.gethostname()}.') + r'(\d+)\.[0-9a-f]{8}$')
-    for name in os.listdir(parent):
-        match = pattern.match(name)
-        if match and not process_alive(int(match.group(1))):
-            shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
+    host = re.escape(socket.gethostname())
+    remove_left_by_dead_processes(parent, re.compile(rf'\.digits-{host}\.(\d+)\.[0-9a-f]{{8}}$'))
 
 
 def prepare_digits(root: str) -> str:

@@ -2,12 +2,13 @@
 a temporary file beside their target, which replaces the target only once complete."""
 import os
 import re
+import shutil
 import uuid
 from contextlib import contextmanager
-from typing import Any, BinaryIO, Callable, Iterator, Optional, Set
+from typing import Any, BinaryIO, Callable, Iterator, List, Optional, Pattern, Set
 
 __all__ = ['atomic_write', 'temporary_path', 'removed_by_an_exit_at_once', 'file_in_the_way', 'named_on_error',
-           'TEMP_NAME', 'UNFINISHED_FILES']
+           'process_alive', 'remove_left_by_dead_processes', 'TEMP_NAME', 'UNFINISHED_FILES']
 
 # the names `temporary_path` gives: .<name>.<pid>.<8 hex digits>.tmp
 TEMP_NAME = re.compile(r'^\..+\.(\d+)\.[0-9a-f]{8}\.tmp$')
@@ -87,3 +88,36 @@ def file_in_the_way(path: str) -> Optional[str]:
     while not os.path.lexists(path) and os.path.dirname(path) != path:
         path = os.path.dirname(path)
     return path if os.path.lexists(path) and not os.path.isdir(path) else None
+
+
+def process_alive(pid: int) -> bool:
+    """Whether process `pid` runs on this host."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # a process of another user
+    return True
+
+
+def remove_left_by_dead_processes(folder: str, pattern: Pattern[str]) -> List[str]:
+    """Remove the files and folders in `folder` whose names match `pattern`, its first group the PID of the process
+    of this host that was writing them, where that process no longer runs: killed outright (SIGKILL, or SIGTERM,
+    whose default action runs no clean-up) before it finished. Return their names, sorted; those of live
+    processes stay."""
+    removed = []
+    for name in sorted(os.listdir(folder)):
+        match = pattern.match(name)
+        if not match or process_alive(int(match.group(1))):
+            continue
+        path = os.path.join(folder, name)
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            try:
+                os.remove(path)
+            except FileNotFoundError:
+                continue  # removed by another process at the same time
+        removed.append(name)
+    return removed

@@ -43,6 +43,8 @@ from timm.layers import resample_abs_pos_embed
 from timm.models import get_arch_pretrained_cfgs, get_pretrained_cfg, split_model_name_tag
 from tqdm import tqdm
 
+from ._files import process_alive, remove_left_by_dead_processes
+
 __all__ = [
     'CheckpointError', 'DownloadError', 'checkpoint_cache_dir', 'cached_file_name', 'download_checkpoint',
     'process_alive', 'HUB_SOURCES', 'is_hub_name', 'hub_weights_file', 'start_weights_file', 'unknown_pretrained_tag',
@@ -126,29 +128,12 @@ def _download_failure(error: BaseException) -> str:
     return error_summary(error)
 
 
-def process_alive(pid: int) -> bool:
-    """Whether process `pid` runs on this host."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # a process of another user
-    return True
-
-
 def _remove_stale_partials(folder: str, file_name: str) -> None:
     """Remove the partial downloads of `file_name` left by processes of this host that were killed (SIGKILL, or
     SIGTERM, whose default action runs no clean-up); those of live processes, and of other hosts that share the
     folder, stay."""
-    pattern = re.compile(re.escape(f'{file_name}.{socket.gethostname()}.') + r'(\d+)\.[0-9a-f]{8}\.partial$')
-    for name in os.listdir(folder):
-        match = pattern.match(name)
-        if match and not process_alive(int(match.group(1))):
-            try:
-                os.remove(os.path.join(folder, name))
-            except FileNotFoundError:
-                pass  # removed by another process at the same time
+    remove_left_by_dead_processes(
+        folder, re.compile(re.escape(f'{file_name}.{socket.gethostname()}.') + r'(\d+)\.[0-9a-f]{8}\.partial$'))
 
 
 def _unwritable(folder: str, error: OSError) -> 'DownloadError':
