@@ -30,7 +30,7 @@ from .checkpoint import (HUB_SOURCES, cached_file_name, download_checkpoint, is_
 __all__ = [
     'ZooModel', 'create_variant', 'register_variants', 'Block', 'BlockStack', 'init_weights', 'OfficialKeys',
     'NumberedStageKeys', 'new_classifier',
-    'check_arguments', 'check_global_pool', 'check_input', 'check_output_fmt', 'imagenet_cfg', 'tag_weights',
+    'check_arguments', 'check_global_pool', 'check_input', 'check_sides', 'check_output_fmt', 'imagenet_cfg', 'tag_weights',
     'tsinghua_url', 'INLINE_META', 'FLATTEN_META',
 ]
 
@@ -217,6 +217,15 @@ def check_global_pool(global_pool: str, supported: Sequence[str]) -> str:
     return global_pool
 
 
+def check_sides(H: int, W: int, divisor: int, least: int, what: str) -> None:
+    """A ValueError, naming the size as `what`, unless its sides are positive multiples of `divisor` and at least
+    `least`."""
+    if H < divisor or W < divisor or H % divisor != 0 or W % divisor != 0:
+        raise ValueError(f"{what} {H}x{W} must have sides that are positive multiples of {divisor}")
+    if H < least or W < least:
+        raise ValueError(f"{what} {H}x{W} must have sides of at least {least}, the smallest the model's stages take")
+
+
 @register_notrace_function
 def check_input(x: Tensor, img_size: Grid, divisor: int, dynamic: bool, least: int = 1) -> None:
     """A ValueError unless `x` is (B, C, H, W) images the model takes: of its (H, W) `img_size`, or with `dynamic`
@@ -225,11 +234,7 @@ def check_input(x: Tensor, img_size: Grid, divisor: int, dynamic: bool, least: i
         raise ValueError(f"expected images (B, C, H, W), got a tensor with {x.dim()} dimensions")
     H, W = x.shape[-2], x.shape[-1]
     if dynamic:
-        if H < divisor or W < divisor or H % divisor != 0 or W % divisor != 0:
-            raise ValueError(f"input image size {H}x{W} must have sides that are positive multiples of {divisor}")
-        if H < least or W < least:
-            raise ValueError(f"input image size {H}x{W} must have sides of at least {least}, the smallest the "
-                             f"model's stages take")
+        check_sides(H, W, divisor, least, 'input image size')
     elif H != img_size[0] or W != img_size[1]:
         raise ValueError(f"input image size {H}x{W} does not match the model's img_size {img_size[0]}x{img_size[1]}; "
                          f"build the model with img_size=({H}, {W}) instead of ({img_size[0]}, {img_size[1]}), or "
@@ -361,12 +366,7 @@ class ZooModel(nn.Module):
     def _check_size(self, size: Grid, what: str) -> None:
         """A ValueError unless `size` has sides that are positive multiples of `img_divisor`, at least
         `img_min_side`."""
-        d = self.img_divisor
-        if size[0] < d or size[1] < d or size[0] % d or size[1] % d:
-            raise ValueError(f"{what} {size[0]}x{size[1]} must have sides that are positive multiples of {d}")
-        if min(size) < self.img_min_side:
-            raise ValueError(f"{what} {size[0]}x{size[1]} must have sides of at least {self.img_min_side}, the "
-                             f"smallest the model's stages take")
+        check_sides(size[0], size[1], self.img_divisor, self.img_min_side, what)
 
     def _set_grids(self, img_size: Grid) -> None:
         raise NotImplementedError
