@@ -282,10 +282,6 @@ def _loading(path: str, what: str, expected: str) -> Iterator[None]:
                               f"{detail}); expected {expected}") from None
 
 
-# Flags that choose which of torch's kernels applies an update, not what the update is.
-_KERNEL_FLAGS = ('fused', 'foreach')
-
-
 def _model_of(checkpoint: Mapping[str, Any], path: str) -> str:
     """The model name and keywords of the run that wrote `checkpoint`, as its stored config gives them."""
     model = config_from_yaml_string(checkpoint['config'], f"checkpoint {path!r}").MODEL
@@ -295,13 +291,15 @@ def _model_of(checkpoint: Mapping[str, Any], path: str) -> str:
     return f"{model.NAME} with MODEL.KWARGS {{{kwargs}}}"
 
 
-def _with_live_kernel(stored: Mapping[str, Any], optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
-    """`stored` (an optimizer's state dict) with the live `optimizer`'s kernel flags in its groups: the update then
-    follows this run's `TRAIN.OPTIMIZER.FUSED`, as the schedule follows its config. torch's `load_state_dict` takes
-    the flags from the state it loads and puts each `step` counter where the kernel they name expects it (on the
-    parameter's device for the fused one), so they are replaced before loading, not after."""
+def _with_live_settings(stored: Mapping[str, Any], optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
+    """`stored` (an optimizer's state dict) with the live `optimizer`'s group settings (weight decay, betas, eps,
+    momentum, the kernel flags, ...) in place of its own: torch's `load_state_dict` keeps only the live groups'
+    parameters and takes every setting from the state it loads, so a run resumed with another TRAIN.WEIGHT_DECAY
+    or TRAIN.OPTIMIZER.BETAS would go on with the old ones, as the schedule follows this run's config. They are
+    replaced before loading, not after: the kernel flags decide where torch puts each `step` counter (on the
+    parameter's device for the fused kernel)."""
     live = optimizer.param_groups
-    groups = [{**group, **{k: live[i][k] for k in _KERNEL_FLAGS if k in live[i]}} if i < len(live) else group
+    groups = [{**group, **{k: v for k, v in live[i].items() if k != 'params'}} if i < len(live) else group
               for i, group in enumerate(stored['param_groups'])]
     return {**stored, 'param_groups': groups}
 
@@ -435,7 +433,7 @@ class TrainingCheckpoint:
             else:
                 load_state_dict_checked(self.ema.module, checkpoint['model_ema'], f"EMA of checkpoint {path!r}")
         with _loading(path, 'an optimizer state', 'one of the same model and TRAIN.OPTIMIZER.NAME'):
-            self.optimizer.load_state_dict(_with_live_kernel(checkpoint['optimizer'], self.optimizer))
+            self.optimizer.load_state_dict(_with_live_settings(checkpoint['optimizer'], self.optimizer))
         # a disabled scaler saves an empty state, which an enabled one refuses
         if self.scaler.is_enabled() and checkpoint['scaler']:
             with _loading(path, 'a gradient scaler state', "the state of torch's GradScaler"):

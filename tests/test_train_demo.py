@@ -107,6 +107,19 @@ def test_a_resumed_run_updates_with_the_kernel_its_own_config_names(tmp_path, di
         torch.testing.assert_close(last['model'][name], weight, rtol=1e-3, atol=2e-4, msg=name)
 
 
+def test_a_resumed_run_updates_with_the_optimizer_settings_of_its_own_config(tmp_path, digits):
+    """torch's optimizer `load_state_dict` takes every group setting from the state it loads: a resume with another
+    weight decay, betas and eps went on with the old ones while the log said the run took this run's values."""
+    train(tmp_path, digits, 'TRAIN.EPOCHS_PER_RUN', '1')
+    changed = ['TRAIN.WEIGHT_DECAY', '0.3', 'TRAIN.OPTIMIZER.BETAS', '[0.8, 0.95]', 'TRAIN.OPTIMIZER.EPS', '1e-6']
+    train(tmp_path, digits, *changed)
+    said = (tmp_path / 'train.log').read_text()
+    assert "TRAIN.WEIGHT_DECAY 0.05 (this run: 0.3)" in said and "the run goes on with this run's values" in said
+    groups = torch.load(tmp_path / 'last.pth', weights_only=True)['optimizer']['param_groups']
+    assert sorted(g['weight_decay'] for g in groups) == [0.0, 0.3]  # 1-D parameters keep none
+    assert all(tuple(g['betas']) == (0.8, 0.95) and g['eps'] == 1e-6 for g in groups)
+
+
 def test_sigterm_saves_after_the_current_step_and_resumes_exactly(tmp_path, digits, uninterrupted, monkeypatch):
     real_any_rank = engine.loops.any_rank
     calls = []
