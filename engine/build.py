@@ -1,5 +1,6 @@
 """Model, weights, optimizer, scheduler and loss from a config, through timm's factories."""
 import difflib
+import inspect
 import logging
 import os
 import re
@@ -264,24 +265,47 @@ def check_onednn(device: torch.device, amp: Optional[str], setting: str) -> None
                          f"expected torch.backends.mkldnn.is_available()")
 
 
-def create_optimizer(cfg: CN, model: nn.Module, lr: float) -> torch.optim.Optimizer:
-    """timm's optimizer factory; no weight decay on 1-D parameters, biases and `model.no_weight_decay()` names.
-
-    With `TRAIN.OPTIMIZER.FUSED` torch's Adam, AdamW and SGD update all parameters in one fused kernel: the same
-    update to float rounding, 2.1-2.9x faster than the per-tensor loop torch uses on the CPU by default.
-    """
+def check_optimizer_config(cfg: CN) -> type:
+    """The optimizer class TRAIN.OPTIMIZER names, after checking that it takes the BETAS and EPS given (None: its
+    own); a `ConfigError` otherwise, before any data is read."""
     opt = cfg.TRAIN.OPTIMIZER
     if opt.NAME not in list_optimizers():
         close = difflib.get_close_matches(opt.NAME, list_optimizers(), n=3)
         raise ConfigError(f"config key TRAIN.OPTIMIZER.NAME is {opt.NAME!r}; expected a timm optimizer name"
                           + (f" such as {', '.join(close)}" if close else ''))
     info = get_optimizer_info(opt.NAME)
+    try:
+        kind = get_optimizer_class(info, bind_defaults=False)
+    except (AssertionError, ImportError) as e:  # bitsandbytes' optimizers need it installed, and CUDA
+        raise ConfigError(f"config key TRAIN.OPTIMIZER.NAME is {opt.NAME!r}, which cannot be built here ({e}); "
+                          f"expected an optimizer such as 'adamw'") from None
+    for key, value, taken in (('EPS', opt.EPS, info.has_eps), ('BETAS', opt.BETAS, info.has_betas)):
+        if value is not None and not taken:
+            raise ConfigError(f"config key TRAIN.OPTIMIZER.{key} is {value}, but {opt.NAME!r} takes no "
+                              f"{key.lower()}; expected None")
+    own = inspect.signature(kind).parameters.get('betas')
+    if opt.BETAS is not None and own is not None and isinstance(own.default, tuple) \
+            and len(opt.BETAS) != len(own.default):
+        raise ConfigError(f"config key TRAIN.OPTIMIZER.BETAS is {opt.BETAS}; {opt.NAME!r} takes {len(own.default)} "
+                          f"betas (its own: {list(own.default)}), or None for its own")
+    return kind
+
+
+def create_optimizer(cfg: CN, model: nn.Module, lr: float) -> torch.optim.Optimizer:
+    """timm's optimizer factory; no weight decay on 1-D parameters, biases and `model.no_weight_decay()` names;
+    TRAIN.OPTIMIZER's EPS and BETAS where given, else the optimizer's own, as timm's train.py passes them.
+
+    With `TRAIN.OPTIMIZER.FUSED` torch's Adam, AdamW and SGD update all parameters in one fused kernel: the same
+    update to float rounding, 2.1-2.9x faster than the per-tensor loop torch uses on the CPU by default.
+    """
+    opt = cfg.TRAIN.OPTIMIZER
+    kind = check_optimizer_config(cfg)
     extra: Dict[str, Any] = {}
-    if info.has_eps:
+    if opt.EPS is not None:
         extra['eps'] = opt.EPS
-    if info.has_betas:
+    if opt.BETAS is not None:
         extra['betas'] = tuple(opt.BETAS)
-    if opt.FUSED and get_optimizer_class(info, bind_defaults=False) in FUSED_OPTIMIZERS:
+    if opt.FUSED and kind in FUSED_OPTIMIZERS:
         extra['fused'] = True
     return create_optimizer_v2(model, opt=opt.NAME, lr=lr, weight_decay=cfg.TRAIN.WEIGHT_DECAY,
                                momentum=opt.MOMENTUM, **extra)

@@ -96,8 +96,10 @@ _C.TRAIN.LR_SCHEDULER.DECAY_RATE = 0.1
 _C.TRAIN.LR_SCHEDULER.MILESTONES = [90, 180, 270]
 _C.TRAIN.OPTIMIZER = CN()
 _C.TRAIN.OPTIMIZER.NAME = 'adamw'  # any timm optimizer name
-_C.TRAIN.OPTIMIZER.EPS = 1e-8
-_C.TRAIN.OPTIMIZER.BETAS = [0.9, 0.999]
+# None: the optimizer's own, as timm's train.py leaves them (AdamW: 1e-8 and (0.9, 0.999), every recipe's values;
+# LAMB's eps is 1e-6, Lion's betas (0.9, 0.99), the Adan family takes three betas)
+_C.TRAIN.OPTIMIZER.EPS = None
+_C.TRAIN.OPTIMIZER.BETAS = None
 _C.TRAIN.OPTIMIZER.MOMENTUM = 0.9
 # torch's fused kernel for Adam, AdamW and SGD (one pass over all parameters, CPU and CUDA); other optimizers keep
 # their own update
@@ -143,7 +145,8 @@ _C.DIST.TIMEOUT_MIN = 30
 _C.DIST.FIND_UNUSED_PARAMETERS = False
 
 # Keys whose default is None take values of this type (or None).
-_NULLABLE_TYPES = {'TRAIN.CLIP_GRAD': float, 'AUG.CUTMIX_MINMAX': list}
+_NULLABLE_TYPES = {'TRAIN.CLIP_GRAD': float, 'AUG.CUTMIX_MINMAX': list, 'TRAIN.OPTIMIZER.EPS': float,
+                   'TRAIN.OPTIMIZER.BETAS': list}
 
 _CHOICES = {
     'DEVICE': ('auto', 'cuda', 'cpu'),
@@ -165,7 +168,7 @@ _POSITIVE = ('DATA.BATCH_SIZE', 'DATA.IMG_SIZE', 'MODEL.NUM_CLASSES', 'TRAIN.EPO
              'AUG.REPEATED_AUG')
 _NON_NEGATIVE = ('SEED', 'DATA.NUM_WORKERS', 'TRAIN.WARMUP_EPOCHS', 'TRAIN.COOLDOWN_EPOCHS', 'TRAIN.EPOCHS_PER_RUN',
                  'TRAIN.MAX_NONFINITE_STEPS', 'TRAIN.WARMUP_LR', 'TRAIN.MIN_LR', 'TRAIN.WEIGHT_DECAY',
-                 'TRAIN.OPTIMIZER.EPS', 'TRAIN.OPTIMIZER.MOMENTUM', 'TEST.BATCH_SIZE', 'EMA.REFERENCE_BATCH',
+                 'TRAIN.OPTIMIZER.MOMENTUM', 'TEST.BATCH_SIZE', 'EMA.REFERENCE_BATCH',
                  'MODEL.DROP_PATH_RATE', 'MODEL.LABEL_SMOOTHING', 'AUG.COLOR_JITTER', 'AUG.MIXUP', 'AUG.CUTMIX',
                  'AUG.REPROB')
 _UNIT_INTERVAL = ('MODEL.DROP_PATH_RATE', 'MODEL.LABEL_SMOOTHING', 'AUG.HFLIP', 'AUG.REPROB', 'AUG.MIXUP_PROB',
@@ -368,6 +371,8 @@ def validate_config(cfg: CN) -> None:
         _check(0 <= value <= 1, key, value, 'a value in [0, 1]')
     _check(cfg.TRAIN.CLIP_GRAD is None or cfg.TRAIN.CLIP_GRAD > 0, 'TRAIN.CLIP_GRAD', cfg.TRAIN.CLIP_GRAD,
            'None or a value > 0')
+    eps = cfg.TRAIN.OPTIMIZER.EPS
+    _check(eps is None or 0 <= eps < math.inf, 'TRAIN.OPTIMIZER.EPS', eps, "None (the optimizer's own) or a value >= 0")
     train = cfg.TRAIN
     _check(not train.LR_SCHEDULER.WARMUP_PREFIX or train.WARMUP_EPOCHS < train.EPOCHS, 'TRAIN.WARMUP_EPOCHS',
            train.WARMUP_EPOCHS, f'fewer than TRAIN.EPOCHS ({train.EPOCHS}) with TRAIN.LR_SCHEDULER.WARMUP_PREFIX')
@@ -381,15 +386,17 @@ def validate_config(cfg: CN) -> None:
         value = _get(cfg, key)
         _check(len(value) in (1, 3) and all(isinstance(v, (int, float)) for v in value), key, value,
                'one or three numbers')
-    for key in ('AUG.SCALE', 'AUG.RATIO', 'TRAIN.OPTIMIZER.BETAS'):
+    for key in ('AUG.SCALE', 'AUG.RATIO'):
         value = _get(cfg, key)
         _check(len(value) == 2 and all(isinstance(v, (int, float)) for v in value), key, value, 'two numbers')
     _check(all(v > 0 for v in cfg.DATA.STD), 'DATA.STD', cfg.DATA.STD, 'standard deviations > 0')
     for key in ('AUG.SCALE', 'AUG.RATIO'):
         low, high = _get(cfg, key)
         _check(0 < low <= high, key, [low, high], 'a range [min, max] with 0 < min <= max')
-    _check(all(0 <= beta < 1 for beta in train.OPTIMIZER.BETAS), 'TRAIN.OPTIMIZER.BETAS', train.OPTIMIZER.BETAS,
-           'two values in [0, 1)')
+    betas = train.OPTIMIZER.BETAS
+    _check(betas is None or (len(betas) in (2, 3) and all(isinstance(b, (int, float)) and 0 <= b < 1 for b in betas)),
+           'TRAIN.OPTIMIZER.BETAS', betas, "None (the optimizer's own) or two values in [0, 1) (three for the Adan "
+           "family)")
     minmax = cfg.AUG.CUTMIX_MINMAX
     _check(minmax is None or (len(minmax) == 2 and all(isinstance(v, (int, float)) for v in minmax)
                               and 0 < minmax[0] <= minmax[1] <= 1),

@@ -172,6 +172,8 @@ def train_one_epoch(
     total = options.updates * options.accumulation
     loss_meter = AverageMeter()
     parameters = [p for p in model.parameters() if p.requires_grad]
+    # second-order optimizers (timm's AdaHessian) differentiate the gradients, as timm's train.py lets them
+    second_order = getattr(optimizer, 'is_second_order', False)
     lr = optimizer.param_groups[0]['lr']
     stopped = update_skipped = False
     start, images = time.perf_counter(), 0
@@ -198,7 +200,7 @@ def train_one_epoch(
                 # the sum over processes is non-finite exactly when a process's loss is
                 finite = math.isfinite(all_reduce_sum([loss_value], info.device)[0])
                 if finite and not update_skipped:
-                    scaler.scale(loss / options.accumulation).backward()
+                    scaler.scale(loss / options.accumulation).backward(create_graph=second_order)
             if not finite and not update_skipped:
                 update_skipped = True
                 state.skipped_steps += 1

@@ -25,6 +25,7 @@ import torch
 from huggingface_hub.utils import EntryNotFoundError, LocalEntryNotFoundError
 from PIL import Image
 from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
+from timm.optim import list_optimizers
 from timm.scheduler import create_scheduler_v2
 from timm.utils import ModelEmaV3
 from torch import nn
@@ -42,7 +43,7 @@ from engine.config import ConfigError, load_config
 from engine.data import (DIGITS_STAMP, ShardSampler, eval_transform, image_mode, load_split, prepare_digits)
 from engine.distributed import DistInfo
 from engine.errors import USAGE_EXIT_CODE, UsageError, run_cli
-from engine.loops import TrainState, evaluate
+from engine.loops import EpochOptions, TrainState, evaluate, train_one_epoch
 from models.checkpoint import CheckpointError, has_released_weights, released_weights_file
 
 REPO = Path(__file__).resolve().parents[1]
@@ -261,6 +262,69 @@ def test_the_fused_update_is_the_per_tensor_update(tiny_cfg, name):
     for index, buffers in loop_state.items():
         for key, value in buffers.items():
             torch.testing.assert_close(fused_state[index][key].double(), value.double(), rtol=1e-12, atol=1e-12)
+
+
+class _UnusedScheduler:
+    def step_update(self, num_updates: int) -> None:
+        pass
+
+
+@pytest.mark.parametrize('name', list_optimizers())
+def test_every_timm_optimizer_trains_or_is_refused_before_any_data_is_read(name):
+    """TRAIN.OPTIMIZER.NAME takes any timm optimizer with its own betas and eps: the engine passed (0.9, 0.999) and
+    1e-8 to all of them (the Adan family, which takes three betas, failed with an IndexError; Lion and LAMB trained
+    with other values than their own) and backpropagated without the graph AdaHessian differentiates. Those that
+    cannot be built here (bitsandbytes' and APEX's need CUDA) are one config error."""
+    cfg = load_config(None, ['TRAIN.OPTIMIZER.NAME', name])
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.LayerNorm(8), nn.Linear(8, 3))
+    start = [p.detach().clone() for p in model.parameters()]
+    try:
+        optimizer = create_optimizer(cfg, model, lr=1e-2)
+    except ConfigError as e:
+        assert not torch.cuda.is_available() and name.startswith(('bnb', 'fused'))
+        assert str(e).startswith(f"config key TRAIN.OPTIMIZER.NAME is {name!r}, which cannot be built here (")
+        return
+    generator = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(8, 4, generator=generator), torch.randint(0, 3, (8,), generator=generator))
+               for _ in range(2)]
+    train_one_epoch(model, batches, nn.CrossEntropyLoss(), optimizer, _UnusedScheduler(),
+                    torch.amp.GradScaler('cpu', enabled=False), TrainState(), CPU, EpochOptions(updates=2))
+    for before, after in zip(start, model.parameters()):
+        assert not torch.equal(before, after) and torch.isfinite(after).all()
+
+
+@pytest.mark.parametrize('name, betas, eps', [('adamw', (0.9, 0.999), 1e-8), ('lamb', (0.9, 0.999), 1e-6),
+                                              ('lion', (0.9, 0.99), None), ('adan', (0.98, 0.92, 0.99), 1e-8)])
+def test_an_optimizer_keeps_its_own_betas_and_eps_unless_the_config_gives_them(name, betas, eps):
+    model = nn.Linear(4, 3)
+    group = create_optimizer(load_config(None, ['TRAIN.OPTIMIZER.NAME', name]), model, lr=1e-3).param_groups[0]
+    assert tuple(group['betas']) == betas and group.get('eps') == eps
+    given = [round(b - 0.05, 2) for b in betas]
+    opts = ['TRAIN.OPTIMIZER.NAME', name, 'TRAIN.OPTIMIZER.BETAS', str(given)]
+    if eps is not None:
+        opts += ['TRAIN.OPTIMIZER.EPS', '1e-5']
+    group = create_optimizer(load_config(None, opts), model, lr=1e-3).param_groups[0]
+    assert list(group['betas']) == given and group.get('eps') == (eps and 1e-5)
+
+
+@pytest.mark.parametrize('opts, message', [
+    (['TRAIN.OPTIMIZER.NAME', 'adan', 'TRAIN.OPTIMIZER.BETAS', '[0.9, 0.99]'],
+     "config key TRAIN.OPTIMIZER.BETAS is [0.9, 0.99]; 'adan' takes 3 betas (its own: [0.98, 0.92, 0.99]), or None "
+     "for its own"),
+    (['TRAIN.OPTIMIZER.BETAS', '[0.9, 0.99, 0.999]'],
+     "config key TRAIN.OPTIMIZER.BETAS is [0.9, 0.99, 0.999]; 'adamw' takes 2 betas (its own: [0.9, 0.999]), or None "
+     "for its own"),
+    (['TRAIN.OPTIMIZER.NAME', 'sgd', 'TRAIN.OPTIMIZER.BETAS', '[0.9, 0.99]'],
+     "config key TRAIN.OPTIMIZER.BETAS is [0.9, 0.99], but 'sgd' takes no betas; expected None"),
+    (['TRAIN.OPTIMIZER.NAME', 'lion', 'TRAIN.OPTIMIZER.EPS', '1e-8'],
+     "config key TRAIN.OPTIMIZER.EPS is 1e-08, but 'lion' takes no eps; expected None"),
+])
+def test_betas_and_eps_an_optimizer_does_not_take_are_refused_before_any_data_is_read(tmp_path, capsys, opts,
+                                                                                       message):
+    assert run_cli(train_main, ['--cfg', TINY, '--data-path', str(tmp_path / 'absent'), '--output',
+                                str(tmp_path / 'out'), '--opts', *opts]) == USAGE_EXIT_CODE
+    assert capsys.readouterr().err == f"error: {message}\n"
 
 
 def test_the_fused_update_skips_what_the_gradient_scaler_skips(tiny_cfg):

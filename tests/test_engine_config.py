@@ -108,9 +108,10 @@ def test_bad_files_name_the_key_and_the_expectation(tmp_path, text, words):
     (['AUG.SCALE', '[1.0, 0.5]'], "config key AUG.SCALE is [1.0, 0.5]; expected a range [min, max] with "
                                   "0 < min <= max"),
     (['DATA.STD', '[0.0, 1.0, 1.0]'], "config key DATA.STD is [0.0, 1.0, 1.0]; expected standard deviations > 0"),
-    (['TRAIN.OPTIMIZER.BETAS', '[0.9, 1.5]'], "config key TRAIN.OPTIMIZER.BETAS is [0.9, 1.5]; expected two values "
-                                              "in [0, 1)"),
-    (['TRAIN.OPTIMIZER.EPS', '-1.0'], "config key TRAIN.OPTIMIZER.EPS is -1.0; expected a value >= 0"),
+    (['TRAIN.OPTIMIZER.BETAS', '[0.9, 1.5]'], "config key TRAIN.OPTIMIZER.BETAS is [0.9, 1.5]; expected None (the "
+                                              "optimizer's own) or two values in [0, 1) (three for the Adan family)"),
+    (['TRAIN.OPTIMIZER.EPS', '-1.0'], "config key TRAIN.OPTIMIZER.EPS is -1.0; expected None (the optimizer's own) or "
+                                      "a value >= 0"),
     (['TRAIN.LR_SCHEDULER.DECAY_EPOCHS', '0'], "config key TRAIN.LR_SCHEDULER.DECAY_EPOCHS is 0; expected a value > 0"),
     (['EMA.DECAY', '1.0'], "config key EMA.DECAY is 1.0; expected a value in [0, 1) (at 1 the EMA weights never leave "
                            "their start)"),
