@@ -313,8 +313,9 @@ def create_optimizer(cfg: CN, model: nn.Module, lr: float) -> torch.optim.Optimi
 
 def create_scheduler(cfg: CN, optimizer: torch.optim.Optimizer, lrs: Mapping[str, float],
                      updates_per_epoch: int) -> Tuple[Any, int]:
-    """timm's scheduler stepped per optimizer update; returns it and the number of epochs to run
-    (EPOCHS + COOLDOWN_EPOCHS, at MIN_LR after EPOCHS).
+    """timm's scheduler, counting in updates or in epochs as TRAIN.LR_SCHEDULER.STEP steps it
+    (`engine.loops.step_schedule`); returns it and the number of epochs to run (EPOCHS + COOLDOWN_EPOCHS, at MIN_LR
+    after EPOCHS).
 
     The warm-up is always inside EPOCHS. With `WARMUP_PREFIX` the decay starts after it (Swin), so the decay
     spans EPOCHS - WARMUP_EPOCHS: timm adds a prefixed warm-up to the epochs it is given, while Swin subtracts it.
@@ -326,7 +327,7 @@ def create_scheduler(cfg: CN, optimizer: torch.optim.Optimizer, lrs: Mapping[str
         optimizer, sched=sched.NAME, num_epochs=schedule_epochs, decay_epochs=sched.DECAY_EPOCHS,
         decay_milestones=list(sched.MILESTONES), cooldown_epochs=train.COOLDOWN_EPOCHS,
         decay_rate=sched.DECAY_RATE, min_lr=lrs['min_lr'], warmup_lr=lrs['warmup_lr'],
-        warmup_epochs=train.WARMUP_EPOCHS, warmup_prefix=sched.WARMUP_PREFIX, step_on_epochs=False,
+        warmup_epochs=train.WARMUP_EPOCHS, warmup_prefix=sched.WARMUP_PREFIX, step_on_epochs=sched.STEP != 'update',
         updates_per_epoch=updates_per_epoch)
     return scheduler, train.EPOCHS + train.COOLDOWN_EPOCHS
 

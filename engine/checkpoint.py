@@ -32,7 +32,7 @@ from models.checkpoint import CheckpointError, load_checkpoint_file, load_state_
 from .config import ConfigError, config_changes, config_from_yaml_string
 from .distributed import DistInfo, all_gather_objects
 from .errors import UsageError
-from .loops import TrainState, schedule_position
+from .loops import TrainState, step_schedule
 
 __all__ = ['LAST', 'BEST', 'LOCK', 'recorded_classes', 'TrainingCheckpoint', 'OutputLock', 'check_writable_folder',
            'prepare_script_out', 'atomic_save', 'atomic_write_text', 'NOTES_MARKER', 'write_table_keeping_notes',
@@ -412,13 +412,15 @@ class TrainingCheckpoint:
                              f"{checkpoint['epoch_batches']}) with {', '.join(changed)}; expected the same values "
                              f"until that epoch ends")
 
-    def restore(self, checkpoint: Mapping[str, Any], path: str, batches_per_epoch: int, accumulation: int = 1) -> None:
+    def restore(self, checkpoint: Mapping[str, Any], path: str, batches_per_epoch: int, accumulation: int = 1,
+                schedule_per: str = 'update') -> None:
         """Load `checkpoint` (read from `path`) into the live objects, so training goes on where it stopped.
 
         A checkpoint saved at the end of its epoch (with `metrics`), or whose batches fill this run's
         `batches_per_epoch`, goes on at the next epoch, whatever batch size wrote it; one saved after its epoch's
         training (with `train_record`) stays at that epoch with all `batches_per_epoch` trained, to be validated.
-        The schedule is set to that point of training at `accumulation` batches per update. The random streams are
+        The schedule is set to that point of training at `accumulation` batches per update, stepped per
+        `schedule_per` (TRAIN.LR_SCHEDULER.STEP). The random streams are
         restored only when the world size is the one that wrote them.
         """
         try:
@@ -449,8 +451,7 @@ class TrainingCheckpoint:
         elif checkpoint['metrics'] is not None or state.epoch_batches >= batches_per_epoch:
             state.next_epoch()
         # the stored schedule is not loaded: the schedule follows this run's config at this point of training
-        self.scheduler.step_update(num_updates=schedule_position(state, batches_per_epoch // accumulation,
-                                                                 accumulation))
+        step_schedule(self.scheduler, state, batches_per_epoch // accumulation, accumulation, schedule_per)
         if checkpoint['world_size'] == self.info.world_size:
             with _loading(path, 'a random state', 'the states of torch, CUDA, NumPy and random that this engine saves'):
                 set_rng_state(checkpoint['rng'][self.info.rank])

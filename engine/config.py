@@ -89,7 +89,11 @@ _C.TRAIN.ONEDNN = False
 _C.TRAIN.AUTO_RESUME = True
 _C.TRAIN.MAX_NONFINITE_STEPS = 0  # updates skipped for a non-finite loss before the run stops with an error
 _C.TRAIN.LR_SCHEDULER = CN()
-_C.TRAIN.LR_SCHEDULER.NAME = 'cosine'  # a timm scheduler stepped per update: cosine, tanh, step, multistep, poly
+_C.TRAIN.LR_SCHEDULER.NAME = 'cosine'  # a timm scheduler: cosine, tanh, step, multistep, poly
+# when the learning rate moves (engine.loops.step_schedule): 'update' (Swin, InLine, FLatten), 'epoch' (timm's
+# train.py, CSwin: epoch e at the schedule's value for e) or 'previous_epoch' (DeiT, PVT, SimA: stepped after each
+# epoch with that epoch's index, so epoch e >= 1 runs at the value for e - 1)
+_C.TRAIN.LR_SCHEDULER.STEP = 'previous_epoch'
 _C.TRAIN.LR_SCHEDULER.WARMUP_PREFIX = False  # the decay starts after the warm-up (Swin); both within EPOCHS
 _C.TRAIN.LR_SCHEDULER.DECAY_EPOCHS = 30
 _C.TRAIN.LR_SCHEDULER.DECAY_RATE = 0.1
@@ -155,6 +159,7 @@ _CHOICES = {
     'DATA.BAD_IMAGES': ('error', 'skip'),
     'TRAIN.LR_SCALING': ('base', 'all', 'none'),
     'TRAIN.LR_SCHEDULER.NAME': ('cosine', 'tanh', 'step', 'multistep', 'poly', 'constant'),
+    'TRAIN.LR_SCHEDULER.STEP': ('update', 'epoch', 'previous_epoch'),
     'TEST.CROP_MODE': ('center', 'squash', 'border'),
     'AMP.DTYPE': ('float16', 'bfloat16'),
     'AUG.MIXUP_MODE': ('batch', 'pair', 'elem'),

@@ -18,8 +18,8 @@ from .compile import CompileTimer, plain_module
 from .distributed import DistInfo, all_reduce_sum, any_rank
 from .errors import NonFiniteLossError
 
-__all__ = ['TrainState', 'EpochOptions', 'EpochResult', 'Progress', 'autocast', 'schedule_position', 'train_one_epoch',
-           'evaluate', 'measure_throughput']
+__all__ = ['TrainState', 'EpochOptions', 'EpochResult', 'Progress', 'autocast', 'schedule_position', 'step_schedule',
+           'train_one_epoch', 'evaluate', 'measure_throughput']
 
 AMP_DTYPES = {'float16': torch.float16, 'bfloat16': torch.bfloat16}
 logger = logging.getLogger('engine')
@@ -54,13 +54,28 @@ def schedule_position(state: TrainState, updates_per_epoch: int, accumulation: i
     return state.epoch * updates_per_epoch + state.epoch_batches // accumulation
 
 
+def step_schedule(scheduler, state: TrainState, updates_per_epoch: int, accumulation: int, per: str) -> None:
+    """Set the learning rate of the next update (TRAIN.LR_SCHEDULER.STEP `per`): the schedule at the update count
+    ('update': Swin, InLine, FLatten), at the epoch that update falls in ('epoch': timm's train.py and CSwin step
+    it with the epoch about to start), or at the epoch before ('previous_epoch': DeiT's loop, and PVT's and SimA's
+    after it, step it with the epoch just trained, so epochs 0 and 1 both run at the warm-up's start)."""
+    position = schedule_position(state, updates_per_epoch, accumulation)
+    if per == 'update':
+        scheduler.step_update(num_updates=position)
+    else:
+        epoch = position // updates_per_epoch
+        scheduler.step(epoch=max(epoch - 1, 0) if per == 'previous_epoch' else epoch)
+
+
 @dataclass(frozen=True)
 class EpochOptions:
-    """How `train_one_epoch` trains: `updates` optimizer updates of `accumulation` batches each, gradient norms
-    clipped to `clip_grad` (None: not clipped), autocast to `amp_dtype` when `amp`, at most `max_nonfinite_steps`
-    updates skipped for a non-finite loss in the run, the progress bar `desc` refreshed every `print_freq` batches."""
+    """How `train_one_epoch` trains: `updates` optimizer updates of `accumulation` batches each, the schedule
+    stepped `schedule_per` update or epoch (`step_schedule`), gradient norms clipped to `clip_grad` (None: not
+    clipped), autocast to `amp_dtype` when `amp`, at most `max_nonfinite_steps` updates skipped for a non-finite
+    loss in the run, the progress bar `desc` refreshed every `print_freq` batches."""
     updates: int
     accumulation: int = 1
+    schedule_per: str = 'update'
     clip_grad: Optional[float] = None
     amp: bool = False
     amp_dtype: str = 'float16'
@@ -161,7 +176,7 @@ def train_one_epoch(
 ) -> EpochResult:
     """Train the batches of `state.epoch` from `state.epoch_batches` up to `options.updates * options.accumulation`.
 
-    After each optimizer update the scheduler gets the new update count and the EMA follows the model. When
+    After each optimizer update the schedule moves on (`step_schedule`) and the EMA follows the model. When
     `stop_requested()` is true on any process at an update boundary, the epoch ends early with `stopped` set.
     An update whose loss is non-finite on any process is skipped on all of them (no backward, and weights,
     optimizer, scaler, EMA and schedule stay as they were); once more than `options.max_nonfinite_steps`
@@ -231,7 +246,7 @@ def train_one_epoch(
                     state.step += 1
                     if ema is not None:
                         ema.update(plain_module(model))
-                scheduler.step_update(num_updates=schedule_position(state, options.updates, options.accumulation))
+                step_schedule(scheduler, state, options.updates, options.accumulation, options.schedule_per)
                 if any_rank(stop_requested(), info.device):
                     stopped = True
             if compile_timer is not None:

@@ -309,7 +309,7 @@ def _train(cfg: CN, info: DistInfo, lock: OutputLock, check_data: bool) -> Dict[
                                     classes=train_set.classes)
     if stored is not None:
         checkpoint.restore(stored, resume, updates_per_epoch * cfg.TRAIN.ACCUMULATION_STEPS,
-                           cfg.TRAIN.ACCUMULATION_STEPS)
+                           cfg.TRAIN.ACCUMULATION_STEPS, cfg.TRAIN.LR_SCHEDULER.STEP)
 
     compiled = cfg.TRAIN.COMPILE
     # `model` stays plain for the checkpoints, the optimizer and the EMA; DDP wraps the compiled module
@@ -327,7 +327,8 @@ def _train(cfg: CN, info: DistInfo, lock: OutputLock, check_data: bool) -> Dict[
     criterion = create_criterion(cfg)
     mixup = build_mixup(cfg)
     epoch_options = EpochOptions(
-        updates=updates_per_epoch, accumulation=cfg.TRAIN.ACCUMULATION_STEPS, clip_grad=cfg.TRAIN.CLIP_GRAD,
+        updates=updates_per_epoch, accumulation=cfg.TRAIN.ACCUMULATION_STEPS,
+        schedule_per=cfg.TRAIN.LR_SCHEDULER.STEP, clip_grad=cfg.TRAIN.CLIP_GRAD,
         amp=cfg.AMP.ENABLED, amp_dtype=amp_dtype, max_nonfinite_steps=cfg.TRAIN.MAX_NONFINITE_STEPS,
         print_freq=cfg.PRINT_FREQ)
 

@@ -206,7 +206,8 @@ def test_evaluation_counts_are_exact_when_the_set_does_not_divide_by_the_world_s
 
 
 def test_schedule_warms_up_then_follows_the_cosine_per_update_and_cools_down():
-    cfg = load_config(None, ['TRAIN.EPOCHS', '4', 'TRAIN.WARMUP_EPOCHS', '1', 'TRAIN.COOLDOWN_EPOCHS', '2'])
+    cfg = load_config(None, ['TRAIN.EPOCHS', '4', 'TRAIN.WARMUP_EPOCHS', '1', 'TRAIN.COOLDOWN_EPOCHS', '2',
+                             'TRAIN.LR_SCHEDULER.STEP', 'update'])
     lr, warmup_lr, min_lr, per_epoch = 1e-3, 1e-6, 1e-5, 5
     optimizer = torch.optim.AdamW([nn.Parameter(torch.zeros(1))], lr=lr)
     scheduler, epochs = create_scheduler(cfg, optimizer, dict(lr=lr, warmup_lr=warmup_lr, min_lr=min_lr), per_epoch)

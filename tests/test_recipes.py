@@ -16,6 +16,7 @@ from engine.build import autocast_dtype, create_scheduler
 from engine.cli import train_main
 from engine.config import ConfigError, load_config, scaled_lrs
 from engine.data import posterize, train_transform
+from engine.loops import TrainState, step_schedule
 
 CONFIGS = Path(__file__).resolve().parents[1] / 'configs'
 RECIPES = sorted(p for p in CONFIGS.rglob('*.yaml') if p.parent.name != 'demo')
@@ -113,22 +114,24 @@ def test_every_recipe_train_transform_survives_every_randaugment_op_and_magnitud
 
 
 # The official schedules: (epochs run, warm-up epochs, warm-up before the decay (prefix), effective minimum lr,
-# GPUs of the official run). The minimum lr is the official one at the official total batch.
-DEIT = (300, 5, False, 1e-5)  # facebookresearch/deit main.py: 300 epochs (the scheduler's cooldown 10 never runs)
-PVT = (300, 5, False, 1e-5)  # whai362/PVT classification/main.py (DeiT-derived)
-CSWIN = (310, 20, False, 1e-5)  # microsoft/CSWin-Transformer main.py (timm train): 300 + cooldown 10
-SWIN = (300, 20, True, 5e-6 * 1024 / 512)  # microsoft/Swin-Transformer: warm-up inside the 300 epochs, then cosine
-SWIN_384 = (30, 5, True, 2e-7 * 1024 / 512)  # Swin base-384 fine-tune: 30 epochs, 5 warm-up, batch 64 x 2 accum x 8
+# when the learning rate moves (TRAIN.LR_SCHEDULER.STEP), GPUs of the official run). The minimum lr is the official
+# one at the official total batch. DeiT's loop and those derived from it call `lr_scheduler.step(epoch)` after each
+# epoch ('previous_epoch'), timm's train.py `step(epoch + 1)` ('epoch'), Swin's `step_update` every update.
+DEIT = (300, 5, False, 1e-5, 'previous_epoch')  # facebookresearch/deit main.py: 300 epochs (cooldown 10 never runs)
+PVT = (300, 5, False, 1e-5, 'previous_epoch')  # whai362/PVT classification/main.py (DeiT-derived)
+CSWIN = (310, 20, False, 1e-5, 'epoch')  # microsoft/CSWin-Transformer main.py (timm train): 300 + cooldown 10
+SWIN = (300, 20, True, 5e-6 * 1024 / 512, 'update')  # microsoft/Swin-Transformer: warm-up inside 300, then cosine
+SWIN_384 = (30, 5, True, 2e-7 * 1024 / 512, 'update')  # Swin base-384 fine-tune: 30 epochs, 5 warm-up, 64 x 2 x 8
 # InLine / FLatten (Swin fork, warm-up inside the cosine, EPOCHS + COOLDOWN run), min lr at 8 GPUs: their table
-INLINE_DEIT = (300, 20, False, 5e-6 * 4096 / 512)  # inline_deit_t: 512 x 8
-SWIN_FORK_1024 = (300, 20, False, 1e-5)  # 128 x 8: inline_deit_s, *_swin_t/s
-SWIN_FORK_512 = (300, 20, False, 5e-6)  # 64 x 8: inline_deit_b, *_swin_b
-SWIN_FORK_384 = (30, 5, False, 1e-7)  # *_swin_b_384: 32 x 8
-PVT_FORK = {128: (310, 5, False, 2e-5), 64: (310, 5, False, 1e-5), 32: (310, 5, False, 5e-6)}  # by batch per GPU
-CSWIN_FORK = {128: (310, 20, False, 2e-5), 64: (310, 20, False, 1e-5), 256: (310, 20, False, 4e-5)}
-CSWIN_FORK_384 = (30, 0, False, 2.5e-7)  # *_cswin_b_384: 20 epochs + cooldown 10, no warm-up, 32 x 8
-SIMA = (400, 5, False, 1e-5)  # UCDvision/sima main.py: 400 epochs (the scheduler's cooldown 10 never runs)
-SIMA_DEIT = (300, 5, False, 1e-5)  # DeiT-S -> SimA: the same for 300 epochs
+INLINE_DEIT = (300, 20, False, 5e-6 * 4096 / 512, 'update')  # inline_deit_t: 512 x 8
+SWIN_FORK_1024 = (300, 20, False, 1e-5, 'update')  # 128 x 8: inline_deit_s, *_swin_t/s
+SWIN_FORK_512 = (300, 20, False, 5e-6, 'update')  # 64 x 8: inline_deit_b, *_swin_b
+SWIN_FORK_384 = (30, 5, False, 1e-7, 'update')  # *_swin_b_384: 32 x 8
+PVT_FORK = {b: (310, 5, False, lr, 'update') for b, lr in ((128, 2e-5), (64, 1e-5), (32, 5e-6))}  # by batch per GPU
+CSWIN_FORK = {b: (310, 20, False, lr, 'update') for b, lr in ((128, 2e-5), (64, 1e-5), (256, 4e-5))}
+CSWIN_FORK_384 = (30, 0, False, 2.5e-7, 'update')  # *_cswin_b_384: 20 epochs + cooldown 10, no warm-up, 32 x 8
+SIMA = (400, 5, False, 1e-5, 'previous_epoch')  # UCDvision/sima main.py: 400 epochs (cooldown 10 never runs)
+SIMA_DEIT = (300, 5, False, 1e-5, 'previous_epoch')  # DeiT-S -> SimA: the same for 300 epochs
 
 SCHEDULES = {
     'base/deit': (*DEIT, 16), 'softmax/deit_tiny': (*DEIT, 4), 'softmax/deit_small': (*DEIT, 4),
@@ -166,23 +169,33 @@ def test_every_recipe_has_an_official_schedule():
 
 @pytest.mark.parametrize('key', sorted(SCHEDULES))
 def test_schedule_matches_the_official_recipe(key):
-    """The scheduler the engine builds: epochs run, warm-up, where the decay starts and ends, per-update steps."""
-    epochs_run, warmup, prefix, min_lr, gpus = SCHEDULES[key]
+    """The schedule the training loop steps (`step_schedule`): epochs run, warm-up, where the decay starts and ends,
+    and whether the learning rate moves every update, at the start of each epoch, or one epoch late."""
+    epochs_run, warmup, prefix, min_lr, per, gpus = SCHEDULES[key]
     cfg = load_config(str(CONFIGS / f'{key}.yaml'))
+    assert cfg.TRAIN.LR_SCHEDULER.STEP == per
     lrs = scaled_lrs(cfg, gpus)
     optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=lrs['lr'])
     per_epoch = 7
     scheduler, epochs = create_scheduler(cfg, optimizer, lrs, per_epoch)
 
-    def lr_at(step: int) -> float:
-        scheduler.step_update(num_updates=step)
+    def lr_at_update(update: int) -> float:
+        step_schedule(scheduler, TrainState(epoch=update // per_epoch, epoch_batches=update % per_epoch), per_epoch,
+                      1, per)
         return optimizer.param_groups[0]['lr']
 
-    assert epochs == epochs_run and not scheduler.t_in_epochs  # stepped every update
+    # the schedule's clock: updates, or epochs (an epoch late with 'previous_epoch')
+    unit = per_epoch if per == 'update' else 1
+    lag = 1 if per == 'previous_epoch' else 0
+
+    def lr_at(t: int) -> float:
+        return lr_at_update(t if per == 'update' else (t + lag) * per_epoch)
+
+    assert epochs == epochs_run and scheduler.t_in_epochs == (per != 'update')
     assert lrs['min_lr'] == pytest.approx(min_lr, rel=1e-12)
-    decay_end = cfg.TRAIN.EPOCHS * per_epoch
+    decay_end = cfg.TRAIN.EPOCHS * unit
     assert epochs_run - cfg.TRAIN.EPOCHS == cfg.TRAIN.COOLDOWN_EPOCHS
-    warmup_steps = warmup * per_epoch
+    warmup_steps = warmup * unit
     assert scheduler.warmup_t == warmup_steps
     if warmup:
         assert lr_at(0) == pytest.approx(lrs['warmup_lr'], rel=1e-12)
@@ -196,7 +209,11 @@ def test_schedule_matches_the_official_recipe(key):
     assert lr_at(decay_end - 1) > min_lr
     assert lr_at(decay_end) == pytest.approx(min_lr, rel=1e-12)
     if cfg.TRAIN.COOLDOWN_EPOCHS:  # the last update of the run, at the minimum
-        assert lr_at(epochs_run * per_epoch - 1) == pytest.approx(min_lr, rel=1e-12)
+        assert lr_at_update(epochs_run * per_epoch - 1) == pytest.approx(min_lr, rel=1e-12)
+    if per != 'update':  # one value an epoch; DeiT's loop runs epochs 0 and 1 both at the warm-up's start
+        assert {lr_at_update(2 * per_epoch + i) for i in range(per_epoch)} == {lr_at_update(2 * per_epoch)}
+        second = lrs['warmup_lr'] + (1 - lag) * (lrs['lr'] - lrs['warmup_lr']) / warmup
+        assert lr_at_update(0) == lrs['warmup_lr'] and lr_at_update(per_epoch) == pytest.approx(second, rel=1e-12)
 
 
 def test_a_prefixed_warm_up_must_leave_epochs_to_decay():

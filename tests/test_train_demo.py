@@ -120,6 +120,21 @@ def test_a_resumed_run_updates_with_the_optimizer_settings_of_its_own_config(tmp
     assert all(tuple(g['betas']) == (0.8, 0.95) and g['eps'] == 1e-6 for g in groups)
 
 
+def test_the_learning_rate_moves_once_an_epoch_one_epoch_late_as_deits_loop_steps_it(tmp_path, digits):
+    """TRAIN.LR_SCHEDULER.STEP previous_epoch (DeiT's, PVT's and SimA's recipes): the schedule counts epochs and each
+    epoch trains at the value of the epoch before, the first two at the warm-up's start; a run paused after two
+    epochs goes on where the uninterrupted one does."""
+    opts = ['TRAIN.LR_SCHEDULER.STEP', 'previous_epoch', 'TRAIN.EPOCHS', '3', 'TRAIN.WARMUP_EPOCHS', '1',
+            'DATA.BATCH_SIZE', '64']
+    train(tmp_path / 'whole', digits, *opts)
+    base, warmup, least = 3e-3, 1e-5, 1e-5  # digits_tiny: BASE_LR, WARMUP_LR, MIN_LR, not scaled
+    second = least + 0.5 * (base - least) * (1 + math.cos(math.pi / 3))  # the cosine at epoch 1 of 3
+    assert [r['lr'] for r in records(tmp_path / 'whole')] == pytest.approx([warmup, warmup, second], rel=1e-12)
+    train(tmp_path / 'paused', digits, *opts, 'TRAIN.EPOCHS_PER_RUN', '2')
+    train(tmp_path / 'paused', digits, *opts, 'TRAIN.EPOCHS_PER_RUN', '2')
+    assert records(tmp_path / 'paused') == records(tmp_path / 'whole')
+
+
 def test_sigterm_saves_after_the_current_step_and_resumes_exactly(tmp_path, digits, uninterrupted, monkeypatch):
     real_any_rank = engine.loops.any_rank
     calls = []
