@@ -20,6 +20,7 @@ from models.checkpoint import (EMA_KEYS, MODEL_KEYS, CheckpointError, checkpoint
 from models.onednn import convert_to_onednn, onednn_available
 
 from .config import ConfigError, mixup_active, model_kwargs
+from .distributed import DistInfo
 from .errors import UsageError
 from .hub import is_hub_name, weights_file
 
@@ -249,6 +250,21 @@ def create_training_model(cfg: CN, device: torch.device, weights: Optional[Dict[
     if cfg.TRAIN.USE_CHECKPOINT:
         model.set_grad_checkpointing(True)
     return model.to(device)
+
+
+def synchronize_batchnorm(model: nn.Module, info: DistInfo) -> nn.Module:
+    """`model` with its BatchNorm layers as torch's SyncBatchNorm (TRAIN.SYNC_BN, under several processes), which
+    computes training statistics over all processes' batches, as the official SimA code trains its XCiT nets: same
+    parameters, buffers and state-dict keys, converted in place. torch's SyncBatchNorm runs on CUDA, XPU and HPU
+    devices only: elsewhere (the CPU) the layers stay per process, and rank 0 says so once."""
+    if not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()):
+        return model
+    if info.device.type not in ('cuda', 'xpu', 'hpu'):
+        if info.is_main:
+            logger.warning(f"TRAIN.SYNC_BN: torch's SyncBatchNorm runs on CUDA, XPU and HPU devices only; on "
+                           f"{info.device.type} each process keeps BatchNorm statistics of its own batches")
+        return model
+    return nn.SyncBatchNorm.convert_sync_batchnorm(model)
 
 
 def check_onednn(device: torch.device, amp: Optional[str], setting: str) -> None:

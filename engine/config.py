@@ -76,6 +76,8 @@ _C.TRAIN.WEIGHT_DECAY = 0.05
 _C.TRAIN.CLIP_GRAD = None  # max gradient norm; None = no clipping
 _C.TRAIN.ACCUMULATION_STEPS = 1
 _C.TRAIN.USE_CHECKPOINT = False  # gradient checkpointing
+# BatchNorm statistics over all processes (torch's SyncBatchNorm, as timm's --sync-bn; CUDA only): SimA's XCiT nets
+_C.TRAIN.SYNC_BN = False
 # torch.compile(fullgraph=True) of the whole model for training and validation; MODE and BACKEND are
 # torch.compile's `mode` and `backend` ('aot_eager' traces without generating kernels, to check a model quickly)
 _C.TRAIN.COMPILE = False

@@ -23,7 +23,8 @@ from models._files import named_on_error
 from models.checkpoint import CheckpointError
 
 from .build import (autocast_dtype, check_model_config, check_onednn, check_optimizer_config, check_pretrained,
-                    create_criterion, create_optimizer, create_scheduler, create_training_model, read_weights)
+                    create_criterion, create_optimizer, create_scheduler, create_training_model, read_weights,
+                    synchronize_batchnorm)
 from .checkpoint import LAST, OutputLock, TrainingCheckpoint, atomic_write_text, remove_stale_temp_files
 from .compile import CompileTimer, compile_errors_reported, compile_model
 from .config import ema_decay, scaled_lrs, total_batch_size
@@ -311,6 +312,8 @@ def _train(cfg: CN, info: DistInfo, lock: OutputLock, check_data: bool) -> Dict[
         checkpoint.restore(stored, resume, updates_per_epoch * cfg.TRAIN.ACCUMULATION_STEPS,
                            cfg.TRAIN.ACCUMULATION_STEPS, cfg.TRAIN.LR_SCHEDULER.STEP)
 
+    if cfg.TRAIN.SYNC_BN and info.distributed:
+        model = synchronize_batchnorm(model, info)
     compiled = cfg.TRAIN.COMPILE
     # `model` stays plain for the checkpoints, the optimizer and the EMA; DDP wraps the compiled module
     eval_model = compile_model(model, cfg.TRAIN.COMPILE_MODE, cfg.TRAIN.COMPILE_BACKEND) if compiled else model

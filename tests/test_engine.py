@@ -33,6 +33,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from yacs.config import CfgNode
 
 import engine.analysis
+import engine.build
 import engine.data
 import engine.evaluation
 from engine.build import (check_pretrained, create_criterion, create_model, create_optimizer, create_scheduler,
@@ -221,6 +222,36 @@ def test_schedule_warms_up_then_follows_the_cosine_per_update_and_cools_down():
         else:
             expected = min_lr
         assert optimizer.param_groups[0]['lr'] == pytest.approx(expected, rel=1e-12), step
+
+
+def test_sync_bn_converts_batchnorm_on_gpus_and_says_it_cannot_on_the_cpu(caplog):
+    """TRAIN.SYNC_BN (the SimA recipe's SyncBatchNorm): on a CUDA device the BatchNorm layers become SyncBatchNorm
+    with the same parameters, buffers and keys (in evaluation the same function); torch's SyncBatchNorm has no CPU
+    kernel, so there rank 0 says the statistics stay per process; a model without BatchNorm is left alone."""
+    torch.manual_seed(0)
+    model = timm.create_model('sima_nano_12_p16', img_size=32, depth=1, num_classes=5).eval()
+    batchnorms = [n for n, m in model.named_modules() if isinstance(m, nn.BatchNorm2d)]
+    parameters, state = [id(p) for p in model.parameters()], model.state_dict()
+    x = torch.randn(2, 3, 32, 32)
+    expected = model(x)
+    gpu = DistInfo(rank=0, world_size=2, local_rank=0, device=torch.device('cuda'))
+    assert engine.build.synchronize_batchnorm(model, gpu) is model
+    modules = dict(model.named_modules())
+    assert len(batchnorms) == 5 and all(type(modules[n]) is nn.SyncBatchNorm for n in batchnorms)
+    assert [id(p) for p in model.parameters()] == parameters and model.state_dict().keys() == state.keys()
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in state.items())
+    assert torch.equal(model(x), expected)
+    for rank in (0, 1):
+        cpu_model = timm.create_model('sima_nano_12_p16', img_size=32, depth=1)
+        with caplog.at_level('WARNING', logger='engine'):
+            engine.build.synchronize_batchnorm(cpu_model, DistInfo(rank, 2, rank, torch.device('cpu')))
+        assert not any(isinstance(m, nn.SyncBatchNorm) for m in cpu_model.modules())
+    assert [r.getMessage() for r in caplog.records] == [
+        "TRAIN.SYNC_BN: torch's SyncBatchNorm runs on CUDA, XPU and HPU devices only; on cpu each process keeps "
+        "BatchNorm statistics of its own batches"]
+    caplog.clear()
+    deit = timm.create_model('sima_deit_small_ls', img_size=32, patch_size=16, depth=1)
+    assert engine.build.synchronize_batchnorm(deit, DistInfo(0, 2, 0, torch.device('cpu'))) is deit and not caplog.records
 
 
 def test_no_weight_decay_on_norms_biases_and_position_embeddings(tiny_cfg):
