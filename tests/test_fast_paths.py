@@ -515,11 +515,24 @@ def test_multimax_on_cpu_takes_the_kernel_by_default_in_inference_and_in_trainin
     assert len(calls) == 2
 
 
-# no compiler or ninja; a build whose library does not load (a torch whose BLAS does not export `sgemm_`)
-@pytest.mark.parametrize('failure', [RuntimeError("Ninja is required to load C++ extensions"),
-                                     ImportError("zoo_multimax_cpu.so: undefined symbol: sgemm_")],
-                         ids=['build', 'load'])
-def test_multimax_without_its_kernel_warns_once_and_runs_unfused(monkeypatch, caplog, failure):
+# torch's report of a build that failed on a full disk: the ninja command first, the compiler's output after it
+FULL_DISK = ("Error building extension 'zoo_multimax_cpu_b957b0af': [1/2] c++ -MMD -MF multimax_cpu.o.d -O3 -c "
+             "multimax_cpu.cpp -o multimax_cpu.o \nFAILED: [code=1] multimax_cpu.o \nc++ -MMD -MF multimax_cpu.o.d "
+             "-O3 -c multimax_cpu.cpp -o multimax_cpu.o \n/tmp/ccma8jUD.s: Assembler messages:\n/tmp/ccma8jUD.s: "
+             "Fatal error: can't write 107 bytes to section .text of multimax_cpu.o: 'No space left on device'\n"
+             "/tmp/ccma8jUD.s: Fatal error: multimax_cpu.o: No such file or directory\nninja: build stopped: "
+             "subcommand failed.\n")
+
+
+# no compiler or ninja; a build whose library does not load (a torch whose BLAS does not export `sgemm_`); a full
+# disk, whose cause torch reports after the ninja command
+@pytest.mark.parametrize('failure, reason', [
+    (RuntimeError("Ninja is required to load C++ extensions"), "Ninja is required to load C++ extensions"),
+    (ImportError("zoo_multimax_cpu.so: undefined symbol: sgemm_"), "zoo_multimax_cpu.so: undefined symbol: sgemm_"),
+    (RuntimeError(FULL_DISK), "/tmp/ccma8jUD.s: Fatal error: can't write 107 bytes to section .text of "
+                              "multimax_cpu.o: 'No space left on device'"),
+], ids=['build', 'load', 'full-disk'])
+def test_multimax_without_its_kernel_warns_once_and_runs_unfused(monkeypatch, caplog, failure, reason):
     def failing_build(*args, **kwargs):
         raise failure
 
@@ -531,7 +544,7 @@ def test_multimax_without_its_kernel_warns_once_and_runs_unfused(monkeypatch, ca
         multimax_attention(q, k, v, ranges, ts)
     # only this module's records: importing torch's cpp_extension the first time logs a line of its own
     assert [r.getMessage() for r in caplog.records if r.name == multimax_cpu.__name__] == [
-        f"MultiMax's CPU kernel could not be built or loaded ({failure}); MultiMax runs unfused on CPU, softmax "
+        f"MultiMax's CPU kernel could not be built or loaded ({reason}); MultiMax runs unfused on CPU, softmax "
         "attention keeps scaled_dot_product_attention, and the linear attentions torch's matmul"]
     assert max_abs_err(out, plain_multimax(q, k, v, ranges, ts)) < 1e-13
 

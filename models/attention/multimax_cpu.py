@@ -103,13 +103,24 @@ def _build(name: str) -> Any:
                         build_directory=directory)
 
 
+def _failure_reason(error: Exception) -> str:
+    """What stopped the build or load, in one line. torch reports a failed build as its first line, the ninja
+    command, then the compiler's output, where the cause stands: the first line that reports an error after the
+    first (a full disk: "Fatal error: can't write ... No space left on device"; a compile error)."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    if not lines:
+        return type(error).__name__
+    causes = [line for line in lines[1:] if 'error' in line.lower() and not line.startswith('ninja:')]
+    return causes[0] if causes else lines[0]
+
+
 def _load() -> Optional[Any]:
     global _extension
     if _extension is _NOT_LOADED:
         try:
             _extension = _build(f'zoo_multimax_cpu_{_build_tag()}')
         except (OSError, RuntimeError, ImportError, ValueError) as e:  # no compiler or ninja, a failed build or load
-            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            reason = _failure_reason(e)
             _logger.warning(f"MultiMax's CPU kernel could not be built or loaded ({reason}); MultiMax runs unfused "
                             "on CPU, softmax attention keeps scaled_dot_product_attention, and the linear attentions "
                             "torch's matmul")
