@@ -141,7 +141,7 @@ def model_rate(cfg, info: DistInfo, steps: int, repeats: int) -> float:
 
 def train_py_rate(args: argparse.Namespace, data: str, output: str, epochs: int) -> float:
     """Median images/s that `train.py` logs for its epochs after the first (which also starts the workers) of
-    `epochs` on `data`: one epoch's rate varies by several percent from the next."""
+    `epochs` (2 or more) on `data`: one epoch's rate varies by several percent from the next."""
     command = [sys.executable, os.path.join(ROOT, 'train.py'), '--cfg', args.cfg, '--opts', *train_opts(args, data),
                'OUTPUT', output, 'TRAIN.EPOCHS', str(epochs), 'TRAIN.WARMUP_EPOCHS', '0', 'EMA.EVAL', 'False']
     # with this process's thread count, which the loader and step measurements ran under
@@ -153,7 +153,7 @@ def train_py_rate(args: argparse.Namespace, data: str, output: str, epochs: int)
         raise UsageError(f"train.py failed, so no rate of it: {reason}")
     with open(os.path.join(output, 'log.jsonl')) as f:
         records = [json.loads(line) for line in f if line.strip()]
-    return statistics.median(record['images_per_second'] for record in records[1:] or records)
+    return statistics.median(record['images_per_second'] for record in records[1:])
 
 
 def train_opts(args: argparse.Namespace, data: str) -> List[str]:
@@ -208,7 +208,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument('--batches', type=int, default=4, help='batches per timed pass')
     parser.add_argument('--repeats', type=int, default=3, help='timed passes; figures are their medians')
     parser.add_argument('--epochs', type=int, default=4,
-                        help='epochs of the train.py run (the median of all but the first is reported)')
+                        help='epochs of the train.py run, 2 or more (the median of all but the first, which starts the '
+                             'workers, is reported)')
     parser.add_argument('--note', default='', help='a remark for the table (e.g. a shared machine)')
     parser.add_argument('--out', default='', help='write the table to OUT.md')
     parser.add_argument('opts', nargs=argparse.REMAINDER, help='KEY VALUE config overrides (after --)')
@@ -220,7 +221,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = parser.parse_args(argv)
     args.opts = [o for o in args.opts if o != '--']
     refuse_below(parser, {
-        '--batches': (args.batches, 1), '--repeats': (args.repeats, 1), '--epochs': (args.epochs, 1),
+        '--batches': (args.batches, 1), '--repeats': (args.repeats, 1), '--epochs': (args.epochs, 2),
         '--classes': (args.classes, 1), '--per-class': (args.per_class, 1), '--batch-size': (args.batch_size, 0),
         '--workers': (args.workers, 0), '--threads': (args.threads, 0)})
     try:

@@ -253,13 +253,13 @@ def test_train_throughput_runs_train_py_with_its_own_threads_and_names_its_failu
     monkeypatch.setattr(subprocess, 'run', run)
     monkeypatch.setattr(torch, 'get_num_threads', lambda: 1)
     with pytest.raises(UsageError) as failed:
-        train_throughput.train_py_rate(args, str(tmp_path / 'missing'), str(tmp_path / 'run'), epochs=1)
+        train_throughput.train_py_rate(args, str(tmp_path / 'missing'), str(tmp_path / 'run'), epochs=2)
     assert seen['OMP_NUM_THREADS'] == '1'
     assert str(failed.value) == (f"train.py failed, so no rate of it: data path {str(tmp_path / 'missing')!r} does "
                                  f"not exist; expected a folder with train and val inside")
 
 
-@pytest.mark.parametrize('flag, value, least', [('--batches', 0, 1), ('--repeats', 0, 1), ('--epochs', 0, 1),
+@pytest.mark.parametrize('flag, value, least', [('--batches', 0, 1), ('--repeats', 0, 1), ('--epochs', 1, 2),
                                                ('--classes', 0, 1), ('--per-class', 0, 1), ('--threads', -1, 0),
                                                ('--workers', -1, 0), ('--batch-size', -2, 0)])
 def test_train_throughput_refuses_a_count_below_its_minimum_before_measuring(flag, value, least, tmp_path, capsys):
