@@ -234,10 +234,10 @@ def weight_changes(name: str, weights: Mapping[str, Tensor], model: nn.Module) -
     return changes
 
 
-def check_model_config(cfg: CN) -> None:
+def check_model_config(cfg: CN) -> nn.Module:
     """Build the model on the meta device, which allocates nothing, so that a name, keyword or value it refuses fails
-    on one line before any data is read."""
-    create_model(cfg, device='meta')
+    on one line before any data is read; returns that model."""
+    return create_model(cfg, device='meta')
 
 
 def create_training_model(cfg: CN, device: torch.device, weights: Optional[Dict[str, Tensor]] = None,
@@ -252,14 +252,32 @@ def create_training_model(cfg: CN, device: torch.device, weights: Optional[Dict[
     return model.to(device)
 
 
+# the devices torch's SyncBatchNorm has kernels for
+SYNC_BN_DEVICES = ('cuda', 'xpu', 'hpu')
+
+
+def _has_batchnorm(model: nn.Module) -> bool:
+    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+
+
+def check_sync_bn(cfg: CN, model: nn.Module, info: DistInfo) -> None:
+    """Refuse TRAIN.SYNC_BN with TRAIN.COMPILE where the BatchNorm layers of `model` would be synchronized:
+    torch.compile(fullgraph=True) cannot trace SyncBatchNorm's collectives as one graph."""
+    if cfg.TRAIN.SYNC_BN and cfg.TRAIN.COMPILE and info.distributed and info.device.type in SYNC_BN_DEVICES \
+            and _has_batchnorm(model):
+        raise UsageError("TRAIN.SYNC_BN with TRAIN.COMPILE: torch.compile(fullgraph=True) cannot trace the "
+                         "collectives of torch's SyncBatchNorm as one graph; expected one of them off "
+                         "(TRAIN.SYNC_BN False keeps BatchNorm statistics per process)")
+
+
 def synchronize_batchnorm(model: nn.Module, info: DistInfo) -> nn.Module:
     """`model` with its BatchNorm layers as torch's SyncBatchNorm (TRAIN.SYNC_BN, under several processes), which
     computes training statistics over all processes' batches, as the official SimA code trains its XCiT nets: same
     parameters, buffers and state-dict keys, converted in place. torch's SyncBatchNorm runs on CUDA, XPU and HPU
     devices only: elsewhere (the CPU) the layers stay per process, and rank 0 says so once."""
-    if not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()):
+    if not _has_batchnorm(model):
         return model
-    if info.device.type not in ('cuda', 'xpu', 'hpu'):
+    if info.device.type not in SYNC_BN_DEVICES:
         if info.is_main:
             logger.warning(f"TRAIN.SYNC_BN: torch's SyncBatchNorm runs on CUDA, XPU and HPU devices only; on "
                            f"{info.device.type} each process keeps BatchNorm statistics of its own batches")

@@ -23,8 +23,8 @@ from models._files import named_on_error
 from models.checkpoint import CheckpointError
 
 from .build import (autocast_dtype, check_model_config, check_onednn, check_optimizer_config, check_pretrained,
-                    create_criterion, create_optimizer, create_scheduler, create_training_model, read_weights,
-                    synchronize_batchnorm)
+                    check_sync_bn, create_criterion, create_optimizer, create_scheduler, create_training_model,
+                    read_weights, synchronize_batchnorm)
 from .checkpoint import LAST, OutputLock, TrainingCheckpoint, atomic_write_text, remove_stale_temp_files
 from .compile import CompileTimer, compile_errors_reported, compile_model
 from .config import ema_decay, scaled_lrs, total_batch_size
@@ -226,7 +226,7 @@ def train(cfg: CN, info: DistInfo, check_data: bool = False) -> Dict[str, Any]:
 
     With `check_data`, every image is decoded before training. Rank 0 holds the output folder's lock for the whole
     run. A run stopped by SIGTERM / SIGINT saves, then raises `Stopped`."""
-    check_model_config(cfg)
+    check_sync_bn(cfg, check_model_config(cfg), info)
     check_optimizer_config(cfg)
     if _resume_path(cfg) is None:
         check_pretrained(cfg.MODEL.PRETRAINED)

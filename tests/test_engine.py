@@ -34,6 +34,7 @@ from yacs.config import CfgNode
 
 import engine.analysis
 import engine.build
+import engine.trainer
 import engine.data
 import engine.evaluation
 from engine.build import (check_pretrained, create_criterion, create_model, create_optimizer, create_scheduler,
@@ -252,6 +253,27 @@ def test_sync_bn_converts_batchnorm_on_gpus_and_says_it_cannot_on_the_cpu(caplog
     caplog.clear()
     deit = timm.create_model('sima_deit_small_ls', img_size=32, patch_size=16, depth=1)
     assert engine.build.synchronize_batchnorm(deit, DistInfo(0, 2, 0, torch.device('cpu'))) is deit and not caplog.records
+
+
+def test_sync_bn_with_compile_is_refused_before_any_data_is_read_where_it_would_synchronize(tmp_path):
+    """torch.compile(fullgraph=True) cannot trace SyncBatchNorm's collectives: the SimA recipe with --compile under
+    several GPU processes stops on one line before reading data; on the CPU (no SyncBatchNorm) or one process, or for
+    a model without BatchNorm, it compiles."""
+    def train_with(model: str, info: DistInfo) -> None:
+        cfg = load_config(str(REPO / 'configs' / 'base' / 'sima_xcit.yaml'),
+                          ['MODEL.NAME', model, 'TRAIN.COMPILE', 'True', 'DATA.DATA_PATH', str(tmp_path / 'absent'),
+                           'OUTPUT', str(tmp_path / 'out')])
+        engine.trainer.train(cfg, info)
+
+    with pytest.raises(UsageError, match=r"^TRAIN.SYNC_BN with TRAIN.COMPILE: torch.compile\(fullgraph=True\) cannot "
+                                         r"trace the collectives of torch's SyncBatchNorm as one graph; expected one of "
+                                         r"them off \(TRAIN.SYNC_BN False keeps BatchNorm statistics per process\)$"):
+        train_with('sima_nano_12_p16', DistInfo(0, 2, 0, torch.device('cuda')))
+    for model, info in (('sima_nano_12_p16', DistInfo(0, 2, 0, torch.device('cpu'))),
+                        ('sima_nano_12_p16', DistInfo(0, 1, 0, torch.device('cuda'))),
+                        ('sima_deit_small_ls', DistInfo(0, 2, 0, torch.device('cuda')))):
+        with pytest.raises(UsageError, match='does not exist'):  # past the check, at the data
+            train_with(model, info)
 
 
 def test_no_weight_decay_on_norms_biases_and_position_embeddings(tiny_cfg):
