@@ -126,7 +126,7 @@ _C.AUG.CUTMIX_MINMAX = None
 _C.AUG.MIXUP_PROB = 1.0
 _C.AUG.MIXUP_SWITCH_PROB = 0.5
 _C.AUG.MIXUP_MODE = 'batch'
-_C.AUG.REPEATED_AUG = 3  # repeats per image with more than one process (DeiT); 1 = off
+_C.AUG.REPEATED_AUG = 3  # draws of each image an epoch (DeiT's RASampler, on any number of processes); 1 = off
 
 _C.TEST = CN()
 _C.TEST.BATCH_SIZE = 0  # per process; 0 -> 1.5 x DATA.BATCH_SIZE (DeiT)

@@ -595,10 +595,11 @@ def _workers(cfg: CN) -> int:
 
 
 def build_train_loader(cfg: CN, dataset: ImageFolderSplit, info: DistInfo) -> ImageLoader:
-    """Shuffled per epoch (DistributedSampler seeded by SEED, or repeated augmentation with several processes);
-    full batches only. Each sample's augmentation is drawn from its own seed (`SkipSampler`, `SeededSamples`),
+    """Shuffled per epoch (DistributedSampler seeded by SEED, or repeated augmentation, also on one process, as
+    DeiT's RASampler: AUG.REPEATED_AUG draws of each image, floor(N / 256) * 256 samples an epoch in all from 256
+    images on); full batches only. Each sample's augmentation is drawn from its own seed (`SkipSampler`, `SeededSamples`),
     so a resumed run repeats it with any number of workers."""
-    if info.distributed and cfg.AUG.REPEATED_AUG > 1:
+    if cfg.AUG.REPEATED_AUG > 1:
         base = RepeatAugSampler(dataset, num_replicas=info.world_size, rank=info.rank, shuffle=True,
                                 num_repeats=cfg.AUG.REPEATED_AUG)
     else:

@@ -205,6 +205,23 @@ def test_a_file_that_does_not_decode_stops_the_run_in_a_worker_with_one_line(tmp
     assert not (output / 'last.pth').exists()
 
 
+def test_repeated_augmentation_draws_each_image_three_times_on_one_process_too(digits):
+    """DeiT's loop (and PVT's and SimA's) takes its RASampler on any number of processes: one process draws each
+    image 3 times in a row, floor(N / 256) * 256 samples an epoch (it drew every image once); two processes split
+    those samples."""
+    cfg = load_config(TINY, ['DATA.DATA_PATH', str(digits), 'AUG.REPEATED_AUG', '3'])
+    train_set = load_split(str(digits), 'train', train_transform(cfg), 10)
+    loader = build_train_loader(cfg, train_set, CPU)
+    loader.sampler.set_epoch(0)
+    drawn = [index for index, _ in loader.sampler]
+    assert len(train_set) == 1437 and len(drawn) == 1280 == len(loader) * cfg.DATA.BATCH_SIZE
+    assert all(drawn[i] == drawn[i + 1] == drawn[i + 2] for i in range(0, 1278, 3)) and len(set(drawn)) == 427
+    halves = [build_train_loader(cfg, train_set, DistInfo(rank, 2, rank, torch.device('cpu'))) for rank in (0, 1)]
+    for half in halves:
+        half.sampler.set_epoch(0)
+    assert [len(list(half.sampler)) for half in halves] == [640, 640]
+
+
 # Python 3.14 starts DataLoader workers by forkserver on Linux, and macOS and Windows start them by spawn: the
 # dataset, its transforms and the collate function reach those workers pickled, not inherited.
 def test_the_training_loader_gives_the_same_batches_however_its_workers_start(data):
