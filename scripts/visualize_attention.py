@@ -98,7 +98,8 @@ def parse_queries(queries: Sequence[str], size: int, has_class_token: bool) -> L
         y, x = int(match.group(1)), int(match.group(2))
         if not (y < size and x < size):
             raise UsageError(f"query {query!r} is outside the {size}x{size} image")
-        parsed.append((y / size, x / size))
+        # the pixel's centre: its edge, y / size, can round to just below its patch's first row
+        parsed.append(((y + 0.5) / size, (x + 0.5) / size))
     return parsed
 
 
@@ -116,7 +117,7 @@ def main(argv: Sequence[str]) -> int:
     inputs, shown = load_images(files, cfg)
     has_class_token = getattr(model, 'num_prefix_tokens', 0) > 0
     queries = parse_queries(args.queries or [f'{size // 2},{size // 2}'], size, has_class_token)
-    labels = ['cls' if q == 0 else f'y{round(q[0] * size)}x{round(q[1] * size)}' for q in queries]
+    labels = ['cls' if q == 0 else f'y{int(q[0] * size)}x{int(q[1] * size)}' for q in queries]
     written: List[str] = []
 
     def save(name: str) -> str:
@@ -144,6 +145,8 @@ def main(argv: Sequence[str]) -> int:
             for name, layer in recorded.items():
                 rows = range(layer.weights.shape[2]) if layer.is_pooling else range(len(queries))
                 for row in rows:
+                    if layer.is_pooling and not layer.weights[index, :, row].any():
+                        continue  # no head has this pool (CSwin's branches on a non-square grid)
                     label = f'pool{row}' if layer.is_pooling else labels[row]
                     plot_query_maps(shown[index], layer, row, save(f'{stem}_{slug(name)}_{label}.png'), index)
                 if 'q_norm' in layer.extras:

@@ -11,6 +11,7 @@ from models.analysis import attention_layers, record_attention
 from models.analysis.stats import AttentionStatistics, collision_share, row_statistics
 from models.attention import build_attention, get_mixer_class, list_attentions
 from models.attention.layout import merge_heads, split_heads
+from models.attention.sima import l1_normalize_tokens
 
 from reference import max_abs_err, naive_softmax
 
@@ -266,6 +267,55 @@ def test_padded_windows_record_the_rows_of_the_explicitly_padded_grid(name):
     assert max_abs_err(rec[0].weights, expected) < 1e-12
     if rec[0].local is not None:
         assert max_abs_err(rec[0].local, whole[0].local[:, inside]) < 1e-12
+
+
+def test_sima_key_norms_under_reduced_keys_are_over_the_reduced_keys():
+    """SimA's ‖k̂‖ belongs to the keys: under PVT's spatial reduction the 4 keys of the 2x2 map, not the 16 query
+    positions (it was the 4 heads' values of those keys, read across the heads, copied to every head)."""
+    attn, x = build('sima', 'reduction')
+    captured = []
+    attn.mixer.register_forward_pre_hook(lambda module, args: captured.append(args[:2]))
+    with record_attention(attn) as rec:
+        attn(x, GRID)
+    layer, (q, k) = rec[0], captured[0]
+    assert layer.key_grid == (2, 2) and k.shape[1] == 4
+    for key, tokens in (('q_norm', q), ('k_norm', k)):
+        expected = l1_normalize_tokens(split_heads(tokens, 4)).norm(dim=-1)
+        assert layer.extras[key].shape == expected.shape and max_abs_err(layer.extras[key], expected) < 1e-12
+
+
+@pytest.mark.parametrize('name', list_attentions())
+def test_stripes_on_a_non_square_grid_rebuild_the_output(name):
+    """CSwin's branches on a 4x8 grid: 4 vertical stripes of width 2 and 2 horizontal ones. Additive attention's
+    pools of the two branches have different group counts (recording failed on them): each head gets the rows of
+    the most groups, empty past its own, and the statistics count only the pools."""
+    torch.manual_seed(0)
+    grid = (4, 8)
+    attn = build_attention(name, 16, 4, grid, grouping='stripes', split_size=2).double().eval()
+    with torch.no_grad():
+        for p in attn.parameters():
+            p.add_(torch.randn_like(p) * 0.2)
+    x = torch.randn(2, grid[0] * grid[1], 16, dtype=torch.float64)
+    with record_attention(attn) as rec:
+        out = attn(x, grid)
+    layer = rec[0]
+    assert max_abs_err(recorded_output(attn, layer, x), out) < 1e-10
+    if name == 'additive':
+        assert layer.weights.shape == (2, 4, 8, 32)
+        present = layer.weights.abs().sum(dim=-1) > 0  # (B, heads, rows)
+        assert present[:, :2].all() and present[:, 2:, [0, 1, 4, 5]].all() and not present[:, 2:, [2, 3, 6, 7]].any()
+        entropy = row_statistics(layer, (32, 64))['entropy']
+        pools = layer.weights[:, 2:, [0, 1, 4, 5]].double()
+        assert entropy[2:].tolist() == pytest.approx((-(pools * pools.clamp_min(1e-300).log()).sum(-1)).mean(dim=(0, 2)).tolist())
+
+
+def test_a_query_point_on_a_cell_edge_is_in_that_cell():
+    """15/22 times 22 is 14.999999999999998 in floating point: the point on the edge of cell 15 is in cell 15."""
+    torch.manual_seed(0)
+    attn = build_attention('softmax', 16, 4, (22, 22)).double().eval()
+    with record_attention(attn, queries=[(15 / 22, 15 / 22), (0.0, 21 / 22)]) as rec:
+        attn(torch.randn(1, 22 * 22, 16, dtype=torch.float64), (22, 22))
+    assert rec[0].queries.tolist() == [15 * 22 + 15, 21]
 
 
 def test_injectivity_probe_finds_linear_attention_collisions_only():

@@ -22,6 +22,7 @@ import engine.loops
 from engine.analysis import load_analysis_model
 from engine.errors import run_cli
 from models.analysis import plots, record_attention
+from models.attention import build_attention
 from models.analysis.plots import SIMPLEX_TEMPERATURES, plot_simplex, simplex_logits, simplex_points
 
 from reference import max_abs_err
@@ -136,6 +137,20 @@ def test_visualize_attention_writes_figures(images, tmp_path):
     assert '0_blocks-0-attn_y4x12.png' in names and '1_blocks-1-attn_cls.png' in names
     assert {'0_rollout.png', '0_gradcam.png', 'multimax_sigma.png', 'simplex.png'} <= set(names)
     assert all(os.path.getsize(out / name) > 1000 for name in names)
+
+
+def test_a_query_pixel_is_the_token_of_its_patch_at_any_image_size():
+    """Pixel 60 of an 88-pixel image lies in patch 15 of 22 (4 pixels each); as the fraction 60 / 88 it was taken for
+    patch 14. The pixel's centre is inside its patch at every size."""
+    assert visualize.parse_queries(['60,60', '0,87', 'cls'], 88, True) == [(60.5 / 88, 60.5 / 88), (0.5 / 88, 87.5 / 88),
+                                                                          0]
+    torch.manual_seed(0)
+    attn = build_attention('softmax', 16, 4, (22, 22)).eval()
+    for pixel in range(88):
+        with torch.no_grad(), record_attention(attn, queries=visualize.parse_queries([f'{pixel},{pixel}'], 88, False)) \
+                as rec:
+            attn(torch.randn(1, 22 * 22, 16), (22, 22))
+        assert rec[0].queries.tolist() == [(pixel // 4) * 22 + pixel // 4], pixel
 
 
 # Models whose class token joins late (PVT's last stage, SimA-XCiT's class attention), at tiny sizes.

@@ -167,10 +167,11 @@ def grad_cam(model: nn.Module, images: Tensor, targets: Optional[Sequence[int]] 
 
 
 def plot_token_norms(image: np.ndarray, layer: LayerAttention, path: str, image_index: int = 0) -> None:
-    """SimA's ‖q̂‖ and ‖k̂‖ of every grid token over `image`, averaged over the heads."""
-    prefix, grid = layer.num_prefix_tokens, layer.grid
+    """SimA's ‖q̂‖ of every grid query and ‖k̂‖ of every grid key (on the reduced map where keys are reduced) over
+    `image`, averaged over the heads."""
+    prefix = layer.num_prefix_tokens
     fig, axes = plt.subplots(1, 2, figsize=(6.4, 3.2))
-    for ax, key in zip(axes, ('q_norm', 'k_norm')):
+    for ax, key, grid in zip(axes, ('q_norm', 'k_norm'), (layer.grid, layer.key_grid)):
         values = layer.extras[key][image_index, :, prefix:].mean(dim=0).reshape(grid).float().cpu().numpy()
         shown = _overlay(ax, image, values, signed=False)
         fig.colorbar(shown, ax=ax, fraction=0.046, pad=0.04)

@@ -40,13 +40,16 @@ class LayerAttention:
         (smaller than `grid` under spatial reduction).
     queries: (R,) token index of each row of `weights`; None for additive attention, whose rows are pools.
     weights: (B, heads, R, M) rows over the M key tokens, zero outside a query's window or stripe; for additive
-        attention the G query-pooling then the G key-pooling distributions of its G groups (R = 2G). Where the
-        grid is padded to whole windows or stripes the padding's weights are left out: such rows sum to less.
+        attention the G query-pooling then the G key-pooling distributions of its G groups (R = 2G; where heads
+        have different group counts, as CSwin's two stripe branches on a non-square grid, G is the largest and a
+        head's rows past its own count are empty). Where the grid is padded to whole windows or stripes the
+        padding's weights are left out: such rows sum to less.
     query_vectors: (B, heads, R, d) the query of each row (None for pools).
     values: (B, heads, M, d), so that `weights @ values` is each row's global term.
     local: (B, N, C) the local term added to the global one (InLine's residual, FLatten's depthwise
         convolution, CSwin's LePE), or None.
-    extras: per-token maps (B, heads, N) (SimA's 'q_norm' and 'k_norm').
+    extras: per-token maps: (B, heads, N) over the query tokens (SimA's 'q_norm') or (B, heads, M) over the key
+        tokens (its 'k_norm', on `key_grid`).
     """
     name: str
     attention: str
@@ -131,6 +134,12 @@ def _origin(layer: GroupedAttention, branch: Optional[StripeBranch], size: Grid,
     return origin.masked_fill(origin < 0, num_tokens)
 
 
+def _cell(fraction: float, cells: int) -> int:
+    """The cell of `cells` equal cells of [0, 1) that holds `fraction`, where a fraction on a cell's edge (15 / 22)
+    belongs to that cell though its float product with `cells` falls just below the edge (14.999999999999998)."""
+    return min(int(fraction * cells + 1e-9), cells - 1)
+
+
 def _resolve_queries(queries: Sequence[Query], num_prefix: int, grid: Grid, num_tokens: int) -> Tensor:
     resolved = []
     for query in queries:
@@ -142,7 +151,7 @@ def _resolve_queries(queries: Sequence[Query], num_prefix: int, grid: Grid, num_
             y, x = query
             if not (0 <= y < 1 and 0 <= x < 1):
                 raise ValueError(f"query point {query} is outside the image; expected fractions in [0, 1)")
-            resolved.append(num_prefix + int(y * grid[0]) * grid[1] + int(x * grid[1]))
+            resolved.append(num_prefix + _cell(y, grid[0]) * grid[1] + _cell(x, grid[1]))
     return torch.tensor(resolved, dtype=torch.long)
 
 
@@ -211,6 +220,8 @@ class AttentionRecord:
         local: Optional[Tensor] = None
         extras: Dict[str, Tensor] = {}
         parts: List[Tuple[int, Tensor]] = []  # (first head, rows) per call
+        # the pools of every head on as many rows: CSwin's branches on a non-square grid have unequal group counts
+        groups = max(_origin(layer, mixers[call.branch][2], size, N).shape[0] for call in capture.calls)
         for call in capture.calls:
             _, mixer, branch = mixers[call.branch]
             origin = _origin(layer, branch, size, N).to(device)
@@ -228,10 +239,10 @@ class AttentionRecord:
             if pooling:
                 pools = result.pools.view(B, G, h, 2, n)
                 # a last column for the padding's positions, dropped with it
-                rows = torch.zeros(B, h, 2 * G, N + 1, dtype=work, device=device)
+                rows = torch.zeros(B, h, 2 * groups, N + 1, dtype=work, device=device)
                 for g in range(G):
                     rows[:, :, g, origin[g]] = pools[:, g, :, 0]
-                    rows[:, :, G + g, origin[g]] = pools[:, g, :, 1]
+                    rows[:, :, groups + g, origin[g]] = pools[:, g, :, 1]
                 rows = rows[..., :N]
             else:
                 # a last row and column for the padding's positions, dropped with them
@@ -254,9 +265,11 @@ class AttentionRecord:
                 local = torch.zeros(B, N, C, dtype=work, device=device) if local is None else local
                 local[:, :, channels] += _ungroup(call_local.to(work), origin, B, N)
             for key, value in result.extras.items():
-                extras.setdefault(key, torch.zeros(B, heads, N, dtype=work, device=device))
+                # over the query tokens, or over the keys where they come from a reduced map (SimA's 'k_norm')
+                tokens, where = (M, key_origin) if reduced and value.shape[-1] == call.k.shape[1] else (N, origin)
+                extras.setdefault(key, torch.zeros(B, heads, tokens, dtype=work, device=device))
                 extras[key][:, call.branch * h:(call.branch + 1) * h] = _ungroup(
-                    value.transpose(1, 2), origin, B, N).transpose(1, 2)
+                    value.transpose(1, 2), where, B, tokens).transpose(1, 2)
         weights = torch.cat([rows for _, rows in sorted(parts, key=lambda part: part[0])], dim=1)
         query_vectors = None if pooling else split_heads(q_full, heads)[:, :, queries]
         return LayerAttention(name, attention, size, key_grid, num_prefix, queries, weights, query_vectors,

@@ -17,7 +17,7 @@ distributions of the other attentions p = w), then averaged over the rows and im
 
 In windows and stripes the keys outside a query's group count as zero weights of its row. Additive attention's
 rows are its pooling distributions, which belong to no query: distance and the injectivity
-probe do not apply to them (NaN).
+probe do not apply to them (NaN), and the empty rows of heads with fewer groups than others are not counted.
 """
 import math
 from typing import Dict, List, Optional, Tuple
@@ -86,7 +86,11 @@ def row_statistics(layer: LayerAttention, image_size: Tuple[int, int], row_rtol:
         'near_zero': (mass < 0.01 / M).double().mean(dim=-1),
         'negative': (weights < 0).double().mean(dim=-1),
     }
-    out = {key: value.mean(dim=(0, 2)) for key, value in stats.items()}
+    if layer.is_pooling:  # the empty rows of heads with fewer groups than others (CSwin's branches) are no pools
+        present = (weights != 0).any(dim=-1).double()
+        out = {key: (value * present).sum(dim=(0, 2)) / present.sum(dim=(0, 2)) for key, value in stats.items()}
+    else:
+        out = {key: value.mean(dim=(0, 2)) for key, value in stats.items()}
     nan = torch.full((heads,), math.nan, dtype=torch.float64)
     out['distance_px'] = out['collisions'] = nan
     if not layer.is_pooling:
