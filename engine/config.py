@@ -144,6 +144,9 @@ _C.EMA.DECAY = 0.99996
 _C.EMA.REFERENCE_BATCH = 0  # > 0: decay ** (total batch / REFERENCE_BATCH) (InLine CSwin: 4096)
 _C.EMA.FORCE_CPU = False
 _C.EMA.EVAL = True  # validate the EMA weights each epoch too (not with FORCE_CPU)
+# best.pth is the epoch of the best EMA top-1, where the EMA is validated, not the model's: timm's train.py, and so
+# CSwin's, takes the EMA's validation as the run's metric when it has an EMA
+_C.EMA.SELECTS_BEST = False
 
 _C.DIST = CN()
 _C.DIST.BACKEND = ''  # '' -> nccl on CUDA, gloo on CPU

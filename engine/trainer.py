@@ -207,18 +207,20 @@ def _drop_log_records(path: str, first_epoch: int) -> None:
     atomic_write_text(path, ''.join(kept))
 
 
-def _summary(log_path: str, checkpoint: TrainingCheckpoint) -> str:
-    """One line for the end of a finished run: its best and last epoch, from every record of `log.jsonl`."""
+def _summary(log_path: str, checkpoint: TrainingCheckpoint, selected_by: str = 'val_top1') -> str:
+    """One line for the end of a finished run: its best epoch by `selected_by` (the record's key that chose
+    best.pth) and its last epoch, from every record of `log.jsonl`."""
     records = []
     if os.path.isfile(log_path):
         with open(log_path) as f:
             records = [json.loads(line) for line in f if line.strip()]
     if not records:
         return f"finished; {checkpoint.last_path} holds the final weights"
-    best = max(records, key=lambda r: r['val_top1'])  # the first of equal maxima, as best.pth keeps it
+    best = max(records, key=lambda r: r[selected_by])  # the first of equal maxima, as best.pth keeps it
     last = records[-1]
-    return (f"finished {last['epoch'] + 1} epochs: best val top-1 {best['val_top1']:.2f} at epoch {best['epoch']} "
-            f"({checkpoint.best_path}), last {last['val_top1']:.2f} ({checkpoint.last_path}); log {log_path}")
+    what = 'val top-1' if selected_by == 'val_top1' else 'EMA val top-1'
+    return (f"finished {last['epoch'] + 1} epochs: best {what} {best[selected_by]:.2f} at epoch {best['epoch']} "
+            f"({checkpoint.best_path}), last {last[selected_by]:.2f} ({checkpoint.last_path}); log {log_path}")
 
 
 def train(cfg: CN, info: DistInfo, check_data: bool = False) -> Dict[str, Any]:
@@ -329,6 +331,8 @@ def _train(cfg: CN, info: DistInfo, lock: OutputLock, check_data: bool) -> Dict[
     train_timer, val_timer = CompileTimer('the training step', compiled), CompileTimer('validation', compiled)
     criterion = create_criterion(cfg)
     mixup = build_mixup(cfg)
+    ema_validated = ema is not None and cfg.EMA.EVAL and not cfg.EMA.FORCE_CPU
+    ema_selects_best = ema_validated and cfg.EMA.SELECTS_BEST
     epoch_options = EpochOptions(
         updates=updates_per_epoch, accumulation=cfg.TRAIN.ACCUMULATION_STEPS,
         schedule_per=cfg.TRAIN.LR_SCHEDULER.STEP, clip_grad=cfg.TRAIN.CLIP_GRAD,
@@ -403,9 +407,11 @@ def _train(cfg: CN, info: DistInfo, lock: OutputLock, check_data: bool) -> Dict[
                           val_loss=val['loss'], val_top1=val['top1'], val_top5=val['top5'])
             is_best = val['top1'] > state.max_accuracy or epoch == 0
             state.max_accuracy = max(state.max_accuracy, val['top1'])
-            if ema is not None and cfg.EMA.EVAL and not cfg.EMA.FORCE_CPU:
+            if ema_validated:
                 ema_val = evaluate(ema.module, val_loader, info, amp=cfg.AMP.ENABLED and cfg.AMP.EVAL,
                                    amp_dtype=amp_dtype, desc='val ema')
+                if ema_selects_best:
+                    is_best = ema_val['top1'] > state.max_ema_accuracy or epoch == 0
                 state.max_ema_accuracy = max(state.max_ema_accuracy, ema_val['top1'])
                 record.update(ema_val_top1=ema_val['top1'], ema_val_top5=ema_val['top5'])
             skipped_train = trained['skipped_train_images']
@@ -438,7 +444,8 @@ def _train(cfg: CN, info: DistInfo, lock: OutputLock, check_data: bool) -> Dict[
         # ranks that got no signal themselves stopped with the others: all exit with the signal they got
         signums = all_gather_objects(stop.received) if stopped else []
     if info.is_main and not stopped and state.epoch >= num_epochs:
-        logger.info(_summary(os.path.join(output, LOG), checkpoint))
+        logger.info(_summary(os.path.join(output, LOG), checkpoint,
+                             'ema_val_top1' if ema_selects_best else 'val_top1'))
     if stopped:
         raise Stopped(next(s for s in signums if s is not None), checkpoint.last_path)
     return record

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import engine.loops
+import engine.trainer
 from engine.build import create_criterion, create_model
 from engine.checkpoint import TrainingCheckpoint
 from engine.cli import eval_main, train_main
@@ -133,6 +134,24 @@ def test_the_learning_rate_moves_once_an_epoch_one_epoch_late_as_deits_loop_step
     train(tmp_path / 'paused', digits, *opts, 'TRAIN.EPOCHS_PER_RUN', '2')
     train(tmp_path / 'paused', digits, *opts, 'TRAIN.EPOCHS_PER_RUN', '2')
     assert records(tmp_path / 'paused') == records(tmp_path / 'whole')
+
+
+@pytest.mark.parametrize('selects_best, best_epoch', [(False, 1), (True, 2)])
+def test_best_pth_is_the_epoch_of_the_best_ema_top1_where_the_recipe_selects_by_it(tmp_path, digits, monkeypatch,
+                                                                                  selects_best, best_epoch):
+    """EMA.SELECTS_BEST (the CSwin recipe: timm's train.py takes the EMA's validation as the run's metric): best.pth
+    and the run's last line follow the EMA's top-1, here best at epoch 2 where the model's is best at epoch 1."""
+    scripted = iter([50.0, 40.0, 60.0, 45.0, 55.0, 70.0])  # model, EMA, per epoch
+
+    def evaluate(model, loader, info, **kwargs):
+        return dict(top1=next(scripted), top5=100.0, loss=1.0, count=360)
+
+    monkeypatch.setattr(engine.trainer, 'evaluate', evaluate)
+    train(tmp_path, digits, 'TRAIN.EPOCHS', '3', 'DATA.BATCH_SIZE', '64', 'EMA.SELECTS_BEST', str(selects_best))
+    assert torch.load(tmp_path / 'best.pth', weights_only=True)['epoch'] == best_epoch
+    last = (tmp_path / 'train.log').read_text().splitlines()[-1]
+    what, top1 = ('EMA val top-1', 70.0) if selects_best else ('val top-1', 60.0)
+    assert f"finished 3 epochs: best {what} {top1:.2f} at epoch {best_epoch}" in last
 
 
 def test_sigterm_saves_after_the_current_step_and_resumes_exactly(tmp_path, digits, uninterrupted, monkeypatch):
