@@ -293,6 +293,28 @@ def test_multimax_flex_training_keeps_flex_log_sum_exp_and_backpropagates_in_row
                            pos_bias, mask)
 
 
+# every shape a bias may take that broadcasts to the (B, h, n, m) scores of `windows()` (B = 6, h = 2, n = m = 5)
+BIAS_SHAPES = [(2, 5, 5), (6, 2, 5, 5), (1, 2, 5, 5), (5, 5), (5,), ()]
+
+
+@pytest.mark.filterwarnings('ignore:flex_attention called without torch.compile')
+@pytest.mark.parametrize('shape', BIAS_SHAPES, ids=str)
+def test_multimax_takes_a_bias_of_any_broadcasting_shape_on_every_path(monkeypatch, shape):
+    """The row blocks read the bias's rows (a per-key bias or a number had none: IndexError) and FlexAttention's
+    score_mod indexed it by head alone (a per-image bias was misread, a 2-D or 1-D one failed)."""
+    q, k, v, _, mask = windows(requires_grad=True)
+    ranges, ts = spec_parameters(requires_grad=True)
+    bias = torch.randn(shape, dtype=torch.float64, requires_grad=True)
+    row_blocks(monkeypatch, q)
+    out = multimax_attention(3 * q, k, v, ranges, ts, bias, mask, use_flex=False, use_kernel=False)
+    assert type(out.grad_fn).__name__ == '_MultiMaxInRowBlocksBackward'
+    assert_matches_formula(out, grads_of_square_sum(out, q, k, v, ranges, ts, bias), q, k, v, ranges, ts, bias, mask)
+    q, k, v, ranges, ts, bias = (t.detach() for t in (q, k, v, ranges, ts, bias))  # FlexAttention: no CPU backward
+    expected = plain_multimax(3 * q, k, v, ranges, ts, bias, mask)
+    for path in (dict(use_flex=False, use_kernel=False), dict(use_flex=True)):
+        assert max_abs_err(multimax_attention(3 * q, k, v, ranges, ts, bias, mask, **path), expected) < 1e-12
+
+
 def test_multimax_flex_path_refuses_dropout():
     q, k, v, _, _ = windows()
     ranges, ts = spec_parameters()

@@ -217,6 +217,8 @@ def multimax_attention(
     if _under_func_transforms(q, k, v, ranges, ts, bias):
         return _multimax_plain(q, k, v, ranges, ts, bias, mask, dropout_p, causal)
     B, h, n, _ = q.shape
+    if bias is not None and bias.dim() < 2:  # a bias per key, or one number: the paths below index its rows
+        bias = bias.reshape(1, -1)
     # torch.export keeps the batch symbolic: the path and the block size then follow one image's scores, which
     # are static, so that one graph serves every batch size
     images = 1 if is_exporting() else B
@@ -389,14 +391,18 @@ def _multimax_flex(q: Tensor, k: Tensor, v: Tensor, ranges: Tensor, ts: Tensor, 
     log-sum-exp of each row's logits."""
     work = torch.promote_types(q.dtype, torch.float32)
     ranges, ts = ranges.to(work), ts.to(work)
-    bias = None if bias is None else bias.to(work)
+    per_image = per_head = False
+    if bias is not None:  # (B or 1, h or 1, n, m), read at the score's image and head where it has them
+        bias = bias.to(work)
+        bias = bias.reshape((1,) * (4 - bias.dim()) + tuple(bias.shape)).expand(-1, -1, q.shape[-2], k.shape[-2])
+        per_image, per_head = bias.shape[0] > 1, bias.shape[1] > 1
     mask = None if mask is None else mask.to(work)
     num_windows = 1 if mask is None else mask.shape[0]
 
     def modulate(score: Tensor, batch: Tensor, head: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         score = score.to(work)
         if bias is not None:
-            score = score + bias[head, q_idx, kv_idx]
+            score = score + bias[batch if per_image else 0, head if per_head else 0, q_idx, kv_idx]
         score = multimax_modulation(score, ranges, ts)
         if mask is not None:
             score = score + mask[batch % num_windows, q_idx, kv_idx]
