@@ -126,6 +126,9 @@ _C.AUG.CUTMIX_MINMAX = None
 _C.AUG.MIXUP_PROB = 1.0
 _C.AUG.MIXUP_SWITCH_PROB = 0.5
 _C.AUG.MIXUP_MODE = 'batch'
+# random erasing of the mixed batch, not of each image before mixup: CSwin's loader (timm's prefetching one) mixes
+# in its collate and erases after normalising, so the erased noise is not blended with the other image
+_C.AUG.ERASE_AFTER_MIXUP = False
 _C.AUG.REPEATED_AUG = 3  # draws of each image an epoch (DeiT's RASampler, on any number of processes); 1 = off
 
 _C.TEST = CN()

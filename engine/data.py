@@ -18,7 +18,7 @@ import socket
 import stat
 import time
 import uuid
-from typing import Any, Dict, Iterator, List, NamedTuple, Optional, Sequence, Set, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Set, Tuple, Union
 
 import numpy as np
 import torch
@@ -26,6 +26,8 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 from timm.data import Mixup, create_transform
 from timm.data.auto_augment import AugmentOp
 from timm.data.distributed_sampler import RepeatAugSampler
+from timm.data.random_erasing import RandomErasing
+from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, default_collate, get_worker_info
 from torchvision.datasets import ImageFolder
 from torchvision.datasets.folder import has_file_allowed_extension
@@ -43,7 +45,7 @@ __all__ = [
     'check_trained_classes', 'load_split',
     'BadImage', 'ImageFolderSplit', 'ImageLoader', 'image_mode', 'image_channels', 'read_image', 'check_images',
     'report_scan',
-    'posterize', 'train_transform', 'eval_transform', 'build_mixup', 'ShardSampler', 'SkipSampler', 'SeededSamples',
+    'posterize', 'train_transform', 'eval_transform', 'build_batch_augmentation', 'ShardSampler', 'SkipSampler', 'SeededSamples',
     'build_train_loader', 'build_eval_loader', 'eval_batch_size',
 ]
 
@@ -494,7 +496,8 @@ def _augment_ops(transform) -> Iterator[AugmentOp]:
 
 
 def train_transform(cfg: CN):
-    """timm's training transform: random resized crop, flip, RandAugment, normalisation, random erasing.
+    """timm's training transform: random resized crop, flip, RandAugment, normalisation, random erasing (unless
+    AUG.ERASE_AFTER_MIXUP moves it to the batch, `build_batch_augmentation`).
 
     Every posterize op of the auto-augmentation uses `posterize`, which accepts the 0 bits timm asks for.
     """
@@ -503,7 +506,7 @@ def train_transform(cfg: CN):
         cfg.DATA.IMG_SIZE, is_training=True, scale=tuple(aug.SCALE), ratio=tuple(aug.RATIO), hflip=aug.HFLIP,
         color_jitter=aug.COLOR_JITTER or None, auto_augment=aug.AUTO_AUGMENT or None,
         interpolation=cfg.DATA.INTERPOLATION, mean=tuple(cfg.DATA.MEAN), std=tuple(cfg.DATA.STD),
-        re_prob=aug.REPROB, re_mode=aug.REMODE, re_count=aug.RECOUNT)
+        re_prob=0. if aug.ERASE_AFTER_MIXUP else aug.REPROB, re_mode=aug.REMODE, re_count=aug.RECOUNT)
     for op in _augment_ops(transform):
         if op.name.startswith('Posterize'):
             op.aug_fn = posterize
@@ -517,14 +520,27 @@ def eval_transform(cfg: CN):
         std=tuple(cfg.DATA.STD), crop_pct=cfg.TEST.CROP_PCT, crop_mode=cfg.TEST.CROP_MODE)
 
 
-def build_mixup(cfg: CN) -> Optional[Mixup]:
-    if not mixup_active(cfg):
-        return None
+def build_batch_augmentation(cfg: CN, device: torch.device) -> Optional[Callable[[Tensor, Tensor],
+                                                                             Tuple[Tensor, Tensor]]]:
+    """What the training loop does to each batch of (images, labels) on `device`: mixup / CutMix (soft labels),
+    then, with AUG.ERASE_AFTER_MIXUP, random erasing of the mixed images; None where it does nothing."""
     aug = cfg.AUG
-    return Mixup(
-        mixup_alpha=aug.MIXUP, cutmix_alpha=aug.CUTMIX, cutmix_minmax=aug.CUTMIX_MINMAX, prob=aug.MIXUP_PROB,
-        switch_prob=aug.MIXUP_SWITCH_PROB, mode=aug.MIXUP_MODE, label_smoothing=cfg.MODEL.LABEL_SMOOTHING,
-        num_classes=cfg.MODEL.NUM_CLASSES)
+    mixup = None
+    if mixup_active(cfg):
+        mixup = Mixup(
+            mixup_alpha=aug.MIXUP, cutmix_alpha=aug.CUTMIX, cutmix_minmax=aug.CUTMIX_MINMAX, prob=aug.MIXUP_PROB,
+            switch_prob=aug.MIXUP_SWITCH_PROB, mode=aug.MIXUP_MODE, label_smoothing=cfg.MODEL.LABEL_SMOOTHING,
+            num_classes=cfg.MODEL.NUM_CLASSES)
+    if not (aug.ERASE_AFTER_MIXUP and aug.REPROB > 0):
+        return mixup
+    erasing = RandomErasing(aug.REPROB, mode=aug.REMODE, max_count=aug.RECOUNT, device=device)
+
+    def mix_then_erase(images: Tensor, labels: Tensor) -> Tuple[Tensor, Tensor]:
+        if mixup is not None:
+            images, labels = mixup(images, labels)
+        return erasing(images), labels
+
+    return mix_then_erase
 
 
 class ShardSampler(Sampler[int]):

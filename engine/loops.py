@@ -169,7 +169,7 @@ def train_one_epoch(
         info: DistInfo,
         options: EpochOptions,
         *,
-        mixup: Optional[Callable] = None,
+        batch_augmentation: Optional[Callable] = None,
         ema=None,
         stop_requested: Callable[[], bool] = lambda: False,
         compile_timer: Optional[CompileTimer] = None,
@@ -199,8 +199,8 @@ def train_one_epoch(
             step_start = time.perf_counter()
             images_batch = images_batch.to(info.device, non_blocking=True)
             targets = targets.to(info.device, non_blocking=True)
-            if mixup is not None:
-                images_batch, targets = mixup(images_batch, targets)
+            if batch_augmentation is not None:  # mixup / CutMix (and erasing after it)
+                images_batch, targets = batch_augmentation(images_batch, targets)
             update = (state.epoch_batches + 1) % options.accumulation == 0
             if state.epoch_batches % options.accumulation == 0:
                 update_skipped = False

@@ -28,7 +28,7 @@ from .build import (autocast_dtype, check_model_config, check_onednn, check_opti
 from .checkpoint import LAST, OutputLock, TrainingCheckpoint, atomic_write_text, remove_stale_temp_files
 from .compile import CompileTimer, compile_errors_reported, compile_model
 from .config import ema_decay, scaled_lrs, total_batch_size
-from .data import (build_eval_loader, build_mixup, build_train_loader, check_images, check_splits,
+from .data import (build_batch_augmentation, build_eval_loader, build_train_loader, check_images, check_splits,
                    check_trained_classes, class_difference, eval_batch_size, eval_transform, image_mode, load_split,
                    report_scan, resolve_data_root, train_transform)
 from .distributed import DistInfo, all_gather_objects, all_reduce_sum, any_rank, barrier, main_process_first
@@ -330,7 +330,7 @@ def _train(cfg: CN, info: DistInfo, lock: OutputLock, check_data: bool) -> Dict[
             ema.set(model)
     train_timer, val_timer = CompileTimer('the training step', compiled), CompileTimer('validation', compiled)
     criterion = create_criterion(cfg)
-    mixup = build_mixup(cfg)
+    batch_augmentation = build_batch_augmentation(cfg, info.device)
     ema_validated = ema is not None and cfg.EMA.EVAL and not cfg.EMA.FORCE_CPU
     ema_selects_best = ema_validated and cfg.EMA.SELECTS_BEST
     epoch_options = EpochOptions(
@@ -379,7 +379,7 @@ def _train(cfg: CN, info: DistInfo, lock: OutputLock, check_data: bool) -> Dict[
                 train_loader.sampler.set_epoch(epoch, skip=state.epoch_batches * cfg.DATA.BATCH_SIZE)
                 result = train_one_epoch(
                     train_model, train_loader, criterion, optimizer, scheduler, scaler, state, info,
-                    replace(epoch_options, desc=f'epoch {epoch}/{num_epochs}'), mixup=mixup, ema=ema,
+                    replace(epoch_options, desc=f'epoch {epoch}/{num_epochs}'), batch_augmentation=batch_augmentation, ema=ema,
                     stop_requested=stop, compile_timer=train_timer)
                 finished = state.epoch_batches >= epoch_options.updates * epoch_options.accumulation
                 if result.stopped and not finished:

@@ -46,7 +46,7 @@ with quit_on_interrupt():  # while torch and the models load: nothing has starte
     from engine.checkpoint import prepare_script_out, write_table_keeping_notes
     from engine.config import load_config
     from engine.data import (
-        build_mixup, build_train_loader, image_channels, image_mode, load_split, train_transform,
+        build_batch_augmentation, build_train_loader, image_channels, image_mode, load_split, train_transform,
     )
     from engine.distributed import DistInfo, resolve_device
     from engine.errors import UsageError, refuse_below, run_cli
@@ -84,11 +84,12 @@ def timed_passes(step, count: int, repeats: int, warmup: int) -> List[float]:
 
 
 def loader_rate(cfg, info: DistInfo, batches: int, repeats: int) -> float:
-    """Median images/s of the training loader with mixup, over passes of `batches` batches."""
+    """Median images/s of the training loader with mixup (and erasing after it), over passes of `batches`
+    batches."""
     dataset = load_split(cfg.DATA.DATA_PATH, 'train', train_transform(cfg), cfg.MODEL.NUM_CLASSES,
                          image_mode=image_mode(cfg))
     loader = build_train_loader(cfg, dataset, info)
-    mixup = build_mixup(cfg)
+    augment = build_batch_augmentation(cfg, info.device)
     epoch = 0
     iterator = None
 
@@ -102,8 +103,8 @@ def loader_rate(cfg, info: DistInfo, batches: int, repeats: int) -> float:
                 epoch += 1
                 loader.sampler.set_epoch(epoch)
                 iterator = iter(loader)
-        if mixup is not None:
-            mixup(images, targets)
+        if augment is not None:
+            augment(images, targets)
 
     step()  # starts the workers, outside the timing
     rounds = timed_passes(step, batches, repeats, warmup=1)
@@ -119,9 +120,9 @@ def model_rate(cfg, info: DistInfo, steps: int, repeats: int) -> float:
     size, batch = cfg.DATA.IMG_SIZE, cfg.DATA.BATCH_SIZE
     images = torch.randn(batch, image_channels(cfg), size, size, device=info.device)
     targets = torch.randint(cfg.MODEL.NUM_CLASSES, (batch,), device=info.device)
-    mixup = build_mixup(cfg)
-    if mixup is not None:
-        images, targets = mixup(images, targets)
+    augment = build_batch_augmentation(cfg, info.device)
+    if augment is not None:
+        images, targets = augment(images, targets)
     dtype = autocast_dtype(cfg, info.device, cfg.AMP.ENABLED)
     scaler = torch.amp.GradScaler(info.device.type, enabled=cfg.AMP.ENABLED and dtype == 'float16')
 

@@ -11,11 +11,12 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image, ImageOps
+from timm.data.random_erasing import RandomErasing
 
 from engine.build import autocast_dtype, create_scheduler
 from engine.cli import train_main
 from engine.config import ConfigError, load_config, scaled_lrs
-from engine.data import posterize, train_transform
+from engine.data import build_batch_augmentation, posterize, train_transform
 from engine.loops import TrainState, step_schedule
 
 CONFIGS = Path(__file__).resolve().parents[1] / 'configs'
@@ -214,6 +215,31 @@ def test_schedule_matches_the_official_recipe(key):
         assert {lr_at_update(2 * per_epoch + i) for i in range(per_epoch)} == {lr_at_update(2 * per_epoch)}
         second = lrs['warmup_lr'] + (1 - lag) * (lrs['lr'] - lrs['warmup_lr']) / warmup
         assert lr_at_update(0) == lrs['warmup_lr'] and lr_at_update(per_epoch) == pytest.approx(second, rel=1e-12)
+
+
+def test_the_cswin_recipe_erases_the_mixed_batch_as_its_prefetching_loader_does():
+    """CSwin's timm loader mixes in its collate and erases after normalising: the erased boxes hold the noise as
+    drawn (std 1), where erasing each image before mixup blends two images' noise (std sqrt(λ² + (1 − λ)²) < 1).
+    DeiT's loop erases each image in its transform."""
+    opts = ['AUG.REPROB', '1.0', 'AUG.CUTMIX', '0.0', 'DATA.IMG_SIZE', '32', 'MODEL.NUM_CLASSES', '10']
+    cswin, deit = (load_config(str(CONFIGS / f'base/{name}.yaml'), opts) for name in ('cswin', 'deit'))
+    assert not any(isinstance(t, RandomErasing) for t in train_transform(cswin).transforms)
+    assert any(isinstance(t, RandomErasing) for t in train_transform(deit).transforms)
+    assert build_batch_augmentation(deit, torch.device('cpu')) is not None  # mixup alone
+    stds = {}
+    for order in ('after', 'before'):
+        random.seed(0)
+        np.random.seed(0)
+        torch.manual_seed(0)
+        images, labels = torch.zeros(64, 3, 32, 32), torch.arange(64) % 10
+        if order == 'before':  # each image erased by its transform, then the batch mixed
+            images = torch.stack([RandomErasing(1.0, mode='pixel', device='cpu')(image) for image in images])
+            images, targets = build_batch_augmentation(deit, torch.device('cpu'))(images, labels)
+        else:
+            images, targets = build_batch_augmentation(cswin, torch.device('cpu'))(images, labels)
+        assert targets.shape == (64, 10) and (images != 0).flatten(1).any(dim=1).all()
+        stds[order] = images[images != 0].std().item()
+    assert stds['after'] == pytest.approx(1.0, abs=0.02) and stds['before'] < 0.9
 
 
 def test_a_prefixed_warm_up_must_leave_epochs_to_decay():
