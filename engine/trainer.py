@@ -216,11 +216,15 @@ def _summary(log_path: str, checkpoint: TrainingCheckpoint, selected_by: str = '
             records = [json.loads(line) for line in f if line.strip()]
     if not records:
         return f"finished; {checkpoint.last_path} holds the final weights"
-    best = max(records, key=lambda r: r[selected_by])  # the first of equal maxima, as best.pth keeps it
+    scored = [r for r in records if selected_by in r]  # epochs without an EMA validation (EMA.EVAL off then) aside
+    if not scored:
+        scored, selected_by = records, 'val_top1'
+    best = max(scored, key=lambda r: r[selected_by])  # the first of equal maxima, as best.pth keeps it
     last = records[-1]
     what = 'val top-1' if selected_by == 'val_top1' else 'EMA val top-1'
     return (f"finished {last['epoch'] + 1} epochs: best {what} {best[selected_by]:.2f} at epoch {best['epoch']} "
-            f"({checkpoint.best_path}), last {last[selected_by]:.2f} ({checkpoint.last_path}); log {log_path}")
+            f"({checkpoint.best_path}), last {last.get(selected_by, last['val_top1']):.2f} "
+            f"({checkpoint.last_path}); log {log_path}")
 
 
 def train(cfg: CN, info: DistInfo, check_data: bool = False) -> Dict[str, Any]:

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -152,6 +153,21 @@ def test_best_pth_is_the_epoch_of_the_best_ema_top1_where_the_recipe_selects_by_
     last = (tmp_path / 'train.log').read_text().splitlines()[-1]
     what, top1 = ('EMA val top-1', 70.0) if selects_best else ('val top-1', 60.0)
     assert f"finished 3 epochs: best {what} {top1:.2f} at epoch {best_epoch}" in last
+
+
+def test_the_best_line_counts_the_epochs_with_an_ema_validation_alone(tmp_path):
+    """A run resumed with EMA.SELECTS_BEST whose first epochs had no EMA validation (EMA.EVAL off then): the last
+    line names the best of the epochs that have one (it failed with a KeyError, on every later run too)."""
+    log = tmp_path / 'log.jsonl'
+    log.write_text('\n'.join(json.dumps(r) for r in [
+        dict(epoch=0, val_top1=80.0), dict(epoch=1, val_top1=70.0, ema_val_top1=60.0),
+        dict(epoch=2, val_top1=75.0, ema_val_top1=65.0)]) + '\n')
+    paths = SimpleNamespace(best_path='best.pth', last_path='last.pth')
+    assert engine.trainer._summary(str(log), paths, 'ema_val_top1') == (
+        f"finished 3 epochs: best EMA val top-1 65.00 at epoch 2 (best.pth), last 65.00 (last.pth); log {log}")
+    log.write_text(json.dumps(dict(epoch=0, val_top1=80.0)) + '\n')  # none validated: the model's top-1
+    assert engine.trainer._summary(str(log), paths, 'ema_val_top1').startswith(
+        "finished 1 epochs: best val top-1 80.00 at epoch 0")
 
 
 def test_sigterm_saves_after_the_current_step_and_resumes_exactly(tmp_path, digits, uninterrupted, monkeypatch):
