@@ -300,8 +300,9 @@ def check_onednn(device: torch.device, amp: Optional[str], setting: str) -> None
 
 
 def check_optimizer_config(cfg: CN) -> type:
-    """The optimizer class TRAIN.OPTIMIZER names, after checking that it takes the BETAS and EPS given (None: its
-    own); a `ConfigError` otherwise, before any data is read."""
+    """The optimizer class TRAIN.OPTIMIZER names, after checking that BETAS, where given to an optimizer that takes
+    betas, are as many as it takes; a `ConfigError` otherwise, before any data is read. EPS and BETAS go to the
+    optimizers that take them and are left out for the others (SGD's eps), as timm's factory does."""
     opt = cfg.TRAIN.OPTIMIZER
     if opt.NAME not in list_optimizers():
         close = difflib.get_close_matches(opt.NAME, list_optimizers(), n=3)
@@ -313,16 +314,34 @@ def check_optimizer_config(cfg: CN) -> type:
     except (AssertionError, ImportError) as e:  # bitsandbytes' optimizers need it installed, and CUDA
         raise ConfigError(f"config key TRAIN.OPTIMIZER.NAME is {opt.NAME!r}, which cannot be built here ({e}); "
                           f"expected an optimizer such as 'adamw'") from None
-    for key, value, taken in (('EPS', opt.EPS, info.has_eps), ('BETAS', opt.BETAS, info.has_betas)):
-        if value is not None and not taken:
-            raise ConfigError(f"config key TRAIN.OPTIMIZER.{key} is {value}, but {opt.NAME!r} takes no "
-                              f"{key.lower()}; expected None")
-    own = inspect.signature(kind).parameters.get('betas')
-    if opt.BETAS is not None and own is not None and isinstance(own.default, tuple) \
-            and len(opt.BETAS) != len(own.default):
-        raise ConfigError(f"config key TRAIN.OPTIMIZER.BETAS is {opt.BETAS}; {opt.NAME!r} takes {len(own.default)} "
-                          f"betas (its own: {list(own.default)}), or None for its own")
+    if info.has_betas and opt.BETAS is not None and len(opt.BETAS) != info.num_betas:
+        own = _own_settings(kind).get('betas')
+        raise ConfigError(f"config key TRAIN.OPTIMIZER.BETAS is {opt.BETAS}; {opt.NAME!r} takes {info.num_betas} "
+                          f"betas ({f'its own: {list(own)}, ' if own else ''}or None for its own)")
     return kind
+
+
+def _own_settings(kind: type) -> Dict[str, Any]:
+    """The eps and betas an optimizer class takes by default, where its signature gives them."""
+    parameters = inspect.signature(kind).parameters
+    return {name: parameters[name].default for name in ('eps', 'betas')
+            if name in parameters and parameters[name].default is not inspect.Parameter.empty}
+
+
+def optimizer_settings(cfg: CN) -> Dict[str, Any]:
+    """The eps and betas the optimizer of `cfg` updates with: TRAIN.OPTIMIZER's where given, else its own (absent
+    where it takes none), so that two configs compare by what they train with (EPS 1e-8 and None are the same
+    AdamW)."""
+    opt = cfg.TRAIN.OPTIMIZER
+    info = get_optimizer_info(opt.NAME)
+    own = _own_settings(check_optimizer_config(cfg))
+    settings = {}
+    if info.has_eps:
+        settings['eps'] = opt.EPS if opt.EPS is not None else own.get('eps')
+    if info.has_betas:
+        betas = opt.BETAS if opt.BETAS is not None else own.get('betas')
+        settings['betas'] = None if betas is None else list(betas)
+    return settings
 
 
 def create_optimizer(cfg: CN, model: nn.Module, lr: float) -> torch.optim.Optimizer:

@@ -25,10 +25,12 @@ import torch
 from timm.scheduler.scheduler import Scheduler
 from timm.utils import ModelEmaV3
 from torch import nn
+from yacs.config import CfgNode as CN
 
 from models._files import TEMP_NAME, atomic_write, file_in_the_way, remove_left_by_dead_processes, temporary_path
 from models.checkpoint import CheckpointError, load_checkpoint_file, load_state_dict_checked
 
+from .build import optimizer_settings
 from .config import ConfigError, config_changes, config_from_yaml_string
 from .distributed import DistInfo, all_gather_objects
 from .errors import UsageError
@@ -291,6 +293,20 @@ def _model_of(checkpoint: Mapping[str, Any], path: str) -> str:
     return f"{model.NAME} with MODEL.KWARGS {{{kwargs}}}"
 
 
+def _as_trained(cfg: CN) -> CN:
+    """`cfg` with TRAIN.OPTIMIZER's EPS and BETAS as its optimizer takes them (None: the optimizer's own values;
+    absent where it takes none), so that a run saved with EPS 1e-8 and one with None compare as the same AdamW."""
+    try:
+        settings = optimizer_settings(cfg)
+    except ConfigError:
+        return cfg
+    cfg = cfg.clone()
+    cfg.defrost()
+    cfg.TRAIN.OPTIMIZER.EPS, cfg.TRAIN.OPTIMIZER.BETAS = settings.get('eps'), settings.get('betas')
+    cfg.freeze()
+    return cfg
+
+
 def _with_live_settings(stored: Mapping[str, Any], optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
     """`stored` (an optimizer's state dict) with the live `optimizer`'s group settings (weight decay, betas, eps,
     momentum, the kernel flags, ...) in place of its own: torch's `load_state_dict` keeps only the live groups'
@@ -472,7 +488,8 @@ class TrainingCheckpoint:
         except ConfigError as e:
             logger.warning(f"{path}: the config it holds cannot be compared with this run's ({e})")
             return
-        changes = config_changes(stored, config_from_yaml_string(self.config, 'this run'), ignore=_NOT_TRAINING_KEYS)
+        changes = config_changes(_as_trained(stored), _as_trained(config_from_yaml_string(self.config, 'this run')),
+                                 ignore=_NOT_TRAINING_KEYS)
         if changes:
             logger.warning(f"{path} was written under another config: {'; '.join(changes)}; the run goes on with "
                            f"this run's values, its learning-rate schedule included")

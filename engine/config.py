@@ -6,6 +6,7 @@ and merged first, in order. Unknown keys and values of the wrong type fail with 
 """
 import collections.abc
 import difflib
+import functools
 import math
 import os
 import re
@@ -512,10 +513,23 @@ def load_config(
     return cfg
 
 
+# Keys added after runs were first saved, with how the engine trained before them where that differs from their
+# default: a stored config, a whole dump, that lacks one was trained that way.
+_BEFORE_THE_KEY = {'TRAIN.LR_SCHEDULER.STEP': 'update'}
+
+
 def config_from_yaml_string(text: str, source: str = 'the checkpoint') -> CN:
-    """Rebuild a config from the YAML text `cfg.dump()` wrote (as stored in checkpoints)."""
+    """Rebuild a config from the YAML text `cfg.dump()` wrote (as stored in checkpoints); a key it lacks because
+    the run predates it takes the engine's behaviour then (`_BEFORE_THE_KEY`), not today's default."""
     cfg = get_default_config()
     data = _parse_yaml(text, f"the config stored in {source}")
+    for key, value in _BEFORE_THE_KEY.items():
+        *parents, leaf = key.split('.')
+        node = data
+        for part in parents:
+            node = node.get(part) if isinstance(node, dict) else None
+        if not (isinstance(node, dict) and leaf in node):
+            setattr(functools.reduce(getattr, parents, cfg), leaf, value)
     merge_dict(cfg, data or {}, source)
     validate_config(cfg)
     cfg.freeze()

@@ -5,8 +5,10 @@ from pathlib import Path
 
 import pytest
 import timm
+import yaml
 
 import models  # noqa: F401  (registers the families)
+from engine.checkpoint import _as_trained
 from engine.config import (ConfigError, config_changes, config_from_yaml_string, ema_decay, get_default_config,
                            load_config, merge_opts, model_kwargs, scaled_lrs)
 
@@ -332,3 +334,25 @@ def test_model_keywords_are_free_form_at_every_depth(tmp_path):
     kwargs = cfg.MODEL.KWARGS
     assert dict(kwargs.attn_kwargs) == dict(focusing_factor=2, causal=True, kernel_size=3)
     assert kwargs.mlp_ratio == 4.5 and kwargs.attn_type == ['inline', 'softmax'] and kwargs.qkv_bias is False
+
+
+def test_a_stored_config_from_before_a_key_reads_as_the_engine_trained_then():
+    """A checkpoint saved before TRAIN.LR_SCHEDULER.STEP existed was trained stepping every update, and before EPS
+    and BETAS defaulted to None it stored AdamW's own 1e-8 and [0.9, 0.999]: resumed under today's DeiT recipe,
+    the run names the schedule's change and no optimizer change (it named the optimizer values and not the
+    schedule)."""
+    today = load_config(str(CONFIGS / 'base' / 'deit.yaml'))
+    before = yaml.safe_load(today.dump())
+    del before['TRAIN']['LR_SCHEDULER']['STEP'], before['TRAIN']['SYNC_BN'], before['EMA']['SELECTS_BEST']
+    del before['AUG']['ERASE_AFTER_MIXUP']
+    before['TRAIN']['OPTIMIZER'].update(EPS=1e-8, BETAS=[0.9, 0.999])
+    stored = config_from_yaml_string(yaml.safe_dump(before), 'an old checkpoint')
+    assert stored.TRAIN.LR_SCHEDULER.STEP == 'update'
+    assert config_from_yaml_string(today.dump()).TRAIN.LR_SCHEDULER.STEP == 'previous_epoch'
+    assert config_changes(_as_trained(stored), _as_trained(today)) == [
+        "TRAIN.LR_SCHEDULER.STEP 'update' (this run: 'previous_epoch')"]
+    lion = load_config(str(CONFIGS / 'base' / 'deit.yaml'), ['TRAIN.OPTIMIZER.NAME', 'lion'])
+    assert config_changes(_as_trained(stored), _as_trained(lion)) == [
+        "TRAIN.LR_SCHEDULER.STEP 'update' (this run: 'previous_epoch')",
+        "TRAIN.OPTIMIZER.NAME 'adamw' (this run: 'lion')", "TRAIN.OPTIMIZER.EPS 1e-08 (this run: None)",
+        "TRAIN.OPTIMIZER.BETAS [0.9, 0.999] (this run: [0.9, 0.99])"]
