@@ -6,7 +6,6 @@ and merged first, in order. Unknown keys and values of the wrong type fail with 
 """
 import collections.abc
 import difflib
-import functools
 import math
 import os
 import re
@@ -458,10 +457,11 @@ def _augmentation_policy_parses(policy: str) -> bool:
     return True
 
 
-def _leaves(node: CN, prefix: str = '') -> Dict[str, Any]:
+def _leaves(node: Dict[str, Any], prefix: str = '') -> Dict[str, Any]:
+    """'A.B.C': value of every leaf of a config, or of the nested mappings its YAML holds."""
     leaves: Dict[str, Any] = {}
     for key, value in node.items():
-        if isinstance(value, CN):
+        if isinstance(value, dict):
             leaves.update(_leaves(value, f'{prefix}{key}.'))
         else:
             leaves[prefix + key] = value
@@ -523,13 +523,11 @@ def config_from_yaml_string(text: str, source: str = 'the checkpoint') -> CN:
     the run predates it takes the engine's behaviour then (`_BEFORE_THE_KEY`), not today's default."""
     cfg = get_default_config()
     data = _parse_yaml(text, f"the config stored in {source}")
+    stored = _leaves(data) if isinstance(data, dict) else {}
     for key, value in _BEFORE_THE_KEY.items():
-        *parents, leaf = key.split('.')
-        node = data
-        for part in parents:
-            node = node.get(part) if isinstance(node, dict) else None
-        if not (isinstance(node, dict) and leaf in node):
-            setattr(functools.reduce(getattr, parents, cfg), leaf, value)
+        if key not in stored:
+            parent, leaf = key.rsplit('.', 1)
+            setattr(_get(cfg, parent), leaf, value)
     merge_dict(cfg, data or {}, source)
     validate_config(cfg)
     cfg.freeze()

@@ -45,7 +45,8 @@ __all__ = [
     'check_trained_classes', 'load_split',
     'BadImage', 'ImageFolderSplit', 'ImageLoader', 'image_mode', 'image_channels', 'read_image', 'check_images',
     'report_scan',
-    'posterize', 'train_transform', 'eval_transform', 'build_batch_augmentation', 'ShardSampler', 'SkipSampler', 'SeededSamples',
+    'posterize', 'train_transform', 'eval_transform', 'build_batch_augmentation', 'ShardSampler', 'SkipSampler',
+    'SeededSamples',
     'build_train_loader', 'build_eval_loader', 'eval_batch_size',
 ]
 
@@ -613,8 +614,8 @@ def _workers(cfg: CN) -> int:
 def build_train_loader(cfg: CN, dataset: ImageFolderSplit, info: DistInfo) -> ImageLoader:
     """Shuffled per epoch (DistributedSampler seeded by SEED, or repeated augmentation, also on one process, as
     DeiT's RASampler: AUG.REPEATED_AUG draws of each image, floor(N / 256) * 256 samples an epoch in all from 256
-    images on); full batches only. Each sample's augmentation is drawn from its own seed (`SkipSampler`, `SeededSamples`),
-    so a resumed run repeats it with any number of workers."""
+    images on); full batches only. Each sample's augmentation is drawn from its own seed (`SkipSampler`,
+    `SeededSamples`), so a resumed run repeats it with any number of workers."""
     if cfg.AUG.REPEATED_AUG > 1:
         base = RepeatAugSampler(dataset, num_replicas=info.world_size, rank=info.rank, shuffle=True,
                                 num_repeats=cfg.AUG.REPEATED_AUG)

@@ -383,7 +383,8 @@ def _train(cfg: CN, info: DistInfo, lock: OutputLock, check_data: bool) -> Dict[
                 train_loader.sampler.set_epoch(epoch, skip=state.epoch_batches * cfg.DATA.BATCH_SIZE)
                 result = train_one_epoch(
                     train_model, train_loader, criterion, optimizer, scheduler, scaler, state, info,
-                    replace(epoch_options, desc=f'epoch {epoch}/{num_epochs}'), batch_augmentation=batch_augmentation, ema=ema,
+                    replace(epoch_options, desc=f'epoch {epoch}/{num_epochs}'),
+                    batch_augmentation=batch_augmentation, ema=ema,
                     stop_requested=stop, compile_timer=train_timer)
                 finished = state.epoch_batches >= epoch_options.updates * epoch_options.accumulation
                 if result.stopped and not finished:

@@ -142,8 +142,8 @@ def test_visualize_attention_writes_figures(images, tmp_path):
 def test_a_query_pixel_is_the_token_of_its_patch_at_any_image_size():
     """Pixel 60 of an 88-pixel image lies in patch 15 of 22 (4 pixels each); as the fraction 60 / 88 it was taken for
     patch 14. The pixel's centre is inside its patch at every size."""
-    assert visualize.parse_queries(['60,60', '0,87', 'cls'], 88, True) == [(60.5 / 88, 60.5 / 88), (0.5 / 88, 87.5 / 88),
-                                                                          0]
+    assert visualize.parse_queries(['60,60', '0,87', 'cls'], 88, True) == [
+        (60.5 / 88, 60.5 / 88), (0.5 / 88, 87.5 / 88), 0]
     torch.manual_seed(0)
     attn = build_attention('softmax', 16, 4, (22, 22)).eval()
     for pixel in range(88):

@@ -220,11 +220,11 @@ class AttentionRecord:
         local: Optional[Tensor] = None
         extras: Dict[str, Tensor] = {}
         parts: List[Tuple[int, Tensor]] = []  # (first head, rows) per call
+        origins = [_origin(layer, mixers[call.branch][2], size, N).to(device) for call in capture.calls]
         # the pools of every head on as many rows: CSwin's branches on a non-square grid have unequal group counts
-        groups = max(_origin(layer, mixers[call.branch][2], size, N).shape[0] for call in capture.calls)
-        for call in capture.calls:
+        groups = max(origin.shape[0] for origin in origins)
+        for call, origin in zip(capture.calls, origins):
             _, mixer, branch = mixers[call.branch]
-            origin = _origin(layer, branch, size, N).to(device)
             reduced = call.k.shape[1] != call.q.shape[1]
             key_origin = torch.arange(call.k.shape[1], device=device)[None] if reduced else origin
             G, n = origin.shape
