@@ -203,9 +203,9 @@ def multimax_attention(
 
     `bias` (added before σ) broadcasts to the (B, h, n, m) scores; `mask` (nW, n, m) is added after σ, batch
     entry b taking mask[b % nW] (windows of an image are consecutive); `causal` masks key j > i out of query
-    i's logits after σ. `use_flex`: None takes FlexAttention without dropout on CUDA, and, where the kernel is
-    not taken, in CPU inference inside `torch.compile` (not export) in float32, float16 or bfloat16 without bias;
-    the plain path otherwise.
+    i's logits after σ. `use_flex`: None takes FlexAttention without dropout on CUDA (for heads of 16 channels or
+    more), and, where the kernel is not taken, in CPU inference inside `torch.compile` (not export) in float32,
+    float16 or bfloat16 without bias; the plain path otherwise.
     True forces FlexAttention (compiled on CUDA, its unfused reference elsewhere) for the forward pass, with the
     backward pass in row blocks. `use_kernel`: None takes the fused CPU kernel (`multimax_cpu.py`) on the CPU
     without causal masking or dropout, in inference and in training without bias or mask, eager or compiled (not
@@ -238,12 +238,16 @@ def multimax_attention(
             else:
                 out = multimax_cpu(q, k, v, ranges, ts, bias, mask, onednn)[0]
         return out.to(out_dtype)
+    cuda_flex_fits = min(q.shape[-1], v.shape[-1]) >= _CUDA_FLEX_MIN_HEAD_DIM
     if use_flex is None:
         use_flex = (flex_attention is not None and not dropout_p
-                    and (q.is_cuda or _cpu_flex_compiles(q, training, bias)))
+                    and (q.is_cuda and cuda_flex_fits or _cpu_flex_compiles(q, training, bias)))
     if use_flex:
         if dropout_p:
             raise ValueError(f"the FlexAttention path of MultiMax has no attention dropout, got dropout_p={dropout_p}")
+        if q.is_cuda and not cuda_flex_fits:
+            raise ValueError(f"the FlexAttention path of MultiMax on CUDA takes heads of at least "
+                             f"{_CUDA_FLEX_MIN_HEAD_DIM} channels, got {q.shape[-1]} (q, k) and {v.shape[-1]} (v)")
         if training:
             rows = max(1, _FLEX_BACKWARD_BLOCK_BYTES // row_bytes)
             return _MultiMaxInRowBlocks.apply(q, k, v, ranges, ts, bias, mask, causal, rows, True)
@@ -318,6 +322,9 @@ _ROW_BLOCK_BYTES = 4 << 20
 # Compiled by torch 2.11 (not 2.14 or 2.15), training in row blocks without FlexAttention returns zero gradients;
 # there compiled training takes the plain path, which the compiler fuses (export, which has no backward, keeps it).
 _ROW_BLOCKS_TRACE = torch.__version__ >= '2.14'
+# Inductor's CUDA FlexAttention kernel (torch 2.11) takes heads of at least this many channels; smaller ones (tiny
+# test models) take the paths without it.
+_CUDA_FLEX_MIN_HEAD_DIM = 16
 # The backward pass after FlexAttention's forward pass takes blocks this large: on a GPU, kernel launches rather
 # than cache bound small blocks.
 _FLEX_BACKWARD_BLOCK_BYTES = 256 << 20
