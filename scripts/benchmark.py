@@ -154,10 +154,14 @@ def count_flops(model: torch.nn.Module, x: torch.Tensor, train: bool) -> int:
 def model_flops(spec: Dict, model: torch.nn.Module, x: torch.Tensor, train: bool) -> Dict[str, Optional[int]]:
     """FLOPs of the inference pass and, with `train`, of the training step, counted on the CPU: they do not
     depend on the device, and on CUDA the compiled FlexAttention that MultiMax calls raises under torch's FLOP
-    counter. Off the CPU, a CPU model of `spec` and an input of `x`'s shape are made for the count."""
-    if x.device.type != 'cpu':
-        model, x = timm.create_model(spec['model'], **spec['kwargs']), torch.zeros(x.shape, dtype=x.dtype)
-    return dict(infer=count_flops(model, x, train=False), train=count_flops(model, x, train=True) if train else None)
+    counter. Off the CPU, a CPU model of `spec` counts them on one image of `x`'s size, times the batch: every
+    counted op works on each image alone, and the CPU would take longer over a GPU batch than the timing itself."""
+    if x.device.type == 'cpu':
+        return dict(infer=count_flops(model, x, train=False),
+                    train=count_flops(model, x, train=True) if train else None)
+    one = model_flops(spec, timm.create_model(spec['model'], **spec['kwargs']),
+                      torch.zeros((1, *x.shape[1:]), dtype=x.dtype), train)
+    return {mode: None if flops is None else flops * len(x) for mode, flops in one.items()}
 
 
 def efficiency(flops: float, seconds: Sequence[float], matmul_flops: float, matmul_seconds: Sequence[float]) -> float:

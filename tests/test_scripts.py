@@ -356,11 +356,11 @@ class _UncountableOnItsDevice(torch.nn.Module):
 
 def test_benchmark_counts_the_flops_of_a_model_off_the_cpu_on_a_cpu_model_of_its_spec():
     """On CUDA, MultiMax calls compiled FlexAttention, which raises under torch's FLOP counter: the benchmark
-    counts a CPU model of the same spec instead (the meta device stands in for CUDA, a model that raises for
-    MultiMax's CUDA path), with the same FLOPs as the model counted on the CPU."""
+    counts a CPU model of the same spec instead, on one image times the batch (the meta device stands in for CUDA,
+    a model that raises for MultiMax's CUDA path), with the same FLOPs as the model counted on the CPU."""
     spec = dict(model='softmax_deit_tiny', kwargs=dict(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2,
                                                        num_classes=5, attn_type='multimax'))
-    x = torch.randn(2, 3, 32, 32)
+    x = torch.randn(3, 3, 32, 32)
     expected = benchmark.model_flops(spec, timm.create_model(spec['model'], **spec['kwargs']), x, train=True)
     assert expected['infer'] > 0 and expected['train'] > 2 * expected['infer']
     assert benchmark.model_flops(spec, _UncountableOnItsDevice(), x.to('meta'), train=True) == expected
