@@ -100,6 +100,10 @@ SLOWDOWN_GOALS = {'multimax_*': ('MultiMax / softmax', {'cuda': (None, 1.05), 'c
 # between runs. These settings keep freed memory in the process, making every call pay the same.
 STEADY_MALLOC = {'MALLOC_MMAP_THRESHOLD_': str(2 ** 32), 'MALLOC_TRIM_THRESHOLD_': str(2 ** 32)}
 COMPILED = ' (compiled)'
+# The side of the square product whose rate efficiencies are shares of, by device type: on a GPU, one large enough
+# to run near the card's rate (on an H200, 2048² bfloat16 products ran at 180-240 TFLOP/s in the benchmark's
+# rounds, where 8192² ones reach about 790).
+MATMUL_SIZES = {'cpu': 2048, 'cuda': 8192}
 
 
 def _cpu_attention_flops(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
@@ -455,8 +459,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument('--threads', type=int, default=0, help='CPU threads per process (0: torch default)')
     parser.add_argument('--compile', action='store_true',
                         help='also time every model compiled (fullgraph), on rows of its own')
-    parser.add_argument('--matmul-size', type=int, default=2048,
-                        help='side of the square matrix product whose rate the efficiency is a share of')
+    parser.add_argument('--matmul-size', type=int, default=None,
+                        help='side of the square matrix product whose rate the efficiency is a share of (default: '
+                             f'{MATMUL_SIZES["cpu"]} on the CPU, {MATMUL_SIZES["cuda"]} on CUDA, where a {MATMUL_SIZES["cpu"]}² '
+                             "product runs at a quarter of an H200's bfloat16 rate)")
     parser.add_argument('--note', default='', help='a line for the header of OUT.md, e.g. what else ran')
     parser.add_argument('--channels-last', action='store_true')
     parser.add_argument('--onednn', action='store_true',
@@ -485,6 +491,8 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -
         device = resolve_device(args.device)
     except UsageError as e:
         parser.error(f'--device: {e}')
+    if args.matmul_size is None:
+        args.matmul_size = MATMUL_SIZES[device.type]
     refuse_below(parser, {
         '--batch-size': (args.batch_size, 1), '--iters': (args.iters, 1), '--train-iters': (args.train_iters, 1),
         '--warmup': (args.warmup, 0), '--threads': (args.threads, 0), '--matmul-size': (args.matmul_size, 1),

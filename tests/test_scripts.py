@@ -173,9 +173,13 @@ def test_benchmark_that_measured_nothing_fails_and_keeps_the_previous_table(tmp_
     assert {p.name: p.read_text() for p in tmp_path.iterdir()} == previous
 
 
-def test_benchmark_table_of_a_numbered_gpu_states_cuda_its_precision_and_goals(tmp_path, monkeypatch):
+def test_benchmark_table_of_a_numbered_gpu_states_cuda_its_precision_product_and_goals(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.cuda, 'get_device_name', lambda device=None: f'test GPU {torch.device(device).index}')
-    args = benchmark.build_parser().parse_args(['--device', 'cuda:1', '--out', str(tmp_path / 'b')])
+    monkeypatch.setattr(torch.cuda, 'is_available', lambda: True)
+    monkeypatch.setattr(torch.cuda, 'device_count', lambda: 2)
+    parser = benchmark.build_parser()
+    args = parser.parse_args(['--device', 'cuda:1', '--families', 'deit', '--out', str(tmp_path / 'b')])
+    benchmark.check_arguments(parser, args)
     args.load_at_start = 0.0
     row = dict(family='deit', size='tiny', attention='multimax', resolution=224, model='multimax_deit_tiny',
                compiled=False, params_m=5.7, gflops=1.3, infer_img_s=10.0, infer_mm_pct=20.0, infer_best_pct=9.1,
@@ -185,11 +189,14 @@ def test_benchmark_table_of_a_numbered_gpu_states_cuda_its_precision_and_goals(t
     row.update({f'{mode}_vs_{base}': None for mode in ('infer', 'train') for base in ('timm', 'eager')})
     benchmark.write_outputs(args, [row], [], 60.0)
     text = (tmp_path / 'b.md').read_text()
-    for needle in ('- machine: cuda (test GPU 1)', ', bfloat16 autocast', '(2048² product, bfloat16,',
+    for needle in ('- machine: cuda (test GPU 1)', ', bfloat16 autocast', '(8192² product, bfloat16,',
                    'inference rounds `torch.matmul` 500.0 GFLOP/s; training rounds `torch.matmul` 480.0 GFLOP/s\n',
                    '| MultiMax / softmax training-step time, deit-tiny @ 224 (eager) | 1.25× | ≤ 1.05× (cuda) | no |'):
         assert needle in text, needle
     assert 'inference time' not in text  # the issue sets no inference goal on CUDA
+    cpu = parser.parse_args(['--device', 'cpu', '--families', 'deit', '--out', str(tmp_path / 'c')])
+    benchmark.check_arguments(parser, cpu)
+    assert (args.matmul_size, cpu.matmul_size) == (8192, 2048)  # on a GPU, a product near the card's rate
 
 
 def test_benchmark_times_both_cpu_matrix_product_libraries_and_runs_linear_layers_through_onednn(tmp_path):
