@@ -16,7 +16,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from models.attention import MixContext, build_attention
-from models.attention import multimax_cpu
+from models.attention import multimax, multimax_cpu
 from models.attention.multimax import _Modulation, multimax_attention, multimax_modulation
 from models.attention.softmax import SoftmaxMixer, fold_windows, unfold_windows
 from reference import max_abs_err
@@ -643,3 +643,24 @@ def test_forcing_the_kernel_names_what_it_cannot_take(monkeypatch):
     monkeypatch.setattr(multimax_cpu, '_extension', None)  # a build that failed
     with pytest.raises(RuntimeError, match="could not be built or loaded"):
         multimax_attention(q, k, v, ranges, ts, use_kernel=True)
+
+
+def test_compiled_flex_attention_keeps_a_graph_for_every_shape_a_model_needs(monkeypatch):
+    """MultiMax's FlexAttention on CUDA is compiled for each shape of its inputs: past torch's default limit of 8
+    graphs it would run unfused, forming every score matrix (a MultiMax Swin with validation needs more), so its
+    first use raises the limit. The eager backend stands in for inductor on the CPU."""
+    compile_ = torch.compile
+    monkeypatch.setattr(torch, 'compile', lambda fn, **kwargs: compile_(fn, **{'backend': 'eager', **kwargs}))
+    monkeypatch.setattr(multimax, '_compiled_flex', None)
+    monkeypatch.setattr(torch._dynamo.config, 'recompile_limit', 8)  # torch's default
+    torch.compiler.reset()
+    torch._dynamo.utils.counters.clear()
+    attend = multimax._fused_flex()
+    for n in range(16, 28):
+        q = torch.randn(1, 2, n, 16)
+        expected = (q @ q.transpose(-2, -1) / 2).softmax(-1) @ q
+        with torch.no_grad():
+            assert max_abs_err(attend(q, q, q, score_mod=lambda score, b, h, i, j: score * 2), expected) < 1e-5
+    assert dict(torch._dynamo.utils.counters['frames']) == dict(total=12, ok=12)  # each shape compiled
+    assert torch._dynamo.config.recompile_limit == multimax._FLEX_GRAPHS
+    torch.compiler.reset()

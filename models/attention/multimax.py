@@ -175,12 +175,20 @@ def _cast(grad: Optional[Tensor], like: Optional[Tensor]) -> Optional[Tensor]:
 
 
 _compiled_flex: Optional[Callable[..., Tensor]] = None
+# Compiled without dynamic shapes, FlexAttention is compiled anew for each shape, dtype and gradient requirement of
+# its inputs, and torch's default limit of 8 graphs per function is less than one model needs (Swin: four stages,
+# windows shifted and not, a validation batch and a smaller last one): past it, torch runs FlexAttention unfused,
+# forming every score matrix. torch.compile takes no limit of its own for one function, and setting the global one
+# around each call would cost more than a small attention's kernels, so the first use raises the global limit.
+_FLEX_GRAPHS = 256
 
 
 def _fused_flex() -> Callable[..., Tensor]:
-    """FlexAttention compiled once; without compilation it would form the score matrix."""
+    """FlexAttention compiled once, with room for `_FLEX_GRAPHS` graphs; without compilation it would form the score
+    matrix."""
     global _compiled_flex
     if _compiled_flex is None:
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, _FLEX_GRAPHS)
         _compiled_flex = torch.compile(flex_attention, dynamic=False)
     return _compiled_flex
 
