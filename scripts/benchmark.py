@@ -100,9 +100,9 @@ SLOWDOWN_GOALS = {'multimax_*': ('MultiMax / softmax', {'cuda': (None, 1.05), 'c
 # between runs. These settings keep freed memory in the process, making every call pay the same.
 STEADY_MALLOC = {'MALLOC_MMAP_THRESHOLD_': str(2 ** 32), 'MALLOC_TRIM_THRESHOLD_': str(2 ** 32)}
 COMPILED = ' (compiled)'
-# The side of the square product whose rate efficiencies are shares of, by device type: on a GPU, one large enough
-# to run near the card's rate (on an H200, 2048² bfloat16 products ran at 180-240 TFLOP/s in the benchmark's
-# rounds, where 8192² ones reach about 790).
+# The side of the square product whose rate efficiencies are shares of, by device type: on a GPU, one long enough
+# to fill the card (on an H200, 2048² bfloat16 products lasted about 70 µs and ran at 93-244 TFLOP/s in the
+# benchmark's rounds, far below the card's rate, so the models' shares of it read several times too high).
 MATMUL_SIZES = {'cpu': 2048, 'cuda': 8192}
 
 
@@ -159,7 +159,9 @@ def model_flops(spec: Dict, model: torch.nn.Module, x: torch.Tensor, train: bool
     """FLOPs of the inference pass and, with `train`, of the training step, counted on the CPU: they do not
     depend on the device, and on CUDA the compiled FlexAttention that MultiMax calls raises under torch's FLOP
     counter. Off the CPU, a CPU model of `spec` counts them on one image of `x`'s size, times the batch: every
-    counted op works on each image alone, and the CPU would take longer over a GPU batch than the timing itself."""
+    counted op works on each image alone, and the CPU would take longer over a GPU batch than the timing itself.
+    (MultiMax's training count can differ slightly from the batch's own: its backward pass recomputes the scores
+    once they pass a size the batch helps set.)"""
     if x.device.type == 'cpu':
         return dict(infer=count_flops(model, x, train=False),
                     train=count_flops(model, x, train=True) if train else None)
@@ -461,8 +463,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help='also time every model compiled (fullgraph), on rows of its own')
     parser.add_argument('--matmul-size', type=int, default=None,
                         help='side of the square matrix product whose rate the efficiency is a share of (default: '
-                             f'{MATMUL_SIZES["cpu"]} on the CPU, {MATMUL_SIZES["cuda"]} on CUDA, where a {MATMUL_SIZES["cpu"]}² '
-                             "product runs at a quarter of an H200's bfloat16 rate)")
+                             f'{MATMUL_SIZES["cpu"]} on the CPU, {MATMUL_SIZES["cuda"]} on CUDA, where a '
+                             f'{MATMUL_SIZES["cpu"]}² product is too short to fill a large GPU)')
     parser.add_argument('--note', default='', help='a line for the header of OUT.md, e.g. what else ran')
     parser.add_argument('--channels-last', action='store_true')
     parser.add_argument('--onednn', action='store_true',

@@ -18,6 +18,7 @@ import timm
 import models  # noqa: F401  (registers the families)
 from engine.cli import eval_main, train_main
 from models.attention import list_attentions
+from models.attention import multimax
 from models.attention.multimax import multimax_attention
 from reference import max_abs_err
 from test_compile import TINY, TINY_DEMO, few_digits  # noqa: F401  (few_digits: a fixture)
@@ -122,6 +123,7 @@ def test_multimax_on_cuda_takes_compiled_flex_attention_and_matches_the_formula(
     cuda_mask = None if mask is None else mask.to(CUDA, dtype)
     with torch.no_grad():
         inferred = multimax_attention(*args, cuda_mask)
+    assert multimax._compiled_flex is not None  # the compiled kernel, not FlexAttention's unfused reference
     leaves = [t.requires_grad_() for t in args]
     out = multimax_attention(*leaves, cuda_mask)
     assert type(out.grad_fn).__name__ == '_MultiMaxInRowBlocksBackward'
@@ -179,15 +181,17 @@ def test_train_and_eval_on_cuda_with_amp_and_compile(tmp_path, few_digits, capsy
                                                                                                      rel=1e-2)
 
 
-def test_multimax_heads_too_small_for_flex_attention_on_cuda_take_the_paths_without_it():
-    """Inductor's CUDA FlexAttention kernel takes heads of 16 channels or more: smaller ones run the plain path (and
-    match the formula), and forcing FlexAttention on them names the limit."""
+@pytest.mark.parametrize('qk_dim', [8, 16])
+def test_multimax_heads_too_small_for_flex_attention_on_cuda_take_the_paths_without_it(qk_dim):
+    """Inductor's CUDA FlexAttention kernel takes heads of 16 channels or more, in q and k and in v: smaller ones
+    run the plain path (and match the formula), and forcing FlexAttention on them names the limit."""
     q, k, v, bias, mask = windows(heads=2, n=9, d=8)
+    q, k = (torch.randn(*t.shape[:-1], qk_dim, dtype=t.dtype) for t in (q, k))
     ranges, ts = spec_parameters()
     args = [t.to(CUDA, torch.float32).requires_grad_() for t in (q, k, v, ranges, ts, bias)]
     out = multimax_attention(*args, mask.to(CUDA, torch.float32))
     expected = plain_multimax(q, k, v, ranges, ts, bias, mask)
     assert relative_error(out, expected) < 1e-5
     with pytest.raises(ValueError, match=r"^the FlexAttention path of MultiMax on CUDA takes heads of at least 16 "
-                                         r"channels, got 8 \(q, k\) and 8 \(v\)$"):
+                                         rf"channels, got {qk_dim} \(q, k\) and 8 \(v\)$"):
         multimax_attention(*args, use_flex=True)

@@ -330,8 +330,8 @@ _ROW_BLOCK_BYTES = 4 << 20
 # Compiled by torch 2.11 (not 2.14 or 2.15), training in row blocks without FlexAttention returns zero gradients;
 # there compiled training takes the plain path, which the compiler fuses (export, which has no backward, keeps it).
 _ROW_BLOCKS_TRACE = torch.__version__ >= '2.14'
-# Inductor's CUDA FlexAttention kernel (torch 2.11) takes heads of at least this many channels; smaller ones (tiny
-# test models) take the paths without it.
+# Inductor's CUDA FlexAttention kernel (torch 2.11 to 2.14 at least) takes heads of at least this many channels;
+# smaller ones (tiny test models) take the paths without it.
 _CUDA_FLEX_MIN_HEAD_DIM = 16
 # The backward pass after FlexAttention's forward pass takes blocks this large: on a GPU, kernel launches rather
 # than cache bound small blocks.
