@@ -411,13 +411,16 @@ def _multimax_flex(q: Tensor, k: Tensor, v: Tensor, ranges: Tensor, ts: Tensor, 
         bias = bias.to(work)
         bias = bias.reshape((1,) * (4 - bias.dim()) + tuple(bias.shape)).expand(-1, -1, q.shape[-2], k.shape[-2])
         per_image, per_head = bias.shape[0] > 1, bias.shape[1] > 1
+        # the dimensions it lacks are dropped here: torch 2.10 cannot trace a constant index in a score_mod
+        bias = bias[slice(None) if per_image else 0, slice(None) if per_head else 0]
     mask = None if mask is None else mask.to(work)
     num_windows = 1 if mask is None else mask.shape[0]
 
     def modulate(score: Tensor, batch: Tensor, head: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         score = score.to(work)
         if bias is not None:
-            score = score + bias[batch if per_image else 0, head if per_head else 0, q_idx, kv_idx]
+            leading = (batch,) * per_image + (head,) * per_head
+            score = score + bias[leading + (q_idx, kv_idx)]
         score = multimax_modulation(score, ranges, ts)
         if mask is not None:
             score = score + mask[batch % num_windows, q_idx, kv_idx]
