@@ -652,11 +652,13 @@ def test_compiled_flex_attention_keeps_a_graph_for_every_shape_a_model_needs(mon
     compile_ = torch.compile
     monkeypatch.setattr(torch, 'compile', lambda fn, **kwargs: compile_(fn, **{'backend': 'eager', **kwargs}))
     monkeypatch.setattr(multimax, '_compiled_flex', None)
-    monkeypatch.setattr(torch._dynamo.config, 'recompile_limit', 8)  # torch's default
+    # set and restored by hand: pytest's monkeypatch would delete the key from torch's config module on undo
+    limit = torch._dynamo.config.recompile_limit
+    torch._dynamo.config.recompile_limit = 8  # torch's default
     torch.compiler.reset()
     torch._dynamo.utils.counters.clear()
-    attend = multimax._fused_flex()
     try:
+        attend = multimax._fused_flex()
         for n in range(16, 28):
             q = torch.randn(1, 2, n, 16)
             expected = (q @ q.transpose(-2, -1) / 2).softmax(-1) @ q
@@ -665,4 +667,5 @@ def test_compiled_flex_attention_keeps_a_graph_for_every_shape_a_model_needs(mon
         assert dict(torch._dynamo.utils.counters['frames']) == dict(total=12, ok=12)  # each shape compiled
         assert torch._dynamo.config.recompile_limit == multimax._FLEX_GRAPHS
     finally:
+        torch._dynamo.config.recompile_limit = limit
         torch.compiler.reset()
