@@ -361,6 +361,9 @@ def test_a_signal_mid_download_stops_with_the_signal_and_leaves_no_file(server, 
         if server.stalled.wait(timeout=60):
             os.kill(os.getpid(), signal.SIGINT)
 
+    # Ctrl-C as a terminal delivers it, also where the tests run with SIGINT ignored (a job started in the
+    # background without job control)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     threading.Thread(target=interrupt, daemon=True).start()
     try:
         if entry == 'create_model':
@@ -375,6 +378,7 @@ def test_a_signal_mid_download_stops_with_the_signal_and_leaves_no_file(server, 
                 '--pretrained', 'inline_deit_tiny', '--output', str(tmp_path / 'run')]) == 128 + signal.SIGINT
     finally:
         server.release.set()
+        signal.signal(signal.SIGINT, previous)
     assert server.stalled.is_set() and not list(cache.iterdir())
     if entry != 'create_model':
         assert capsys.readouterr().err.splitlines()[-1] == 'error: interrupted by SIGINT'

@@ -567,7 +567,10 @@ def test_ctrl_c_during_a_benchmark_is_one_line_with_status_130(tmp_path):
     command = [sys.executable, os.path.join(SCRIPTS, 'benchmark.py'), '--device', 'cpu', '--threads', '1',
                '--families', 'deit', '--sizes', 'tiny', '--attentions', 'softmax', '--resolutions', '32', '--iters',
                '200', '--warmup', '0', '--no-train', '--matmul-size', '64', '--out', str(tmp_path / 'b')]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # Ctrl-C as a terminal delivers it, also where this test runs with SIGINT ignored (a job started in the
+    # background without job control), which the benchmark would inherit
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     started = ''
     while 'deit-tiny @ 32' not in started and process.poll() is None:
         started += process.stderr.readline()
