@@ -55,10 +55,15 @@ def gradients(model: torch.nn.Module):
     return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
 
 
-def assert_compiled_matches_eager(family: str, attention: str) -> None:
+def tiny_model(family: str, attention: str) -> nn.Module:
+    """The tiny model of `family` with `attention` in every block, 5 classes, no drop path, from seed 0."""
     torch.manual_seed(0)
-    model = timm.create_model(f'softmax_{family}_tiny', attn_type=attention, num_classes=5, drop_path_rate=0.,
-                              **TINY[family])
+    return timm.create_model(f'softmax_{family}_tiny', attn_type=attention, num_classes=5, drop_path_rate=0.,
+                             **TINY[family])
+
+
+def assert_compiled_matches_eager(family: str, attention: str) -> None:
+    model = tiny_model(family, attention)
     size = TINY[family]['img_size']
     x = torch.randn(2, 3, size, size)
     weights = torch.randn(2, 5)

@@ -13,15 +13,11 @@ import pytest
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
-import timm
-
 import models  # noqa: F401  (registers the families)
 from engine.cli import eval_main, train_main
-from models.attention import list_attentions
-from models.attention import multimax
+from models.attention import list_attentions, multimax
 from models.attention.multimax import multimax_attention
-from reference import max_abs_err
-from test_compile import TINY, TINY_DEMO, few_digits  # noqa: F401  (few_digits: a fixture)
+from test_compile import TINY, TINY_DEMO, few_digits, tiny_model  # noqa: F401  (few_digits: a fixture)
 from test_fast_paths import plain_multimax, spec_parameters, windows
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason='needs a CUDA device')
@@ -56,12 +52,6 @@ def assert_gradients_close(got: dict, want: dict, tol: float) -> None:
     for name, grad in want.items():
         error = (got[name].detach().double().cpu() - grad.detach().double().cpu()).norm().item()
         assert error <= tol * max(grad.norm().item(), floor), (name, error, grad.norm().item())
-
-
-def tiny_model(family: str, attention: str) -> torch.nn.Module:
-    torch.manual_seed(0)
-    return timm.create_model(f'softmax_{family}_tiny', attn_type=attention, num_classes=5, drop_path_rate=0.,
-                             **TINY[family])
 
 
 def forward_backward(model: torch.nn.Module, x: torch.Tensor, weights: torch.Tensor, **autocast):
