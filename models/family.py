@@ -338,6 +338,9 @@ class ZooModel(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.img_min_side = 1
+        # the model, not its patch embedding, checks the input size: timm's builder would read the embedding's
+        # `strict_img_size` (False) and record any size as taken; it still frees the size under `dynamic_img_size`
+        self._traits = {'fixed_input_size': True}
         # official checkpoints hold the buffers these models recompute, so that `load_state_dict` of one works as
         # in the official code, and so does timm's `load_checkpoint` (create_model's `checkpoint_path`)
         self.register_load_state_dict_pre_hook(_skip_derived_buffers)
@@ -503,7 +506,7 @@ class ZooModel(nn.Module):
         final, final_grid, kept = self._run_stages(x, num_stages, take_indices)
         last = self.num_stages - 1
         intermediates, prefixes = [], []
-        for i in take_indices:
+        for i in sorted(set(take_indices)):  # in depth order, as timm's models return them
             y, grid = kept[i]
             if norm and (i == last or not self.norm_follows_last_stage):
                 y = self._final_norm(y)
@@ -533,14 +536,16 @@ class ZooModel(nn.Module):
             prune_norm: bool = False,
             prune_head: bool = True,
     ) -> List[int]:
-        """Drop the stages after the last of `indices` (and the final norm / head); returns the kept indices."""
+        """Drop the stages after the last of `indices`, the final norm with `prune_norm` and the head with
+        `prune_head` (both where a pyramid loses its last stages: they are as wide as it); returns the kept
+        indices."""
         take_indices, max_index = feature_take_indices(self.num_stages, indices)
         if max_index + 1 < self.num_stages:
             self._prune_stages(max_index + 1)
             self.num_stages = max_index + 1
             self.feature_info = self.feature_info[:self.num_stages]
-            if self.norm_follows_last_stage:
-                prune_norm = True
+            if self.norm_follows_last_stage:  # the norm and the head are as wide as the last stage: both go
+                prune_norm = prune_head = True
                 self.num_features = self.head_hidden_size = self.feature_info[-1]['num_chs']
         if prune_norm:
             self.norm = nn.Identity()

@@ -384,7 +384,7 @@ class SimAXCiT(ZooModel):
         num_stages = max_index + 1 if stop_early or intermediates_only else len(self.blocks)
         final, _, kept = self._run_stages(x, num_stages, take_indices)
         intermediates = []
-        for i in take_indices:
+        for i in sorted(set(take_indices)):  # in depth order, as timm's models return them
             y, grid = kept[i]
             y = self.norm(y) if norm else y
             intermediates.append(tokens_to_image(y, grid) if output_fmt == 'NCHW' else y)

@@ -19,6 +19,8 @@ import torch
 
 import timm
 from timm.layers import get_notrace_functions, get_notrace_modules
+from timm.data import resolve_model_data_config
+from timm.models import get_model_input_config, save_for_hf
 from timm.models._features import FeatureGetterNet, FeatureHookNet
 from timm.models._manipulate import reinit_non_persistent_buffers
 
@@ -268,6 +270,46 @@ def test_features_only_refuses_extractors_other_than_the_getter(family, feature_
                                      **TINY[family]).eval()
         assert not features.model.load_state_dict(model.state_dict(), strict=False).missing_keys
         assert all(torch.equal(a, b) for a, b in zip(features(x), expected, strict=True))
+
+
+@pytest.mark.parametrize('family', [*FAMILIES, 'sima_xcit'])
+def test_a_model_that_takes_one_input_size_says_so_and_an_export_reloads_at_it(family, tmp_path):
+    """timm's model traits record whether the input size is fixed; DeiT, Swin and SimA-XCiT without
+    `dynamic_img_size` recorded it as free (their patch embedding does not check the size, the model does), so
+    `save_for_hf` of a model built at another size exported timm's 224 and the reloaded model refused its own
+    data config."""
+    size = (TINY[family]['img_size'], TINY[family]['img_size'] * 2)  # not timm's default 224 either
+    model = tiny_model(family_model(family), img_size=size, dynamic_img_size=False)
+    assert get_model_input_config(model)['fixed_input_size'] is True
+    save_for_hf(model, tmp_path)
+    reloaded = timm.create_model(f'local-dir:{tmp_path}', pretrained=True).eval()
+    x = torch.randn(1, *resolve_model_data_config(reloaded)['input_size'])
+    assert x.shape[-2:] == size
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(x), model(x), rtol=0, atol=0)
+    dynamic = tiny_model(family_model(family), dynamic_img_size=True)
+    assert get_model_input_config(dynamic)['fixed_input_size'] is False
+
+
+@pytest.mark.parametrize('family', [*FAMILIES, 'sima_xcit'])
+def test_intermediates_come_in_depth_order_and_pruning_keeps_the_model_runnable(family):
+    """As timm's models: `forward_intermediates` returns the taken outputs in depth order whatever the order of
+    `indices`, and `prune_intermediate_layers(prune_head=False)` that cuts the last stages of a pyramid drops the
+    head too, which is sized for the last stage's width (it was kept, and the next forward failed)."""
+    model = tiny_model(family_model(family))
+    x = images(model, 2)
+    num_outputs = len(model.forward_intermediates(x, intermediates_only=True))
+    with torch.no_grad():
+        in_order = model.forward_intermediates(x, indices=[0, num_outputs - 1], intermediates_only=True)
+        shuffled = model.forward_intermediates(x, indices=[num_outputs - 1, 0, 0], intermediates_only=True)
+        assert all(torch.equal(a, b) for a, b in zip(shuffled, in_order, strict=True))
+        model.prune_intermediate_layers([1], prune_head=False)
+        out = model(x)
+        if family in ('deit', 'sima_xcit'):  # every block as wide as the head
+            assert model.num_classes == 5 and out.shape == (2, 5)
+        else:
+            assert model.num_classes == 0
+            torch.testing.assert_close(out, model.forward_features(x), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize('attn_type', list_attentions())
