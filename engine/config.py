@@ -177,8 +177,8 @@ _CHOICES = {
 }
 
 _POSITIVE = ('DATA.BATCH_SIZE', 'DATA.IMG_SIZE', 'MODEL.NUM_CLASSES', 'TRAIN.EPOCHS', 'TRAIN.ACCUMULATION_STEPS',
-             'TRAIN.BASE_LR', 'TRAIN.LR_SCHEDULER.DECAY_EPOCHS', 'PRINT_FREQ', 'SAVE_FREQ', 'DIST.TIMEOUT_MIN',
-             'AUG.REPEATED_AUG')
+             'TRAIN.BASE_LR', 'TRAIN.LR_SCHEDULER.DECAY_EPOCHS', 'TRAIN.LR_SCHEDULER.DECAY_RATE', 'PRINT_FREQ',
+             'SAVE_FREQ', 'DIST.TIMEOUT_MIN', 'AUG.REPEATED_AUG', 'AUG.RECOUNT')
 _NON_NEGATIVE = ('SEED', 'DATA.NUM_WORKERS', 'TRAIN.WARMUP_EPOCHS', 'TRAIN.COOLDOWN_EPOCHS', 'TRAIN.EPOCHS_PER_RUN',
                  'TRAIN.MAX_NONFINITE_STEPS', 'TRAIN.WARMUP_LR', 'TRAIN.MIN_LR', 'TRAIN.WEIGHT_DECAY',
                  'TRAIN.OPTIMIZER.MOMENTUM', 'TEST.BATCH_SIZE', 'EMA.REFERENCE_BATCH',
@@ -215,8 +215,10 @@ def _type_name(kind: type) -> str:
 
 def _coerce(value: Any, default: Any, full_key: str, source: str) -> Any:
     """`value` converted to the type of `default`, or a `ConfigError` naming the key and the expected type."""
-    value = CN._decode_cfg_value(value)
     kind = _NULLABLE_TYPES.get(full_key, type(default))
+    text, value = value, CN._decode_cfg_value(value)
+    if kind is str and isinstance(text, str) and not isinstance(value, str):
+        return text  # text that reads as a number, a bool or a list ('2024', 'None', '1e-3') is text for this key
     if value is None and (default is None or full_key in _NULLABLE_TYPES):
         return None
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
@@ -406,6 +408,10 @@ def validate_config(cfg: CN) -> None:
     for key in ('AUG.SCALE', 'AUG.RATIO'):
         low, high = _get(cfg, key)
         _check(0 < low <= high, key, [low, high], 'a range [min, max] with 0 < min <= max')
+    milestones = train.LR_SCHEDULER.MILESTONES
+    _check(all(isinstance(m, (int, float)) and not isinstance(m, bool) and 0 < m < math.inf for m in milestones)
+           and list(milestones) == sorted(milestones), 'TRAIN.LR_SCHEDULER.MILESTONES', milestones,
+           'epochs > 0 in increasing order, where the multistep schedule decays')
     betas = train.OPTIMIZER.BETAS
     _check(betas is None or (len(betas) in (2, 3) and all(isinstance(b, (int, float)) and 0 <= b < 1 for b in betas)),
            'TRAIN.OPTIMIZER.BETAS', betas, "None (the optimizer's own) or two values in [0, 1) (three for the Adan "

@@ -63,6 +63,18 @@ def test_opts_override_files_with_typed_values(tmp_path):
     assert kwargs['img_size'] == 224 and kwargs['num_classes'] == 1000 and kwargs['drop_path_rate'] == 0.1
 
 
+@pytest.mark.parametrize('text', ['2024', 'None', '1e-3', 'True', '[1, 2]'])
+def test_text_keys_keep_text_that_reads_as_another_type(tmp_path, text):
+    """A folder named 2024 was refused ('expects a string, got 2024'), from a flag, a file and --opts; written
+    quoted through --opts the run trained, and its checkpoint's stored config could not be read back."""
+    file = write(tmp_path / 'out.yaml', f'OUTPUT: "{text}"\n')
+    for cfg in (load_config(None, overrides={'OUTPUT': text, 'DATA': {'DATA_PATH': text}}),
+                load_config(str(file)), load_config(None, ['OUTPUT', text])):
+        assert cfg.OUTPUT == text
+        assert config_from_yaml_string(cfg.dump()).OUTPUT == text
+    assert load_config(None, ['OUTPUT', f"'{text}'"]).OUTPUT == text  # quoted as a Python literal, as yacs takes it
+
+
 def test_none_turns_clipping_off():
     cfg = load_config(None, ['TRAIN.CLIP_GRAD', '5.0'])
     assert cfg.TRAIN.CLIP_GRAD == 5.0
@@ -79,6 +91,8 @@ def test_none_turns_clipping_off():
     ('AMP:\n  DTYPE: float8\n', ['AMP.DTYPE', "'float8'", "'bfloat16'"]),
     ('DATA:\n  BATCH_SIZE: 0\n', ['DATA.BATCH_SIZE', '> 0']),
     ('SEED: -1\n', ['config key SEED is -1; expected a value >= 0']),
+    ('TRAIN:\n  LR_SCHEDULER:\n    DECAY_RATE: .nan\n', ['config key TRAIN.LR_SCHEDULER.DECAY_RATE is nan; expected a '
+                                                        'value > 0']),
     ('DATA:\n  BATCH_SIZE: 7\n', ['DATA.BATCH_SIZE', 'even batch size while mixup']),
     ('TRAIN:\n  CLIP_GRAD: -1.0\n', ['TRAIN.CLIP_GRAD', 'None or a value > 0']),
     ('MODEL:\n  KWARGS:\n    Depth: 3\n', ['MODEL.KWARGS', 'lower-case']),
@@ -130,6 +144,18 @@ def test_bad_files_name_the_key_and_the_expectation(tmp_path, text, words):
      "config key TEST.CROP_PCT is 0.0001; expected a value in [1/16, 224]: images are resized to floor(DATA.IMG_SIZE "
      "/ TEST.CROP_PCT) before the 224-pixel crop, at most 16 times the crop and at least 1 pixel"),
     (['TRAIN.BASE_LR', '1e999'], "config key TRAIN.BASE_LR is inf; expected a finite value"),
+    # a negative rate trained at a negative learning rate, by gradient ascent, without a word; NaN failed later as a
+    # non-finite loss (written as YAML's .nan)
+    (['TRAIN.LR_SCHEDULER.DECAY_RATE', '-1.0'], "config key TRAIN.LR_SCHEDULER.DECAY_RATE is -1.0; expected a value "
+                                                "> 0"),
+    # timm's multistep schedule compared the milestones at the first step (a traceback) or decayed out of order
+    (['TRAIN.LR_SCHEDULER.MILESTONES', "['a']"], "config key TRAIN.LR_SCHEDULER.MILESTONES is ['a']; expected epochs "
+                                                 "> 0 in increasing order, where the multistep schedule decays"),
+    (['TRAIN.LR_SCHEDULER.MILESTONES', '[60, 30]'], "config key TRAIN.LR_SCHEDULER.MILESTONES is [60, 30]; expected "
+                                                    "epochs > 0 in increasing order, where the multistep schedule "
+                                                    "decays"),
+    # timm's random erasing draws from range(1, RECOUNT + 1): an empty range at the first image
+    (['AUG.RECOUNT', '0'], "config key AUG.RECOUNT is 0; expected a value > 0"),
 ])
 def test_values_that_would_fail_inside_timm_or_torch_or_contradict_are_named(opts, message):
     """Each was an exception from timm's or torch's own checks (some at the first batch or scheduler step), a
