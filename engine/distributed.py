@@ -65,6 +65,9 @@ def init_distributed(device: str = 'auto', backend: str = '', timeout_min: int =
         torch_device = torch.device('cuda', local_rank)
     else:
         torch_device = torch.device('cpu')
+    if world_size > 1 and backend == 'nccl' and not use_cuda:
+        raise UsageError("DIST.BACKEND is 'nccl', which joins CUDA devices, but this run is on the CPU; expected "
+                         "DIST.BACKEND 'gloo' or '' (gloo on the CPU)")
     if world_size > 1 and not dist.is_initialized():
         dist.init_process_group(
             backend=backend or ('nccl' if use_cuda else 'gloo'),

@@ -573,6 +573,18 @@ def test_a_bad_process_environment_is_one_line(tmp_path, digits, monkeypatch, ca
     assert not (tmp_path / 'run').exists()
 
 
+def test_nccl_on_the_cpu_is_one_line(tmp_path, digits, monkeypatch, capsys):
+    """Under torchrun on the CPU, DIST.BACKEND nccl failed in every process with torch's traceback."""
+    for name, value in dict(RANK='0', WORLD_SIZE='2', LOCAL_RANK='0').items():
+        monkeypatch.setenv(name, value)
+    capsys.readouterr()
+    argv = train_argv(tmp_path / 'run', digits) + ['DEVICE', 'cpu', 'DIST.BACKEND', 'nccl']
+    assert run_cli(train_main, argv) == USAGE_EXIT_CODE
+    assert capsys.readouterr().err == ("error: DIST.BACKEND is 'nccl', which joins CUDA devices, but this run is on "
+                                       "the CPU; expected DIST.BACKEND 'gloo' or '' (gloo on the CPU)\n")
+    assert not (tmp_path / 'run').exists()
+
+
 @pytest.mark.parametrize('attn', ATTENTIONS)
 def test_every_attention_trains_50_steps_under_float16_autocast(attn, digits):
     cfg = load_config(TINY, ['MODEL.KWARGS.attn_type', attn, 'AMP.ENABLED', 'True', 'AMP.DTYPE', 'float16',
