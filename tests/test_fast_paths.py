@@ -546,6 +546,13 @@ FULL_DISK = ("Error building extension 'zoo_multimax_cpu_b957b0af': [1/2] c++ -M
              "subcommand failed.\n")
 
 
+# torch's report of a build where the shell finds no compiler: its complaint comes after the ninja command
+NO_COMPILER = ("Error building extension 'zoo_multimax_cpu_b957b0af': [1/2] c++ -MMD -MF multimax_cpu.o.d -O3 -c "
+               "multimax_cpu.cpp -o multimax_cpu.o \nFAILED: [code=127] multimax_cpu.o \nc++ -MMD -MF "
+               "multimax_cpu.o.d -O3 -c multimax_cpu.cpp -o multimax_cpu.o \n/bin/sh: 1: c++: not found\nninja: "
+               "build stopped: subcommand failed.\n")
+
+
 # no compiler or ninja; a build whose library does not load (a torch whose BLAS does not export `sgemm_`); a full
 # disk, whose cause torch reports after the ninja command
 @pytest.mark.parametrize('failure, reason', [
@@ -553,7 +560,8 @@ FULL_DISK = ("Error building extension 'zoo_multimax_cpu_b957b0af': [1/2] c++ -M
     (ImportError("zoo_multimax_cpu.so: undefined symbol: sgemm_"), "zoo_multimax_cpu.so: undefined symbol: sgemm_"),
     (RuntimeError(FULL_DISK), "/tmp/ccma8jUD.s: Fatal error: can't write 107 bytes to section .text of "
                               "multimax_cpu.o: 'No space left on device'"),
-], ids=['build', 'load', 'full-disk'])
+    (RuntimeError(NO_COMPILER), "/bin/sh: 1: c++: not found"),
+], ids=['build', 'load', 'full-disk', 'no-compiler'])
 def test_multimax_without_its_kernel_warns_once_and_runs_unfused(monkeypatch, caplog, failure, reason):
     def failing_build(*args, **kwargs):
         raise failure

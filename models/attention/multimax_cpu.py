@@ -30,6 +30,7 @@ import logging
 import math
 import os
 import platform
+import re
 import shutil
 from typing import Any, Iterator, Optional, Tuple
 
@@ -103,14 +104,18 @@ def _build(name: str) -> Any:
                         build_directory=directory)
 
 
+_BUILD_FAILURE = re.compile(r'error|: not found|permission denied', re.IGNORECASE)
+
+
 def _failure_reason(error: Exception) -> str:
     """What stopped the build or load, in one line. torch reports a failed build as its first line, the ninja
     command, then the compiler's output, where the cause stands: the first line that reports an error after the
-    first (a full disk: "Fatal error: can't write ... No space left on device"; a compile error)."""
+    first (a full disk: "Fatal error: can't write ... No space left on device"; a compile error) or that the shell
+    could not run the compiler ("/bin/sh: 1: c++: not found")."""
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
     if not lines:
         return type(error).__name__
-    causes = [line for line in lines[1:] if 'error' in line.lower() and not line.startswith('ninja:')]
+    causes = [line for line in lines[1:] if _BUILD_FAILURE.search(line) and not line.startswith('ninja:')]
     return causes[0] if causes else lines[0]
 
 
