@@ -1,7 +1,10 @@
 """The project's source and wheel distributions, built by the declared build backend from a copy of the checkout:
 the sdist holds everything its own tests, the demo and the documented commands read, the wheel the packages with
-the kernel's C++ source."""
+the kernel's C++ source; and every package the code imports is a declared dependency."""
+import ast
+import importlib.metadata
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -66,3 +69,32 @@ def test_the_wheel_holds_the_packages_and_the_kernel_source(dists):
     assert files_under(source, 'models', 'engine') <= wheel_files
     assert 'models/attention/csrc/multimax_cpu.cpp' in wheel_files
     assert not {name for name in wheel_files if name.startswith(('tests/', 'configs/', 'scripts/'))}
+
+
+def distribution_name(requirement: str) -> str:
+    """The normalised project name a requirement string starts with ('PyYAML>=6; extra == "x"' -> 'pyyaml')."""
+    return re.sub(r'[-_.]+', '-', re.match(r'[A-Za-z0-9._-]+', requirement).group()).lower()
+
+
+def test_every_package_the_code_imports_is_declared():
+    """PyYAML, which the config loader imports, came only through yacs, which declares it without a floor. Every
+    import of the packages, the scripts, train.py and eval.py outside the standard library is a dependency or an
+    extra's of the installed project's metadata (reinstall after changing pyproject.toml)."""
+    declared = {distribution_name(r) for r in importlib.metadata.requires('swappable-attention-zoo') or ()}
+    sources = [path for top in ('models', 'engine', 'scripts') for path in (REPO / top).rglob('*.py')]
+    sources += [REPO / 'train.py', REPO / 'eval.py']
+    ours = {'models', 'engine'} | {path.stem for path in (REPO / 'scripts').glob('*.py')}  # scripts import siblings
+    providers = importlib.metadata.packages_distributions()
+    undeclared = {}
+    for path in sources:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                modules = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                modules = [node.module]
+            else:
+                continue
+            for top in {module.split('.')[0] for module in modules} - ours - set(sys.stdlib_module_names):
+                if not declared & {distribution_name(d) for d in providers.get(top, ())}:
+                    undeclared.setdefault(top, str(path.relative_to(REPO)))
+    assert not undeclared, f"imported but not declared (import name: first file): {undeclared}"
