@@ -716,7 +716,8 @@ def write_outputs(args: argparse.Namespace, rows: List[Dict], skipped: List[str]
            if args.onednn else ''),
         f'- matrix-multiply rate ({args.matmul_size}² product, {matmul_dtype}, median of each process\'s rounds), '
         f'which the `% mm` and `% best` of the same rounds divide by: '
-        + '; '.join(_rates_text(rows, mode) for mode in ('infer', 'train') if rows[0][f'{mode}_matmul_gflop_s']),
+        + '; '.join(_rates_text(rows, mode) for mode in ('infer', 'train')
+                    if any(r[f'{mode}_matmul_gflop_s'] for r in rows)),
         f'- load average (1 min) of the machine at the start and end: {args.load_at_start:.1f}, '
         f'{os.getloadavg()[0]:.1f}', '',
         'Ratios are taken between models timed in the same process, above 1 meaning faster: `×timm` against '
@@ -754,10 +755,11 @@ def write_outputs(args: argparse.Namespace, rows: List[Dict], skipped: List[str]
 
 
 def _rates_text(rows: List[Dict], mode: str) -> str:
-    """The matrix-multiply rates measured in the `mode` rounds of the table's rows."""
+    """The matrix-multiply rates measured in the `mode` rounds of the table's rows (rows past
+    `--train-max-resolution` have no training rounds)."""
     onednn = [r[f'{mode}_onednn_gflop_s'] for r in rows if r[f'{mode}_onednn_gflop_s']]
-    return (f"{'inference' if mode == 'infer' else 'training'} rounds `torch.matmul` "
-            f"{_span(r[f'{mode}_matmul_gflop_s'] for r in rows)} GFLOP/s"
+    matmul = [r[f'{mode}_matmul_gflop_s'] for r in rows if r[f'{mode}_matmul_gflop_s']]
+    return (f"{'inference' if mode == 'infer' else 'training'} rounds `torch.matmul` {_span(matmul)} GFLOP/s"
             + (f', oneDNN {_span(onednn)} GFLOP/s' if onednn else ''))
 
 

@@ -134,6 +134,23 @@ def test_benchmark_efficiency_is_the_median_share_of_the_matmul_rate_and_the_tab
         assert needle in text, needle
 
 
+@pytest.mark.parametrize('trained_first', [True, False])
+def test_benchmark_table_states_the_training_rate_where_only_some_rows_trained(tmp_path, monkeypatch,
+                                                                                trained_first):
+    """With `--train-max-resolution` below a later resolution the run failed on its table after all the measuring
+    (the rates of rows without training rounds are None), leaving a new CSV beside the previous table; with the
+    untrained rows first the table left the training rate out."""
+    args = benchmark.build_parser().parse_args(['--device', 'cpu', '--out', str(tmp_path / 'b')])
+    args.load_at_start = 0.0
+    monkeypatch.setattr(sys, 'argv', ['scripts/benchmark.py'])
+    trained = table_row(resolution=32, train_step_ms=5.0, train_mm_pct=30.0, train_best_pct=12.0,
+                        train_matmul_gflop_s=45.0)
+    rows = [trained, table_row()] if trained_first else [table_row(), trained]
+    benchmark.write_outputs(args, rows, [], 60.0)
+    assert ('inference rounds `torch.matmul` 50.0 GFLOP/s, oneDNN 110.0 GFLOP/s; training rounds `torch.matmul` '
+            '45.0 GFLOP/s\n') in (tmp_path / 'b.md').read_text()
+
+
 def test_benchmark_stopped_before_its_table_is_in_place_keeps_the_previous_table_and_notes(tmp_path, monkeypatch):
     previous = f'# Benchmarks\n\nthe last run\n\n{NOTES_MARKER}\nnotes written by hand\n'
     (tmp_path / 'b.md').write_text(previous)
