@@ -56,7 +56,7 @@ def exit_at_once(signum: int, message: str) -> NoReturn:
     For a second signal: an exception raised from a signal handler can land in a clean-up (a DataLoader's
     `__del__`, where Python prints and ignores it) or chain onto the first stop's, while an exit at once cannot.
     Nothing half-written stays: checkpoints are replaced atomically, the temporary file of a write in progress is
-    removed first (`models._files.removed_by_an_exit_at_once`), and the next run takes over the lock of a process
+    removed first (`models._files.UNFINISHED_FILES`), and the next run takes over the lock of a process
     that ended.
     """
     for path in list(UNFINISHED_FILES):

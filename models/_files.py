@@ -3,28 +3,20 @@ a temporary file beside their target, which replaces the target only once comple
 import os
 import re
 import shutil
+import signal
+import threading
 import uuid
 from contextlib import contextmanager
-from typing import Any, BinaryIO, Callable, Iterator, List, Optional, Pattern, Set
+from typing import Any, BinaryIO, Callable, Iterator, List, Optional, Pattern, Set, Tuple
 
-__all__ = ['atomic_write', 'temporary_path', 'removed_by_an_exit_at_once', 'file_in_the_way', 'named_on_error',
+__all__ = ['atomic_write', 'files_taken_together', 'temporary_path', 'file_in_the_way', 'named_on_error',
            'process_alive', 'remove_left_by_dead_processes', 'TEMP_NAME', 'UNFINISHED_FILES']
 
 # the names `temporary_path` gives: .<name>.<pid>.<8 hex digits>.tmp
 TEMP_NAME = re.compile(r'^\..+\.(\d+)\.[0-9a-f]{8}\.tmp$')
-# files this process is writing under temporary names, which an exit at once (`engine.errors.exit_at_once`) removes
+# files this process is writing under temporary names (`atomic_write`), which an exit at once
+# (`engine.errors.exit_at_once`) removes
 UNFINISHED_FILES: Set[str] = set()
-
-
-@contextmanager
-def removed_by_an_exit_at_once(path: str) -> Iterator[None]:
-    """While the block runs, an exit at once removes `path`: a file written under a temporary name, which no
-    `finally` would remove after `os._exit`."""
-    UNFINISHED_FILES.add(path)  # before the file exists, so that no exit at once can miss it
-    try:
-        yield
-    finally:
-        UNFINISHED_FILES.discard(path)
 
 
 @contextmanager
@@ -59,27 +51,94 @@ def temporary_path(path: str) -> str:
     return os.path.join(folder, f'.{name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp')
 
 
+# the (temporary file, target) pairs of the `files_taken_together` blocks running, innermost last
+_GROUPS: List[List[Tuple[str, str]]] = []
+
+
 def atomic_write(path: str, write: Callable[[BinaryIO], Any]) -> None:
-    """`write(f)` into a temporary file in the target's folder, fsync, then rename over `path`.
+    """`write(f)` into a temporary file in the target's folder, fsync, then rename over `path` (inside
+    `files_taken_together`, when its block ends).
 
     A crash or signal at any point leaves either the previous file or the new one, never a partial file.
     """
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
     tmp = temporary_path(os.path.abspath(path))
-    with removed_by_an_exit_at_once(tmp), named_on_error(path):
-        try:  # opened inside, so that an interruption just after the file appears still removes it
+    group = _GROUPS[-1] if _GROUPS else None
+    UNFINISHED_FILES.add(tmp)  # before the file exists, so that no exit at once can miss it
+    try:
+        with named_on_error(path):
+            # opened inside, so that an interruption just after the file appears still removes it
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # permissions from the umask, like open()
             with os.fdopen(fd, 'wb') as f:
                 write(f)
                 f.flush()
                 os.fsync(f.fileno())
+            if group is not None:
+                group.append((tmp, path))
+                return  # still unfinished: the group's end renames it, or removes it
             os.replace(tmp, path)
-        except BaseException:
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+    finally:
+        if group is None or (tmp, path) not in group:
+            UNFINISHED_FILES.discard(tmp)
+    _fsync_folder(folder)
+
+
+@contextmanager
+def files_taken_together() -> Iterator[None]:
+    """The files `atomic_write` writes in the block take their names when it ends, together: an error, a crash or a
+    signal leaves all the previous files or all the new ones (a table, its Markdown and its figure from one run).
+    SIGINT and SIGTERM wait while the names change; an error in the block removes the new files."""
+    group: List[Tuple[str, str]] = []
+    _GROUPS.append(group)
+    try:
+        yield
+    except BaseException:
+        _GROUPS.remove(group)
+        for tmp, _ in group:
             if os.path.exists(tmp):
                 os.remove(tmp)
-            raise
-    _fsync_folder(folder)
+            UNFINISHED_FILES.discard(tmp)
+        raise
+    _GROUPS.remove(group)
+    try:
+        with _signals_held():
+            for tmp, path in group:
+                with named_on_error(path):
+                    os.replace(tmp, path)
+                UNFINISHED_FILES.discard(tmp)
+    finally:
+        for tmp, _ in group:  # those a failed rename left
+            if os.path.exists(tmp):
+                os.remove(tmp)
+            UNFINISHED_FILES.discard(tmp)
+    for folder in {os.path.dirname(os.path.abspath(path)) for _, path in group}:
+        _fsync_folder(folder)
+
+
+@contextmanager
+def _signals_held() -> Iterator[None]:
+    """SIGINT and SIGTERM that come during the block are raised after it, to the handlers they had (Python runs
+    signal handlers in its main thread, where a thread's signal mask would not help: another thread takes them)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    came: List[int] = []
+    previous = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    previous = {signum: handler for signum, handler in previous.items() if handler is not None}  # None: set in C
+    for signum in previous:
+        signal.signal(signum, lambda signum, frame: came.append(signum))
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        for signum in dict.fromkeys(came):
+            signal.raise_signal(signum)
 
 
 def file_in_the_way(path: str) -> Optional[str]:

@@ -27,6 +27,7 @@ with quit_on_interrupt():  # while torch and the models load: nothing has starte
     import models  # noqa: F401  (registers the families)
     from engine.analysis import find_images, load_analysis_model, load_images, refuse_unreleased
     from engine.checkpoint import atomic_write_text, prepare_script_out
+    from models._files import files_taken_together
     from engine.distributed import DistInfo
     from engine.errors import UsageError, exit_for_missing_extra, refuse_below, run_cli
     from engine.loops import Progress
@@ -148,12 +149,13 @@ def main(argv: Sequence[str]) -> int:
     writer = csv.DictWriter(table, fieldnames=list(rows[0]))
     writer.writeheader()
     writer.writerows(rows)
-    atomic_write_text(args.out + '.csv', table.getvalue())
     command = 'python scripts/attention_stats.py ' + ' '.join(shlex.quote(a) for a in argv)
-    atomic_write_text(args.out + '.md', f"Attention statistics on {len(files)} images, means over the heads (and the "
-                                        f"layers in the bold rows).\n\n    {command}\n\n"
-                                        + '\n'.join(markdown_table(rows)) + '\n')
-    plot_layer_curves(rows, PLOTTED, args.out + '.png')
+    with files_taken_together():  # never a new table beside the previous run's figure
+        atomic_write_text(args.out + '.csv', table.getvalue())
+        atomic_write_text(args.out + '.md', f"Attention statistics on {len(files)} images, means over the heads (and "
+                                            f"the layers in the bold rows).\n\n    {command}\n\n"
+                                            + '\n'.join(markdown_table(rows)) + '\n')
+        plot_layer_curves(rows, PLOTTED, args.out + '.png')
     print(f"wrote {args.out}.csv, {args.out}.md and {args.out}.png ({len(rows)} layer-head rows)")
     return 0
 

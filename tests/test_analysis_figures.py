@@ -253,6 +253,26 @@ def test_attention_stats_writes_csv_markdown_and_plot(images, tmp_path, monkeypa
     assert os.path.getsize(f'{out}.png') > 1000
 
 
+def test_attention_stats_stopped_while_writing_keeps_the_previous_three_files(images, tmp_path, monkeypatch):
+    """A stop after the new table was written and before its figure left the new CSV and Markdown beside the
+    previous run's figure (or, on a first run, without one)."""
+    out = tmp_path / 'stats'
+    argv = ['--models', 'softmax_deit_tiny', '--data', str(images), '--batch-size', '2', '--out', str(out),
+            '--opts'] + TINY
+    assert run_cli(attention_stats.main, argv) == 0
+    previous = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    assert sorted(previous) == ['stats.csv', 'stats.md', 'stats.png']
+
+    def stopped_at_the_figure(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(attention_stats, 'plot_layer_curves', stopped_at_the_figure)
+    argv[1] = 'linear_deit_tiny'
+    with pytest.raises(KeyboardInterrupt):
+        attention_stats.main(argv)
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == previous
+
+
 def test_the_analysis_scripts_take_a_model_saved_for_the_hub_with_its_weights(images, tmp_path):
     """`--model(s) local-dir:FOLDER`: the saved architecture (another attention than its name's) with the saved
     weights, not random ones; SimA's scores are signed where softmax's never are."""

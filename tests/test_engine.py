@@ -9,6 +9,7 @@ import os
 import random
 import re
 import shutil
+import signal
 import socket
 import stat
 import subprocess
@@ -46,6 +47,7 @@ from engine.data import (DIGITS_STAMP, ShardSampler, eval_transform, image_mode,
 from engine.distributed import DistInfo
 from engine.errors import USAGE_EXIT_CODE, UsageError, run_cli
 from engine.loops import EpochOptions, TrainState, evaluate, train_one_epoch
+from models._files import UNFINISHED_FILES, files_taken_together
 from models.checkpoint import CheckpointError, has_released_weights, released_weights_file
 
 REPO = Path(__file__).resolve().parents[1]
@@ -484,6 +486,39 @@ def test_atomic_write_text_keeps_the_old_file_when_a_signal_comes_mid_write(tmp_
     assert path.read_text() == 'the last table\n' and [p.name for p in tmp_path.iterdir()] == ['table.md']
     atomic_write_text(str(path), 'a new table, ü\n')
     assert path.read_text(encoding='utf-8') == 'a new table, ü\n'
+
+
+def test_files_taken_together_take_their_names_at_the_end_and_a_signal_waits_for_all(tmp_path, monkeypatch):
+    """A stop inside the block leaves every previous file and no temporary one; SIGINT while the names change is
+    delivered after the last, so a run stopped there leaves every new file."""
+    paths = [tmp_path / name for name in ('t.csv', 't.md')]
+    for path in paths:
+        atomic_write_text(str(path), 'old\n')
+    with pytest.raises(KeyboardInterrupt):
+        with files_taken_together():
+            atomic_write_text(str(paths[0]), 'new\n')
+            assert paths[0].read_text() == 'old\n'
+            raise KeyboardInterrupt
+    assert [p.read_text() for p in paths] == ['old\n', 'old\n'] and sorted(os.listdir(tmp_path)) == ['t.csv', 't.md']
+    assert not UNFINISHED_FILES
+    real_replace = os.replace
+
+    def signalled(source, target):  # SIGINT as a terminal sends it, between the two renames
+        if target == str(paths[0]):
+            os.kill(os.getpid(), signal.SIGINT)
+        real_replace(source, target)
+
+    monkeypatch.setattr(os, 'replace', signalled)
+    previous_handler = signal.signal(signal.SIGINT, signal.default_int_handler)  # also where pytest ignores SIGINT
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with files_taken_together():
+                for path in paths:
+                    atomic_write_text(str(path), 'new\n')
+    finally:
+        signal.signal(signal.SIGINT, previous_handler)
+    assert [p.read_text() for p in paths] == ['new\n', 'new\n'] and sorted(os.listdir(tmp_path)) == ['t.csv', 't.md']
+    assert not UNFINISHED_FILES
 
 
 def _umask() -> int:
