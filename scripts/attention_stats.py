@@ -68,6 +68,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         parser.error('--pretrained loads the released weights of --models NAME ...; expected --models')
     if args.pretrained:
         refuse_unreleased(parser, args.models)
+    if args.ema and not args.checkpoints:
+        parser.error("--ema reads the EMA weights of checkpoints; expected --checkpoints PATH ...")
     refuse_below(parser, {'--max-images': (args.max_images, 1), '--batch-size': (args.batch_size, 1)})
     prepare_script_out(parser, args.out, prefix=True)
     return args

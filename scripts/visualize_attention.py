@@ -69,6 +69,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         parser.error('--pretrained loads the released weights of --model NAME; expected --model without --checkpoint')
     if args.pretrained:
         refuse_unreleased(parser, [args.model])
+    if args.ema and not args.checkpoint:
+        parser.error("--ema reads the EMA weights of a checkpoint; expected --checkpoint PATH")
     if args.gradcam:
         try:
             import pytorch_grad_cam  # noqa: F401  (imported where Grad-CAM is drawn; checked before any work)
@@ -107,6 +109,21 @@ def slug(text: str) -> str:
     return re.sub(r'[^A-Za-z0-9_-]+', '-', text).strip('-') or 'model'
 
 
+def figure_stems(files: Sequence[str], image: str) -> List[str]:
+    """The figure names' stem of each image: its path under the folder `image` (`val/a/0.png` and `val/b/0.png` are
+    two images) without the extension, or with it where two would share a stem (`x.png`, `x.jpg`); a UsageError
+    where two still would."""
+    names = [os.path.relpath(file, image) if os.path.isdir(image) else os.path.basename(file) for file in files]
+    stems = [slug(os.path.splitext(name)[0]) for name in names]
+    stems = [slug(name) if stems.count(stem) > 1 else stem for name, stem in zip(names, stems)]
+    for first, stem in enumerate(stems):
+        if stems.count(stem) > 1:
+            second = stems.index(stem, first + 1)
+            raise UsageError(f"images {files[first]!r} and {files[second]!r} would write figures of one name "
+                             f"({stem}_...); expected paths that differ in more than punctuation")
+    return stems
+
+
 def main(argv: Sequence[str]) -> int:
     args = parse_args(argv)
     # progress as train.py shows it: a bar on a terminal, whole lines in a log file or a pipe
@@ -116,7 +133,8 @@ def main(argv: Sequence[str]) -> int:
     files = find_images(args.image, args.max_images)
     inputs, shown = load_images(files, cfg)
     has_class_token = getattr(model, 'num_prefix_tokens', 0) > 0
-    queries = parse_queries(args.queries or [f'{size // 2},{size // 2}'], size, has_class_token)
+    # a point given twice would draw the same figures twice under one name
+    queries = list(dict.fromkeys(parse_queries(args.queries or [f'{size // 2},{size // 2}'], size, has_class_token)))
     labels = ['cls' if q == 0 else f'y{int(q[0] * size)}x{int(q[1] * size)}' for q in queries]
     written: List[str] = []
 
@@ -137,9 +155,9 @@ def main(argv: Sequence[str]) -> int:
                 raise UsageError(f"query 'cls': layer {name} has no class token (its tokens are the "
                                  f"{layer.grid[0]}x{layer.grid[1]} grid); expected Y,X points for it, or --layers "
                                  f"that hold the class token")
-    # each image's path under the folder, not its file name alone: `val/a/0.png` and `val/b/0.png` are two images
-    stems = [slug(os.path.splitext(os.path.relpath(file, args.image) if os.path.isdir(args.image)
-                                   else os.path.basename(file))[0]) for file in files]
+    stems = figure_stems(files, args.image)
+    if args.queries and any(layer.is_pooling for layer in recorded.values()):
+        print("additive attention's layers pool the tokens: their figures show each pool's weights, not --queries")
     with Progress(len(files), 'images', enabled=len(files) > 1) as progress:
         for index, stem in enumerate(stems):
             for name, layer in recorded.items():
@@ -152,7 +170,11 @@ def main(argv: Sequence[str]) -> int:
                 if 'q_norm' in layer.extras:
                     plot_token_norms(shown[index], layer, save(f'{stem}_{slug(name)}_norms.png'), index)
             progress.update()
-    if has_class_token and all(layer.mixer.attention_name != 'additive' for layer in attention_layers(model).values()):
+    additive = any(layer.mixer.attention_name == 'additive' for layer in attention_layers(model).values())
+    if has_class_token and additive:
+        print("no attention rollout: additive attention pools the tokens into global vectors and forms no "
+              "token-to-token weights to multiply through the layers")
+    elif has_class_token:
         with torch.no_grad(), record_attention(model) as full:
             model(inputs)
         layers = [full[name] for name in full]

@@ -20,7 +20,7 @@ import engine.analysis
 import engine.checkpoint
 import engine.loops
 from engine.analysis import load_analysis_model
-from engine.errors import run_cli
+from engine.errors import UsageError, run_cli
 from models.analysis import plots, record_attention
 from models.attention import build_attention
 from models.analysis.plots import SIMPLEX_TEMPERATURES, plot_simplex, simplex_logits, simplex_points
@@ -124,6 +124,39 @@ def test_visualize_attention_names_each_image_s_figures_by_its_path_under_the_fo
     assert sorted(os.listdir(out)) == ['a-0_blocks-1-attn_cls.png', 'a-0_rollout.png', 'b-0_blocks-1-attn_cls.png',
                                        'b-0_rollout.png']
     assert '\r' not in capsys.readouterr().err
+
+
+def test_visualize_attention_gives_images_of_one_stem_and_repeated_queries_one_figure_each(tmp_path, capsys):
+    """`x.png` and `x.jpg` in one folder, and a query given twice, wrote figures under one name, the second over the
+    first, and the count said otherwise."""
+    (tmp_path / 'val').mkdir()
+    for extension, grey in (('png', 40), ('jpg', 200)):
+        Image.new('L', (8, 8), grey).save(tmp_path / 'val' / f'x.{extension}')
+    out = tmp_path / 'figures'
+    argv = ['--model', 'softmax_deit_tiny', '--image', str(tmp_path / 'val'), '--layers', '-1', '--queries', '3,3',
+            '03,3', 'cls', 'cls', '--out', str(out), '--opts'] + TINY
+    assert run_cli(visualize.main, argv) == 0
+    names = sorted(os.listdir(out))
+    assert names == sorted(f'x-{extension}_{figure}.png' for extension in ('jpg', 'png')
+                           for figure in ('blocks-1-attn_y3x3', 'blocks-1-attn_cls', 'rollout'))
+    assert capsys.readouterr().out.endswith(f"wrote 6 figures to {out}\n")
+    with pytest.raises(UsageError, match=r"^images 'v/a b\.png' and 'v/a-b\.png' would write figures of one name "
+                                         r"\(a-b-png_\.\.\.\); expected paths that differ in more than punctuation$"):
+        visualize.figure_stems(['v/a b.png', 'v/a-b.png', 'v/a_b.png'], 'v')
+
+
+@pytest.mark.parametrize('model', ['additive_deit_tiny', 'additive_pvt_tiny'])
+def test_additive_class_token_models_say_why_they_draw_no_rollout_and_no_queries(images, tmp_path, capsys, model):
+    """They drew neither, silently, where the other class-token models say why."""
+    opts = TINY if model == 'additive_deit_tiny' else LATE_CLASS_TOKEN['softmax_pvt_tiny']
+    argv = ['--model', model, '--image', str(images), '--max-images', '1', '--queries', '4,4', '--out',
+            str(tmp_path / 'figures'), '--opts'] + opts
+    assert run_cli(visualize.main, argv) == 0
+    printed = capsys.readouterr().out
+    assert ("additive attention's layers pool the tokens: their figures show each pool's weights, not --queries\n"
+            in printed)
+    assert ('no attention rollout: additive attention pools the tokens into global vectors and forms no '
+            'token-to-token weights to multiply through the layers\n' in printed)
 
 
 def test_visualize_attention_writes_figures(images, tmp_path):
@@ -341,6 +374,11 @@ def test_an_official_release_file_is_drawn_with_its_weights(images, tmp_path):
      "timm.list_pretrained() lists"),
     ('attention_stats', ['--checkpoints', 'best.pth', '--pretrained'],
      'error: --pretrained loads the released weights of --models NAME ...; expected --models'),
+    # --ema without a checkpoint drew or measured random weights without a word
+    ('visualize', ['--model', 'softmax_deit_tiny', '--ema'],
+     'error: --ema reads the EMA weights of a checkpoint; expected --checkpoint PATH'),
+    ('attention_stats', ['--models', 'softmax_deit_tiny', '--ema'],
+     'error: --ema reads the EMA weights of checkpoints; expected --checkpoints PATH ...'),
     ('attention_stats', ['--models', 'inline_deit_tiny', 'sima_deit_tiny', '--pretrained'],
      "error: --pretrained: model 'sima_deit_tiny' has no released weights; expected a name that "
      "timm.list_pretrained() lists"),
