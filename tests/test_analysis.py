@@ -198,6 +198,15 @@ def test_bad_layers_and_queries_are_named():
         with record_attention(attn, queries=[(1.2, 0.5)]) as rec:
             attn(x, GRID)
         rec[0]
+    with pytest.raises(ValueError, match=r"^unknown layer -2; expected an index from -1 to 0 or one of $"):
+        with record_attention(attn, layers=[-2]):
+            pass
+    with record_attention(attn) as rec:  # an index past the recorded layers was list's own error
+        attn(x, GRID)
+    with pytest.raises(IndexError, match=r"^layer 1 was not recorded; expected an index from -1 to 0 of the 1 "
+                                         r"recorded: $"):
+        rec[1]
+    assert rec[-1].weights.shape == rec[0].weights.shape
 
 
 def test_causal_layers_are_refused_in_one_line():

@@ -83,8 +83,8 @@ def _select_layers(model: nn.Module, layers: Optional[Sequence[Union[str, int]]]
         if isinstance(layer, int) and -len(names) <= layer < len(names):
             layer = names[layer]
         if layer not in found:
-            raise ValueError(f"unknown layer {layer!r}; expected an index below {len(names)} or one of "
-                             f"{', '.join(names)}")
+            raise ValueError(f"unknown layer {layer!r}; expected an index from {-len(names)} to {len(names) - 1} or "
+                             f"one of {', '.join(names)}")
         chosen[layer] = found[layer]
     for name, layer in chosen.items():
         if any(getattr(module, 'causal', False) for module in layer.modules()):
@@ -171,12 +171,17 @@ class AttentionRecord:
         return len(self.layers)
 
     def __getitem__(self, layer: Union[str, int]) -> LayerAttention:
-        name = list(self.layers)[layer] if isinstance(layer, int) else layer
+        names = list(self.layers)
+        if isinstance(layer, int) and not -len(names) <= layer < len(names):
+            raise IndexError(f"layer {layer} was not recorded; expected an index from {-len(names)} to "
+                           f"{len(names) - 1} of the {len(names)} recorded: {', '.join(names)}")
+        name = names[layer] if isinstance(layer, int) else layer
         if name not in self.layers:
             raise KeyError(f"layer {name!r} was not recorded; recorded: {', '.join(self.layers)}")
         capture = self._captures[name]
         if not capture.calls:
-            raise RuntimeError(f"layer {name!r} has not run since recording began")
+            raise RuntimeError(f"layer {name!r} has not run since recording began (a model compiled before the "
+                               f"recording began runs without its hooks: record the model itself)")
         return self._form(name, self.layers[name], capture)
 
     def _hooks(self, name: str, layer: GroupedAttention) -> List[Any]:
