@@ -100,7 +100,8 @@ def run_cli(main: Callable[[Sequence[str]], int], argv: Optional[Sequence[str]] 
         if '--debug' in argv or e.errno not in _STORAGE_PROBLEMS:
             raise
         if _reports():
-            print(f"error: cannot write {e.filename!r} ({e.strerror}); expected {_STORAGE_PROBLEMS[e.errno]}",
+            target = 'to the standard output or error' if e.filename is None else repr(e.filename)
+            print(f"error: cannot write {target} ({e.strerror}); expected {_STORAGE_PROBLEMS[e.errno]}",
                   file=sys.stderr)
         return USAGE_EXIT_CODE
     except RuntimeError as e:

@@ -1102,6 +1102,16 @@ def test_a_full_disk_at_the_log_or_the_config_is_one_line_and_the_run_resumes(tm
     assert [r['epoch'] for r in records(output)] == [0, 1]
 
 
+def test_a_full_standard_output_is_named_as_such(capsys):
+    """A table printed into a full pipe or file (`zoo_table.py > /dev/full`) said 'cannot write None'."""
+    def prints_a_table(argv):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))  # as print() to a full stdout raises it
+
+    assert run_cli(prints_a_table, []) == USAGE_EXIT_CODE
+    assert capsys.readouterr().err == ("error: cannot write to the standard output or error (No space left on "
+                                       "device); expected free space on its disk\n")
+
+
 @pytest.mark.parametrize('reported_by', ['the file', "torch's zip writer"])
 def test_a_full_disk_at_a_save_keeps_the_checkpoints_and_names_the_space(tmp_path, digits, one_epoch, monkeypatch,
                                                                          capsys, reported_by):
