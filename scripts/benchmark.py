@@ -72,6 +72,7 @@ with quit_on_interrupt():  # while torch and the models load: nothing has starte
     from engine.config import load_config
     from engine.distributed import resolve_device
     from engine.errors import UsageError, refuse_below, run_cli
+    from models._files import files_taken_together
     from models.attention import forms_score_matrix, list_attentions
     from models.onednn import convert_to_onednn, onednn_available, onednn_linear
 
@@ -692,7 +693,6 @@ def write_outputs(args: argparse.Namespace, rows: List[Dict], skipped: List[str]
     writer = csv.DictWriter(table, fieldnames=list(rows[0]) if rows else ['model'])
     writer.writeheader()
     writer.writerows(rows)
-    atomic_write_text(args.out + '.csv', table.getvalue())
     device = torch.device(args.device)  # 'cuda:1' is CUDA too, as the measuring processes take it
     matmul_dtype = 'bfloat16' if device.type == 'cuda' else 'float32'
     if device.type == 'cuda':
@@ -750,7 +750,9 @@ def write_outputs(args: argparse.Namespace, rows: List[Dict], skipped: List[str]
         lines += ['', '## Targets', ''] + targets
     if skipped:
         lines += ['', '## Skipped', ''] + [f'- {line}' for line in skipped]
-    write_table_keeping_notes(args.out + '.md', '\n'.join(lines) + '\n')
+    with files_taken_together():  # a table that fails or is stopped leaves the previous CSV and Markdown
+        atomic_write_text(args.out + '.csv', table.getvalue())
+        write_table_keeping_notes(args.out + '.md', '\n'.join(lines) + '\n')
     print('\n'.join(lines))
 
 

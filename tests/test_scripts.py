@@ -168,6 +168,11 @@ def test_benchmark_stopped_before_its_table_is_in_place_keeps_the_previous_table
         benchmark.write_outputs(args, [table_row()], [], 60.0)
     assert (tmp_path / 'b.md').read_text() == previous
     assert sorted(p.name for p in tmp_path.iterdir()) == ['b.csv', 'b.md']
+    monkeypatch.setattr(benchmark, 'target_lines', lambda *args: 1 / 0)  # a table that fails: no new CSV either
+    with pytest.raises(ZeroDivisionError):
+        benchmark.write_outputs(args, [table_row(model='another')], [], 60.0)
+    assert 'another' not in (tmp_path / 'b.csv').read_text() and (tmp_path / 'b.md').read_text() == previous
+    monkeypatch.undo()
     monkeypatch.setattr(os, 'replace', replace)
     benchmark.write_outputs(args, [table_row()], [], 60.0)
     text = (tmp_path / 'b.md').read_text()
