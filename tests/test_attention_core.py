@@ -6,7 +6,9 @@ import torch
 from torch.autograd import gradcheck
 from torch.utils.flop_counter import FlopCounterMode
 
-from models.attention import build_attention, list_attentions
+from models.analysis import record_attention
+from models.attention import Mixer, build_attention, list_attentions, register_attention
+from models.attention.softmax import SoftmaxMixer
 from models.attention.additive import additive_pool
 from models.attention.multimax import multimax_attention, multimax_modulation
 from models.attention.sima import l1_normalize_tokens, sima_attention
@@ -351,3 +353,58 @@ def test_multimax_takes_torch_func_gradients_and_per_sample_gradients(grouping):
         one = torch.func.grad(loss)(params, x[i:i + 1])
         for name in params:
             assert max_abs_err(per_sample[name][i], one[name]) < 1e-12, name
+
+
+class _Subclassed(SoftmaxMixer):
+    """A softmax with a forward of its own (temperature 2): recording it by softmax's weights would be wrong."""
+
+    def forward(self, q, k, v, ctx):
+        return super().forward(q * 2, k, v, ctx)
+
+
+class _NoForward(Mixer):
+    pass
+
+
+class _PositionalOption(Mixer):
+    def __init__(self, dim, num_heads, scale):
+        super().__init__(dim, num_heads)
+
+    def forward(self, q, k, v, ctx):
+        return v
+
+
+@pytest.mark.parametrize('name, cls, error, message', [
+    (3, _Subclassed, ValueError, "attention name 3: expected a lower-case identifier such as 'cosine'"),
+    ('', _Subclassed, ValueError, "attention name '': expected a lower-case identifier"),
+    # an official pattern string, which names a layout of inline / flatten / softmax stages
+    ('IISS', _Subclassed, ValueError, "attention name 'IISS': expected a lower-case identifier"),
+    # timm reads what follows a dot in a model name as a weights tag
+    ('cos.v2', _Subclassed, ValueError, "attention name 'cos.v2': expected a lower-case identifier"),
+    ('fn', len, TypeError, "attention 'fn': len must be a class that subclasses models.attention.Mixer"),
+    ('again', SoftmaxMixer, ValueError, "attention 'again': SoftmaxMixer is registered as 'softmax' already; expected "
+                                        "a subclass of it for a second name"),
+    ('empty', _NoForward, TypeError, "attention 'empty': _NoForward defines no forward(q, k, v, ctx)"),
+    ('positional', _PositionalOption, TypeError, "attention 'positional': _PositionalOption's constructor cannot take "
+                                                 "the groupings' (dim, num_heads, group_grid, attn_drop=...)"),
+])
+def test_registering_a_bad_name_or_class_is_refused_in_one_line(name, cls, error, message):
+    """Each was accepted and failed later, elsewhere: an int name broke every later unknown-attention message, a
+    pattern-shaped name replaced the official pattern, a second name renamed the first, a mixer without forward
+    failed at its first call with an empty message."""
+    before = list_attentions()
+    with pytest.raises(error) as raised:
+        register_attention(name)(cls)
+    assert str(raised.value).startswith(message) and '\n' not in str(raised.value)
+    assert list_attentions() == before and SoftmaxMixer.attention_name == 'softmax'
+
+
+def test_a_subclass_with_its_own_forward_is_not_recorded_as_its_base():
+    """record_attention took softmax's weights for a subclass that scales its queries: silently wrong maps."""
+    attn = build_attention('softmax', 8, 2, (2, 2))
+    attn.mixer.__class__ = _Subclassed
+    with pytest.raises(ValueError, match=r"^no attention matrix is defined for _Subclassed; register one with "
+                                         r"models.analysis.attention_matrix$"):
+        with record_attention(attn) as rec:
+            attn(torch.randn(1, 4, 8), (2, 2))
+        rec[0]

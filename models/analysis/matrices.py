@@ -55,12 +55,15 @@ def attention_matrix(mixer_cls: Type[Mixer]) -> Callable[[MatrixFn], MatrixFn]:
 
 def mixer_weights(mixer: Mixer, q: Tensor, k: Tensor, v: Tensor, ctx: MixContext,
                   rows: Optional[Tensor] = None) -> MixerWeights:
-    """The weights of `mixer` on one call's inputs, by the function registered for its class (or a base class)."""
+    """The weights of `mixer` on one call's inputs, by the function registered for its class, or for the base class
+    whose `forward` it runs (a subclass with a `forward` of its own computes other weights than its base's)."""
     for cls in type(mixer).__mro__:
         if cls in _MATRICES:
             work = torch.promote_types(q.dtype, torch.float32)
             with autocast_off(q.device), torch.no_grad():
                 return _MATRICES[cls](mixer, q.to(work), k.to(work), v.to(work), ctx, rows)
+        if 'forward' in vars(cls):
+            break
     raise ValueError(f"no attention matrix is defined for {type(mixer).__name__}; register one with "
                      f"models.analysis.attention_matrix")
 
@@ -85,15 +88,24 @@ def _window_mask(ctx: MixContext, groups: int, rows: Optional[Tensor], dtype: to
     return _take(mask.repeat(groups // mask.shape[0], 1, 1), rows).unsqueeze(1)
 
 
+def _masked_softmax(logits: Tensor, ctx: MixContext, groups: int, rows: Optional[Tensor]) -> MixerWeights:
+    if ctx.mask is not None:
+        logits = logits + _window_mask(ctx, groups, rows, logits.dtype)
+    return MixerWeights(weights=logits.softmax(dim=-1))
+
+
 @attention_matrix(SoftmaxMixer)
 def softmax_weights(mixer: SoftmaxMixer, q: Tensor, k: Tensor, v: Tensor, ctx: MixContext,
                     rows: Optional[Tensor]) -> MixerWeights:
-    logits = _scores(mixer, q, k, ctx, rows)
-    if isinstance(mixer, MultiMaxMixer):
-        logits = multimax_modulation(logits, mixer.ranges.to(logits.dtype), mixer.ts.to(logits.dtype))
-    if ctx.mask is not None:
-        logits = logits + _window_mask(ctx, q.shape[0], rows, logits.dtype)
-    return MixerWeights(weights=logits.softmax(dim=-1))
+    return _masked_softmax(_scores(mixer, q, k, ctx, rows), ctx, q.shape[0], rows)
+
+
+@attention_matrix(MultiMaxMixer)
+def multimax_weights(mixer: MultiMaxMixer, q: Tensor, k: Tensor, v: Tensor, ctx: MixContext,
+                     rows: Optional[Tensor]) -> MixerWeights:
+    scores = _scores(mixer, q, k, ctx, rows)
+    logits = multimax_modulation(scores, mixer.ranges.to(scores.dtype), mixer.ts.to(scores.dtype))
+    return _masked_softmax(logits, ctx, q.shape[0], rows)
 
 
 def _grid_local(v: Tensor, ctx: MixContext, local_of: Callable[[Tensor], Tensor]) -> Tensor:

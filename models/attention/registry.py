@@ -5,6 +5,7 @@ benchmark, the zoo table and the tests iterate it.
 """
 import difflib
 import inspect
+import re
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Type, TypeVar
 
 from .causal import check_causal_grouping
@@ -33,12 +34,33 @@ T = TypeVar('T', bound=Type[Mixer])
 
 
 def register_attention(name: str) -> Callable[[T], T]:
-    """Class decorator that makes a `Mixer` subclass buildable by `name` in every grouping and family."""
+    """Class decorator that makes a `Mixer` subclass buildable by `name` in every grouping and family.
+
+    `name` is a lower-case identifier (it starts the families' model names, `{name}_deit_tiny`, and the official
+    pattern strings are upper-case); the class overrides `forward(q, k, v, ctx)` and its constructor takes
+    `Mixer`'s arguments, (dim, num_heads, group_grid, attn_drop=...), with its method options keyword-only."""
+    if not isinstance(name, str) or not re.fullmatch(r'[a-z][a-z0-9_]*', name):
+        raise ValueError(f"attention name {name!r}: expected a lower-case identifier such as 'cosine' (letters, "
+                         f"digits and '_', a letter first), which starts its model names ('cosine_deit_tiny')")
+
     def wrap(cls: T) -> T:
         if name in _MIXERS:
             raise ValueError(f"attention {name!r} is already registered by {_MIXERS[name].__name__}")
-        if not issubclass(cls, Mixer):
-            raise TypeError(f"attention {name!r}: {cls.__name__} must subclass models.attention.Mixer")
+        if not inspect.isclass(cls) or not issubclass(cls, Mixer):
+            raise TypeError(f"attention {name!r}: {getattr(cls, '__name__', repr(cls))} must be a class that "
+                            f"subclasses models.attention.Mixer")
+        if _MIXERS.get(cls.attention_name) is cls:
+            raise ValueError(f"attention {name!r}: {cls.__name__} is registered as {cls.attention_name!r} already; "
+                             f"expected a subclass of it for a second name")
+        if cls.forward is Mixer.forward:
+            raise TypeError(f"attention {name!r}: {cls.__name__} defines no forward(q, k, v, ctx); expected one that "
+                            f"maps (B', n, C) queries and (B', m, C) keys and values to (B', n, C)")
+        try:
+            inspect.signature(cls).bind(8, 2, None, attn_drop=0.)
+        except TypeError as e:
+            raise TypeError(f"attention {name!r}: {cls.__name__}'s constructor cannot take the groupings' "
+                            f"(dim, num_heads, group_grid, attn_drop=...) ({e}); expected Mixer's arguments, "
+                            f"with method options keyword-only") from None
         _MIXERS[name] = cls
         cls.attention_name = name
         return cls
