@@ -234,12 +234,16 @@ def _coerce(value: Any, default: Any, full_key: str, source: str) -> Any:
 
 def _free_form_value(value: Any) -> Any:
     """A value of a node that takes any keys: read as a Python literal where it parses (from --opts), with YAML's
-    true / false, and a dict as a node that takes any keys too."""
+    true / false, and a dict (from a file, or a literal from --opts) as a node that takes any keys too, its values
+    read the same way at every depth (`--opts MODEL.KWARGS.attn_kwargs.focusing_factor 2`)."""
     value = CN._decode_cfg_value(value)
-    if isinstance(value, CN):
-        value.set_new_allowed(True)
-    elif isinstance(value, str) and value.lower() in ('true', 'false'):
-        value = value.lower() == 'true'
+    if isinstance(value, dict):
+        node = CN(new_allowed=True)
+        for key, item in value.items():
+            node[key] = _free_form_value(item)
+        return node
+    if isinstance(value, str) and value.lower() in ('true', 'false'):
+        return value.lower() == 'true'
     return value
 
 

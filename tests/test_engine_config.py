@@ -362,6 +362,17 @@ def test_model_keywords_are_free_form_at_every_depth(tmp_path):
     assert kwargs.mlp_ratio == 4.5 and kwargs.attn_type == ['inline', 'softmax'] and kwargs.qkv_bias is False
 
 
+def test_model_keywords_from_opts_alone_are_read_at_every_depth():
+    """Without a file that sets attn_kwargs, `--opts MODEL.KWARGS.attn_kwargs.focusing_factor 2` kept the string '2'
+    (the model refused it), and a dict literal built the model but failed to be stored in the checkpoint."""
+    cfg = load_config(None, ['MODEL.KWARGS.attn_kwargs.focusing_factor', '2', 'MODEL.KWARGS.extra',
+                             "{'deep': {'x': 1.5}, 'flag': 'true'}", 'MODEL.KWARGS.extra.deep.y', '[1, 2]'])
+    kwargs = cfg.MODEL.KWARGS
+    assert kwargs.attn_kwargs.focusing_factor == 2 and isinstance(kwargs.attn_kwargs.focusing_factor, int)
+    assert kwargs.extra == {'deep': {'x': 1.5, 'y': [1, 2]}, 'flag': True}
+    assert config_from_yaml_string(cfg.dump()).MODEL.KWARGS == kwargs
+
+
 def test_a_stored_config_from_before_a_key_reads_as_the_engine_trained_then():
     """A checkpoint saved before TRAIN.LR_SCHEDULER.STEP existed was trained stepping every update, and before EPS
     and BETAS defaulted to None it stored AdamW's own 1e-8 and [0.9, 0.999]: resumed under today's DeiT recipe,
