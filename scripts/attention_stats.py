@@ -140,6 +140,11 @@ def main(argv: Sequence[str]) -> int:
         model, cfg = load_analysis_model(name or None, checkpoint or None, args.opts, args.ema, '--models',
                                          pretrained=args.pretrained)
         label = label or str(cfg.MODEL.KWARGS.get('attn_type', cfg.MODEL.NAME))
+        try:
+            with record_attention(model):  # every layer recordable (a weight function for each attention)
+                pass
+        except ValueError as e:
+            raise UsageError(f"{label}: {e}") from None
         if label in loaded:
             raise UsageError(f"two models are labelled {label!r}; give them labels as LABEL=PATH")
         loaded[label] = model, cfg

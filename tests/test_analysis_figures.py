@@ -21,7 +21,8 @@ import engine.checkpoint
 import engine.loops
 from engine.analysis import load_analysis_model
 from engine.errors import UsageError, run_cli
-from models.analysis import plots, record_attention
+from models.analysis import matrices, plots, record_attention
+from models.attention.linear import LinearMixer
 from models.attention import build_attention
 from models.analysis.plots import SIMPLEX_TEMPERATURES, plot_simplex, simplex_logits, simplex_points
 
@@ -304,6 +305,20 @@ def test_attention_stats_stopped_while_writing_keeps_the_previous_three_files(im
     with pytest.raises(KeyboardInterrupt):
         attention_stats.main(argv)
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == previous
+
+
+def test_attention_stats_refuses_an_attention_without_weights_before_measuring(images, tmp_path, monkeypatch,
+                                                                                capsys):
+    """A user's attention registered without a weight function stopped attention_stats.py with a traceback, after
+    the models before it were measured."""
+    monkeypatch.delitem(matrices._MATRICES, LinearMixer)
+    argv = ['--models', 'softmax_deit_tiny', 'linear_deit_tiny', '--data', str(images), '--out',
+            str(tmp_path / 'stats'), '--opts'] + TINY
+    assert run_cli(attention_stats.main, argv) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "error: linear_deit_tiny: no attention matrix is defined for LinearMixer; register one with "
+        "models.analysis.attention_matrix")
+    assert not list(tmp_path.iterdir())
 
 
 def test_the_analysis_scripts_take_a_model_saved_for_the_hub_with_its_weights(images, tmp_path):

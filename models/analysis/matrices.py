@@ -55,16 +55,22 @@ def attention_matrix(mixer_cls: Type[Mixer]) -> Callable[[MatrixFn], MatrixFn]:
 
 def mixer_weights(mixer: Mixer, q: Tensor, k: Tensor, v: Tensor, ctx: MixContext,
                   rows: Optional[Tensor] = None) -> MixerWeights:
-    """The weights of `mixer` on one call's inputs, by the function registered for its class, or for the base class
-    whose `forward` it runs (a subclass with a `forward` of its own computes other weights than its base's)."""
-    for cls in type(mixer).__mro__:
+    """The weights of `mixer` on one call's inputs, by `matrix_function` of its class."""
+    weights_of = matrix_function(type(mixer))
+    work = torch.promote_types(q.dtype, torch.float32)
+    with autocast_off(q.device), torch.no_grad():
+        return weights_of(mixer, q.to(work), k.to(work), v.to(work), ctx, rows)
+
+
+def matrix_function(mixer_cls: Type[Mixer]) -> MatrixFn:
+    """The function registered for `mixer_cls`, or for the base class whose `forward` it runs (a subclass with a
+    `forward` of its own computes other weights than its base's); a ValueError where there is none."""
+    for cls in mixer_cls.__mro__:
         if cls in _MATRICES:
-            work = torch.promote_types(q.dtype, torch.float32)
-            with autocast_off(q.device), torch.no_grad():
-                return _MATRICES[cls](mixer, q.to(work), k.to(work), v.to(work), ctx, rows)
+            return _MATRICES[cls]
         if 'forward' in vars(cls):
             break
-    raise ValueError(f"no attention matrix is defined for {type(mixer).__name__}; register one with "
+    raise ValueError(f"no attention matrix is defined for {mixer_cls.__name__}; register one with "
                      f"models.analysis.attention_matrix")
 
 

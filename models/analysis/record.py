@@ -22,7 +22,7 @@ from ..attention.layout import (
     Grid, image_to_tokens, pad_tokens, padded_grid, split_heads, tokens_to_image, window_partition,
 )
 from ..attention.mixer import MixContext, Mixer
-from .matrices import mixer_weights
+from .matrices import matrix_function, mixer_weights
 
 __all__ = ['LayerAttention', 'AttentionRecord', 'record_attention', 'attention_layers', 'Query']
 
@@ -90,6 +90,8 @@ def _select_layers(model: nn.Module, layers: Optional[Sequence[Union[str, int]]]
         if any(getattr(module, 'causal', False) for module in layer.modules()):
             raise ValueError(f"layer {name!r} is causal; recording forms the non-causal matrices only, expected a "
                              f"model built without causal=True")
+        for _, mixer, _ in _mixers(layer):  # before the model runs, not when the first layer is read
+            matrix_function(type(mixer))
     return chosen
 
 
