@@ -10,6 +10,7 @@ import errno
 import functools
 import json
 import logging
+import math
 import os
 import random
 import re
@@ -261,8 +262,8 @@ class ImageFolderSplit(ImageFolder):
     Under `bad_images` 'error' the scan raises `UsageError` naming the first bad file (and counting the others);
     under 'skip' it leaves bad files out and lists them in `left_out`. `notes` holds the links the scan did not
     follow again. `__getitem__` returns `(image, target, bad)`: `bad` the unreadable files it met, and `image` None
-    when the sample is one of them; with `replace_bad` under 'skip', the next readable file in folder order stands
-    in for it, so batches stay full.
+    when the sample is one of them; with `replace_bad` under 'skip', a readable file further on stands in for it
+    (up to `_REPLACEMENT_ATTEMPTS` tried, spread over the folders), so batches stay full.
     """
 
     def __init__(self, folder: str, transform=None, bad_images: str = 'error', replace_bad: bool = False,
@@ -348,9 +349,13 @@ class ImageFolderSplit(ImageFolder):
 
     def __getitem__(self, index: int) -> Tuple[Any, int, Tuple[BadImage, ...]]:
         bad: List[BadImage] = []
-        attempts = len(self.samples) if self.replace_bad and self.bad_images == 'skip' else 1
-        for offset in range(attempts):
-            path, target = self.samples[(index + offset) % len(self.samples)]
+        size = len(self.samples)
+        replacing = self.replace_bad and self.bad_images == 'skip'
+        # a bounded number of files, spread over the folders by a stride coprime with their count: trying every
+        # next file made a split of unreadable files (Git LFS pointers) take time quadratic in its size
+        attempts, stride = (min(size, _REPLACEMENT_ATTEMPTS), _spread_stride(size)) if replacing else (1, 1)
+        for attempt in range(attempts):
+            path, target = self.samples[(index + attempt * stride) % size]
             image = self.loader(path)
             if not isinstance(image, BadImage):
                 return (self.transform(image) if self.transform is not None else image), target, tuple(bad)
@@ -363,6 +368,19 @@ class ImageFolderSplit(ImageFolder):
         self.samples = [s for s in self.samples if s[0] not in paths]
         self.imgs, self.targets = self.samples, [s[1] for s in self.samples]
         self.left_out.extend(bad)
+
+
+# Files tried for one sample under 'skip' with replacement before the sample is dropped from its batch.
+_REPLACEMENT_ATTEMPTS = 32
+
+
+def _spread_stride(size: int) -> int:
+    """A step through `size` samples that visits all of them and leaves a folder of bad files at once: the first
+    number from 0.618·size up that is coprime with `size`."""
+    stride = max(1, int(size * 0.618))
+    while math.gcd(stride, size) != 1:
+        stride += 1
+    return stride
 
 
 def load_split(root: str, split: str, transform, num_classes: Optional[int] = None, bad_images: str = 'error',

@@ -16,7 +16,7 @@ from tqdm import tqdm
 
 from .compile import CompileTimer, plain_module
 from .distributed import DistInfo, all_reduce_sum, any_rank
-from .errors import NonFiniteLossError
+from .errors import NonFiniteLossError, UsageError
 
 __all__ = ['TrainState', 'EpochOptions', 'EpochResult', 'Progress', 'autocast', 'schedule_position', 'step_schedule',
            'train_one_epoch', 'evaluate', 'measure_throughput']
@@ -260,11 +260,23 @@ def train_one_epoch(
     loss_sum, count = all_reduce_sum([loss_meter.sum, loss_meter.count], info.device)
     state.epoch_loss_sum += loss_sum
     state.epoch_loss_count += count
+    if not stopped and not state.epoch_loss_count:
+        raise _nothing_read(loader, 'the training epoch')
     return EpochResult(loss=state.epoch_loss_sum / max(state.epoch_loss_count, 1), lr=lr, images=images,
                        seconds=time.perf_counter() - start, stopped=stopped)
 
 
 @torch.no_grad()
+def _nothing_read(loader: DataLoader, what: str) -> UsageError:
+    """The error for a pass over `loader` in which no process read an image: every file it met was left out as
+    unreadable (`DATA.BAD_IMAGES` 'skip'), which would otherwise report a loss of 0 or accuracy over no image."""
+    skipped = sorted(getattr(loader, 'skipped', ()))
+    first = f", the first here: {skipped[0]}" if skipped else ''
+    return UsageError(f"{what} read no image: DATA.BAD_IMAGES 'skip' left out every file it met as unreadable "
+                      f"({len(skipped)} on this process{first}); expected a split with images that can be read "
+                      f"(--check-data lists the files that cannot)")
+
+
 def evaluate(model: nn.Module, loader: DataLoader, info: DistInfo, *, amp: bool = False,
              amp_dtype: str = 'float16', desc: str = '',
              compile_timer: Optional[CompileTimer] = None) -> Dict[str, float]:
@@ -293,7 +305,8 @@ def evaluate(model: nn.Module, loader: DataLoader, info: DistInfo, *, amp: bool 
         progress.update()
     progress.close()
     correct1, correct5, loss_sum, count = all_reduce_sum([correct1, correct5, loss_sum, count], info.device)
-    count = max(count, 1)
+    if not count:
+        raise _nothing_read(loader, 'the evaluation')
     return dict(top1=100.0 * correct1 / count, top5=100.0 * correct5 / count, loss=loss_sum / count,
                 count=int(count))
 

@@ -6,6 +6,7 @@ Workers started by fork, forkserver or spawn load the same batches."""
 import io
 import itertools
 import json
+import math
 import os
 import re
 import shutil
@@ -21,8 +22,10 @@ from PIL import Image
 from torchvision.datasets import ImageFolder
 
 import engine.loops
+from engine.loops import evaluate
 from engine.cli import eval_main, train_main
 from engine.config import ConfigError, load_config
+import engine.data
 from engine.data import (build_eval_loader, build_train_loader, eval_transform, load_split, prepare_digits,
                          read_image, train_transform)
 from engine.distributed import DistInfo
@@ -254,15 +257,42 @@ def test_a_bad_image_error_is_printed_by_the_rank_that_met_it(monkeypatch, capsy
     assert capsys.readouterr().err == "error: image 'x.png' is empty (0 bytes)\n"
 
 
-def test_skip_replaces_a_bad_training_image_with_the_next_and_drops_a_bad_validation_image(data):
+def test_a_split_of_unreadable_files_stops_in_one_line_in_time_linear_in_its_size(data, tmp_path, capsys):
+    """Under 'skip', a split whose files all fail to decode (a dataset cloned without its Git LFS objects) trained
+    epochs of no step with a loss of 0 and evaluated 'top-1 0.00 on 1 image' with status 0, and each training sample
+    tried every other file: time quadratic in the split."""
+    for path in (p for p in (data / 'train').rglob('*') if p.is_file()):
+        path.write_text('version https://git-lfs.github.com/spec/v1\n')
+    cfg = load_config(TINY, ['DATA.DATASET', 'imagefolder', 'DATA.DATA_PATH', str(data), 'DATA.BAD_IMAGES', 'skip',
+                             *ELEVENS])
+    train_set = load_split(str(data), 'train', train_transform(cfg), 10, 'skip', replace_bad=True)
+    image, _, met = train_set[0]  # 32 files tried, all different, then the sample is dropped
+    assert image is None and len({b.path for b in met}) == len(met) == engine.data._REPLACEMENT_ATTEMPTS == 32
+    assert run_cli(train_main, train_argv(tmp_path / 'run', data, 'DATA.BAD_IMAGES', 'skip')) == USAGE_EXIT_CODE
+    assert error_line(capsys).startswith("error: the training epoch read no image: DATA.BAD_IMAGES 'skip' left out "
+                                         "every file it met as unreadable (")
+    assert not (tmp_path / 'run' / 'last.pth').exists()
+    loader = build_train_loader(cfg, train_set, CPU)
+    loader.sampler.set_epoch(0)
+    assert list(loader) == []
+    with pytest.raises(UsageError, match=r"^the evaluation read no image: DATA.BAD_IMAGES 'skip' left out every file "
+                                         r"it met as unreadable \(\d+ on this process, the first here: .*\); expected "
+                                         r"a split with images that can be read \(--check-data lists the files that "
+                                         r"cannot\)$"):
+        evaluate(torch.nn.Linear(1, 1), loader, CPU)
+
+
+def test_skip_replaces_a_bad_training_image_and_drops_a_bad_validation_image(data):
     cfg = load_config(TINY, ['DATA.DATASET', 'imagefolder', 'DATA.DATA_PATH', str(data), 'DATA.BAD_IMAGES', 'skip',
                              *ELEVENS])
     bad = truncated_jpeg(data / 'train' / '0' / '00.jpg')  # the first file of class 0
     train_set = load_split(str(data), 'train', None, 10, 'skip', replace_bad=True)
     assert train_set.samples[0] == (str(bad), 0) and len(train_set) == 121
     image, target, met = train_set[0]
-    next_image, next_target, _ = train_set[1]
-    assert target == next_target == 0 and np.array_equal(np.asarray(image), np.asarray(next_image))
+    stride = engine.data._spread_stride(121)  # 74: the replacement is taken from another folder
+    assert stride == 74 and math.gcd(stride, 121) == 1
+    replacement, replacement_target, _ = train_set[stride]
+    assert target == replacement_target == 6 and np.array_equal(np.asarray(image), np.asarray(replacement))
     assert [b.path for b in met] == [str(bad)]
 
     train_set.transform = train_transform(cfg)
