@@ -83,7 +83,8 @@ def eval_main(argv: Sequence[str]) -> int:
     parser.add_argument('--amp', action='store_true', help='evaluate under autocast (AMP.DTYPE); float32 otherwise')
     parser.add_argument('--img-size', type=int, help='input size S (DATA.IMG_SIZE)')
     parser.add_argument('--crop-pct', type=float, help='resize to S / crop_pct, crop S (TEST.CROP_PCT)')
-    parser.add_argument('--crop-mode', help="'center' (shorter side) or 'squash' (square resize) (TEST.CROP_MODE)")
+    parser.add_argument('--crop-mode', help="'center' (shorter side), 'squash' (square resize) or 'border' (longer "
+                                            "side, padded) (TEST.CROP_MODE)")
     parser.add_argument('--compile', action='store_true',
                         help='torch.compile the whole model, without graph breaks, with TRAIN.COMPILE_MODE and '
                              'TRAIN.COMPILE_BACKEND (the config\'s TRAIN.COMPILE is for training)')

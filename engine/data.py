@@ -358,7 +358,10 @@ class ImageFolderSplit(ImageFolder):
             path, target = self.samples[(index + attempt * stride) % size]
             image = self.loader(path)
             if not isinstance(image, BadImage):
-                return (self.transform(image) if self.transform is not None else image), target, tuple(bad)
+                try:
+                    return (self.transform(image) if self.transform is not None else image), target, tuple(bad)
+                except ValueError as e:  # a shape the transform cannot take: 'border' crops of a 3x2000 image
+                    image = BadImage(path, f"of {image.width}x{image.height} pixels cannot be transformed ({e})")
             bad.append(image)
         return None, self.targets[index], tuple(bad)
 

@@ -282,6 +282,26 @@ def test_a_split_of_unreadable_files_stops_in_one_line_in_time_linear_in_its_siz
         evaluate(torch.nn.Linear(1, 1), loader, CPU)
 
 
+def test_an_image_the_transform_cannot_take_is_a_bad_image_named_in_one_line(data):
+    """timm's 'border' crop rounds the short side of a 3x2000 image to 0 pixels: a traceback from a DataLoader
+    worker, under 'skip' too. It is a bad image now: 'error' names it, 'skip' leaves it out."""
+    thin = data / 'val' / '4' / 'thin.png'
+    Image.new('RGB', (3, 2000), (90, 30, 200)).save(thin)
+    for bad_images in ('error', 'skip'):
+        cfg = load_config(TINY, ['DATA.DATASET', 'imagefolder', 'DATA.DATA_PATH', str(data), 'TEST.CROP_MODE',
+                                 'border', 'DATA.BAD_IMAGES', bad_images, *ELEVENS])
+        val_set = load_split(str(data), 'val', eval_transform(cfg), 10, bad_images)
+        loader = build_eval_loader(cfg, val_set, CPU, 24)
+        if bad_images == 'error':
+            with pytest.raises(BadImageError, match=rf"^image '{re.escape(str(thin))}' of 3x2000 pixels cannot be "
+                                                    r"transformed \(height and width must be > 0\); expected images "
+                                                    r"that can be read"):
+                list(loader)
+        else:
+            assert sum(targets.shape[0] for _, targets in loader) == len(val_set) - 1
+            assert loader.skipped == {str(thin)}
+
+
 def test_skip_replaces_a_bad_training_image_and_drops_a_bad_validation_image(data):
     cfg = load_config(TINY, ['DATA.DATASET', 'imagefolder', 'DATA.DATA_PATH', str(data), 'DATA.BAD_IMAGES', 'skip',
                              *ELEVENS])
