@@ -240,12 +240,31 @@ def read_image(path: str, mode: str = 'RGB') -> Union[Image.Image, BadImage]:
         return status
     try:
         with Image.open(path) as image:
+            if image.mode in _WIDE_MODES:
+                return _eight_bit(image).convert(mode)
             return image.convert(mode)
     except UnidentifiedImageError:
         return BadImage(path, 'is not an image (Pillow cannot identify its format)')
     except Exception as e:  # Pillow's decoders raise many types on corrupt data (OSError, SyntaxError, ValueError, ...)
         detail = str(e).splitlines()[0] if str(e) else ''
         return BadImage(path, f"cannot be decoded ({type(e).__name__}{': ' + detail if detail else ''})")
+
+
+# Pillow's modes of one channel wider than 8 bits, whose `convert` to 'L' or 'RGB' clips every value above 255
+# (a 16-bit grey ramp came out almost all white): 16-bit integers, 32-bit integers (Pillow's mode for 16-bit PNGs
+# before version 10.4), 32-bit floats.
+_WIDE_MODES = ('I;16', 'I;16L', 'I;16B', 'I;16N', 'I', 'F')
+
+
+def _eight_bit(image: Image.Image) -> Image.Image:
+    """A one-channel image of 16-bit values (0 to 65535, as the 'I;16' and 'I' modes of 16-bit files hold them) as
+    8 bits, v * 255 / 65535 rounded; a ValueError for other values (32-bit or floating-point data, whose range an
+    image file does not state)."""
+    values = np.asarray(image, dtype=np.float64)
+    if values.size and not (0 <= values.min() and values.max() <= 65535 and np.array_equal(values, np.round(values))):
+        raise ValueError(f"{image.mode} pixels from {values.min():g} to {values.max():g}; expected 16-bit values, "
+                         f"integers from 0 to 65535")
+    return Image.fromarray(np.round(values * (255 / 65535)).astype(np.uint8), mode='L')
 
 
 def _bad_files_error(bad: Sequence[BadImage], where: str) -> UsageError:

@@ -21,15 +21,15 @@ import torch
 from PIL import Image
 from torchvision.datasets import ImageFolder
 
+import engine.data
 import engine.loops
-from engine.loops import evaluate
 from engine.cli import eval_main, train_main
 from engine.config import ConfigError, load_config
-import engine.data
-from engine.data import (build_eval_loader, build_train_loader, eval_transform, load_split, prepare_digits,
+from engine.data import (BadImage, build_eval_loader, build_train_loader, eval_transform, load_split, prepare_digits,
                          read_image, train_transform)
 from engine.distributed import DistInfo
 from engine.errors import USAGE_EXIT_CODE, BadImageError, UsageError, run_cli
+from engine.loops import evaluate
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / 'configs' / 'demo' / 'digits_tiny.yaml')
@@ -280,6 +280,24 @@ def test_a_split_of_unreadable_files_stops_in_one_line_in_time_linear_in_its_siz
                                          r"a split with images that can be read \(--check-data lists the files that "
                                          r"cannot\)$"):
         evaluate(torch.nn.Linear(1, 1), loader, CPU)
+
+
+def test_images_of_16_bit_pixels_are_read_as_8_bits_and_wider_data_is_a_bad_image(tmp_path):
+    """Pillow's convert to 'L' or 'RGB' clips one-channel values above 255: a 16-bit grey ramp was read almost all
+    white, and 32-bit or floating-point TIFFs all white or all black, without a word."""
+    ramp = np.linspace(0, 65535, 256).round().astype(np.uint16).reshape(16, 16)
+    Image.fromarray(ramp).save(tmp_path / 'ramp16.png')
+    Image.fromarray(ramp.astype(np.int32), mode='I').save(tmp_path / 'ramp32.tif')  # 16-bit values in mode I
+    expected = np.round(ramp * (255 / 65535)).astype(np.uint8)
+    for name in ('ramp16.png', 'ramp32.tif'):
+        assert np.array_equal(np.asarray(read_image(str(tmp_path / name), 'L')), expected)
+        assert np.array_equal(np.asarray(read_image(str(tmp_path / name), 'RGB')), np.stack([expected] * 3, axis=-1))
+    Image.fromarray(np.linspace(0, 1, 256, dtype=np.float32).reshape(16, 16), mode='F').save(tmp_path / 'float.tif')
+    Image.fromarray(np.full((16, 16), 70000, np.int32), mode='I').save(tmp_path / 'wide.tif')
+    assert read_image(str(tmp_path / 'float.tif')) == BadImage(str(tmp_path / 'float.tif'), (
+        'cannot be decoded (ValueError: F pixels from 0 to 1; expected 16-bit values, integers from 0 to 65535)'))
+    assert read_image(str(tmp_path / 'wide.tif')).reason == ('cannot be decoded (ValueError: I pixels from 70000 to '
+                                                            '70000; expected 16-bit values, integers from 0 to 65535)')
 
 
 def test_an_image_the_transform_cannot_take_is_a_bad_image_named_in_one_line(data):
