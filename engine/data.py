@@ -302,12 +302,15 @@ class ImageFolderSplit(ImageFolder):
         """(path, class index) of every image file, in torchvision's order (classes, then folders by path, then
         names); raise `UsageError` for a class folder without images."""
         claimed = {self._key(directory): directory}
-        # class folders are claimed first, so a link from one class into another never relabels its images
+        # class folders are claimed first, so a link from one class folder to another is not followed
         for name in class_to_idx:
             path = os.path.join(directory, name)
             claimed.setdefault(self._key(path), path)
-        files: Dict[Tuple[int, int], str] = {}
-        samples, empty, again = [], [], []
+        # a file is counted once per class: a link within a class adds nothing, while a file that two classes hold
+        # (a link or hard link from one into another) belongs to both, as torchvision's ImageFolder has it
+        files: Dict[Tuple[str, int, int], str] = {}
+        first_seen: Dict[Tuple[int, int], Tuple[str, str]] = {}  # class and path
+        samples, empty, again, shared = [], [], [], []
         for name in sorted(class_to_idx):
             count = len(samples)
             for path in self._walk(os.path.join(directory, name), claimed):
@@ -315,16 +318,22 @@ class ImageFolderSplit(ImageFolder):
                 if isinstance(status, BadImage):
                     self.left_out.append(status)
                     continue
-                first = files.setdefault((status.st_dev, status.st_ino), path)
+                first = files.setdefault((name, status.st_dev, status.st_ino), path)
                 if first != path:
                     again.append(f"{path} is {first}")
                     continue
+                owner, owner_path = first_seen.setdefault((status.st_dev, status.st_ino), (name, path))
+                if owner != name:
+                    shared.append(f"{path} is {owner_path}")
                 samples.append((path, class_to_idx[name]))
             if len(samples) == count:
                 empty.append(name)
         if again:
-            self.notes.append(f"{len(again)} file(s) reached a second time through links were counted once "
-                              f"({again[0]}{', ...' if len(again) > 1 else ''})")
+            self.notes.append(f"{len(again)} file(s) reached a second time through links within their class were "
+                              f"counted once ({again[0]}{', ...' if len(again) > 1 else ''})")
+        if shared:
+            self.notes.append(f"{len(shared)} file(s) are in more than one class, through links, and count in each "
+                              f"({shared[0]}{', ...' if len(shared) > 1 else ''})")
         if self.left_out and self.bad_images == 'error':
             raise _bad_files_error(self.left_out, directory)
         if empty:

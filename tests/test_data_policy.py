@@ -125,9 +125,24 @@ def test_a_directory_symlink_loop_is_followed_once_and_each_file_counted_once(da
     assert dataset.notes == [
         f"{train / '4' / 'fives'} leads to {train / '5'}, scanned once: not followed",
         f"{train / '6' / 'loopdir'} leads to {train}, scanned once: not followed",
-        f"1 file(s) reached a second time through links were counted once ({train / '7' / 'again.png'} is "
-        f"{first_seven})",
+        f"1 file(s) reached a second time through links within their class were counted once "
+        f"({train / '7' / 'again.png'} is {first_seven})",
     ]
+
+
+def test_a_file_linked_into_another_class_counts_in_both_as_torchvision_has_it(data):
+    """A link (or hard link) in one class to a file of another took the file away from its own class: the class
+    first in scan order labelled it, and the other lost it."""
+    train = data / 'train'
+    plain = load_split(str(data), 'train', None, 10).samples
+    dog = sorted((train / '7').iterdir())[0]
+    (train / '2' / 'alias.png').symlink_to(dog)
+    os.link(sorted((train / '8').iterdir())[0], train / '1' / 'copy.png')
+    dataset = load_split(str(data), 'train', None, 10)
+    assert sorted(dataset.samples) == sorted(ImageFolder(str(train)).samples) == sorted(
+        plain + [(str(train / '2' / 'alias.png'), 2), (str(train / '1' / 'copy.png'), 1)])
+    assert dataset.notes == [f"2 file(s) are in more than one class, through links, and count in each "
+                             f"({dog} is {train / '2' / 'alias.png'}, ...)"]
 
 
 @pytest.mark.parametrize('kind', SCAN_BAD)
