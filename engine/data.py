@@ -18,6 +18,7 @@ import shutil
 import socket
 import stat
 import time
+import unicodedata
 import uuid
 from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Set, Tuple, Union
 
@@ -172,6 +173,13 @@ def class_difference(first: Sequence[str], second: Sequence[str], first_place: s
     only_first, only_second = sorted(set(first) - set(second)), sorted(set(second) - set(first))
     difference = '; '.join(f"only in {place}: {', '.join(names)}" for place, names in
                            ((first_place, only_first), (second_place, only_second)) if names)
+    # names that print alike: one written in composed characters, the other decomposed (as macOS writes names)
+    composed = {unicodedata.normalize('NFC', name): name for name in only_second}
+    alike = [(name, composed[unicodedata.normalize('NFC', name)]) for name in only_first
+             if unicodedata.normalize('NFC', name) in composed]
+    if alike:
+        difference += (f"; {ascii(alike[0][0])} and {ascii(alike[0][1])} are one name in two Unicode forms "
+                       f"(composed and decomposed characters)")
     return difference or 'the same names in another order'
 
 

@@ -25,8 +25,8 @@ import engine.data
 import engine.loops
 from engine.cli import eval_main, train_main
 from engine.config import ConfigError, load_config
-from engine.data import (BadImage, build_eval_loader, build_train_loader, eval_transform, load_split, prepare_digits,
-                         read_image, train_transform)
+from engine.data import (BadImage, build_eval_loader, build_train_loader, class_difference, eval_transform,
+                         load_split, prepare_digits, read_image, train_transform)
 from engine.distributed import DistInfo
 from engine.errors import USAGE_EXIT_CODE, BadImageError, UsageError, run_cli
 from engine.loops import evaluate
@@ -454,6 +454,10 @@ def test_class_folders_that_differ_are_named(tmp_path, data, capsys):
     assert run_cli(train_main, train_argv(tmp_path / 'run', data)) == USAGE_EXIT_CODE
     assert error_line(capsys) == (f"error: the class folders of {data}/train and {data}/val differ (only in "
                                   f"train/: 9; only in val/: nine); expected the same classes")
+    # the same name composed in one split and decomposed in the other, as macOS writes it, printed alike
+    assert class_difference(['\u00f1and\u00fa'], ['n\u0303andu\u0301'], 'train/', 'val/') == (
+        "only in train/: \u00f1and\u00fa; only in val/: n\u0303andu\u0301; '\\xf1and\\xfa' and "
+        "'n\\u0303andu\\u0301' are one name in two Unicode forms (composed and decomposed characters)")
     (data / 'train' / '.ipynb_checkpoints').mkdir()
     with pytest.raises(UsageError, match=r"has 11 class folders, among them the hidden \.ipynb_checkpoints but the "
                                          r"model has 10 classes"):
