@@ -1,9 +1,11 @@
 """Model, weights, optimizer, scheduler and loss from a config, through timm's factories."""
 import difflib
+import importlib
 import inspect
 import logging
 import os
 import re
+import sys
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import timm
@@ -24,7 +26,7 @@ from .distributed import DistInfo
 from .errors import UsageError
 from .hub import is_hub_name, weights_file
 
-__all__ = ['check_model_name', 'check_model_config', 'check_pretrained', 'official_weights', 'classifier_names',
+__all__ = ['import_model_modules', 'check_model_name', 'check_model_config', 'check_pretrained', 'official_weights', 'classifier_names',
            'classifier_rows',
            'read_weights', 'checkpoint_weights', 'create_model', 'weight_changes', 'create_optimizer',
            'create_scheduler', 'create_criterion', 'autocast_dtype', 'check_onednn', 'create_training_model']
@@ -32,6 +34,19 @@ __all__ = ['check_model_name', 'check_model_config', 'check_pretrained', 'offici
 # optimizers whose `fused=True` kernel runs on every device the engine trains on (CPU, CUDA); Adagrad's is CPU only
 FUSED_OPTIMIZERS = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
 logger = logging.getLogger('engine')
+
+
+def import_model_modules(cfg: CN) -> None:
+    """Import the modules of MODEL.IMPORTS, which register a user's attentions or families, with the working
+    directory on the import path (after the rest); `UsageError` for one that cannot be imported."""
+    if cfg.MODEL.IMPORTS and os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
+    for module in cfg.MODEL.IMPORTS:
+        try:
+            importlib.import_module(module)
+        except ImportError as e:
+            raise UsageError(f"MODEL.IMPORTS module {module!r} cannot be imported ({e}); expected a module on the "
+                             f"import path: in the working directory, on PYTHONPATH or installed") from None
 
 
 def check_model_name(name: str) -> None:
@@ -179,6 +194,7 @@ def create_model(cfg: CN, weights: Optional[Dict[str, Tensor]] = None, source: s
             raise CheckpointError(f"{source}: {e}") from None
         logger.info(f"{source}: {report}")
         return model
+    import_model_modules(cfg)
     name = cfg.MODEL.NAME
     check_model_name(name)
     kwargs: Dict[str, Any] = model_kwargs(cfg)

@@ -62,6 +62,10 @@ _C.MODEL.PRETRAINED_STRICT = True
 _C.MODEL.RESUME = ''  # a training checkpoint to resume; '' -> OUTPUT/last.pth when TRAIN.AUTO_RESUME
 # Constructor keywords passed verbatim to timm.create_model (the official lower-case names: embed_dim, depths, ...).
 _C.MODEL.KWARGS = CN(new_allowed=True)
+# Python modules imported before the model is built: those that register a user's own attentions or families
+# (`register_attention`, `register_model`) outside the package, e.g. ['my_attention']; looked up on the import path
+# with the working directory appended.
+_C.MODEL.IMPORTS = []
 
 _C.TRAIN = CN()
 _C.TRAIN.EPOCHS = 300
@@ -440,6 +444,8 @@ def validate_config(cfg: CN) -> None:
     _check(all(isinstance(k, str) and k.islower() for k in cfg.MODEL.KWARGS), 'MODEL.KWARGS',
            list(cfg.MODEL.KWARGS), 'lower-case constructor keyword names')
     _check(bool(cfg.MODEL.NAME), 'MODEL.NAME', cfg.MODEL.NAME, 'a registered model name')
+    _check(all(isinstance(m, str) and re.fullmatch(r'[A-Za-z_]\w*(\.[A-Za-z_]\w*)*', m) for m in cfg.MODEL.IMPORTS),
+           'MODEL.IMPORTS', cfg.MODEL.IMPORTS, "a list of module names, e.g. ['my_attention']")
     if cfg.TRAIN.COMPILE_BACKEND != 'inductor':  # the registry is read only when another backend is asked for
         backends = compile_backends()
         _check(cfg.TRAIN.COMPILE_BACKEND in backends, 'TRAIN.COMPILE_BACKEND', cfg.TRAIN.COMPILE_BACKEND,

@@ -154,6 +154,8 @@ def test_bad_files_name_the_key_and_the_expectation(tmp_path, text, words):
     (['TRAIN.LR_SCHEDULER.MILESTONES', '[60, 30]'], "config key TRAIN.LR_SCHEDULER.MILESTONES is [60, 30]; expected "
                                                     "epochs > 0 in increasing order, where the multistep schedule "
                                                     "decays"),
+    (['MODEL.IMPORTS', "['my-attention']"], "config key MODEL.IMPORTS is ['my-attention']; expected a list of module "
+                                            "names, e.g. ['my_attention']"),
     # timm's random erasing draws from range(1, RECOUNT + 1): an empty range at the first image
     (['AUG.RECOUNT', '0'], "config key AUG.RECOUNT is 0; expected a value > 0"),
 ])

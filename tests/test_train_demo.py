@@ -21,7 +21,7 @@ from engine.cli import eval_main, train_main
 from engine.config import load_config
 from engine.data import build_train_loader, load_split, prepare_digits, train_transform
 from engine.distributed import DistInfo
-from engine.errors import Stopped
+from engine.errors import USAGE_EXIT_CODE, Stopped
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / 'configs' / 'demo' / 'digits_tiny.yaml')
@@ -217,6 +217,42 @@ def test_the_demo_config_trains(digits):
         optimizer.step()
         losses.append(loss.item())
     assert losses[0] == pytest.approx(math.log(10), rel=0.15) and losses[-1] < losses[0]
+
+
+USER_ATTENTION = """
+from models.attention import register_attention
+from models.attention.softmax import SoftmaxMixer
+
+
+@register_attention('hot_softmax')
+class HotSoftmaxMixer(SoftmaxMixer):
+    def forward(self, q, k, v, ctx):
+        return super().forward(q * 2, k, v, ctx)
+"""
+
+
+def test_an_attention_registered_outside_the_package_trains_and_evaluates_through_model_imports(tmp_path, digits):
+    """train.py, eval.py and the scripts build models from a config, with no way to import a user's module: an
+    attention registered outside the package was 'bad attn_type'. MODEL.IMPORTS names the modules to import; the
+    checkpoint's stored config names them again for eval.py."""
+    (tmp_path / 'my_attention.py').write_text(USER_ATTENTION)
+    train = [sys.executable, str(REPO / 'train.py'), '--cfg', TINY, '--data-path', str(digits), '--output', 'run',
+             '--opts', 'TRAIN.EPOCHS', '1', 'MODEL.KWARGS.attn_type', 'hot_softmax']
+    done = subprocess.run(train, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == USAGE_EXIT_CODE and "bad attn_type 'hot_softmax' (not a name or pattern)" in \
+        done.stderr.splitlines()[-1]
+    done = subprocess.run(train + ['MODEL.IMPORTS', "['my_attention']"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    evaluated = subprocess.run([sys.executable, str(REPO / 'eval.py'), '--checkpoint', 'run/last.pth', '--data-path',
+                                str(digits)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+    assert json.loads(evaluated.stdout.splitlines()[-1])['count'] == 360
+    missing = subprocess.run(train + ['MODEL.IMPORTS', "['no_such_module']"], cwd=tmp_path, capture_output=True,
+                             text=True, timeout=300)
+    assert missing.returncode == USAGE_EXIT_CODE and missing.stderr.splitlines()[-1] == (
+        "error: MODEL.IMPORTS module 'no_such_module' cannot be imported (No module named 'no_such_module'); "
+        "expected a module on the import path: in the working directory, on PYTHONPATH or installed")
 
 
 def torchrun(*args: str, cwd: Path) -> subprocess.CompletedProcess:
