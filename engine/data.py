@@ -290,7 +290,7 @@ class ImageFolderSplit(ImageFolder):
     under 'skip' it leaves bad files out and lists them in `left_out`. `notes` holds the links the scan did not
     follow again. `__getitem__` returns `(image, target, bad)`: `bad` the unreadable files it met, and `image` None
     when the sample is one of them; with `replace_bad` under 'skip', a readable file further on stands in for it
-    (up to `_REPLACEMENT_ATTEMPTS` tried, spread over the folders), so batches stay full.
+    (up to `_REPLACEMENT_ATTEMPTS` tried, spread over the folders), so batches stay full, or `ImageLoader` stops.
     """
 
     def __init__(self, folder: str, transform=None, bad_images: str = 'error', replace_bad: bool = False,
@@ -387,8 +387,9 @@ class ImageFolderSplit(ImageFolder):
         bad: List[BadImage] = []
         size = len(self.samples)
         replacing = self.replace_bad and self.bad_images == 'skip'
-        # a bounded number of files, spread over the folders by a stride coprime with their count: trying every
-        # next file made a split of unreadable files (Git LFS pointers) take time quadratic in its size
+        # a bounded number of files, spread over the folders by a stride coprime with their count (trying every
+        # next file made a split of unreadable files, Git LFS pointers, take time quadratic in its size); where
+        # none of them can be read, the loader stops the run
         attempts, stride = (min(size, _REPLACEMENT_ATTEMPTS), _spread_stride(size)) if replacing else (1, 1)
         for attempt in range(attempts):
             path, target = self.samples[(index + attempt * stride) % size]
@@ -488,6 +489,7 @@ class _Batch(NamedTuple):
     images: Optional[torch.Tensor]
     targets: Optional[torch.Tensor]
     bad: Tuple[BadImage, ...]
+    dropped: int  # samples without a readable image
 
 
 def _collate(samples: Sequence[Tuple[Any, int, Tuple[BadImage, ...]]]) -> _Batch:
@@ -495,9 +497,9 @@ def _collate(samples: Sequence[Tuple[Any, int, Tuple[BadImage, ...]]]) -> _Batch
     bad = tuple(b for _, _, found in samples for b in found)
     good = [(image, target) for image, target, _ in samples if image is not None]
     if not good:
-        return _Batch(None, None, bad)
+        return _Batch(None, None, bad, len(samples))
     images, targets = default_collate(good)
-    return _Batch(images, targets, bad)
+    return _Batch(images, targets, bad, len(samples) - len(good))
 
 
 class ImageLoader(DataLoader):
@@ -509,6 +511,8 @@ class ImageLoader(DataLoader):
     def __init__(self, dataset: ImageFolderSplit, seeded: bool = False, **kwargs):
         super().__init__(SeededSamples(dataset) if seeded else dataset, collate_fn=_collate, **kwargs)
         self.bad_images = dataset.bad_images
+        self.root = dataset.root
+        self.replacing = dataset.replace_bad and dataset.bad_images == 'skip'
         self.skipped: Set[str] = set()
         self._logged: Set[str] = set()
 
@@ -523,6 +527,12 @@ class ImageLoader(DataLoader):
                 if bad.path not in self._logged:
                     self._logged.add(bad.path)
                     logger.warning(bad.skip_message())
+            if self.replacing and batch.dropped:  # on any process: a batch short on one alone would desynchronise
+                tried = min(len(self.dataset), _REPLACEMENT_ATTEMPTS)
+                raise BadImageError(f"none of {tried} files tried in turn for one training image of {self.root} can "
+                                    f"be read (the first: {batch.bad[0]}); expected a split whose images can be read "
+                                    f"(DATA.BAD_IMAGES 'skip' stands readable images in for a few bad ones; "
+                                    f"--check-data lists the files that cannot be read)")
             if batch.images is not None:
                 yield batch.images, batch.targets
 

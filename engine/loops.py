@@ -260,23 +260,21 @@ def train_one_epoch(
     loss_sum, count = all_reduce_sum([loss_meter.sum, loss_meter.count], info.device)
     state.epoch_loss_sum += loss_sum
     state.epoch_loss_count += count
-    if not stopped and not state.epoch_loss_count:
-        raise _nothing_read(loader, 'the training epoch')
     return EpochResult(loss=state.epoch_loss_sum / max(state.epoch_loss_count, 1), lr=lr, images=images,
                        seconds=time.perf_counter() - start, stopped=stopped)
 
 
-@torch.no_grad()
-def _nothing_read(loader: DataLoader, what: str) -> UsageError:
-    """The error for a pass over `loader` in which no process read an image: every file it met was left out as
-    unreadable (`DATA.BAD_IMAGES` 'skip'), which would otherwise report a loss of 0 or accuracy over no image."""
+def _nothing_read(loader: DataLoader) -> UsageError:
+    """The error for an evaluation in which no process read an image: every file was left out as unreadable
+    (`DATA.BAD_IMAGES` 'skip'), which would otherwise report accuracy over no image."""
     skipped = sorted(getattr(loader, 'skipped', ()))
     first = f", the first here: {skipped[0]}" if skipped else ''
-    return UsageError(f"{what} read no image: DATA.BAD_IMAGES 'skip' left out every file it met as unreadable "
+    return UsageError(f"the evaluation read no image: DATA.BAD_IMAGES 'skip' left out every file as unreadable "
                       f"({len(skipped)} on this process{first}); expected a split with images that can be read "
                       f"(--check-data lists the files that cannot)")
 
 
+@torch.no_grad()
 def evaluate(model: nn.Module, loader: DataLoader, info: DistInfo, *, amp: bool = False,
              amp_dtype: str = 'float16', desc: str = '',
              compile_timer: Optional[CompileTimer] = None) -> Dict[str, float]:
@@ -306,7 +304,7 @@ def evaluate(model: nn.Module, loader: DataLoader, info: DistInfo, *, amp: bool 
     progress.close()
     correct1, correct5, loss_sum, count = all_reduce_sum([correct1, correct5, loss_sum, count], info.device)
     if not count:
-        raise _nothing_read(loader, 'the evaluation')
+        raise _nothing_read(loader)
     return dict(top1=100.0 * correct1 / count, top5=100.0 * correct5 / count, loss=loss_sum / count,
                 count=int(count))
 

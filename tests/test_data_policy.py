@@ -276,25 +276,41 @@ def test_a_split_of_unreadable_files_stops_in_one_line_in_time_linear_in_its_siz
     """Under 'skip', a split whose files all fail to decode (a dataset cloned without its Git LFS objects) trained
     epochs of no step with a loss of 0 and evaluated 'top-1 0.00 on 1 image' with status 0, and each training sample
     tried every other file: time quadratic in the split."""
-    for path in (p for p in (data / 'train').rglob('*') if p.is_file()):
+    for path in (p for p in data.rglob('*') if p.is_file() and p.suffix == '.png'):
         path.write_text('version https://git-lfs.github.com/spec/v1\n')
     cfg = load_config(TINY, ['DATA.DATASET', 'imagefolder', 'DATA.DATA_PATH', str(data), 'DATA.BAD_IMAGES', 'skip',
                              *ELEVENS])
     train_set = load_split(str(data), 'train', train_transform(cfg), 10, 'skip', replace_bad=True)
-    image, _, met = train_set[0]  # 32 files tried, all different, then the sample is dropped
+    image, _, met = train_set[0]  # 32 files tried, all different, then the loader stops
     assert image is None and len({b.path for b in met}) == len(met) == engine.data._REPLACEMENT_ATTEMPTS == 32
     assert run_cli(train_main, train_argv(tmp_path / 'run', data, 'DATA.BAD_IMAGES', 'skip')) == USAGE_EXIT_CODE
-    assert error_line(capsys).startswith("error: the training epoch read no image: DATA.BAD_IMAGES 'skip' left out "
-                                         "every file it met as unreadable (")
+    assert re.fullmatch(rf"error: none of 32 files tried in turn for one training image of {re.escape(str(data))}/"
+                        rf"train can be read \(the first: image '.*' is not an image \(Pillow cannot identify its "
+                        rf"format\)\); expected a split whose images can be read \(DATA.BAD_IMAGES 'skip' stands "
+                        rf"readable images in for a few bad ones; --check-data lists the files that cannot be read\)",
+                        error_line(capsys))
     assert not (tmp_path / 'run' / 'last.pth').exists()
-    loader = build_train_loader(cfg, train_set, CPU)
-    loader.sampler.set_epoch(0)
-    assert list(loader) == []
+    val_set = load_split(str(data), 'val', eval_transform(cfg), 10, 'skip')
+    loader = build_eval_loader(cfg, val_set, CPU, 24)
     with pytest.raises(UsageError, match=r"^the evaluation read no image: DATA.BAD_IMAGES 'skip' left out every file "
-                                         r"it met as unreadable \(\d+ on this process, the first here: .*\); expected "
-                                         r"a split with images that can be read \(--check-data lists the files that "
+                                         r"as unreadable \(40 on this process, the first here: .*\); expected a split "
+                                         r"with images that can be read \(--check-data lists the files that "
                                          r"cannot\)$"):
         evaluate(torch.nn.Linear(1, 1), loader, CPU)
+
+
+def test_evaluation_builds_no_autograd_graph():
+    """A change to evaluate() left its no_grad decorator on another function: validation kept every activation for
+    a backward pass that never came."""
+    grad_enabled = []
+
+    class Recording(torch.nn.Linear):
+        def forward(self, x):
+            grad_enabled.append(torch.is_grad_enabled())
+            return super().forward(x)
+
+    result = evaluate(Recording(8, 10), [(torch.randn(4, 8), torch.tensor([0, 1, 2, 3]))], CPU)
+    assert grad_enabled == [False] and result['count'] == 4
 
 
 def test_images_of_16_bit_pixels_are_read_as_8_bits_and_wider_data_is_a_bad_image(tmp_path):
