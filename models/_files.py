@@ -51,7 +51,7 @@ def temporary_path(path: str) -> str:
     return os.path.join(folder, f'.{name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp')
 
 
-# the (temporary file, target) pairs of the `files_taken_together` blocks running, innermost last
+# the (temporary file, target) pairs of the outermost `files_taken_together` block running, while one runs
 _GROUPS: List[List[Tuple[str, str]]] = []
 
 
@@ -92,19 +92,23 @@ def atomic_write(path: str, write: Callable[[BinaryIO], Any]) -> None:
 def files_taken_together() -> Iterator[None]:
     """The files `atomic_write` writes in the block take their names when it ends, together: an error, a crash or a
     signal leaves all the previous files or all the new ones (a table, its Markdown and its figure from one run).
-    SIGINT and SIGTERM wait while the names change; an error in the block removes the new files."""
+    SIGINT and SIGTERM wait while the names change; an error in the block removes the new files. A block inside
+    another joins it: its files take their names with the outer block's."""
+    if _GROUPS:
+        yield
+        return
     group: List[Tuple[str, str]] = []
     _GROUPS.append(group)
     try:
         yield
     except BaseException:
-        _GROUPS.remove(group)
+        _GROUPS.pop()
         for tmp, _ in group:
             if os.path.exists(tmp):
                 os.remove(tmp)
             UNFINISHED_FILES.discard(tmp)
         raise
-    _GROUPS.remove(group)
+    _GROUPS.pop()
     try:
         with _signals_held():
             for tmp, path in group:

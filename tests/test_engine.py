@@ -501,6 +501,15 @@ def test_files_taken_together_take_their_names_at_the_end_and_a_signal_waits_for
             raise KeyboardInterrupt
     assert [p.read_text() for p in paths] == ['old\n', 'old\n'] and sorted(os.listdir(tmp_path)) == ['t.csv', 't.md']
     assert not UNFINISHED_FILES
+    with pytest.raises(KeyboardInterrupt):  # a block inside another joins it
+        with files_taken_together():
+            with files_taken_together():
+                atomic_write_text(str(paths[0]), 'new\n')
+            atomic_write_text(str(paths[1]), 'new\n')
+            raise KeyboardInterrupt
+    assert [p.read_text() for p in paths] == ['old\n', 'old\n'] and sorted(os.listdir(tmp_path)) == ['t.csv', 't.md']
+    atomic_write_text(str(paths[0]), 'written at once\n')  # no block left open
+    assert paths[0].read_text() == 'written at once\n'
     real_replace = os.replace
 
     def signalled(source, target):  # SIGINT as a terminal sends it, between the two renames
