@@ -266,10 +266,12 @@ _WIDE_MODES = ('I;16', 'I;16L', 'I;16B', 'I;16N', 'I', 'F')
 
 def _eight_bit(image: Image.Image) -> Image.Image:
     """A one-channel image of 16-bit values (0 to 65535, as the 'I;16' and 'I' modes of 16-bit files hold them) as
-    8 bits, v * 255 / 65535 rounded; a ValueError for other values (32-bit or floating-point data, whose range an
-    image file does not state)."""
+    8 bits, v * 255 / 65535 rounded; a ValueError for floating-point data and for other values (32-bit data),
+    whose range an image file does not state."""
+    if image.mode == 'F':
+        raise ValueError("F pixels, floating-point data; expected 8- or 16-bit integer values")
     values = np.asarray(image, dtype=np.float64)
-    if values.size and not (0 <= values.min() and values.max() <= 65535 and np.array_equal(values, np.round(values))):
+    if values.size and not (0 <= values.min() and values.max() <= 65535):
         raise ValueError(f"{image.mode} pixels from {values.min():g} to {values.max():g}; expected 16-bit values, "
                          f"integers from 0 to 65535")
     return Image.fromarray(np.round(values * (255 / 65535)).astype(np.uint8), mode='L')

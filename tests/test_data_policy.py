@@ -325,8 +325,10 @@ def test_images_of_16_bit_pixels_are_read_as_8_bits_and_wider_data_is_a_bad_imag
         assert np.array_equal(np.asarray(read_image(str(tmp_path / name), 'RGB')), np.stack([expected] * 3, axis=-1))
     Image.fromarray(np.linspace(0, 1, 256, dtype=np.float32).reshape(16, 16), mode='F').save(tmp_path / 'float.tif')
     Image.fromarray(np.full((16, 16), 70000, np.int32), mode='I').save(tmp_path / 'wide.tif')
-    assert read_image(str(tmp_path / 'float.tif')) == BadImage(str(tmp_path / 'float.tif'), (
-        'cannot be decoded (ValueError: F pixels from 0 to 1; expected 16-bit values, integers from 0 to 65535)'))
+    Image.fromarray(np.ones((16, 16), np.float32), mode='F').save(tmp_path / 'mask.tif')  # whole numbers, as floats
+    for name in ('float.tif', 'mask.tif'):
+        assert read_image(str(tmp_path / name)) == BadImage(str(tmp_path / name), (
+            'cannot be decoded (ValueError: F pixels, floating-point data; expected 8- or 16-bit integer values)'))
     assert read_image(str(tmp_path / 'wide.tif')).reason == ('cannot be decoded (ValueError: I pixels from 70000 to '
                                                             '70000; expected 16-bit values, integers from 0 to 65535)')
 
