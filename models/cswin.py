@@ -259,7 +259,7 @@ class CSWinTransformer(ZooModel):
         la_split = None if la_split_size is None else _parse_split(la_split_size, 'la_split_size')
         self.img_size: Grid = tuple(to_2tuple(img_size))
         self.img_divisor = 4  # the stem's stride
-        self.dynamic_img_size = dynamic_img_size
+        self._init_input_size(dynamic_img_size)
         self._check_size(self.img_size, 'img_size')
         self.grid_sizes = self._stage_grids(self.img_size)
         self._init_output_fmt('NHWC')

@@ -320,7 +320,7 @@ class ZooModel(nn.Module):
 
     A family builds `norm`, `head`, `feature_info`, `num_features`, `global_pool`, `num_prefix_tokens`,
     `num_stages`, `img_size`, `img_divisor` (and `img_min_side` where its stages need more than one divisor, 1 by
-    default) and `dynamic_img_size`, calls `_init_output_fmt`, and implements
+    default), calls `_init_input_size` and `_init_output_fmt`, and implements
     `_run_stages(x, num_stages, keep)`: the first `num_stages` stages on the images (grid from `_input_grid`),
     keeping the tokens and (H, W) grid of the stages in `keep`, as a loop over its stage modules that TorchScript
     unrolls, and `_set_grids(img_size)` for `set_input_size`. Intermediates are taken at the stages' outputs.
@@ -338,9 +338,6 @@ class ZooModel(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.img_min_side = 1
-        # the model, not its patch embedding, checks the input size: timm's builder would read the embedding's
-        # `strict_img_size` (False) and record any size as taken; it still frees the size under `dynamic_img_size`
-        self._traits = {'fixed_input_size': True}
         # official checkpoints hold the buffers these models recompute, so that `load_state_dict` of one works as
         # in the official code, and so does timm's `load_checkpoint` (create_model's `checkpoint_path`)
         self.register_load_state_dict_pre_hook(_skip_derived_buffers)
@@ -355,6 +352,13 @@ class ZooModel(nn.Module):
     def _stage_prefix_tokens(self, i: int) -> int:
         """Prefix tokens (a class token) before the grid tokens of stage i's output."""
         return self.num_prefix_tokens
+
+    def _init_input_size(self, dynamic_img_size: bool) -> None:
+        """Take any input size with `dynamic_img_size`, else `img_size` only, and say so in timm's model traits:
+        the model, not its patch embedding, checks the size, and timm would read the embedding's `strict_img_size`
+        (False) as any size taken."""
+        self.dynamic_img_size = dynamic_img_size
+        self._traits = {**getattr(self, '_traits', {}), 'fixed_input_size': not dynamic_img_size}
 
     def _init_output_fmt(self, output_fmt: str) -> None:
         """Lay `forward_features` out as `output_fmt`: 'NLC' tokens (prefix tokens first), or the last stage's map

@@ -198,7 +198,7 @@ class PyramidVisionTransformer(ZooModel):
         self.img_divisor = patch_size * 2 ** (NUM_STAGES - 1)
         least = smallest_side((patch_size, 2, 2, 2), names, sr_ratios, la_sr_ratios)
         self.img_min_side = -(-least // self.img_divisor) * self.img_divisor  # the sides are multiples of it
-        self.dynamic_img_size = dynamic_img_size
+        self._init_input_size(dynamic_img_size)
         self.img_size: Grid = tuple(to_2tuple(img_size))
         self._check_size(self.img_size, 'img_size')
         self._init_output_fmt('NLC' if class_token else 'NCHW')

@@ -217,7 +217,7 @@ class PyramidVisionTransformerV2(ZooModel):
         self.num_stages = NUM_STAGES
         self.img_divisor = 1
         self.img_min_side = smallest_side(_STRIDES, names, sr_ratios, la_sr_ratios)
-        self.dynamic_img_size = dynamic_img_size
+        self._init_input_size(dynamic_img_size)
         self.img_size: Grid = tuple(to_2tuple(img_size))
         self._check_size(self.img_size, 'img_size')
         self._init_output_fmt('NCHW')

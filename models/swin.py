@@ -157,7 +157,7 @@ class SwinTransformer(ZooModel):
             per_stage=('depths', 'num_heads'))
         self.img_size: Grid = tuple(to_2tuple(img_size))
         self.img_divisor = patch_size
-        self.dynamic_img_size = dynamic_img_size
+        self._init_input_size(dynamic_img_size)
         num_stages = len(depths)
         if len(num_heads) != num_stages:
             raise ValueError(f"num_heads {list(num_heads)} must give one value per stage of depths {list(depths)}")

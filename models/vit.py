@@ -129,7 +129,7 @@ class DeiT(ZooModel):
         self.grad_checkpointing = False
         self.img_size: Grid = tuple(to_2tuple(img_size))
         self.img_divisor = patch_size
-        self.dynamic_img_size = dynamic_img_size
+        self._init_input_size(dynamic_img_size)
         self._check_size(self.img_size, 'img_size')
         norm_layer = partial(nn.LayerNorm, eps=1e-6)
 

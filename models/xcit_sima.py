@@ -291,7 +291,7 @@ class SimAXCiT(ZooModel):
         self.grad_checkpointing = False
         self.img_size: Grid = tuple(to_2tuple(img_size))
         self.img_divisor = patch_size
-        self.dynamic_img_size = dynamic_img_size
+        self._init_input_size(dynamic_img_size)
         self._check_size(self.img_size, 'img_size')
         self.grid_size: Grid = (self.img_size[0] // patch_size, self.img_size[1] // patch_size)
 

@@ -289,6 +289,10 @@ def test_a_model_that_takes_one_input_size_says_so_and_an_export_reloads_at_it(f
         torch.testing.assert_close(reloaded(x), model(x), rtol=0, atol=0)
     dynamic = tiny_model(family_model(family), dynamic_img_size=True)
     assert get_model_input_config(dynamic)['fixed_input_size'] is False
+    # built by its class, without timm's builder, a model says the same
+    for dynamic_img_size in (False, True):
+        built = type(model)(**{**TINY[family], 'dynamic_img_size': dynamic_img_size})
+        assert get_model_input_config(built)['fixed_input_size'] is not dynamic_img_size
 
 
 @pytest.mark.parametrize('family', [*FAMILIES, 'sima_xcit'])
