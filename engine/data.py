@@ -1,7 +1,8 @@
 """Image-folder datasets (ImageNet layout or the embedded digits demo), timm transforms, samplers and loaders.
 
 Both datasets go through the same path: `<root>/train/<class>/*` and `<root>/val/<class>/*` read by torchvision's
-`ImageFolder`, with a scan that follows each folder once (no symlink loop) and counts each file once. Files that are
+`ImageFolder`, with a scan that follows each folder once per class (no symlink loop) and counts each file once per
+class. Files that are
 not images that can be read (broken links, FIFOs, empty, truncated or non-image files) follow `DATA.BAD_IMAGES`:
 'error' stops with one line naming the file, 'skip' leaves them out and says so. The digits set (scikit-learn's
 1,797 real 8x8 images) is written once as such a folder.
@@ -284,8 +285,9 @@ def _bad_files_error(bad: Sequence[BadImage], where: str) -> UsageError:
 
 
 class ImageFolderSplit(ImageFolder):
-    """torchvision's `ImageFolder` with a scan that enters each folder once (links are followed, loops are not),
-    counts each file once (the first path in scan order keeps it), and checks each file cheaply (a regular,
+    """torchvision's `ImageFolder` with a scan that enters each folder once per class (links are followed, loops and
+    links to another class's whole folder are not), counts each file once per class (the first path in scan order
+    keeps it; a file two classes hold counts in both, as in `ImageFolder`), and checks each file cheaply (a regular,
     non-empty, readable file), and a `__getitem__` that reports the files it cannot read instead of raising.
 
     Under `bad_images` 'error' the scan raises `UsageError` naming the first bad file (and counting the others);
@@ -312,7 +314,7 @@ class ImageFolderSplit(ImageFolder):
         """(path, class index) of every image file, in torchvision's order (classes, then folders by path, then
         names); raise `UsageError` for a class folder without images."""
         claimed = {self._key(directory): directory}
-        # class folders are claimed first, so a link from one class folder to another is not followed
+        # class folders are claimed first, so a link from one class to another's whole folder is not followed
         for name in class_to_idx:
             path = os.path.join(directory, name)
             claimed.setdefault(self._key(path), path)
@@ -323,7 +325,8 @@ class ImageFolderSplit(ImageFolder):
         samples, empty, again, shared = [], [], [], []
         for name in sorted(class_to_idx):
             count = len(samples)
-            for path in self._walk(os.path.join(directory, name), claimed):
+            # each class walks its own folders once: a link into a subfolder of another class counts there too
+            for path in self._walk(os.path.join(directory, name), dict(claimed)):
                 status = _stat_image(path)
                 if isinstance(status, BadImage):
                     self.left_out.append(status)

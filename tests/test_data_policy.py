@@ -138,10 +138,16 @@ def test_a_file_linked_into_another_class_counts_in_both_as_torchvision_has_it(d
     dog = sorted((train / '7').iterdir())[0]
     (train / '2' / 'alias.png').symlink_to(dog)
     os.link(sorted((train / '8').iterdir())[0], train / '1' / 'copy.png')
+    (train / '9' / 'sub').mkdir()  # and a link to a subfolder of another class, which held it alone
+    moved = sorted((train / '9').glob('*.png'))[0]
+    moved.rename(train / '9' / 'sub' / moved.name)
+    (train / '3' / 'linked').symlink_to(train / '9' / 'sub')
+    plain = [(str(train / '9' / 'sub' / moved.name) if path == str(moved) else path, target) for path, target in plain]
     dataset = load_split(str(data), 'train', None, 10)
     assert sorted(dataset.samples) == sorted(ImageFolder(str(train)).samples) == sorted(
-        plain + [(str(train / '2' / 'alias.png'), 2), (str(train / '1' / 'copy.png'), 1)])
-    assert dataset.notes == [f"2 file(s) are in more than one class, through links, and count in each "
+        plain + [(str(train / '2' / 'alias.png'), 2), (str(train / '1' / 'copy.png'), 1),
+                 (str(train / '3' / 'linked' / moved.name), 3)])
+    assert dataset.notes == [f"3 file(s) are in more than one class, through links, and count in each "
                              f"({dog} is {train / '2' / 'alias.png'}, ...)"]
 
 
