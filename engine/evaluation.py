@@ -12,7 +12,7 @@ from models.checkpoint import CheckpointError, load_checkpoint_file
 from models.onednn import convert_to_onednn
 
 from .build import (autocast_dtype, check_model_name, checkpoint_weights, classifier_names, classifier_rows,
-                    create_model, official_weights)
+                    create_model, import_model_modules, official_weights)
 from .checkpoint import recorded_classes
 from .compile import CompileTimer, compile_errors_reported, compile_model
 from .config import config_from_yaml_string, get_default_config, load_config, merge_dict, merge_opts, validate_config
@@ -73,6 +73,10 @@ def eval_config(
     `local-dir:` / `hf-hub:` `--model` with the architecture and preprocessing of its config.json, or (none of
     these) the config stored in one of our checkpoints; then command-line overrides and `--opts`. `model_option`
     names the option that gave `model_name` in errors."""
+    if not cfg_file and model_name:  # a name a module of MODEL.IMPORTS registers is checked after it is imported
+        imports = get_default_config()
+        merge_opts(imports, list(opts))
+        import_model_modules(imports)
     if cfg_file:
         cfg = load_config(cfg_file, opts, overrides)
         cfg.defrost()
@@ -85,8 +89,9 @@ def eval_config(
         check_model_name(model_name)
         cfg = get_default_config()
         cfg.MODEL.NAME = model_name
-        merge_dict(cfg, _model_data_settings(timm.models.get_pretrained_cfg(model_name).to_dict()),
-                   f"the pretrained config of {model_name}")
+        pretrained_cfg = timm.models.get_pretrained_cfg(model_name)
+        if pretrained_cfg is not None:  # a model registered without default_cfgs takes the engine's defaults
+            merge_dict(cfg, _model_data_settings(pretrained_cfg.to_dict()), f"the pretrained config of {model_name}")
         merge_dict(cfg, overrides or {}, 'the command line')
         merge_opts(cfg, list(opts))
     elif checkpoint:

@@ -231,6 +231,17 @@ class HotSoftmaxMixer(SoftmaxMixer):
 """
 
 
+USER_FAMILY = """
+from models.checkpoint import filter_checkpoint
+from models.family import create_variant, register_variants
+from models.vit import DeiT
+
+VARIANTS = {'my_family_tiny': (dict(patch_size=4, embed_dim=16, depth=1, num_heads=2, attn_type='softmax'), 'A DeiT.')}
+register_variants(__name__, VARIANTS, lambda name, pretrained, model_args, kwargs: create_variant(
+    DeiT, name, pretrained, model_args, kwargs, pretrained_filter_fn=filter_checkpoint))
+"""
+
+
 def test_an_attention_registered_outside_the_package_trains_and_evaluates_through_model_imports(tmp_path, digits):
     """train.py, eval.py and the scripts build models from a config, with no way to import a user's module: an
     attention registered outside the package was 'bad attn_type'. MODEL.IMPORTS names the modules to import; the
@@ -248,6 +259,15 @@ def test_an_attention_registered_outside_the_package_trains_and_evaluates_throug
                                 str(digits)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert evaluated.returncode == 0, evaluated.stderr[-3000:]
     assert json.loads(evaluated.stdout.splitlines()[-1])['count'] == 360
+    # a family of the user's module, named to eval.py: known once the module is imported (it was 'unknown model',
+    # checked before), and then refused for what it lacks, released weights
+    (tmp_path / 'my_family.py').write_text(USER_FAMILY)
+    by_name = subprocess.run([sys.executable, str(REPO / 'eval.py'), '--model', 'my_family_tiny', '--data-path',
+                              str(digits), '--opts', 'MODEL.IMPORTS', "['my_family']", 'MODEL.NUM_CLASSES', '10',
+                              'DATA.IMG_SIZE', '16'], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert by_name.returncode == USAGE_EXIT_CODE and by_name.stderr.splitlines()[-1] == (
+        "error: model 'my_family_tiny' has no pretrained weights to start from; expected a checkpoint file of your "
+        "own")
     missing = subprocess.run(train + ['MODEL.IMPORTS', "['no_such_module']"], cwd=tmp_path, capture_output=True,
                              text=True, timeout=300)
     assert missing.returncode == USAGE_EXIT_CODE and missing.stderr.splitlines()[-1] == (
