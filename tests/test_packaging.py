@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Sequence, Set
 
 import pytest
+from setuptools.config.pyprojecttoml import read_configuration
 
 REPO = Path(__file__).resolve().parents[1]
 # What a checkout holds beyond the project: version control, CI, environments, build and run outputs, caches.
@@ -79,8 +80,10 @@ def distribution_name(requirement: str) -> str:
 def test_every_package_the_code_imports_is_declared():
     """PyYAML, which the config loader imports, came only through yacs, which declares it without a floor. Every
     import of the packages, the scripts, train.py and eval.py outside the standard library is a dependency or an
-    extra's of the installed project's metadata (reinstall after changing pyproject.toml)."""
-    declared = {distribution_name(r) for r in importlib.metadata.requires('swappable-attention-zoo') or ()}
+    extra's in pyproject.toml (read by setuptools, the build backend)."""
+    project = read_configuration(REPO / 'pyproject.toml')['project']
+    requirements = project['dependencies'] + [r for extra in project['optional-dependencies'].values() for r in extra]
+    declared = {distribution_name(r) for r in requirements}
     sources = [path for top in ('models', 'engine', 'scripts') for path in (REPO / top).rglob('*.py')]
     sources += [REPO / 'train.py', REPO / 'eval.py']
     ours = {'models', 'engine'} | {path.stem for path in (REPO / 'scripts').glob('*.py')}  # scripts import siblings
