@@ -27,7 +27,8 @@ from timm.utils import ModelEmaV3
 from torch import nn
 from yacs.config import CfgNode as CN
 
-from models._files import TEMP_NAME, atomic_write, file_in_the_way, remove_left_by_dead_processes, temporary_path
+from models._files import (TEMP_NAME, atomic_write, file_in_the_way, files_taken_together,
+                           remove_left_by_dead_processes, temporary_path)
 from models.checkpoint import CheckpointError, load_checkpoint_file, load_state_dict_checked
 
 from .build import optimizer_settings
@@ -37,8 +38,8 @@ from .errors import UsageError
 from .loops import TrainState, step_schedule
 
 __all__ = ['LAST', 'BEST', 'LOCK', 'recorded_classes', 'TrainingCheckpoint', 'OutputLock', 'check_writable_folder',
-           'prepare_script_out', 'atomic_save', 'atomic_write_text', 'NOTES_MARKER', 'write_table_keeping_notes',
-           'remove_stale_temp_files', 'rng_state', 'set_rng_state']
+           'prepare_script_out', 'atomic_save', 'atomic_write_text', 'files_taken_together', 'NOTES_MARKER',
+           'write_table_keeping_notes', 'remove_stale_temp_files', 'rng_state', 'set_rng_state']
 
 LAST, BEST, LOCK = 'last.pth', 'best.pth', '.train.lock'
 logger = logging.getLogger('engine')

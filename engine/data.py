@@ -421,7 +421,7 @@ _REPLACEMENT_ATTEMPTS = 32
 
 def _spread_stride(size: int) -> int:
     """A step through `size` samples that visits all of them and leaves a folder of bad files at once: the first
-    number from 0.618·size up that is coprime with `size`."""
+    number from floor(0.618·size) (at least 1) up that is coprime with `size`."""
     stride = max(1, int(size * 0.618))
     while math.gcd(stride, size) != 1:
         stride += 1

@@ -26,8 +26,7 @@ with quit_on_interrupt():  # while torch and the models load: nothing has starte
 
     import models  # noqa: F401  (registers the families)
     from engine.analysis import find_images, load_analysis_model, load_images, refuse_unreleased
-    from engine.checkpoint import atomic_write_text, prepare_script_out
-    from models._files import files_taken_together
+    from engine.checkpoint import atomic_write_text, files_taken_together, prepare_script_out
     from engine.distributed import DistInfo
     from engine.errors import UsageError, exit_for_missing_extra, refuse_below, run_cli
     from engine.loops import Progress

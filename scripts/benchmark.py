@@ -67,12 +67,11 @@ with quit_on_interrupt():  # while torch and the models load: nothing has starte
 
     import models  # noqa: F401  (registers the families)
     from engine.build import create_optimizer
-    from engine.checkpoint import atomic_write_text, prepare_script_out, write_table_keeping_notes
+    from engine.checkpoint import atomic_write_text, files_taken_together, prepare_script_out, write_table_keeping_notes
     from engine.compile import compile_model
     from engine.config import load_config
     from engine.distributed import resolve_device
     from engine.errors import UsageError, refuse_below, run_cli
-    from models._files import files_taken_together
     from models.attention import forms_score_matrix, list_attentions
     from models.onednn import convert_to_onednn, onednn_available, onednn_linear
 

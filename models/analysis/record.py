@@ -176,7 +176,7 @@ class AttentionRecord:
         names = list(self.layers)
         if isinstance(layer, int) and not -len(names) <= layer < len(names):
             raise IndexError(f"layer {layer} was not recorded; expected an index from {-len(names)} to "
-                           f"{len(names) - 1} of the {len(names)} recorded: {', '.join(names)}")
+                             f"{len(names) - 1} of the {len(names)} recorded: {', '.join(names)}")
         name = names[layer] if isinstance(layer, int) else layer
         if name not in self.layers:
             raise KeyError(f"layer {name!r} was not recorded; recorded: {', '.join(self.layers)}")
