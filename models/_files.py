@@ -101,22 +101,13 @@ def files_taken_together() -> Iterator[None]:
     _GROUPS.append(group)
     try:
         yield
-    except BaseException:
-        _GROUPS.pop()
-        for tmp, _ in group:
-            if os.path.exists(tmp):
-                os.remove(tmp)
-            UNFINISHED_FILES.discard(tmp)
-        raise
-    _GROUPS.pop()
-    try:
         with _signals_held():
             for tmp, path in group:
                 with named_on_error(path):
                     os.replace(tmp, path)
-                UNFINISHED_FILES.discard(tmp)
     finally:
-        for tmp, _ in group:  # those a failed rename left
+        _GROUPS.pop()
+        for tmp, _ in group:  # those not renamed: the block failed, or a rename did
             if os.path.exists(tmp):
                 os.remove(tmp)
             UNFINISHED_FILES.discard(tmp)
