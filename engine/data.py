@@ -388,15 +388,24 @@ class ImageFolderSplit(ImageFolder):
             for name in found[folder]:
                 yield os.path.join(folder, name)
 
+    @property
+    def replaces_bad(self) -> bool:
+        """Whether a readable file stands in for a bad one: `replace_bad` under 'skip'."""
+        return self.replace_bad and self.bad_images == 'skip'
+
+    @property
+    def stand_ins(self) -> int:
+        """Files tried in turn for one sample: where it `replaces_bad`, a bounded number (trying every next file
+        made a split of unreadable files, Git LFS pointers, take time quadratic in its size), else its own."""
+        return min(len(self.samples), _REPLACEMENT_ATTEMPTS) if self.replaces_bad else 1
+
     def __getitem__(self, index: int) -> Tuple[Any, int, Tuple[BadImage, ...]]:
         bad: List[BadImage] = []
         size = len(self.samples)
-        replacing = self.replace_bad and self.bad_images == 'skip'
-        # a bounded number of files, spread over the folders by a stride coprime with their count (trying every
-        # next file made a split of unreadable files, Git LFS pointers, take time quadratic in its size); where
-        # none of them can be read, the loader stops the run
-        attempts, stride = (min(size, _REPLACEMENT_ATTEMPTS), _spread_stride(size)) if replacing else (1, 1)
-        for attempt in range(attempts):
+        # stand-ins spread over the folders by a stride coprime with their count; where none of them can be read,
+        # the loader stops the run
+        stride = _spread_stride(size) if self.replaces_bad else 1
+        for attempt in range(self.stand_ins):
             path, target = self.samples[(index + attempt * stride) % size]
             image = self.loader(path)
             if not isinstance(image, BadImage):
@@ -515,9 +524,8 @@ class ImageLoader(DataLoader):
 
     def __init__(self, dataset: ImageFolderSplit, seeded: bool = False, **kwargs):
         super().__init__(SeededSamples(dataset) if seeded else dataset, collate_fn=_collate, **kwargs)
+        self.split = dataset
         self.bad_images = dataset.bad_images
-        self.root = dataset.root
-        self.replacing = dataset.replace_bad and dataset.bad_images == 'skip'
         self.skipped: Set[str] = set()
         self._logged: Set[str] = set()
 
@@ -532,12 +540,11 @@ class ImageLoader(DataLoader):
                 if bad.path not in self._logged:
                     self._logged.add(bad.path)
                     logger.warning(bad.skip_message())
-            if self.replacing and batch.dropped:  # on any process: a batch short on one alone would desynchronise
-                tried = min(len(self.dataset), _REPLACEMENT_ATTEMPTS)
-                raise BadImageError(f"none of {tried} files tried in turn for one training image of {self.root} can "
-                                    f"be read (the first: {batch.bad[0]}); expected a split whose images can be read "
-                                    f"(DATA.BAD_IMAGES 'skip' stands readable images in for a few bad ones; "
-                                    f"--check-data lists the files that cannot be read)")
+            if self.split.replaces_bad and batch.dropped:  # on any process: a batch short on one alone desynchronises
+                raise BadImageError(f"none of {self.split.stand_ins} files tried in turn for one training image of "
+                                    f"{self.split.root} can be read (the first: {batch.bad[0]}); expected a split "
+                                    f"whose images can be read (DATA.BAD_IMAGES 'skip' stands readable images in for "
+                                    f"a few bad ones; --check-data lists the files that cannot be read)")
             if batch.images is not None:
                 yield batch.images, batch.targets
 
