@@ -205,7 +205,7 @@ class CSWinTransformer(ZooModel):
             `dynamic_img_size`. Stage grids: the stem's stride-4 output, then halved (rounding up) by every merge.
         patch_size: must be 4, the stride of the convolutional stem (accepted for the official signature).
         in_chans, num_classes: input channels and classes (0: no head).
-        global_pool: 'avg' (mean over tokens) or '' (no pooling).
+        global_pool: 'avg', 'max' or 'avgmax' (mean, maximum or their average over tokens) or '' (no pooling).
         embed_dim: channels of stage 1, doubled by every merge.
         depth, num_heads: blocks and heads of the four stages.
         split_size: stripe width per stage for score-forming attentions (the last stage is always global).

@@ -329,7 +329,8 @@ class ZooModel(nn.Module):
     least `img_min_side`, the grids following the input; otherwise only `img_size`, every grid then fixed when the
     model is built (which symbolic tracing needs).
     """
-    global_pools: ClassVar[Tuple[str, ...]] = ('avg', '')
+    # timm's poolings of tokens and maps; 'token' is added by families with a class token
+    global_pools: ClassVar[Tuple[str, ...]] = ('avg', 'max', 'avgmax', '')
     # The new classifier of `reset_classifier` takes the official init (else PyTorch's Linear init).
     official_head_init: ClassVar[bool] = False
     # The final norm belongs to the last stage's width, so pruning stages drops it.
@@ -470,12 +471,14 @@ class ZooModel(nn.Module):
         return self._format_features(self._final_norm(x), grid)
 
     def forward_head(self, x: Tensor, pre_logits: bool = False) -> Tensor:
-        """Pool the output of `forward_features` (class token, or mean of the grid tokens with 'avg'; '' keeps
-        it whole), then classify: (B, num_features) -> (B, num_classes)."""
+        """Pool the output of `forward_features` as timm pools it ('token': the class token; 'avg', 'max',
+        'avgmax': the mean, maximum or their average over the grid tokens; '' keeps it whole), then classify:
+        (B, num_features) -> (B, num_classes)."""
         if self.features_fmt == 'NLC':
             x = global_pool_nlc(x, self.global_pool, self.num_prefix_tokens)
-        elif self.global_pool == 'avg':
-            x = x.flatten(1, 2).mean(1) if self.features_fmt == 'NHWC' else x.flatten(2).mean(2)
+        elif self.global_pool:
+            tokens = x.flatten(1, 2) if self.features_fmt == 'NHWC' else x.flatten(2).transpose(1, 2)
+            x = global_pool_nlc(tokens, self.global_pool, 0)
         return x if pre_logits else self.head(x)
 
     def forward(self, x: Tensor) -> Tensor:

@@ -151,15 +151,15 @@ class PyramidVisionTransformer(ZooModel):
         attn_kwargs: method options of the attentions (`models.attention.list_attention_options()`).
         class_token: the original PVT head (class token in the last stage, final norm, class-token pooling);
             False for the papers' linear-attention PVTs (mean of the last stage's tokens, no final norm).
-        global_pool: 'token', 'avg' (mean of the last stage's grid tokens) or ''; default 'token' with a class
-            token, else 'avg'.
+        global_pool: 'token', 'avg', 'max' or 'avgmax' (mean, maximum or their average over the last stage's
+            grid tokens) or ''; default 'token' with a class token, else 'avg'.
         drop_rate: dropout after the position embeddings, the attention projections and the MLP layers.
         attn_drop_rate: dropout on attention weights (score-forming attentions).
         drop_path_rate: stochastic depth, rising linearly over all blocks to this rate.
         dynamic_img_size: take any input size whose sides are multiples of `patch_size` · 8.
     """
 
-    global_pools = ('token', 'avg', '')
+    global_pools = ('token', 'avg', 'max', 'avgmax', '')
 
     def __init__(
             self,

@@ -177,7 +177,8 @@ class PyramidVisionTransformerV2(ZooModel):
             sequence of ints.
         attn_type: a registered name for every block, a list of names per stage, or an official pattern ('LLLL').
         attn_kwargs: method options of the attentions (`models.attention.list_attention_options()`).
-        global_pool: 'avg' (mean of the last stage's normalised tokens) or ''.
+        global_pool: 'avg', 'max' or 'avgmax' (mean, maximum or their average over the last stage's normalised
+            tokens) or ''.
         drop_rate: dropout after the attention projections and the MLP layers.
         attn_drop_rate: dropout on attention weights (score-forming attentions).
         drop_path_rate: stochastic depth, rising linearly over all blocks to this rate.

@@ -110,7 +110,7 @@ class SwinTransformer(ZooModel):
             unless `dynamic_img_size`.
         patch_size: patch size of the stem.
         in_chans, num_classes: input channels and classes (0: no head).
-        global_pool: 'avg' (mean over tokens) or '' (no pooling).
+        global_pool: 'avg', 'max' or 'avgmax' (mean, maximum or their average over tokens) or '' (no pooling).
         embed_dim: channels of stage 0, doubled by every patch merging.
         depths, num_heads: blocks and heads per stage.
         window_size: window of the attentions that form scores, with a relative position bias.

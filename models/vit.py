@@ -70,8 +70,8 @@ class DeiT(ZooModel):
         patch_size: side of the square patches.
         in_chans: input image channels.
         num_classes: classifier outputs; 0 for none.
-        global_pool: 'token' (class token), 'avg' (mean of the patch tokens) or '' (no pooling); default 'token'
-            with a class token, else 'avg'.
+        global_pool: 'token' (class token), 'avg', 'max' or 'avgmax' (mean, maximum or their average over the
+            patch tokens) or '' (no pooling); default 'token' with a class token, else 'avg'.
         class_token: a class token before the patch tokens (with its own `pos_embed` row).
         multimax_logits: the MultiMax σ on the class logits, with the model's own `ranges` and `ts` (4,) each;
             the logits are σ(head(pooled features)). σ belongs to the classifier: without one (`num_classes=0`)
@@ -87,7 +87,7 @@ class DeiT(ZooModel):
         init_values: LayerScale in every block, its scales initialised to this value; None for none.
     """
 
-    global_pools = ('token', 'avg', '')
+    global_pools = ('token', 'avg', 'max', 'avgmax', '')
     norm_follows_last_stage = False
 
     def __init__(

@@ -232,7 +232,8 @@ class SimAXCiT(ZooModel):
         patch_size: 16 or 8 (four or three stride-2 convolutions).
         in_chans: input image channels.
         num_classes: classifier outputs; 0 for none.
-        global_pool: 'token' (class token), 'avg' (mean of the patch tokens) or '' (no pooling).
+        global_pool: 'token' (class token), 'avg', 'max' or 'avgmax' (mean, maximum or their average over the
+            patch tokens) or '' (no pooling).
         embed_dim, depth, num_heads, mlp_ratio, qkv_bias: width, patch-token blocks, heads (also of the class
             attention), MLP ratio, bias of the `qkv` projections.
         attn_type: the attention of every patch-token block: a registered name or a one-element list.
@@ -247,7 +248,7 @@ class SimAXCiT(ZooModel):
             every grid then fixed when the model is built).
     """
 
-    global_pools = ('token', 'avg', '')
+    global_pools = ('token', 'avg', 'max', 'avgmax', '')
     norm_follows_last_stage = False
 
     def __init__(

@@ -160,6 +160,45 @@ def test_an_unpooled_map_takes_no_classifier(name, tiny):
     assert model.global_pool == '' and model(x).ndim == 4
 
 
+POOLED = [
+    ('flatten_deit_tiny', TINY['deit']),
+    ('inline_pvt_tiny', TINY['pvt']),
+    ('softmax_pvt_v2_b0', dict(TINY['pvt'], mlp_ratios=[8, 8, 4, 4])),
+    ('inline_swin_tiny', TINY['swin']),
+    ('flatten_cswin_tiny', TINY['cswin']),
+    ('sima_nano_12_p16', dict(img_size=32, embed_dim=16, depth=1, num_heads=2, num_classes=5)),
+]
+
+
+@pytest.mark.parametrize('name, tiny', POOLED)
+def test_timm_poolings_of_the_grid_tokens(name, tiny):
+    """`global_pool` 'max' and 'avgmax' as timm's models take them (the maximum, or the average of the maximum and
+    the mean, of the last stage's grid tokens, prefix tokens left out), from the constructor and from
+    `reset_classifier`; a pooling timm's heads have but these models lack is named on one line."""
+    model = timm.create_model(name, **tiny).eval()
+    x = torch.randn(2, 3, *model.img_size)
+    with torch.no_grad():
+        features = model.forward_features(x)
+    if model.features_fmt == 'NLC':
+        tokens = features[:, model.num_prefix_tokens:]
+    else:
+        tokens = features.flatten(1, 2) if model.features_fmt == 'NHWC' else features.flatten(2).transpose(1, 2)
+    expected = dict(max=tokens.amax(1), avgmax=0.5 * (tokens.amax(1) + tokens.mean(1)))
+    weights, head = model.state_dict(), model.get_classifier()
+    for pool, pooled in expected.items():
+        built = timm.create_model(name, **dict(tiny, global_pool=pool)).eval()
+        built.load_state_dict(weights)
+        with torch.no_grad():
+            torch.testing.assert_close(built.forward_head(features, pre_logits=True), pooled)
+            torch.testing.assert_close(built(x), head(pooled))
+        model.reset_classifier(3, pool)
+        assert model.global_pool == pool and model(x).shape == (2, 3)
+        with torch.no_grad():
+            torch.testing.assert_close(model.forward_head(features, pre_logits=True), pooled)
+    with pytest.raises(ValueError, match=r"^global_pool 'catavgmax' is not supported; expected one of .*'avgmax'"):
+        model.reset_classifier(3, 'catavgmax')
+
+
 @pytest.mark.parametrize('name', ['softmax_deit_small', 'softmax_swin_tiny', 'inline_pvt_tiny'])
 def test_another_attention_does_not_inherit_the_weights_url(name):
     with torch.device('meta'):

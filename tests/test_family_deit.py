@@ -234,7 +234,7 @@ def test_head_pooling_and_classifier_reset():
         model.reset_classifier(0)
         assert model(x).shape == (2, 32)
     with pytest.raises(ValueError, match='global_pool'):
-        model.reset_classifier(3, 'max')
+        model.reset_classifier(3, 'map')
     assert model.no_weight_decay() == {'pos_embed', 'cls_token'}
     assert model.num_features == model.head_hidden_size == 32
 

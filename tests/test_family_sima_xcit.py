@@ -381,7 +381,7 @@ def test_features_head_and_classifier_reset():
         model.reset_classifier(0)
         assert model(x).shape == (2, 16) and model.num_features == model.head_hidden_size == 16
     with pytest.raises(ValueError, match='global_pool'):
-        model.reset_classifier(3, 'max')
+        model.reset_classifier(3, 'map')
 
 
 def test_weight_decay_groups_are_the_official_ones():

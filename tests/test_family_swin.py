@@ -429,5 +429,5 @@ def test_classifier_weight_decay_groups_and_grad_checkpointing():
     assert model(x).shape == (2, 3)
     model.reset_classifier(0, '')
     assert model(x).shape == (2, 1, 1, 128)
-    with pytest.raises(ValueError, match="global_pool 'max'"):
-        model.reset_classifier(0, 'max')
+    with pytest.raises(ValueError, match="global_pool 'map'"):
+        model.reset_classifier(0, 'map')
