@@ -260,8 +260,9 @@ def train_one_epoch(
     loss_sum, count = all_reduce_sum([loss_meter.sum, loss_meter.count], info.device)
     state.epoch_loss_sum += loss_sum
     state.epoch_loss_count += count
-    return EpochResult(loss=state.epoch_loss_sum / max(state.epoch_loss_count, 1), lr=lr, images=images,
-                       seconds=time.perf_counter() - start, stopped=stopped)
+    # an epoch whose every update was skipped has no loss to report; NaN says so where 0 would read as a perfect fit
+    loss = state.epoch_loss_sum / state.epoch_loss_count if state.epoch_loss_count else math.nan
+    return EpochResult(loss=loss, lr=lr, images=images, seconds=time.perf_counter() - start, stopped=stopped)
 
 
 def _nothing_read(loader: DataLoader) -> UsageError:

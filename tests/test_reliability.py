@@ -131,6 +131,18 @@ def test_a_non_finite_micro_batch_drops_its_whole_accumulated_update():
     assert_same_training(skipped, clean)
 
 
+def test_an_epoch_of_skipped_updates_reports_no_loss():
+    """The mean training loss of an epoch whose every update was skipped is NaN (nothing measured), not 0."""
+    model = nn.Linear(4, 3)
+    options = EpochOptions(updates=3, max_nonfinite_steps=3)
+    run = dict(optimizer=torch.optim.SGD(model.parameters(), lr=0.1), scheduler=RecordingScheduler(),
+               scaler=torch.amp.GradScaler('cpu', enabled=False), info=CPU, options=options)
+    criterion = nn.CrossEntropyLoss()
+    skipped = train_one_epoch(model, linear_batches(3), nan_at(criterion, {0, 1, 2}), state=TrainState(), **run)
+    assert math.isnan(skipped.loss) and skipped.images == 24
+    clean = train_one_epoch(model, linear_batches(3), criterion, state=TrainState(), **run)
+    assert math.isfinite(clean.loss) and clean.loss > 0
+
 def test_more_non_finite_steps_than_allowed_raise_naming_the_step():
     with pytest.raises(NonFiniteLossError, match=r"^the training loss is not finite at step 2 \(epoch 0, batch 3\) "
                                                  r"after 1 skipped step\(s\) \(TRAIN.MAX_NONFINITE_STEPS 1\)"):
