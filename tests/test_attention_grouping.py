@@ -5,6 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from models.analysis import record_attention
 from models.attention import build_attention
 from models.attention.layout import image_to_tokens, relative_position_index, tokens_to_image
 from reference import SPEC_RANGES, SPEC_TS, dense, max_abs_err, naive_l1, naive_sigma, naive_softmax
@@ -42,8 +43,10 @@ def build64(name, dim, num_heads, grid, **kwargs):
 # ---------------------------------------------------------------- Swin windows
 
 def naive_swin(attn, x, grid, window, shift, sigma_after_mask=False):
-    """Roll, cut windows with loops, attend with the bias gathered by (dy, dx) and the region mask, roll back."""
+    """Roll, cut windows with loops, attend with the bias gathered by (dy, dx) and the region mask, roll back. The
+    mask is Swin's −100 between regions, and MultiMax's −inf after σ (σ's squares may outweigh −100)."""
     (H, W), (wh, ww) = grid, window
+    apart = -math.inf if attn.attention_name == 'multimax' and not sigma_after_mask else -100.
     B, N, C = x.shape
     d = C // attn.num_heads
     qkv = dense(x, attn.qkv).view(B, H, W, 3 * C)
@@ -64,7 +67,7 @@ def naive_swin(attn, x, grid, window, shift, sigma_after_mask=False):
             tokens = torch.stack([qkv[:, sy, sx] for sy, sx in (source(*c) for c in cells)], dim=1)
             mask = None
             if shift:
-                mask = torch.tensor([[0. if region(*ci) == region(*cj) else -100. for cj in cells] for ci in cells],
+                mask = torch.tensor([[0. if region(*ci) == region(*cj) else apart for cj in cells] for ci in cells],
                                     dtype=x.dtype)
             for j in range(attn.num_heads):
                 bias = torch.stack([table[(yi - yj + wh - 1) * (2 * ww - 1) + (xi - xj + ww - 1), j]
@@ -91,6 +94,29 @@ def test_multimax_in_windows_modulates_before_the_mask():
     out = attn(x, (6, 9))
     assert max_abs_err(out, naive_swin(attn, x, (6, 9), (3, 3), 1)) < 1e-10
     assert max_abs_err(out, naive_swin(attn, x, (6, 9), (3, 3), 1, sigma_after_mask=True)) > 1e-2
+
+
+def test_multimax_masks_other_regions_of_a_shifted_window_whatever_sigma():
+    """σ's squares outweigh Swin's −100 between regions: a query's output must still not move when a token of
+    another region of its window changes, in the forward pass and in the recorded weights."""
+    attn = build64('multimax', 16, 2, (6, 6), grouping='window', window_size=3, shift_size=1, rel_pos_bias=True)
+    with torch.no_grad():
+        attn.mixer.ranges.zero_()
+        attn.mixer.ts.copy_(torch.tensor([0., 0., 0., 2.]))
+    x = 4 * torch.randn(1, 36, 16, dtype=torch.float64)
+    out = attn(x, (6, 6))
+    assert max_abs_err(out, naive_swin(attn, x, (6, 6), (3, 3), 1)) < 1e-10
+    # the last window of the rolled map holds tokens (0, 0), (0, 4), (4, 0) and (4, 4) of the grid, four regions
+    moved = x.clone()
+    moved[0, 4 * 6 + 4] += 10
+    changed = (attn(moved, (6, 6)) - out).abs().amax(-1)[0]
+    assert changed[0] == 0 and changed[4] == 0 and changed[4 * 6] == 0 and changed[4 * 6 + 4] > 0
+    with record_attention(attn) as records:
+        attn(x, (6, 6))
+    weights = records[0].weights  # (B, h, 36, 36) over the grid's tokens
+    corners = [0, 4, 4 * 6, 4 * 6 + 4]
+    apart = weights[0][:, corners][:, :, corners] * (1 - torch.eye(4, dtype=torch.float64))
+    assert torch.isfinite(weights).all() and torch.equal(apart, torch.zeros_like(apart))
 
 
 @pytest.mark.parametrize('window', [(2, 2), (3, 2), (2, 3), (3, 3)])

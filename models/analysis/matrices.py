@@ -26,7 +26,7 @@ from ..attention.inline import InLineMixer, inline_local_residual
 from ..attention.layout import split_heads
 from ..attention.linear import LinearMixer, elu_feature_map
 from ..attention.mixer import MixContext, Mixer, autocast_off
-from ..attention.multimax import MultiMaxMixer, multimax_modulation
+from ..attention.multimax import MultiMaxMixer, multimax_modulation, regions_apart
 from ..attention.sima import SimAMixer, l1_normalize_tokens
 from ..attention.softmax import SoftmaxMixer
 
@@ -111,7 +111,7 @@ def multimax_weights(mixer: MultiMaxMixer, q: Tensor, k: Tensor, v: Tensor, ctx:
                      rows: Optional[Tensor]) -> MixerWeights:
     scores = _scores(mixer, q, k, ctx, rows)
     logits = multimax_modulation(scores, mixer.ranges.to(scores.dtype), mixer.ts.to(scores.dtype))
-    return _masked_softmax(logits, ctx, q.shape[0], rows)
+    return _masked_softmax(logits, ctx._replace(mask=regions_apart(ctx.mask)), q.shape[0], rows)
 
 
 def _grid_local(v: Tensor, ctx: MixContext, local_of: Callable[[Tensor], Tensor]) -> Tensor:

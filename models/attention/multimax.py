@@ -47,7 +47,7 @@ except ImportError:  # older torch: the plain path everywhere
 # the log-sum-exp, in these dtypes.
 _CPU_FLEX_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
-__all__ = ['multimax_modulation', 'multimax_attention', 'MultiMaxMixer']
+__all__ = ['multimax_modulation', 'multimax_attention', 'regions_apart', 'MultiMaxMixer']
 
 
 def _modulated(x: Tensor, ranges: Tensor, ts: Tensor) -> Tensor:
@@ -437,6 +437,15 @@ def _multimax_flex(q: Tensor, k: Tensor, v: Tensor, ranges: Tensor, ts: Tensor, 
     return out, aux.lse.unsqueeze(-1)
 
 
+def regions_apart(mask: Optional[Tensor]) -> Optional[Tensor]:
+    """The (nW, n, m) shifted-window mask with −inf wherever it masks. σ is unbounded, so Swin's −100 between
+    regions of a window may not outweigh σ's squares; MultiMax's own masks are −inf after σ. Every query keeps the
+    keys of its own region, so no row is all −inf."""
+    if mask is None:
+        return None
+    return mask.masked_fill(mask != 0, -math.inf)
+
+
 @register_attention('multimax')
 class MultiMaxMixer(SoftmaxMixer):
     """Softmax attention whose scores pass through the learned MultiMax modulation first (`ranges`, `ts`). Option:
@@ -452,6 +461,6 @@ class MultiMaxMixer(SoftmaxMixer):
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, ctx: MixContext) -> Tensor:
         q, k, v = self.heads(q, k, v)
-        out = multimax_attention(q, k, v, self.ranges, self.ts, ctx.pos_bias, ctx.mask,
+        out = multimax_attention(q, k, v, self.ranges, self.ts, ctx.pos_bias, regions_apart(ctx.mask),
                                  self.attn_drop if self.training else 0., causal=self.causal, onednn=self.onednn)
         return merge_heads(out)
