@@ -30,7 +30,8 @@ from .checkpoint import (HUB_SOURCES, cached_file_name, download_checkpoint, is_
 __all__ = [
     'ZooModel', 'create_variant', 'register_variants', 'Block', 'BlockStack', 'init_weights', 'OfficialKeys',
     'NumberedStageKeys', 'new_classifier',
-    'check_arguments', 'check_global_pool', 'check_input', 'check_sides', 'check_output_fmt', 'imagenet_cfg', 'tag_weights',
+    'check_arguments', 'refuse_causal', 'check_global_pool', 'check_input', 'check_sides', 'check_output_fmt',
+    'imagenet_cfg', 'tag_weights',
     'tsinghua_url', 'INLINE_META', 'FLATTEN_META',
 ]
 
@@ -207,6 +208,14 @@ def check_arguments(
             if not entries or not all(valid(v) for v in entries):
                 each = ' each' if listed else ''
                 raise ValueError(f"{name} {value!r} is out of range; expected {expected}{each}")
+
+
+def refuse_causal(attn_kwargs: Mapping[str, Any], stages: str) -> None:
+    """A ValueError for `causal=True` in a family whose `stages` (what they do to the grid, named in the message)
+    leave no sequence of tokens in order, even where each attention is global."""
+    if attn_kwargs.get('causal'):
+        raise ValueError(f"causal=True needs one sequence of tokens in order; {stages}, where token order has no "
+                         f"meaning")
 
 
 def check_global_pool(global_pool: str, supported: Sequence[str]) -> str:

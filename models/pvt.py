@@ -41,7 +41,7 @@ from .attention.layout import Grid, tokens_to_image
 from .checkpoint import CheckpointError, filter_checkpoint, resample_grid_embedding, resize_grid_embedding
 from .family import (
     FLATTEN_META, INLINE_META, Block, BlockStack, NumberedStageKeys, OfficialKeys, ZooModel, check_arguments,
-    create_variant, imagenet_cfg, init_weights, register_variants, tag_weights, tsinghua_url,
+    create_variant, imagenet_cfg, init_weights, refuse_causal, register_variants, tag_weights, tsinghua_url,
 )
 
 __all__ = ['PyramidVisionTransformer', 'PvtStage', 'check_stage_lists', 'checkpoint_filter_fn', 'key_reduction',
@@ -211,6 +211,7 @@ class PyramidVisionTransformer(ZooModel):
 
         self.grid_sizes = self._stage_grids(self.img_size)
         attn_kwargs = check_attn_kwargs([name for stage in names for name in stage], attn_kwargs)
+        refuse_causal(attn_kwargs, "PVT merges patches of the grid between its stages")
         rates = iter(calculate_drop_path_rates(drop_path_rate, sum(depths)))
         self.stages = nn.ModuleList()
         for i, grid in enumerate(self.grid_sizes):

@@ -38,7 +38,7 @@ from .checkpoint import filter_checkpoint
 from .onednn import fuses_in_inference, onednn_conv2d_gelu
 from .family import (
     FLATTEN_META, BlockStack, NumberedStageKeys, OfficialKeys, ZooModel, check_arguments, create_variant, imagenet_cfg,
-    init_weights, register_variants, tag_weights, tsinghua_url,
+    init_weights, refuse_causal, register_variants, tag_weights, tsinghua_url,
 )
 from .pvt import NUM_STAGES, PER_STAGE_ARGUMENTS, check_stage_lists, key_reduction, smallest_side
 
@@ -230,6 +230,8 @@ class PyramidVisionTransformerV2(ZooModel):
         self.grad_checkpointing = False
 
         attn_kwargs = check_attn_kwargs([name for stage in names for name in stage], attn_kwargs)
+        refuse_causal(attn_kwargs, "PVT v2 embeds overlapping patches of the grid between its stages and mixes "
+                                   "neighbouring tokens in its MLPs' depthwise convolutions")
         rates = iter(calculate_drop_path_rates(drop_path_rate, sum(depths)))
         grid = self.img_size
         self.stages = nn.ModuleList()

@@ -123,6 +123,7 @@ class DeiT(ZooModel):
         self.num_classes = num_classes
         self.num_prefix_tokens = 1 if class_token else 0
         self._init_output_fmt('NLC')
+        self.causal = False
         global_pool = ('token' if class_token else 'avg') if global_pool is None else global_pool
         self.global_pool = self._check_pool(global_pool, num_classes)
         self.num_features = self.head_hidden_size = self.embed_dim = embed_dim
@@ -155,6 +156,9 @@ class DeiT(ZooModel):
                                 attn_drop=attn_drop_rate, proj_drop=drop_rate),
                 mlp_ratio=mlp_ratio, drop=drop_rate, drop_path=rate, norm_layer=norm_layer)
             for name, rate in zip(names, rates)])
+        # checked once the attentions have refused a causal form they lack, the more basic error
+        self.causal = bool(attn_kwargs.get('causal'))
+        self._check_pool(self.global_pool, num_classes)
         self.norm = norm_layer(embed_dim)
         self.head = nn.Linear(embed_dim, num_classes) if num_classes > 0 else nn.Identity()
         self.feature_info = [
@@ -165,6 +169,14 @@ class DeiT(ZooModel):
             trunc_normal_(self.cls_token, std=.02)
         self.apply(init_weights)
         self._init_logit_sigma()
+
+    def _check_pool(self, global_pool: str, num_classes: int) -> str:
+        """As `ZooModel._check_pool`; under causal attention the class token comes first and sees only itself, so
+        'token' pooling would classify every image alike."""
+        if global_pool == 'token' and self.causal:
+            raise ValueError("global_pool 'token' (the default with a class token) reads the class token, which under "
+                             "causal=True comes first and sees only itself; expected global_pool='avg'")
+        return super()._check_pool(global_pool, num_classes)
 
     def _init_logit_sigma(self) -> None:
         if self.ranges is not None and self.ts is not None:

@@ -345,10 +345,44 @@ def test_windowed_families_refuse_causal():
         timm.create_model('softmax_swin_tiny', img_size=64, window_size=2, attn_kwargs=dict(causal=True))
 
 
+PVT_TINY = dict(img_size=64, embed_dims=[16, 32, 32, 32], num_heads=[1, 2, 2, 2], mlp_ratios=[2, 2, 2, 2],
+                depths=[1, 1, 1, 1], num_classes=5)
+
+
+@pytest.mark.parametrize('name', ['additive', 'linear'])
+@pytest.mark.parametrize('family, what', [
+    ('pvt_tiny', 'PVT merges patches of the grid between its stages'),
+    ('pvt_v2_b0', "PVT v2 embeds overlapping patches of the grid between its stages and mixes neighbouring tokens"),
+])
+def test_pyramids_refuse_causal_though_their_linear_stages_are_global(name, family, what):
+    """A pyramid of global linear attentions (sr_ratio 1 in every stage) has no token order across its stages:
+    a PVT v2 output token moved with earlier tokens, a PVT class token saw only itself."""
+    for kwargs in (dict(attn_kwargs=dict(causal=True)), dict(causal=True)):
+        with pytest.raises(ValueError, match=f"^causal=True needs one sequence of tokens in order; {what}"):
+            timm.create_model(f'{name}_{family}', **PVT_TINY, **kwargs)
+
+
+@pytest.mark.parametrize('name', CAUSAL)
+def test_a_causal_deit_refuses_to_classify_from_its_class_token(name):
+    """The class token comes first and sees only itself: 'token' pooling (the default) would give every image the
+    same logits."""
+    message = r"^global_pool 'token' \(the default with a class token\) reads the class token, which under " \
+              r"causal=True comes first and sees only itself; expected global_pool='avg'$"
+    tiny = dict(img_size=32, patch_size=16, depth=1, num_classes=3, causal=True, class_token=True)
+    for pool in ({}, dict(global_pool='token')):
+        with pytest.raises(ValueError, match=message):
+            timm.create_model(f'{name}_deit_tiny', **tiny, **pool)
+    model = timm.create_model(f'{name}_deit_tiny', **tiny, global_pool='avg')
+    with pytest.raises(ValueError, match=message):
+        model.reset_classifier(3, 'token')
+    assert model.global_pool == 'avg'
+
+
 @pytest.mark.parametrize('name', CAUSAL)
 def test_create_model_passes_causal_to_every_block(name):
     for kwargs in (dict(attn_kwargs=dict(causal=True)), dict(causal=True)):
-        model = timm.create_model(f'{name}_deit_tiny', img_size=32, patch_size=16, depth=2, num_classes=3, **kwargs)
+        model = timm.create_model(f'{name}_deit_tiny', img_size=32, patch_size=16, depth=2, num_classes=3,
+                                  global_pool='avg', **kwargs)
         assert [block.attn.mixer.causal for block in model.blocks] == [True, True]
         assert 'causal=True' in repr(model.blocks[0].attn.mixer)
         assert model(torch.randn(1, 3, 32, 32)).shape == (1, 3)
