@@ -295,7 +295,16 @@ def test_bad_input_errors_name_the_bad_value(name):
                                                          "integer"),
     ('flatten', dict(attn_kwargs=dict(focusing_factor=None)), "flatten attention option focusing_factor is None; "
                                                               "expected a number"),
-    ('flatten', dict(attn_kwargs=dict(focusing_factor=0)), "flatten attention: focusing_factor 0 must be > 0"),
+    ('flatten', dict(attn_kwargs=dict(focusing_factor=0)), "flatten attention: focusing_factor 0 must be a finite "
+                                                           "number > 0"),
+    # NaN gave NaN outputs, inf one-hot features
+    ('flatten', dict(attn_kwargs=dict(focusing_factor=math.nan)), "flatten attention: focusing_factor nan must be a "
+                                                                  "finite number > 0"),
+    ('flatten', dict(attn_kwargs=dict(focusing_factor=math.inf)), "flatten attention: focusing_factor inf must be a "
+                                                                  "finite number > 0"),
+    # a reduction larger than the grid failed in the first forward, inside the convolution
+    ('sima', dict(grouping='reduction', sr_ratio=5), "sr_ratio 5 is larger than the 4x4 grid it reduces; expected at "
+                                                     "most 4"),
     ('softmax', dict(grouping='reduction', sr_ratio=2.0), "sr_ratio 2.0 must be a positive integer"),
     ('softmax', dict(grouping='window', window_size='7'), "window_size '7' must be an integer or an (h, w) pair of "
                                                           "integers"),
@@ -307,6 +316,19 @@ def test_options_and_grouping_keywords_of_another_type_are_named(name, kwargs, m
     with pytest.raises(ValueError) as error:
         build_attention(name, 16, 2, (4, 4), **kwargs)
     assert str(error.value) == message
+
+
+@pytest.mark.parametrize('dim, num_heads, message', [
+    (16, 2.0, "num_heads 2.0 must be a positive integer"),  # built, then failed in the first forward's view()
+    (16, True, "num_heads True must be a positive integer"),  # built as one head
+    (16, 0, "num_heads 0 must be a positive integer"),
+    (16.0, 2, "dim 16.0 must be a positive integer"),
+])
+def test_widths_and_heads_of_another_type_are_named(dim, num_heads, message):
+    for name in ('softmax', 'inline'):
+        with pytest.raises(ValueError) as error:
+            build_attention(name, dim, num_heads, (4, 4))
+        assert str(error.value) == f"{name} attention: {message}"
 
 
 def test_options_of_the_annotated_types_pass():

@@ -13,6 +13,7 @@ is this attention's known failure), so the feature map and the attention run in 
 whatever the input dtype; float64 stays float64. There is no causal form: the convolution of V reaches the
 tokens below and to the right on the grid.
 """
+import math
 from typing import Optional
 
 import torch
@@ -96,8 +97,10 @@ class FocusedLinearMixer(Mixer):
         super().__init__(dim, num_heads, group_grid, attn_drop)
         if kernel_size < 1 or kernel_size % 2 == 0:
             raise ValueError(f"flatten attention: kernel_size {kernel_size} must be a positive odd number")
-        if focusing_factor <= 0:  # at 0 every token's feature is the same, below it ReLU's zeros become infinities
-            raise ValueError(f"flatten attention: focusing_factor {focusing_factor} must be > 0")
+        # at 0 every token's feature is the same, below it ReLU's zeros become infinities; NaN and inf give NaN or
+        # one-hot features
+        if not math.isfinite(focusing_factor) or focusing_factor <= 0:
+            raise ValueError(f"flatten attention: focusing_factor {focusing_factor} must be a finite number > 0")
         self.focusing_factor = focusing_factor
         self.kernel_size = kernel_size
         gh, gw = self.require_group_grid('the positional encoding')

@@ -191,7 +191,10 @@ class SpatialReductionAttention(GroupedAttention):
         self.q = nn.Linear(dim, dim, bias=qkv_bias)
         self.kv = nn.Linear(dim, dim * 2, bias=qkv_bias)
         if sr_ratio > 1:
-            self._require_grid('sr_ratio')
+            gh, gw = self._require_grid('sr_ratio')
+            if sr_ratio > min(gh, gw):
+                raise ValueError(f"sr_ratio {sr_ratio} is larger than the {gh}x{gw} grid it reduces; expected at most "
+                                 f"{min(gh, gw)}")
             self.sr = nn.Conv2d(dim, dim, kernel_size=sr_ratio, stride=sr_ratio)
             self.norm = nn.LayerNorm(dim)
         else:

@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from .layout import Grid, split_heads
 
 __all__ = ['Mixer', 'MixContext', 'autocast_off', 'cpu_float32_kernels_apply', 'differentiable_grads',
-           'is_exporting', 'is_integer', 'is_number', 'needs_grad']
+           'is_exporting', 'is_integer', 'is_number', 'needs_grad', 'check_heads']
 
 # Device types with an autocast mode; others (the meta device used to count parameters and FLOPs) have none to turn off.
 _AUTOCAST_DEVICES = frozenset(d for d in ('cpu', 'cuda', 'xpu', 'mps', 'hpu') if torch.amp.is_autocast_available(d))
@@ -93,6 +93,16 @@ def is_number(value: Any) -> bool:
 
 
 # What a method option's annotation asks of its value: (in words, test).
+def check_heads(name: str, dim: int, num_heads: int) -> None:
+    """A ValueError, naming attention `name`, unless `dim` and `num_heads` are positive integers and the heads
+    divide the channels."""
+    for what, value in (('dim', dim), ('num_heads', num_heads)):
+        if not is_integer(value) or value < 1:
+            raise ValueError(f"{name} attention: {what} {value!r} must be a positive integer")
+    if dim % num_heads:
+        raise ValueError(f"{name} attention: dim {dim} must be a multiple of num_heads {num_heads}")
+
+
 _OPTION_TYPES = {bool: ('true or false', lambda v: isinstance(v, bool)), int: ('an integer', is_integer),
                  float: ('a number', is_number)}
 
@@ -115,9 +125,7 @@ class Mixer(nn.Module):
 
     def __init__(self, dim: int, num_heads: int, group_grid: Optional[Grid] = None, attn_drop: float = 0.):
         super().__init__()
-        if num_heads < 1 or dim % num_heads:
-            raise ValueError(f"{self.attention_name or type(self).__name__} attention: dim {dim} must be a multiple "
-                             f"of num_heads {num_heads}")
+        check_heads(self.attention_name or type(self).__name__, dim, num_heads)
         self.dim = dim
         self.num_heads = num_heads
         self.head_dim = dim // num_heads

@@ -13,7 +13,7 @@ from .grouping import (
     CrossShapedAttention, GlobalAttention, GroupedAttention, SpatialReductionAttention, WindowAttention,
 )
 from .layout import Grid
-from .mixer import Mixer
+from .mixer import Mixer, check_heads
 
 __all__ = [
     'register_attention', 'build_attention', 'list_attentions', 'get_mixer_class', 'forms_score_matrix',
@@ -133,6 +133,7 @@ def build_attention(
     needs one sequence of tokens: the 'global' grouping, or 'reduction' with sr_ratio=1.
     """
     cls = get_mixer_class(name)
+    check_heads(name, dim, num_heads)  # before the grouping's projections are built with them
     try:
         grouping_cls = GROUPINGS[grouping]
     except (KeyError, TypeError):
