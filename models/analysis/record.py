@@ -5,7 +5,9 @@ grouped q, k, v and context of the last forward; they are removed on exit, so th
 outputs do not change. Nothing is formed during the forward pass: `rec[layer]` forms the layer's weights with
 `matrices.mixer_weights`, only for the requested query rows, and maps windows, shifted windows and stripes back to
 the token order of the layer's input, so that a query's row can be drawn on the image. On a grid that does not
-divide into windows or stripes, the weights on the zero padding (outside the image) are left out.
+divide into windows or stripes, the weights on the padding (outside the image) are left out, so those rows sum to
+less and no longer reproduce the output by themselves: padded window tokens are zero before the projection to
+q, k, v, and their values are its bias.
 """
 import contextlib
 from dataclasses import dataclass, field
