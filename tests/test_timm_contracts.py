@@ -6,8 +6,10 @@
   as timm's own model tests script it, and so does its FX graph; all give the eager outputs;
 - torch.export with a dynamic batch, for every family with every attention: one exported program runs at two
   batch sizes and gives the eager outputs; MultiMax's row-block path exports too;
-- ONNX (torch.onnx dynamo export) of the same programs, run in onnxruntime within 1e-4 of eager.
+- ONNX (torch.onnx dynamo export) of the same programs, run in onnxruntime within 1e-4 of eager;
+- the tracing exporters, `torch.jit.trace` and the TorchScript-based ONNX exporter, with a dynamic batch too.
 """
+import io
 import re
 import warnings
 from typing import Any, Dict, List
@@ -200,6 +202,32 @@ def test_export_dynamic_batch_and_onnx_match_eager(family, attn_type, tmp_path):
     for x, y in zip(batches, expected):
         (out,) = session.run(None, {input_name: x.numpy()})
         np.testing.assert_allclose(out, y.numpy(), rtol=0, atol=1e-4)
+
+
+CAUSAL_EXPORT = pytest.param('deit', 'additive', id='deit-additive-causal')
+
+
+@pytest.mark.parametrize('family, attn_type', export_cases() + [CAUSAL_EXPORT])
+def test_jit_trace_and_the_torchscript_onnx_exporter_keep_a_dynamic_batch(family, attn_type):
+    """The tracing exporters as users still call them: `torch.jit.trace` and `torch.onnx.export(dynamo=False)`
+    with a dynamic batch axis, run at another batch than the traced one. They failed on the CPU kernels (a Python
+    operator, a custom op), fixed InLine's grouped convolution to the traced batch, had no `cummax` (causal
+    additive), and the ONNX one dropped MultiMax's shifted-window mask (an in-place add through a view)."""
+    causal = dict(attn_kwargs=dict(causal=True), global_pool='avg') if attn_type == 'additive' else {}
+    model = tiny_model(family_model(family), attn_type=attn_type, **EXPORT_SIZES.get(family, {}), **causal)
+    traced_at, x = images(model, 2), images(model, 3)
+    with torch.no_grad():
+        expected = model(x)
+        traced = torch.jit.trace(model, (traced_at,))
+        torch.testing.assert_close(traced(x), expected, rtol=1e-5, atol=1e-6)
+    exported = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')  # the exporter's deprecation notice
+        torch.onnx.export(model, (traced_at,), exported, dynamo=False, input_names=['images'],
+                          dynamic_axes={'images': {0: 'batch'}})
+    session = onnxruntime.InferenceSession(exported.getvalue(), providers=['CPUExecutionProvider'])
+    (out,) = session.run(None, {'images': x.numpy()})
+    np.testing.assert_allclose(out, expected.numpy(), rtol=0, atol=1e-4)
 
 
 @pytest.mark.parametrize('grad_enabled', [False, True], ids=['no_grad', 'grad'])

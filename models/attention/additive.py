@@ -68,9 +68,11 @@ def _causal_additive_pool(x: Tensor, logits: Tensor, chunk_size: int) -> Tensor:
     chunk = min(chunk_size, n)
     a = chunk_tokens(logits.to(work).transpose(1, 2), chunk)  # (B, h, K, c)
     values = chunk_tokens(x.to(work).view(B, n, heads, C // heads).transpose(1, 2), chunk)  # (B, h, K, c, d)
-    running_max = torch.cummax(a, dim=-1)[0]
-    relative = a.unsqueeze(-2) - running_max.unsqueeze(-1)  # row i, column l: a_l − m_i
-    weights = relative.masked_fill(later_tokens(chunk, chunk, x.device), -math.inf).exp()
+    # row i, column l: a_l, and −inf after i; its row maxima are the running maxima m_i (as cummax, which the ONNX
+    # exporters lack)
+    earlier = a.unsqueeze(-2).masked_fill(later_tokens(chunk, chunk, x.device), -math.inf)
+    running_max = earlier.amax(dim=-1)
+    weights = (earlier - running_max.unsqueeze(-1)).exp()  # e^{a_l − m_i}, 0 after i
     sums = weights @ values
     norms = weights.sum(dim=-1, keepdim=True)
     if a.shape[2] > 1:

@@ -35,18 +35,24 @@ def autocast_off(device: torch.device) -> ContextManager:
     return torch.autocast(device.type, enabled=False) if device.type in _AUTOCAST_DEVICES else contextlib.nullcontext()
 
 
+@torch.jit.unused  # asked only outside TorchScript, whose compiler reaches it behind `torch.jit.is_scripting()`
 def is_exporting() -> bool:
-    """True while torch.export traces the model. Read from the flag behind `torch.compiler.is_exporting()`, as
-    torch 2.14's tracer reads it: earlier tracers (2.11's among them) answer that call with True inside every
-    `torch.compile`, which would take the exporters' paths in every compiled model."""
-    return getattr(torch.compiler, '_is_exporting_flag', False)
+    """True while an exporter or tracer records the model as a graph of standard operators to run elsewhere:
+    torch.export (and the ONNX exporter built on it), the TorchScript-based ONNX exporter and `torch.jit.trace`.
+    Their graphs take no custom operator, keep a convolution's group count static (the batch may change) and lose
+    in-place updates made through views (the TorchScript-based exporter). torch.export's is read from the flag
+    behind `torch.compiler.is_exporting()`, as torch 2.14's tracer reads it: earlier tracers (2.11's among them)
+    answer that call with True inside every `torch.compile`, which would take the exporters' paths in every
+    compiled model."""
+    return (getattr(torch.compiler, '_is_exporting_flag', False) or torch.onnx.is_in_onnx_export()
+            or torch.jit.is_tracing())
 
 
 def cpu_float32_kernels_apply(*tensors: Tensor) -> bool:
     """Whether the zoo's float32 CPU kernels (oneDNN's products, `models.onednn`) may compute on `tensors`: all
     float32 on the CPU, without CPU autocast, and not while an exporter (torch.export, ONNX) traces them, which
     takes the standard operators."""
-    if is_exporting() or torch.onnx.is_in_onnx_export() or torch.is_autocast_enabled('cpu'):
+    if is_exporting() or torch.is_autocast_enabled('cpu'):
         return False
     return all(t.device.type == 'cpu' and t.dtype == torch.float32 for t in tensors)
 

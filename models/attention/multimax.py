@@ -393,7 +393,11 @@ def _masked(logits: Tensor, mask: Optional[Tensor], causal: bool = False, first_
     j comes after query `first_row` + i (row i of `logits`)."""
     if mask is not None:
         B, h, n, m = logits.shape
-        logits.view(B // mask.shape[0], mask.shape[0], h, n, m).add_(mask.to(logits.dtype).unsqueeze(1))
+        windows = logits.view(B // mask.shape[0], mask.shape[0], h, n, m)
+        if torch.jit.is_scripting() or not is_exporting():
+            windows.add_(mask.to(logits.dtype).unsqueeze(1))
+        else:  # the TorchScript-based ONNX exporter drops an in-place update through a view
+            logits = (windows + mask.to(logits.dtype).unsqueeze(1)).view(B, h, n, m)
     if causal:
         logits.masked_fill_(later_tokens(logits.shape[-2], logits.shape[-1], logits.device, first_row), -math.inf)
     return logits
