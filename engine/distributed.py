@@ -6,13 +6,14 @@ from typing import Any, Callable, List, Optional, TypeVar
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from models.checkpoint import CheckpointError
 
 from .errors import UsageError
 
 __all__ = ['DistInfo', 'init_distributed', 'cleanup_distributed', 'all_reduce_sum', 'all_gather_objects', 'barrier',
-           'any_rank', 'main_process_first', 'each_node_first', 'resolve_device']
+           'any_rank', 'average_batchnorm_statistics', 'main_process_first', 'each_node_first', 'resolve_device']
 
 T = TypeVar('T')
 
@@ -116,6 +117,22 @@ def all_reduce_sum(values: List[float], device: torch.device) -> List[float]:
 def any_rank(flag: bool, device: torch.device) -> bool:
     """True on every process when `flag` is true on any of them."""
     return all_reduce_sum([float(flag)], device)[0] > 0
+
+
+def average_batchnorm_statistics(module: nn.Module, info: DistInfo) -> None:
+    """Average the BatchNorm running statistics of `module` over all processes, as timm's train.py does before it
+    validates (`distribute_bn`, reduce). Each process keeps those of its own batches (DDP hands rank 0's to the
+    others only at the next forward), so each validated a different model, none of them the one saved. Unlike
+    `distribute_bn` this also averages statistics kept off the process's device (an EMA on the CPU under NCCL)."""
+    if not info.distributed:
+        return
+    for layer in module.modules():
+        if isinstance(layer, nn.modules.batchnorm._BatchNorm) and layer.track_running_stats:
+            for statistic in (layer.running_mean, layer.running_var):
+                if statistic is not None:
+                    total = statistic.to(info.device)
+                    dist.all_reduce(total, op=dist.ReduceOp.SUM)
+                    statistic.copy_(total / info.world_size)
 
 
 def main_process_first(info: DistInfo, action: Callable[[], T], what: str, per_node: bool = False) -> Optional[T]:

@@ -31,7 +31,9 @@ from .config import ema_decay, scaled_lrs, total_batch_size
 from .data import (build_batch_augmentation, build_eval_loader, build_train_loader, check_images, check_splits,
                    check_trained_classes, class_difference, eval_batch_size, eval_transform, image_mode, load_split,
                    report_scan, resolve_data_root, train_transform)
-from .distributed import DistInfo, all_gather_objects, all_reduce_sum, any_rank, barrier, main_process_first
+from .distributed import (
+    DistInfo, all_gather_objects, all_reduce_sum, any_rank, average_batchnorm_statistics, barrier, main_process_first,
+)
 from .errors import Stopped, UsageError, exit_at_once
 from .hub import weights_file
 from .loops import EpochOptions, TrainState, evaluate, train_one_epoch
@@ -393,6 +395,10 @@ def _train(cfg: CN, info: DistInfo, lock: OutputLock, check_data: bool) -> Dict[
                                 f"{checkpoint.last_path} resumes it")
                     stopped = True
                     break
+                # one model is saved and validated: the processes' BatchNorm statistics averaged
+                average_batchnorm_statistics(model, info)
+                if ema is not None:
+                    average_batchnorm_statistics(ema.module, info)
                 skipped = all_reduce_sum([len(train_loader.skipped)], info.device)[0]
                 trained = dict(train_loss=result.loss, lr=result.lr, epoch_seconds=result.seconds,
                                images_per_second=result.images / max(result.seconds, 1e-9),
