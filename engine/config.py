@@ -430,7 +430,8 @@ def validate_config(cfg: CN) -> None:
            'AUG.CUTMIX_MINMAX', minmax, "None or [min, max], cutmix's box side as a share of the image's, "
                                     "0 < min <= max <= 1")
     _check(_augmentation_policy_parses(cfg.AUG.AUTO_AUGMENT), 'AUG.AUTO_AUGMENT', cfg.AUG.AUTO_AUGMENT,
-           "'' (none) or a policy timm's transforms take, e.g. 'rand-m9-mstd0.5-inc1', 'augmix-m5-w3' or 'original'")
+           "'' (none) or a policy timm's transforms take, e.g. 'rand-m9-mstd0.5-inc1', 'augmix-m5-w3' or 'original', "
+           "each section after its name a key and a number")
     _check(cfg.EMA.DECAY < 1, 'EMA.DECAY', cfg.EMA.DECAY,
            'a value in [0, 1) (at 1 the EMA weights never leave their start)')
     for key, engine_key in (('num_classes', 'MODEL.NUM_CLASSES'), ('img_size', 'DATA.IMG_SIZE')):
@@ -463,9 +464,13 @@ def _same_size(value: Any) -> Any:
 
 
 def _augmentation_policy_parses(policy: str) -> bool:
-    """Whether timm's transform factory builds the auto-augmentation `policy` ('' for none)."""
+    """Whether timm's transform factory builds the auto-augmentation `policy` ('' for none), every section after
+    the policy's name holding a number: timm skips a section without one, so a typo ('incl' for 'inc1') would
+    change the recipe in silence."""
     if not policy:
         return True
+    if not all(re.search(r'\d', section) for section in policy.split('-')[1:]):
+        return False
     try:
         create_transform(32, is_training=True, auto_augment=policy)
     except (AssertionError, ValueError, KeyError, IndexError, TypeError):

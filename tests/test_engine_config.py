@@ -115,7 +115,16 @@ def test_bad_files_name_the_key_and_the_expectation(tmp_path, text, words):
 
 @pytest.mark.parametrize('opts, message', [
     (['AUG.AUTO_AUGMENT', 'bogus'], "config key AUG.AUTO_AUGMENT is 'bogus'; expected '' (none) or a policy timm's "
-                                    "transforms take, e.g. 'rand-m9-mstd0.5-inc1', 'augmix-m5-w3' or 'original'"),
+                                    "transforms take, e.g. 'rand-m9-mstd0.5-inc1', 'augmix-m5-w3' or 'original', "
+                                    "each section after its name a key and a number"),
+    # timm skips a section without a number: 'incl' trained without the increasing operations, 'foo' as 'rand-m9'
+    (['AUG.AUTO_AUGMENT', 'rand-m9-mstd0.5-incl'], "config key AUG.AUTO_AUGMENT is 'rand-m9-mstd0.5-incl'; expected "
+                                                   "'' (none) or a policy timm's transforms take, e.g. "
+                                                   "'rand-m9-mstd0.5-inc1', 'augmix-m5-w3' or 'original', each "
+                                                   "section after its name a key and a number"),
+    (['AUG.AUTO_AUGMENT', 'rand-m9-foo'], "config key AUG.AUTO_AUGMENT is 'rand-m9-foo'; expected '' (none) or a "
+                                          "policy timm's transforms take, e.g. 'rand-m9-mstd0.5-inc1', 'augmix-m5-w3' "
+                                          "or 'original', each section after its name a key and a number"),
     (['AUG.COLOR_JITTER', '-0.5'], "config key AUG.COLOR_JITTER is -0.5; expected a value >= 0"),
     (['AUG.CUTMIX_MINMAX', '[0.2]'], "config key AUG.CUTMIX_MINMAX is [0.2]; expected None or [min, max], cutmix's "
                                      "box side as a share of the image's, 0 < min <= max <= 1"),
