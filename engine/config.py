@@ -13,6 +13,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import yaml
 from timm.data import create_transform
+from timm.data.auto_augment import rand_augment_choices
 from yacs.config import CfgNode as CN
 
 from .errors import UsageError
@@ -431,7 +432,8 @@ def validate_config(cfg: CN) -> None:
                                     "0 < min <= max <= 1")
     _check(_augmentation_policy_parses(cfg.AUG.AUTO_AUGMENT), 'AUG.AUTO_AUGMENT', cfg.AUG.AUTO_AUGMENT,
            "'' (none) or a policy timm's transforms take, e.g. 'rand-m9-mstd0.5-inc1', 'augmix-m5-w3' or 'original', "
-           "each section after its name a key and a number")
+           "each section after its name a key and a number (RandAugment's 't' a transform set: 'tweights', 't3a', "
+           "'t3aw')")
     _check(cfg.EMA.DECAY < 1, 'EMA.DECAY', cfg.EMA.DECAY,
            'a value in [0, 1) (at 1 the EMA weights never leave their start)')
     for key, engine_key in (('num_classes', 'MODEL.NUM_CLASSES'), ('img_size', 'DATA.IMG_SIZE')):
@@ -465,12 +467,18 @@ def _same_size(value: Any) -> Any:
 
 def _augmentation_policy_parses(policy: str) -> bool:
     """Whether timm's transform factory builds the auto-augmentation `policy` ('' for none), every section after
-    the policy's name holding a number: timm skips a section without one, so a typo ('incl' for 'inc1') would
+    the policy's name a key with a number, or in RandAugment 't' and a transform set timm knows: timm skips a
+    section without a number and takes its default set for an unknown one, so a typo ('incl' for 'inc1') would
     change the recipe in silence."""
     if not policy:
         return True
-    if not all(re.search(r'\d', section) for section in policy.split('-')[1:]):
-        return False
+    name, *sections = policy.split('-')
+    for section in sections:
+        if name == 'rand' and section.startswith('t'):
+            if rand_augment_choices(section[1:]) is rand_augment_choices(''):  # timm's fallback: not a set it knows
+                return False
+        elif not re.search(r'\d', section):
+            return False
     try:
         create_transform(32, is_training=True, auto_augment=policy)
     except (AssertionError, ValueError, KeyError, IndexError, TypeError):

@@ -116,15 +116,22 @@ def test_bad_files_name_the_key_and_the_expectation(tmp_path, text, words):
 @pytest.mark.parametrize('opts, message', [
     (['AUG.AUTO_AUGMENT', 'bogus'], "config key AUG.AUTO_AUGMENT is 'bogus'; expected '' (none) or a policy timm's "
                                     "transforms take, e.g. 'rand-m9-mstd0.5-inc1', 'augmix-m5-w3' or 'original', "
-                                    "each section after its name a key and a number"),
+                                    "each section after its name a key and a number (RandAugment's 't' a transform set: 'tweights', "
+                                    "'t3a', 't3aw')"),
     # timm skips a section without a number: 'incl' trained without the increasing operations, 'foo' as 'rand-m9'
     (['AUG.AUTO_AUGMENT', 'rand-m9-mstd0.5-incl'], "config key AUG.AUTO_AUGMENT is 'rand-m9-mstd0.5-incl'; expected "
                                                    "'' (none) or a policy timm's transforms take, e.g. "
                                                    "'rand-m9-mstd0.5-inc1', 'augmix-m5-w3' or 'original', each "
-                                                   "section after its name a key and a number"),
+                                                   "section after its name a key and a number (RandAugment's 't' a "
+                                                   "transform set: 'tweights', 't3a', 't3aw')"),
     (['AUG.AUTO_AUGMENT', 'rand-m9-foo'], "config key AUG.AUTO_AUGMENT is 'rand-m9-foo'; expected '' (none) or a "
                                           "policy timm's transforms take, e.g. 'rand-m9-mstd0.5-inc1', 'augmix-m5-w3' "
-                                          "or 'original', each section after its name a key and a number"),
+                                          "or 'original', each section after its name a key and a number "
+                                          "(RandAugment's 't' a transform set: 'tweights', 't3a', 't3aw')"),
+    (['AUG.AUTO_AUGMENT', 'rand-m9-tfoo'], "config key AUG.AUTO_AUGMENT is 'rand-m9-tfoo'; expected '' (none) or a "
+                                           "policy timm's transforms take, e.g. 'rand-m9-mstd0.5-inc1', "
+                                           "'augmix-m5-w3' or 'original', each section after its name a key and a "
+                                           "number (RandAugment's 't' a transform set: 'tweights', 't3a', 't3aw')"),
     (['AUG.COLOR_JITTER', '-0.5'], "config key AUG.COLOR_JITTER is -0.5; expected a value >= 0"),
     (['AUG.CUTMIX_MINMAX', '[0.2]'], "config key AUG.CUTMIX_MINMAX is [0.2]; expected None or [min, max], cutmix's "
                                      "box side as a share of the image's, 0 < min <= max <= 1"),
@@ -182,6 +189,9 @@ def test_values_that_timm_takes_pass():
                              'DATA.IMG_SIZE', '16', 'MODEL.KWARGS.img_size', '[16, 16]', 'AUG.COLOR_JITTER', '0.0'])
     assert cfg.AUG.AUTO_AUGMENT == 'augmix-m5-w3' and cfg.MODEL.KWARGS.img_size == [16, 16]
     assert load_config(None, ['AUG.AUTO_AUGMENT', 'original', 'AUG.AUTO_AUGMENT', '']).AUG.AUTO_AUGMENT == ''
+    for policy in ('rand-mstd1-tweights', 'rand-m9-n3-t3aw', 'rand-m7-t3a-inc1', 'augmix-m5-w4-d2', 'original-mstd0.5',
+                   'v0', '3a'):
+        assert load_config(None, ['AUG.AUTO_AUGMENT', policy]).AUG.AUTO_AUGMENT == policy
 
 
 def test_a_yaml_error_names_its_line_and_a_non_utf8_file_its_byte(tmp_path):
