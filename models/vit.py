@@ -123,8 +123,12 @@ class DeiT(ZooModel):
         self.num_classes = num_classes
         self.num_prefix_tokens = 1 if class_token else 0
         self._init_output_fmt('NLC')
+        names = stage_attentions(attn_type, [depth])[0]
+        attn_kwargs = check_attn_kwargs(names, attn_kwargs)
+        causal = bool(attn_kwargs.get('causal'))
         self.causal = False
-        global_pool = ('token' if class_token else 'avg') if global_pool is None else global_pool
+        # under causal attention the class token comes first and sees only itself: the patch tokens classify
+        global_pool = ('token' if class_token and not causal else 'avg') if global_pool is None else global_pool
         self.global_pool = self._check_pool(global_pool, num_classes)
         self.num_features = self.head_hidden_size = self.embed_dim = embed_dim
         self.grad_checkpointing = False
@@ -144,8 +148,6 @@ class DeiT(ZooModel):
         self.ts = nn.Parameter(torch.zeros(4)) if with_sigma else None
         self.pos_drop = nn.Dropout(drop_rate)
 
-        names = stage_attentions(attn_type, [depth])[0]
-        attn_kwargs = check_attn_kwargs(names, attn_kwargs)
         self.num_stages = depth
         rates = calculate_drop_path_rates(drop_path_rate, depth)
         block = Block if init_values is None else partial(LayerScaleBlock, init_values=init_values)
@@ -157,7 +159,7 @@ class DeiT(ZooModel):
                 mlp_ratio=mlp_ratio, drop=drop_rate, drop_path=rate, norm_layer=norm_layer)
             for name, rate in zip(names, rates)])
         # checked once the attentions have refused a causal form they lack, the more basic error
-        self.causal = bool(attn_kwargs.get('causal'))
+        self.causal = causal
         self._check_pool(self.global_pool, num_classes)
         self.norm = norm_layer(embed_dim)
         self.head = nn.Linear(embed_dim, num_classes) if num_classes > 0 else nn.Identity()
@@ -172,10 +174,11 @@ class DeiT(ZooModel):
 
     def _check_pool(self, global_pool: str, num_classes: int) -> str:
         """As `ZooModel._check_pool`; under causal attention the class token comes first and sees only itself, so
-        'token' pooling would classify every image alike."""
-        if global_pool == 'token' and self.causal:
-            raise ValueError("global_pool 'token' (the default with a class token) reads the class token, which under "
-                             "causal=True comes first and sees only itself; expected global_pool='avg'")
+        a classifier on it would give every image the same logits."""
+        if global_pool == 'token' and num_classes and self.causal:
+            raise ValueError(f"global_pool 'token' classifies from the class token, which under causal=True comes "
+                             f"first and sees only itself; expected one of "
+                             f"{', '.join(repr(p) for p in self.global_pools if p not in ('token', ''))}")
         return super()._check_pool(global_pool, num_classes)
 
     def _init_logit_sigma(self) -> None:
@@ -257,9 +260,9 @@ class DeiT(ZooModel):
         self.blocks = self.blocks[:num_stages]
 
     def forward_head(self, x: Tensor, pre_logits: bool = False) -> Tensor:
-        """Pool the tokens of `forward_features` (class token or mean of the patch tokens), then classify; with
-        `multimax_logits` the logits pass through σ (in float32 at least: its squares overflow float16), returned
-        in the dtype of the logits and σ's parameters together."""
+        """Pool the tokens of `forward_features` (class token, or mean, maximum or both of the patch tokens), then
+        classify; with `multimax_logits` the logits pass through σ (in float32 at least: its squares overflow
+        float16), returned in the dtype of the logits and σ's parameters together."""
         x = global_pool_nlc(x, self.global_pool, self.num_prefix_tokens)
         if pre_logits:
             return x

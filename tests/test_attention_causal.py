@@ -363,19 +363,25 @@ def test_pyramids_refuse_causal_though_their_linear_stages_are_global(name, fami
 
 
 @pytest.mark.parametrize('name', CAUSAL)
-def test_a_causal_deit_refuses_to_classify_from_its_class_token(name):
-    """The class token comes first and sees only itself: 'token' pooling (the default) would give every image the
-    same logits."""
-    message = r"^global_pool 'token' \(the default with a class token\) reads the class token, which under " \
-              r"causal=True comes first and sees only itself; expected global_pool='avg'$"
-    tiny = dict(img_size=32, patch_size=16, depth=1, num_classes=3, causal=True, class_token=True)
-    for pool in ({}, dict(global_pool='token')):
-        with pytest.raises(ValueError, match=message):
-            timm.create_model(f'{name}_deit_tiny', **tiny, **pool)
-    model = timm.create_model(f'{name}_deit_tiny', **tiny, global_pool='avg')
+def test_a_causal_deit_does_not_classify_from_its_class_token(name):
+    """The class token comes first and sees only itself: a classifier on it gave every image the same logits. A
+    causal DeiT pools the patch tokens by default and refuses a classifier on the class token; its features and
+    its class token's output remain."""
+    message = (r"^global_pool 'token' classifies from the class token, which under causal=True comes first and sees "
+               r"only itself; expected one of 'avg', 'max', 'avgmax'$")
+    tiny = dict(img_size=32, patch_size=16, depth=2, embed_dim=16, num_heads=2, causal=True, class_token=True)
+    model = timm.create_model(f'{name}_deit_tiny', num_classes=3, **tiny).eval()
+    x = torch.randn(2, 3, 32, 32)
+    assert model.global_pool == 'avg' and model(x).shape == (2, 3)
+    with pytest.raises(ValueError, match=message):
+        timm.create_model(f'{name}_deit_tiny', num_classes=3, global_pool='token', **tiny)
     with pytest.raises(ValueError, match=message):
         model.reset_classifier(3, 'token')
     assert model.global_pool == 'avg'
+    model.reset_classifier(0, 'token')
+    assert model(x).shape == (2, 16)
+    features = timm.create_model(f'{name}_deit_tiny', features_only=True, out_indices=(0, 1), **tiny)
+    assert [f.shape for f in features(x)] == [(2, 16, 2, 2)] * 2
 
 
 @pytest.mark.parametrize('name', CAUSAL)
