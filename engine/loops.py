@@ -253,7 +253,8 @@ def train_one_epoch(
                 compile_timer.record(time.perf_counter() - step_start)
             if state.epoch_batches % options.print_freq == 0:
                 rate = images / max(time.perf_counter() - start, 1e-9)
-                bar.set_postfix(loss=f'{loss_meter.avg:.4f}', lr=f'{lr:.3e}', img_s=f'{rate:.0f}')
+                shown = loss_meter.avg if loss_meter.count else math.nan  # every update so far skipped
+                bar.set_postfix(loss=f'{shown:.4f}', lr=f'{lr:.3e}', img_s=f'{rate:.0f}')
             bar.update(1)
             if stopped:
                 break

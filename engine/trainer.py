@@ -3,6 +3,7 @@ atomic `last.pth` / `best.pth` checkpoints, exact resumption, one run at a time 
 SIGTERM / SIGINT that saves, then exits with 128 + the signal."""
 import json
 import logging
+import math
 import os
 import random
 import signal
@@ -179,8 +180,11 @@ def _resume_path(cfg: CN) -> Optional[str]:
 
 
 def _append_log(path: str, record: Dict[str, Any]) -> None:
+    """Append `record` as a line of strict JSON: a number that is not finite (the NaN loss of an epoch whose every
+    update was skipped) as null, which JSON has, where Python would write NaN."""
+    finite = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
     with named_on_error(path), open(path, 'a') as f:
-        f.write(json.dumps(record) + '\n')
+        f.write(json.dumps(finite, allow_nan=False) + '\n')
         f.flush()
         os.fsync(f.fileno())
 

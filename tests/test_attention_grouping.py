@@ -319,10 +319,10 @@ def test_options_and_grouping_keywords_of_another_type_are_named(name, kwargs, m
 
 
 @pytest.mark.parametrize('dim, num_heads, message', [
-    (16, 2.0, "num_heads 2.0 must be a positive integer"),  # built, then failed in the first forward's view()
-    (16, True, "num_heads True must be a positive integer"),  # built as one head
-    (16, 0, "num_heads 0 must be a positive integer"),
-    (16.0, 2, "dim 16.0 must be a positive integer"),
+    (16, 2.0, "num_heads 2.0 must be a positive int"),  # built, then failed in the first forward's view()
+    (16, True, "num_heads True must be a positive int"),  # built as one head
+    (16, 0, "num_heads 0 must be a positive int"),
+    (16.0, 2, "dim 16.0 must be a positive int"),
 ])
 def test_widths_and_heads_of_another_type_are_named(dim, num_heads, message):
     for name in ('softmax', 'inline'):

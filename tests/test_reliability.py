@@ -143,6 +143,16 @@ def test_an_epoch_of_skipped_updates_reports_no_loss():
     clean = train_one_epoch(model, linear_batches(3), criterion, state=TrainState(), **run)
     assert math.isfinite(clean.loss) and clean.loss > 0
 
+
+def test_the_log_stays_strict_json_with_a_loss_that_is_not_finite(tmp_path):
+    """Python's json writes NaN, which JSON has not: a reader other than Python refused the line."""
+    log = tmp_path / 'log.jsonl'
+    engine.trainer._append_log(str(log), dict(epoch=0, train_loss=math.nan, val_loss=0.5, val_top1=10.0))
+    line = log.read_text()
+    assert line == '{"epoch": 0, "train_loss": null, "val_loss": 0.5, "val_top1": 10.0}\n'
+    json.loads(line, parse_constant=lambda name: pytest.fail(f"not strict JSON: {name}"))
+
+
 def test_more_non_finite_steps_than_allowed_raise_naming_the_step():
     with pytest.raises(NonFiniteLossError, match=r"^the training loss is not finite at step 2 \(epoch 0, batch 3\) "
                                                  r"after 1 skipped step\(s\) \(TRAIN.MAX_NONFINITE_STEPS 1\)"):

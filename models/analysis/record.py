@@ -6,8 +6,8 @@ outputs do not change. Nothing is formed during the forward pass: `rec[layer]` f
 `matrices.mixer_weights`, only for the requested query rows, and maps windows, shifted windows and stripes back to
 the token order of the layer's input, so that a query's row can be drawn on the image. On a grid that does not
 divide into windows or stripes, the weights on the padding (outside the image) are left out, so those rows sum to
-less and no longer reproduce the output by themselves: padded window tokens are zero before the projection to
-q, k, v, and their values are its bias.
+less. Stripes pad q, k and v with zeros, so their rows still reproduce the output; windows pad the tokens before
+the projection to q, k, v, whose bias is then the padding's value, so theirs reproduce it only with that term.
 """
 import contextlib
 from dataclasses import dataclass, field

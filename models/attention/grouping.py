@@ -187,14 +187,15 @@ class SpatialReductionAttention(GroupedAttention):
         if sr_ratio > 1 and not mixer_cls.reduces_keys:
             raise ValueError(f"{mixer_cls.attention_name} attention takes no reduced keys: sr_ratio {sr_ratio} needs "
                              f"an attention that supports them (sr_ratio=1 expected)")
-        self.sr_ratio = sr_ratio
-        self.q = nn.Linear(dim, dim, bias=qkv_bias)
-        self.kv = nn.Linear(dim, dim * 2, bias=qkv_bias)
         if sr_ratio > 1:
             gh, gw = self._require_grid('sr_ratio')
             if sr_ratio > min(gh, gw):
                 raise ValueError(f"sr_ratio {sr_ratio} is larger than the {gh}x{gw} grid it reduces; expected at most "
                                  f"{min(gh, gw)}")
+        self.sr_ratio = sr_ratio
+        self.q = nn.Linear(dim, dim, bias=qkv_bias)
+        self.kv = nn.Linear(dim, dim * 2, bias=qkv_bias)
+        if sr_ratio > 1:
             self.sr = nn.Conv2d(dim, dim, kernel_size=sr_ratio, stride=sr_ratio)
             self.norm = nn.LayerNorm(dim)
         else:

@@ -98,17 +98,17 @@ def is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-# What a method option's annotation asks of its value: (in words, test).
 def check_heads(name: str, dim: int, num_heads: int) -> None:
-    """A ValueError, naming attention `name`, unless `dim` and `num_heads` are positive integers and the heads
+    """A ValueError, naming attention `name`, unless `dim` and `num_heads` are positive Python ints and the heads
     divide the channels."""
     for what, value in (('dim', dim), ('num_heads', num_heads)):
         if not is_integer(value) or value < 1:
-            raise ValueError(f"{name} attention: {what} {value!r} must be a positive integer")
+            raise ValueError(f"{name} attention: {what} {value!r} must be a positive int")
     if dim % num_heads:
         raise ValueError(f"{name} attention: dim {dim} must be a multiple of num_heads {num_heads}")
 
 
+# What a method option's annotation asks of its value: (in words, test).
 _OPTION_TYPES = {bool: ('true or false', lambda v: isinstance(v, bool)), int: ('an integer', is_integer),
                  float: ('a number', is_number)}
 
