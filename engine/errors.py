@@ -2,12 +2,14 @@
 line with status 128 + the signal's number, a collective that failed because another process of the run ended on
 one line with status 1; `--debug` shows the traceback instead (except for `exit_at_once`)."""
 import argparse
+import contextlib
 import errno
 import os
 import re
 import signal
 import sys
-from typing import Callable, Mapping, NoReturn, Optional, Sequence, Tuple
+import threading
+from typing import Callable, Iterator, Mapping, NoReturn, Optional, Sequence, Tuple
 
 import torch.distributed
 
@@ -15,7 +17,7 @@ from models._files import UNFINISHED_FILES
 from models.checkpoint import CheckpointError
 
 __all__ = ['UsageError', 'BadImageError', 'NonFiniteLossError', 'Stopped', 'USAGE_EXIT_CODE', 'run_cli',
-           'exit_at_once', 'refuse_below', 'exit_for_missing_extra']
+           'exit_at_once', 'refuse_below', 'exit_for_missing_extra', 'terminate_as_interrupt']
 
 USAGE_EXIT_CODE = 2
 
@@ -40,6 +42,32 @@ class Stopped(KeyboardInterrupt):
         super().__init__(f"stopped by {signal.Signals(signum).name} after saving {checkpoint}; run the same command "
                          f"again to resume")
         self.signum = signum
+
+
+class _Terminated(KeyboardInterrupt):
+    def __init__(self, signum: int):
+        super().__init__()
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def terminate_as_interrupt() -> Iterator[None]:
+    """Within the block, SIGTERM unwinds as Ctrl-C does (exit status 143 through `run_cli`), so that
+    `subprocess.run` ends the child process it waits for and temporary folders are removed: by default SIGTERM
+    ends only this process, and a measuring child or a `train.py` run went on alone. Outside the main thread,
+    where no handler can be set, the block runs as it is."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise _Terminated(signum)
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def exit_for_missing_extra(error: ModuleNotFoundError, extra: str) -> NoReturn:

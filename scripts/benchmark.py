@@ -71,7 +71,7 @@ with quit_on_interrupt():  # while torch and the models load: nothing has starte
     from engine.compile import compile_model
     from engine.config import load_config
     from engine.distributed import resolve_device
-    from engine.errors import UsageError, refuse_below, run_cli
+    from engine.errors import UsageError, refuse_below, run_cli, terminate_as_interrupt
     from models.attention import forms_score_matrix, list_attentions
     from models.onednn import convert_to_onednn, onednn_available, onednn_linear
 
@@ -412,7 +412,8 @@ def child_results(cmd: List[str], timeout: int, env: Optional[Dict[str, str]] = 
     """The results a measuring process prints as JSON on its last line, or why there are none: the timeout, or the
     last line of its error output."""
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+        with terminate_as_interrupt():
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired:
         return f'timeout after {timeout} s'
     if proc.returncode != 0:

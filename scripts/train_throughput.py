@@ -49,7 +49,7 @@ with quit_on_interrupt():  # while torch and the models load: nothing has starte
         build_batch_augmentation, build_train_loader, image_channels, image_mode, load_split, train_transform,
     )
     from engine.distributed import DistInfo, resolve_device
-    from engine.errors import UsageError, refuse_below, run_cli
+    from engine.errors import UsageError, refuse_below, run_cli, terminate_as_interrupt
     from engine.loops import autocast
 
 # ImageNet-1k's median image is 500x375; its JPEGs average about 110 KB.
@@ -147,7 +147,8 @@ def train_py_rate(args: argparse.Namespace, data: str, output: str, epochs: int)
                'OUTPUT', output, 'TRAIN.EPOCHS', str(epochs), 'TRAIN.WARMUP_EPOCHS', '0', 'EMA.EVAL', 'False']
     # with this process's thread count, which the loader and step measurements ran under
     env = dict(os.environ, OMP_NUM_THREADS=str(torch.get_num_threads()))
-    done = subprocess.run(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    with terminate_as_interrupt():
+        done = subprocess.run(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
     if done.returncode:
         said = [line for line in done.stderr.splitlines() if line.strip()]
         reason = said[-1].removeprefix('error: ') if said else f'exit status {done.returncode}'

@@ -10,6 +10,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import time
 from types import ModuleType
 from typing import Tuple
 
@@ -583,9 +584,26 @@ def test_compare_fla_table_states_its_setting_and_shows_failed_and_unrelated_row
     assert [line.count('|') for line in lines[header:]] == [13] * 4
 
 
-def test_ctrl_c_during_a_benchmark_is_one_line_with_status_130(tmp_path):
+def child_pids(pid: int):
+    """The processes whose parent is `pid`, from Linux's /proc."""
+    children = []
+    for entry in os.listdir('/proc'):
+        try:
+            with open(f'/proc/{entry}/stat') as f:
+                stat = f.read()
+        except (OSError, ValueError):
+            continue  # not a process, or one that ended
+        if int(stat.rsplit(')', 1)[1].split()[1]) == pid:
+            children.append(int(entry))
+    return children
+
+
+@pytest.mark.parametrize('signum', [signal.SIGINT, signal.SIGTERM], ids=['SIGINT', 'SIGTERM'])
+def test_a_stop_during_a_benchmark_is_one_line_and_ends_its_measuring_process(tmp_path, signum):
     """The scripts run through the engine's command-line wrapper, as train.py does: an interruption while the
-    benchmark measures is `error: interrupted by SIGINT` and status 130, not a KeyboardInterrupt traceback."""
+    benchmark measures is `error: interrupted by SIGINT` (or SIGTERM) and status 128 + the signal, not a
+    KeyboardInterrupt traceback, and the measuring process ends with it (after SIGTERM it went on alone, adopted
+    by init, for up to --timeout)."""
     command = [sys.executable, os.path.join(SCRIPTS, 'benchmark.py'), '--device', 'cpu', '--threads', '1',
                '--families', 'deit', '--sizes', 'tiny', '--attentions', 'softmax', '--resolutions', '32', '--iters',
                '200', '--warmup', '0', '--no-train', '--matmul-size', '64', '--out', str(tmp_path / 'b')]
@@ -596,7 +614,17 @@ def test_ctrl_c_during_a_benchmark_is_one_line_with_status_130(tmp_path):
     started = ''
     while 'deit-tiny @ 32' not in started and process.poll() is None:
         started += process.stderr.readline()
-    process.send_signal(signal.SIGINT)
+    deadline = time.monotonic() + 60
+    while not child_pids(process.pid) and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    measuring = child_pids(process.pid)
+    assert measuring, started
+    process.send_signal(signum)
     _, err = process.communicate(timeout=120)
-    assert (process.returncode, err) == (130, 'error: interrupted by SIGINT\n')
+    assert (process.returncode, err) == (128 + signum, f'error: interrupted by {signum.name}\n')
     assert not (tmp_path / 'b').exists() or not os.listdir(tmp_path / 'b')
+    # killed as the wrapper unwinds; init may take a moment to collect it
+    deadline = time.monotonic() + 10
+    while [pid for pid in measuring if os.path.exists(f'/proc/{pid}')] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [pid for pid in measuring if os.path.exists(f'/proc/{pid}')]
