@@ -41,7 +41,7 @@ with quit_on_interrupt():  # while torch and the models load: nothing has starte
     from torch import Tensor
 
     from benchmark import child_results, error_result, interleaved_seconds, peak_memory_mib
-    from engine.checkpoint import atomic_write_text, prepare_script_out
+    from engine.checkpoint import atomic_write_text, files_taken_together, prepare_script_out
     from engine.distributed import resolve_device
     from engine.errors import UsageError, refuse_below, run_cli
     from models.attention import MixContext, get_mixer_class
@@ -246,10 +246,15 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     for tokens in args.tokens:
         print(f'{tokens} tokens ({time.time() - started:.0f} s)', file=sys.stderr, flush=True)
         rows += run_child(args, tokens)
+    measured = [row for row in rows if 'error' not in row]
+    if not measured:  # a table of errors alone would replace the last run's
+        raise UsageError(f"no kernel was measured at any token count (the first: {rows[0]['tokens']} tokens, "
+                         f"{rows[0]['error']}); {args.out}.json and .md are unchanged")
     lines = table(args, rows, (time.time() - started) / 60, torch.cuda.get_device_name(torch.device(args.device)),
                   importlib.metadata.version('fla-core'))
-    atomic_write_text(args.out + '.json', json.dumps(rows, indent=1))
-    atomic_write_text(args.out + '.md', '\n'.join(lines) + '\n')
+    with files_taken_together():  # never a new JSON beside the previous run's table
+        atomic_write_text(args.out + '.json', json.dumps(rows, indent=1))
+        atomic_write_text(args.out + '.md', '\n'.join(lines) + '\n')
     print('\n'.join(lines))
 
 

@@ -530,6 +530,23 @@ def test_compare_fla_refuses_in_one_line_before_measuring(args, message, tmp_pat
     assert not list(tmp_path.iterdir())
 
 
+def test_compare_fla_keeps_the_last_results_when_no_kernel_was_measured(tmp_path, monkeypatch, capsys):
+    """Every token count failing (a timeout, memory at every size) wrote a table of errors over the last run's
+    results, with status 0."""
+    monkeypatch.setattr(compare_fla, 'check_arguments', lambda parser, args: None)
+    monkeypatch.setattr(compare_fla, 'run_child',
+                        lambda args, tokens: [dict(tokens=tokens, kernel='all', error='timeout after 1800 s')])
+    out = tmp_path / 'f'
+    for suffix, text in (('.json', '[]\n'), ('.md', 'last run\n')):
+        out.with_suffix(suffix).write_text(text)
+    assert run_cli(compare_fla.main, ['--tokens', '64', '128', '--out', str(out)]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"error: no kernel was measured at any token count (the first: 64 tokens, timeout after 1800 s); {out}.json "
+        f"and .md are unchanged")
+    assert (out.with_suffix('.json').read_text(), out.with_suffix('.md').read_text()) == ('[]\n', 'last run\n')
+    assert sorted(os.listdir(tmp_path)) == ['f.json', 'f.md']
+
+
 @pytest.mark.parametrize('script, argv, prefix', [
     ('benchmark', ['--attentions', 'softmax'], True),
     ('compare_fla', [], True),
