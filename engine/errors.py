@@ -110,7 +110,9 @@ def run_cli(main: Callable[[Sequence[str]], int], argv: Optional[Sequence[str]] 
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        return main(argv)
+        code = main(argv)
+        sys.stdout.flush()  # here, where a reader that stopped reading is caught below
+        return code
     except (UsageError, CheckpointError, NonFiniteLossError) as e:
         if '--debug' in argv:
             raise
@@ -124,6 +126,11 @@ def run_cli(main: Callable[[Sequence[str]], int], argv: Optional[Sequence[str]] 
         if _reports():
             print(f"error: {str(e) or f'interrupted by {signal.Signals(signum).name}'}", file=sys.stderr)
         return 128 + signum
+    except BrokenPipeError:
+        # the reader of the output stopped reading (`| head`): end quietly, as a process that SIGPIPE ends, with
+        # the standard output pointed at nothing, or the interpreter's last flush would fail again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
     except OSError as e:
         if '--debug' in argv or e.errno not in _STORAGE_PROBLEMS:
             raise

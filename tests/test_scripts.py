@@ -57,6 +57,18 @@ def test_zoo_registry_table_has_a_column_per_attention_and_a_row_per_size():
             assert params > 0 and flops > 0, row
 
 
+def test_a_reader_that_stops_reading_ends_a_script_quietly():
+    """`zoo_table.py | head -3`: the closed pipe was a BrokenPipeError traceback with status 1; a command run by
+    the engine's wrapper, as every script is, ends as a process that SIGPIPE ends, 141, with nothing on the error
+    output. (A printing command of its own: the scripts' tables take a minute to measure.)"""
+    command = "import sys; from engine.errors import run_cli; sys.exit(run_cli(lambda argv: print('row\\n' * 9)))"
+    process = subprocess.Popen([sys.executable, '-c', command], cwd=os.path.dirname(SCRIPTS), stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    process.stdout.close()
+    err = process.stderr.read()
+    assert (process.wait(timeout=120), err) == (128 + signal.SIGPIPE, '')
+
+
 def test_zoo_table_refuses_options_it_does_not_take_before_measuring(monkeypatch, capsys):
     monkeypatch.setattr(zoo_table, 'official_table', lambda: pytest.fail('measured'))
     with pytest.raises(SystemExit) as stopped:
