@@ -125,10 +125,9 @@ class DeiT(ZooModel):
         self._init_output_fmt('NLC')
         names = stage_attentions(attn_type, [depth])[0]
         attn_kwargs = check_attn_kwargs(names, attn_kwargs)
-        causal = bool(attn_kwargs.get('causal'))
-        self.causal = False
+        self.causal = bool(attn_kwargs.get('causal'))
         # under causal attention the class token comes first and sees only itself: the patch tokens classify
-        global_pool = ('token' if class_token and not causal else 'avg') if global_pool is None else global_pool
+        global_pool = ('token' if class_token and not self.causal else 'avg') if global_pool is None else global_pool
         self.global_pool = self._check_pool(global_pool, num_classes)
         self.num_features = self.head_hidden_size = self.embed_dim = embed_dim
         self.grad_checkpointing = False
@@ -158,9 +157,6 @@ class DeiT(ZooModel):
                                 attn_drop=attn_drop_rate, proj_drop=drop_rate),
                 mlp_ratio=mlp_ratio, drop=drop_rate, drop_path=rate, norm_layer=norm_layer)
             for name, rate in zip(names, rates)])
-        # checked once the attentions have refused a causal form they lack, the more basic error
-        self.causal = causal
-        self._check_pool(self.global_pool, num_classes)
         self.norm = norm_layer(embed_dim)
         self.head = nn.Linear(embed_dim, num_classes) if num_classes > 0 else nn.Identity()
         self.feature_info = [
