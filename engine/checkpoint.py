@@ -11,6 +11,7 @@ training part of that record when the epoch's training finished but its validati
 writes that were killed.
 """
 import argparse
+import atexit
 import fcntl
 import logging
 import os
@@ -110,17 +111,38 @@ def check_writable_folder(folder: str, source: str) -> None:
 def prepare_script_out(parser: argparse.ArgumentParser, out: str, prefix: bool) -> None:
     """`parser.error` (one line, status 2) unless a script's `--out` can be written: the folder of `out` when it
     is a prefix of the files (`docs/benchmarks` for .md and .csv), else `out` itself. The temporary files that runs
-    killed outright (SIGTERM, SIGKILL) while writing there left are removed (a finished or stopped run leaves none)."""
+    killed outright (SIGTERM, SIGKILL) while writing there left are removed (a finished or stopped run leaves none).
+    The folders made for it are removed at exit if they are still empty (the run failed before its results)."""
     if prefix and (out.endswith(os.sep) or os.path.isdir(out)):
         parser.error(f"--out {out}: is a folder; expected a path prefix of the files, such as "
                      f"{os.path.join(out, 'stats')}")
     folder = (os.path.dirname(out) or '.') if prefix else out
+    atexit.register(_remove_empty_folders, _missing_folders(folder))
     try:
         check_writable_folder(folder, f'--out {out}')
     except UsageError as e:
         parser.error(str(e))
     if os.path.isdir(folder):
         remove_stale_temp_files(folder)
+
+
+def _missing_folders(folder: str) -> List[str]:
+    """The folders that `os.makedirs(folder)` would make, deepest first."""
+    missing = []
+    folder = os.path.abspath(folder)
+    while not os.path.lexists(folder):
+        missing.append(folder)
+        folder = os.path.dirname(folder)
+    return missing
+
+
+def _remove_empty_folders(folders: Sequence[str]) -> None:
+    """Remove `folders`, deepest first, while they are empty."""
+    for folder in folders:
+        try:
+            os.rmdir(folder)
+        except OSError:
+            return
 
 
 class OutputLock:
