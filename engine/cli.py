@@ -5,7 +5,7 @@ import sys
 from typing import Any, Dict, Sequence
 
 from .build import check_model_config, check_onednn
-from .config import load_config
+from .config import load_config, parse_args_with_opts
 from .data import check_splits, resolve_data_root
 from .distributed import cleanup_distributed, init_distributed
 from .evaluation import eval_config, evaluate_weights, throughput
@@ -57,7 +57,7 @@ def train_main(argv: Sequence[str]) -> int:
                              '(TRAIN.ONEDNN)')
     parser.add_argument('--batch-size', type=int, help='training images per process (DATA.BATCH_SIZE)')
     _common_arguments(parser)
-    args = parser.parse_args(argv)
+    args = parse_args_with_opts(parser, argv)
     cfg = load_config(args.cfg, args.opts, _overrides(args, dict(
         data_path='DATA.DATA_PATH', batch_size='DATA.BATCH_SIZE', output='OUTPUT', resume='MODEL.RESUME',
         pretrained='MODEL.PRETRAINED', compile='TRAIN.COMPILE', onednn='TRAIN.ONEDNN')))
@@ -102,7 +102,7 @@ def eval_main(argv: Sequence[str]) -> int:
                         help='images per process (TEST.BATCH_SIZE, by default 1.5 x DATA.BATCH_SIZE); with '
                              '--throughput the batch it times (by default DATA.BATCH_SIZE)')
     _common_arguments(parser)
-    args = parser.parse_args(argv)
+    args = parse_args_with_opts(parser, argv)
     if not args.checkpoint and not args.throughput and not args.model:
         parser.error('--checkpoint is required (except with --model or --throughput)')
     if args.batch_size is not None and args.batch_size < 1:

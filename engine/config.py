@@ -4,6 +4,7 @@ The defaults hold the DeiT recipe (facebookresearch/deit `main.py`), with the le
 A YAML file may name base files in a top-level `BASE: [path, ...]` list, resolved relative to the including file
 and merged first, in order. Unknown keys and values of the wrong type fail with a `ConfigError` naming the key.
 """
+import argparse
 import collections.abc
 import difflib
 import math
@@ -20,6 +21,7 @@ from .errors import UsageError
 
 __all__ = [
     'ConfigError', 'get_default_config', 'load_config', 'config_from_yaml_string', 'merge_dict', 'merge_opts',
+    'parse_args_with_opts',
     'validate_config', 'config_changes', 'compile_backends', 'mixup_active', 'total_batch_size', 'scaled_lrs',
     'ema_decay', 'model_kwargs',
 ]
@@ -271,13 +273,31 @@ def merge_dict(cfg: CN, updates: Dict[str, Any], source: str, prefix: str = '') 
             cfg[key] = _coerce(value, cfg[key], full_key, source)
 
 
+def _misplaced_option(opts: Sequence[str]) -> Optional[str]:
+    """The error for an option written after `--opts`, which takes the rest of the command line; None if none is."""
+    misplaced = next((item for item in opts if re.match(r'--[A-Za-z]', item)), None)
+    if misplaced is None:
+        return None
+    return (f"--opts takes KEY VALUE pairs up to the end of the command, got the option {misplaced} among them; "
+            f"expected {misplaced} before --opts")
+
+
+def parse_args_with_opts(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.Namespace:
+    """`parser.parse_args(argv)` for a parser whose `--opts` takes the rest of the line: a `ConfigError` names an
+    option written after `--opts` as misplaced, where argparse would call it missing (`required: --out`)."""
+    argv = list(argv)
+    if '--opts' in argv:
+        problem = _misplaced_option(argv[argv.index('--opts') + 1:])
+        if problem:
+            raise ConfigError(problem)
+    return parser.parse_args(argv)
+
+
 def merge_opts(cfg: CN, opts: Sequence[str]) -> None:
     """Merge `--opts KEY VALUE [KEY VALUE ...]` overrides; values are read as Python literals when they parse."""
-    # --opts takes the rest of the command line, so an option written after it lands here
-    misplaced = next((item for item in opts if re.match(r'--[A-Za-z]', item)), None)
-    if misplaced:
-        raise ConfigError(f"--opts takes KEY VALUE pairs up to the end of the command, got the option {misplaced} "
-                          f"among them; expected {misplaced} before --opts")
+    problem = _misplaced_option(opts)
+    if problem:
+        raise ConfigError(problem)
     if len(opts) % 2:
         raise ConfigError(f"--opts needs KEY VALUE pairs, got an odd number of items: {' '.join(opts)}")
     for key, value in zip(opts[0::2], opts[1::2]):

@@ -26,6 +26,7 @@ with quit_on_interrupt():  # while torch and the models load: nothing has starte
 
     import models  # noqa: F401  (registers the families)
     from engine.analysis import find_images, load_analysis_model, load_images, refuse_unreleased
+    from engine.config import parse_args_with_opts
     from engine.checkpoint import atomic_write_text, files_taken_together, prepare_script_out
     from engine.distributed import DistInfo
     from engine.errors import UsageError, exit_for_missing_extra, refuse_below, run_cli
@@ -60,7 +61,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument('--debug', action='store_true', help='show tracebacks instead of one-line errors')
     parser.add_argument('--opts', nargs=argparse.REMAINDER, default=[], metavar='KEY VALUE',
                         help='config overrides for every model, last on the command line, e.g. --opts DATA.IMG_SIZE 32')
-    args = parser.parse_args(argv)
+    args = parse_args_with_opts(parser, argv)
     if not args.checkpoints and not args.models:
         parser.error('expected --checkpoints or --models')
     if args.pretrained and not args.models:

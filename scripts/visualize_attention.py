@@ -24,6 +24,7 @@ with quit_on_interrupt():  # while torch and the models load: nothing has starte
 
     import models  # noqa: F401  (registers the families)
     from engine.analysis import find_images, load_analysis_model, load_images, refuse_unreleased
+    from engine.config import parse_args_with_opts
     from engine.checkpoint import prepare_script_out
     from engine.errors import UsageError, exit_for_missing_extra, refuse_below, run_cli
     from engine.distributed import DistInfo
@@ -62,7 +63,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument('--debug', action='store_true', help='show tracebacks instead of one-line errors')
     parser.add_argument('--opts', nargs=argparse.REMAINDER, default=[], metavar='KEY VALUE',
                         help='config overrides, last on the command line, e.g. --opts MODEL.KWARGS.depth 2')
-    args = parser.parse_args(argv)
+    args = parse_args_with_opts(parser, argv)
     if not args.model and not args.checkpoint:
         parser.error('expected --model NAME or --checkpoint PATH')
     if args.pretrained and (args.checkpoint or not args.model):

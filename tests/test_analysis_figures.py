@@ -245,6 +245,17 @@ def test_visualize_attention_names_bad_input_in_one_line(images, tmp_path, capsy
     assert err.startswith(message) and err.count('\n') == 1
 
 
+@pytest.mark.parametrize('script, data', [('visualize_attention', '--image'), ('attention_stats', '--data')])
+def test_a_required_option_after_opts_is_named_as_misplaced_not_missing(images, tmp_path, capsys, script, data):
+    main = {'visualize_attention': visualize.main, 'attention_stats': attention_stats.main}[script]
+    argv = ['--models' if script == 'attention_stats' else '--model', 'softmax_deit_tiny', data, str(images),
+            '--opts', 'MODEL.KWARGS.depth', '2', '--out', str(tmp_path / 'out')]
+    assert run_cli(main, argv) == 2
+    assert capsys.readouterr().err == ("error: --opts takes KEY VALUE pairs up to the end of the command, got the "
+                                       "option --out among them; expected --out before --opts\n")
+    assert not list(tmp_path.iterdir())
+
+
 def test_a_failed_run_removes_the_empty_out_folders_it_made_and_keeps_those_it_found(images, tmp_path):
     """A query outside the image fails after the model is built, when `--out new/figures` was already made to
     prove that it takes files: both new folders went, and a folder that was there before stays."""

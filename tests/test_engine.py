@@ -941,10 +941,11 @@ def test_a_channel_count_the_data_cannot_feed_fails_before_any_data_is_read(tmp_
     (train_main, ['--cfg', TINY, '--opts', 'TRAIN.EPOCHS', '1', '--output', 'out']),
     (train_main, ['--cfg', TINY, '--opts', 'TRAIN.EPOCHS', '1', '--amp']),
     (eval_main, ['--cfg', TINY, '--throughput', '--opts', 'DATA.IMG_SIZE', '16', '--amp', 'TEST.CROP_PCT', '1.0']),
+    (eval_main, ['--cfg', TINY, '--opts', 'DATA.IMG_SIZE', '16', '--checkpoint', 'best.pth']),
 ])
 def test_an_option_given_after_opts_is_named_with_where_it_goes(tmp_path, monkeypatch, capsys, main, argv):
     """--opts takes the rest of the command line: an option after it is said to belong before it, whether the
-    items are even (an unknown key otherwise) or odd in number."""
+    items are even (an unknown key otherwise) or odd in number, and where argparse would call it missing."""
     monkeypatch.chdir(tmp_path)
     option = next(item for item in argv if item.startswith('--') and argv.index(item) > argv.index('--opts'))
     assert _run(main, argv, capsys) == (USAGE_EXIT_CODE, '', f"error: --opts takes KEY VALUE pairs up to the end of "
