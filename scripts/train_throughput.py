@@ -42,11 +42,14 @@ with quit_on_interrupt():  # while torch and the models load: nothing has starte
 
     import timm
 
-    from engine.build import autocast_dtype, create_criterion, create_optimizer, create_training_model
+    from engine.build import (
+        autocast_dtype, check_model_config, create_criterion, create_optimizer, create_training_model,
+    )
     from engine.checkpoint import prepare_script_out, write_table_keeping_notes
     from engine.config import load_config
     from engine.data import (
-        build_batch_augmentation, build_train_loader, image_channels, image_mode, load_split, train_transform,
+        build_batch_augmentation, build_train_loader, check_splits, image_channels, image_mode, load_split,
+        train_transform,
     )
     from engine.distributed import DistInfo, resolve_device
     from engine.errors import UsageError, refuse_below, run_cli, terminate_as_interrupt
@@ -236,11 +239,14 @@ def main(argv: Optional[List[str]] = None) -> int:
         torch.set_num_threads(args.threads)
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as scratch:
-        data = args.data
-        if not data:
-            data = os.path.join(scratch, 'data')
-            write_images(data, args.classes, args.per_class)
+        data = args.data or os.path.join(scratch, 'data')
+        # the config, the model and a given dataset are checked before minutes of writing images and measuring
         cfg = load_config(args.cfg, train_opts(args, data) + ['OUTPUT', os.path.join(scratch, 'unused')])
+        check_model_config(cfg)
+        if args.data:
+            check_splits(data, ['train', 'val'])
+        else:
+            write_images(data, args.classes, args.per_class)
         info = DistInfo(rank=0, world_size=1, local_rank=0, device=device)
         rates = {
             'data loader alone': loader_rate(cfg, info, args.batches, args.repeats),

@@ -312,6 +312,22 @@ def test_train_throughput_refuses_a_count_below_its_minimum_before_measuring(fla
     assert not list(tmp_path.iterdir())
 
 
+@pytest.mark.parametrize('argv, message', [
+    (['--', 'TRAIN.EPOCH', '3'], "unknown config key TRAIN.EPOCH in --opts; did you mean TRAIN.EPOCHS?"),
+    (['--model', 'inline_deit_tinny'], "unknown model 'inline_deit_tinny'"),
+    (['--data', 'missing'], "data path 'missing' does not exist; expected a folder with train and val inside"),
+])
+def test_train_throughput_checks_config_model_and_data_before_generating_or_measuring(argv, message, tmp_path,
+                                                                                     monkeypatch, capsys):
+    """A misspelt key or model failed after the images were written and the loader measured, minutes in."""
+    monkeypatch.chdir(tmp_path)
+    for work in ('write_images', 'loader_rate', 'model_rate', 'train_py_rate'):
+        monkeypatch.setattr(train_throughput, work, lambda *args, work=work: pytest.fail(work))
+    assert run_cli(train_throughput.main, argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f'error: {message}') and err.count('\n') == 1
+
+
 def without_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     """Make this process see no CUDA device, as a machine without a GPU does."""
     monkeypatch.setattr(torch.cuda, 'is_available', lambda: False)
