@@ -518,7 +518,7 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -
         resolutions = parse_resolutions(args.resolutions, args.families)
     except ValueError as e:
         parser.error(f'--resolutions: {e}; expected positive numbers or FAMILY=R1,R2 with FAMILY one of '
-                     f'{", ".join(FAMILIES)}')
+                     f'{", ".join(args.families)}')
     prepare_script_out(parser, args.out, prefix=True)
     return resolutions
 
@@ -597,7 +597,8 @@ def result_row(res: Dict, results: Dict[str, Dict], spec: Dict, suffix: str, **w
 
 def parse_resolutions(items: Sequence[str], families: Sequence[str]) -> Dict[str, List[int]]:
     """['224', '512', 'swin=224,448'] -> {family: resolutions}; numbers apply to families without their own. A
-    ValueError names an unknown family or a value that is not a positive integer."""
+    ValueError names an unknown family, one that `families` leaves out, a family left without a resolution, or a
+    value that is not a positive integer."""
     common: List[int] = []
     own: Dict[str, List[int]] = {}
     for item in items:
@@ -605,9 +606,14 @@ def parse_resolutions(items: Sequence[str], families: Sequence[str]) -> Dict[str
             family, values = item.split('=', 1)
             if family not in FAMILIES:
                 raise ValueError(f'unknown family {family!r}')
+            if family not in families:
+                raise ValueError(f'{item} is for family {family!r}, which --families leaves out')
             own[family] = [_resolution(v) for v in values.split(',')]
         else:
             common.append(_resolution(item))
+    unset = [family for family in families if family not in own and not common]
+    if unset:
+        raise ValueError(f"no resolution for family {', '.join(map(repr, unset))}")
     return {family: own.get(family, common) for family in families}
 
 

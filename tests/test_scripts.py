@@ -376,6 +376,12 @@ def test_resolve_device_names_the_bad_device_and_what_this_machine_has(monkeypat
     (['--resolutions', '224', '0'], '--resolutions: resolution 0 is below 1; expected positive numbers or '
                                     'FAMILY=R1,R2 with FAMILY one of deit, pvt, pvt_v2, swin, cswin'),
     (['--resolutions', 'vit=224'], "--resolutions: unknown family 'vit'; expected positive numbers"),
+    (['--families', 'deit', '--resolutions', '224', 'swin=448'],
+     "--resolutions: swin=448 is for family 'swin', which --families leaves out; expected positive numbers or "
+     "FAMILY=R1,R2 with FAMILY one of deit"),
+    (['--families', 'deit', 'swin', '--resolutions', 'swin=448'],
+     "--resolutions: no resolution for family 'deit'; expected positive numbers or FAMILY=R1,R2 with FAMILY one "
+     "of deit, swin"),
     (['--families', 'pvt', '--sizes', 'tiny', 'huge'],
      '--sizes huge: no model softmax_pvt_huge; softmax_pvt has sizes large, medium, small, tiny'),
     (['--families', 'pvt_v2', '--sizes', 'huge'], '--sizes huge: no model softmax_pvt_v2_huge; softmax_pvt_v2 has '
