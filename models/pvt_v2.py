@@ -265,8 +265,10 @@ class PyramidVisionTransformerV2(ZooModel):
         stem = r'^stages\.0\.patch_embed'
         if coarse:
             return dict(stem=stem, blocks=r'^stages\.(\d+)')
+        # a stage's patch embedding joins its first block, its norm (after the blocks) its last
         return dict(stem=stem, blocks=[(r'^stages\.(\d+)\.blocks\.(\d+)', None),
-                                       (r'^stages\.(\d+)\.(?:patch_embed|norm)', (0,))])
+                                       (r'^stages\.(\d+)\.patch_embed', (0,)),
+                                       (r'^stages\.(\d+)\.norm', (99999,))])
 
     def _set_grids(self, img_size: Grid) -> None:
         grid = img_size

@@ -5,6 +5,7 @@ from typing import Dict, Tuple
 
 import pytest
 import timm
+import timm.optim
 import torch
 import torch.nn.functional as F
 from yacs.config import CfgNode
@@ -345,6 +346,22 @@ def test_head_pooling_and_classifier_reset():
         model.reset_classifier(4)
         assert model(x).shape == (2, 4)
     assert model.no_weight_decay() == set()
+
+
+def test_layer_decay_gives_each_stage_norm_the_rate_of_the_stage_s_last_block():
+    """A stage's norm follows its blocks: grouped with the stage's first block, it got a lower learning rate under
+    layer decay than the blocks before it. A stage's patch embedding shares its first block's rate."""
+    model = timm.create_model('softmax_pvt_v2_b0', **TINY)
+    groups = timm.optim.create_optimizer_v2(model, 'adamw', layer_decay=0.5).param_groups
+    names = {id(p): n for n, p in model.named_parameters()}
+    scale = {names[id(p)]: group['lr_scale'] for group in groups for p in group['params']}
+    last_blocks = [d - 1 for d in TINY['depths']]
+    for stage, last in enumerate(last_blocks):
+        assert scale[f'stages.{stage}.norm.weight'] == scale[f'stages.{stage}.blocks.{last}.norm1.weight']
+        if stage > 0:  # the first one is the stem
+            assert scale[f'stages.{stage}.patch_embed.proj.weight'] == scale[f'stages.{stage}.blocks.0.norm1.weight']
+    # stem, the 5 blocks, head: 0.5 ** 6 up to 1
+    assert sorted(set(scale.values())) == [0.5 ** k for k in range(6, -1, -1)]
 
 
 def test_gradient_checkpointing_gives_the_same_gradients():
