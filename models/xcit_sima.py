@@ -360,7 +360,9 @@ class SimAXCiT(ZooModel):
     def _final_norm(self, x: Tensor) -> Tensor:
         """Patch tokens (B, N, C) -> the class token before them, refined by the class attention, and the final
         norm of all 1 + N tokens."""
-        x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)
+        cls_token = self.cls_token
+        if cls_token is not None:  # None once the head is pruned
+            x = torch.cat([cls_token.expand(x.shape[0], -1, -1), x], dim=1)
         for block in self.cls_attn_blocks:
             x = block(x)
         return self.norm(x)
@@ -399,8 +401,8 @@ class SimAXCiT(ZooModel):
             prune_norm: bool = False,
             prune_head: bool = True,
     ) -> List[int]:
-        """Drop the blocks after the last of `indices`, the final norm with `prune_norm`, and the class attention
-        with the head with `prune_head`; returns the kept indices."""
+        """Drop the blocks after the last of `indices`, the final norm with `prune_norm`, and the class token and
+        class attention with the head with `prune_head`; returns the kept indices."""
         take_indices, max_index = feature_take_indices(len(self.blocks), indices)
         self.blocks = self.blocks[:max_index + 1]
         self.num_stages = len(self.blocks)
@@ -409,6 +411,8 @@ class SimAXCiT(ZooModel):
             self.norm = nn.Identity()
         if prune_head:
             self.cls_attn_blocks = nn.ModuleList()
+            self.cls_token = None
+            self.num_prefix_tokens = 0
             self.reset_classifier(0, '')
         return take_indices
 

@@ -426,10 +426,16 @@ def test_intermediates_features_only_and_pruning():
     features = timm.create_model('sima_tiny_12_p8', features_only=True, out_indices=(1, 3), **kwargs)
     assert features.feature_info.channels() == [16, 16] and features.feature_info.reduction() == [8, 8]
     assert [f.shape for f in features(x)] == [(2, 16, 5, 3)] * 2
-    pruned = timm.create_model('sima_tiny_12_p8', **kwargs)
+    pruned = randomised(timm.create_model('sima_tiny_12_p8', **kwargs)).eval()
     assert pruned.prune_intermediate_layers([0, 1]) == [0, 1]
     assert len(pruned.blocks) == 2 and len(pruned.cls_attn_blocks) == 0 and pruned.num_classes == 0
     assert len(pruned.feature_info) == 2
+    # the class token goes with the class attention, as in timm's XCiT: the features are the normed patch tokens
+    with torch.no_grad():
+        assert pruned.cls_token is None and pruned.num_prefix_tokens == 0
+        patches = pruned.forward_intermediates(x, indices=[1], output_fmt='NLC', intermediates_only=True)[0]
+        assert torch.equal(pruned(x), pruned.norm(patches))
+        assert torch.equal(torch.jit.script(pruned)(x), pruned(x))
 
 
 def test_set_input_size_changes_only_the_nominal_size():
