@@ -593,6 +593,15 @@ def _block_attentions(args: Mapping[str, Any]) -> List[List[str]]:
     return stage_attentions(args['attn_type'], depths, **extra)
 
 
+def _native_attentions(model_args: Mapping[str, Any], built: Mapping[str, Any]) -> Optional[List[List[str]]]:
+    """The attentions of the variant's own `attn_type` in the architecture `built`; None where that attn_type
+    does not fit it (a per-stage pattern such as 'IIIS' given other stages)."""
+    try:
+        return _block_attentions({**built, 'attn_type': model_args['attn_type']})
+    except ValueError:
+        return None
+
+
 def create_variant(
         model_cls: Type[nn.Module],
         variant: str,
@@ -619,9 +628,13 @@ def create_variant(
     if not strict:
         build_kwargs['pretrained_filter_fn'] = functools.partial(build_kwargs['pretrained_filter_fn'], strict=False)
     built = {**model_args, **kwargs}
-    native = {**built, 'attn_type': model_args['attn_type']}
     released_elsewhere: Dict[str, Any] = {}
-    if 'attn_type' in kwargs and _block_attentions(built) != _block_attentions(native):
+    native = _native_attentions(model_args, built)
+    if native is None and 'attn_type' not in kwargs:
+        depths = built.get('depths', built.get('depth'))
+        raise ValueError(f"{variant}'s attn_type {model_args['attn_type']!r} names the attention of each of its own "
+                         f"stages, not of depths {depths!r}; expected an attn_type for those stages too")
+    if 'attn_type' in kwargs and _block_attentions(built) != native:
         release_sources, own_weights = _weight_sources(variant, kwargs)
         if pretrained and not own_weights and strict:
             raise ValueError(

@@ -17,6 +17,7 @@ from torch import nn
 from timm.models._registry import _model_pretrained_cfgs
 
 import models  # noqa: F401  (registers the families)
+from models.analysis import attention_layers
 from models.attention import GROUPINGS, build_attention, forms_score_matrix, list_attentions
 from models.checkpoint import CheckpointError, hub_weights_file, load_checkpoint_file, load_pretrained_into
 
@@ -218,6 +219,25 @@ def test_an_equivalent_attn_type_keeps_the_pretrained_cfg():
     with torch.device('meta'):
         model = timm.create_model('inline_swin_tiny', attn_type=['inline', 'inline', 'inline', 'softmax'])
     assert model.pretrained_cfg['url'] == timm.models.get_pretrained_cfg('inline_swin_tiny').url
+
+
+@pytest.mark.parametrize('name, pattern, stages', [
+    ('inline_swin_tiny', 'IIIS', dict(depths=[2, 2], num_heads=[2, 4])),
+    ('flatten_swin_tiny', 'LLSS', dict(depths=[2, 2], num_heads=[2, 4])),
+])
+def test_a_paper_model_with_other_stages_takes_the_attn_type_given_for_them(name, pattern, stages):
+    """The variant's per-stage pattern was applied to the user's stages to compare it with theirs, and failed on
+    an attn_type the user never gave: "bad attn_type 'IIIS'" for attn_type='inline' with two stages."""
+    with torch.device('meta'):
+        model = timm.create_model(name, attn_type='inline', **stages)
+        mixed = timm.create_model(name, attn_type='IS', **stages)
+    assert {a.mixer.attention_name for a in attention_layers(model).values()} == {'inline'}
+    assert [a.mixer.attention_name for a in attention_layers(mixed).values()] == ['inline'] * stages['depths'][0] + [
+        'softmax'] * stages['depths'][1]
+    assert model.pretrained_cfg['url'] == '' and mixed.pretrained_cfg['url'] == ''
+    with pytest.raises(ValueError, match=rf"^{name}'s attn_type '{pattern}' names the attention of each of its own "
+                                         rf"stages, not of depths \[.*\]; expected an attn_type for those stages too$"):
+        timm.create_model(name, device='meta', **stages)
 
 
 @pytest.mark.parametrize('given_as', ['file', 'state_dict'])
