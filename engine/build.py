@@ -218,7 +218,11 @@ def create_model(cfg: CN, weights: Optional[Dict[str, Tensor]] = None, source: s
                               f"expected the constructor's own argument names") from e
         raise
     except ValueError as e:
-        raise ConfigError(f"cannot build model {name!r} from MODEL.KWARGS {dict(cfg.MODEL.KWARGS)}: {e}") from e
+        given = {'MODEL.NUM_CLASSES': cfg.MODEL.NUM_CLASSES, 'DATA.IMG_SIZE': cfg.DATA.IMG_SIZE,
+                 'MODEL.DROP_PATH_RATE': cfg.MODEL.DROP_PATH_RATE}
+        given.update({f'MODEL.KWARGS.{key}': value for key, value in cfg.MODEL.KWARGS.items()})
+        settings = ', '.join(f'{key} {value!r}' for key, value in given.items())
+        raise ConfigError(f"cannot build model {name!r} from {settings}: {e}") from e
     _check_channels(cfg, getattr(model, 'in_chans', 3))
     if weights is not None:
         model.pretrained_cfg.pop('state_dict', None)  # do not keep a second copy of the weights alive

@@ -905,13 +905,21 @@ def test_released_weights_of_an_unknown_tag_are_a_checkpoint_error():
     assert not has_released_weights('inline_deit_tiny.in22k') and has_released_weights('inline_deit_tiny.in1k')
 
 
-def test_a_model_keyword_out_of_range_fails_before_any_data_is_read(tmp_path, capsys):
+@pytest.mark.parametrize('opts, embed_dim, img_size, problem', [
+    (['MODEL.KWARGS.embed_dim', '-8'], -8, 16, 'embed_dim -8 is out of range; expected an integer > 0'),
+    (['DATA.IMG_SIZE', '30'], 64, 30, 'img_size 30x30 must have sides that are positive multiples of 4'),
+])
+def test_a_model_setting_out_of_range_is_named_by_its_config_key_before_any_data_is_read(tmp_path, capsys, opts,
+                                                                                        embed_dim, img_size, problem):
+    """The error listed MODEL.KWARGS alone, where DATA.IMG_SIZE, which the model takes as img_size, was the bad
+    value."""
     data = tmp_path / 'digits'  # the digits demo would write its data here first
     code, _, err = _run(train_main, ['--cfg', TINY, '--output', str(tmp_path / 'out'), '--opts', 'DATA.DATA_PATH',
-                                     str(data), 'MODEL.KWARGS.embed_dim', '-8'], capsys)
+                                     str(data), *opts], capsys)
     assert code == USAGE_EXIT_CODE
-    assert err == ("error: cannot build model 'inline_deit_tiny' from MODEL.KWARGS {'patch_size': 4, 'embed_dim': -8, "
-                   "'depth': 2, 'num_heads': 4}: embed_dim -8 is out of range; expected an integer > 0\n")
+    assert err == (f"error: cannot build model 'inline_deit_tiny' from MODEL.NUM_CLASSES 10, DATA.IMG_SIZE "
+                   f"{img_size}, MODEL.DROP_PATH_RATE 0.0, MODEL.KWARGS.patch_size 4, MODEL.KWARGS.embed_dim "
+                   f"{embed_dim}, MODEL.KWARGS.depth 2, MODEL.KWARGS.num_heads 4: {problem}\n")
     assert not data.exists() and not (tmp_path / 'out').exists()
 
 
