@@ -128,9 +128,12 @@ class StopSignal:
     @contextmanager
     def installed(self) -> Iterator['StopSignal']:
         """The handler for the `STOP_SIGNALS` while the block runs; after a signal, a collective that fails because
-        another process ended at once ends this one at once too, on one line."""
+        another process ended at once ends this one at once too, on one line. A signal that this process was
+        started ignoring stays ignored, as Python leaves an ignored SIGINT: a run under `nohup` outlives its
+        terminal's SIGHUP."""
         self.pid = os.getpid()
-        previous = {s: signal.signal(s, self._handle) for s in STOP_SIGNALS}
+        previous = {s: signal.signal(s, self._handle) for s in STOP_SIGNALS
+                    if signal.getsignal(s) is not signal.SIG_IGN}
         try:
             yield self
         except RuntimeError as e:

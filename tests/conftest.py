@@ -1,6 +1,7 @@
 """Test-wide settings and fixtures."""
 import logging
 import random
+import signal
 from typing import Any, Callable, Iterator, Tuple
 
 import numpy as np
@@ -42,6 +43,19 @@ def child_temporaries(tmp_path_factory) -> Iterator[None]:
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv('TMPDIR', str(tmp_path_factory.mktemp('tmp')))
         yield
+
+
+@pytest.fixture(scope='session', autouse=True)
+def ctrl_c_delivered() -> Iterator[None]:
+    """The tests stop runs with Ctrl-C as a terminal delivers it. A suite started with SIGINT ignored (a background
+    job of a shell script) would hand that on to the runs it starts, which keep an ignored signal ignored; for the
+    session, SIGINT gets Python's own handler."""
+    ignored = signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    if ignored:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    if ignored:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 @pytest.fixture

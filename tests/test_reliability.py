@@ -277,10 +277,16 @@ def test_sigint_and_sighup_save_after_the_current_step_and_exit_with_128_plus_th
     output = tmp_path / 'run'
     shutil.copytree(one_epoch, output)
     signals_at(monkeypatch, (3, signum))
-    handler = signal.getsignal(signum)
+    original = signal.getsignal(signum)
+    # a suite run under nohup ignores SIGHUP, which a run then keeps ignoring
+    handler = signal.SIG_DFL if original is signal.SIG_IGN else original
+    signal.signal(signum, handler)
     capsys.readouterr()
-    assert run_cli(train_main, train_argv(output, digits)) == 128 + signum
-    assert signal.getsignal(signum) is handler
+    try:
+        assert run_cli(train_main, train_argv(output, digits)) == 128 + signum
+        assert signal.getsignal(signum) is handler  # the run put back the handler it found
+    finally:
+        signal.signal(signum, original)
     name = signal.Signals(signum).name
     assert capsys.readouterr().err.splitlines()[-1] == (f"error: stopped by {name} after saving {output / 'last.pth'}; "
                                                         f"run the same command again to resume")
@@ -297,6 +303,22 @@ def test_sigint_and_sighup_save_after_the_current_step_and_exit_with_128_plus_th
     assert err == (f"error: checkpoint {str(output / 'last.pth')!r} stopped in the middle of epoch 1 (batch 4) with "
                    f"DATA.BATCH_SIZE 64 (this run: 32); expected the same values until that epoch ends\n")
     assert checkpoints(output) == saved
+
+
+def test_a_run_started_with_sighup_ignored_outlives_a_hangup(tmp_path, digits, one_epoch, monkeypatch, capsys):
+    """`nohup python train.py ... &` ignores SIGHUP so that the run outlives its terminal; the run set its own
+    handler over that, saved and stopped with status 129 when the terminal closed."""
+    output = tmp_path / 'run'
+    shutil.copytree(one_epoch, output)
+    signals_at(monkeypatch, (3, signal.SIGHUP))
+    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        assert run_cli(train_main, train_argv(output, digits)) == 0
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGHUP, previous)
+    assert [r['epoch'] for r in records(output)] == [0, 1]
+    assert 'received SIGHUP' not in (output / 'train.log').read_text()
 
 
 @pytest.mark.parametrize('how', ['TRAIN.AUTO_RESUME False', 'MODEL.RESUME of another run'])
