@@ -357,7 +357,8 @@ def _train(cfg: CN, info: DistInfo, lock: OutputLock, check_data: bool) -> Dict[
     log_path = os.path.join(output, LOG)
     main_process_first(info, lambda: _drop_log_records(log_path, state.epoch), f"read {log_path}")
     if info.is_main:
-        atomic_write_text(os.path.join(output, CONFIG), cfg.dump())
+        if state.epoch < num_epochs:  # the config of the checkpoints beside it: a run that trains nothing keeps it
+            atomic_write_text(os.path.join(output, CONFIG), cfg.dump())
         n_params = sum(p.numel() for p in model.parameters())
         logger.info(f"model {cfg.MODEL.NAME}: {n_params / 1e6:.2f}M parameters; {len(train_set)} training and "
                     f"{len(val_set)} validation images in {len(train_set.classes)} classes")

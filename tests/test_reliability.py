@@ -1039,8 +1039,11 @@ def test_a_lock_and_temp_files_left_by_a_killed_run_are_cleared(tmp_path, digits
     stale, live = output / f'.last.pth.{pid}.0123abcd.tmp', output / f'.best.pth.{os.getpid()}.89abcdef.tmp'
     stale.write_bytes(b'partial')
     live.write_bytes(b'being written')
+    config = (output / 'config.yaml').read_text()
     # one epoch in all is already done: the run checks the folder, then has nothing to train
-    assert run_cli(train_main, [*train_argv(output, digits), 'TRAIN.EPOCHS', '1']) == 0
+    assert run_cli(train_main, [*train_argv(output, digits), 'TRAIN.EPOCHS', '1', 'TRAIN.BASE_LR', '0.5']) == 0
+    # the config beside the checkpoints stays theirs: it was rewritten with values nothing was trained with
+    assert (output / 'config.yaml').read_text() == config
     log = log_text(output)
     assert f"took over the lock of a run that has ended (host {socket.gethostname()} pid {pid})" in log
     assert f"removed 1 temporary file(s) of checkpoint writes killed before they finished: {stale.name}" in log
