@@ -359,6 +359,20 @@ _NOT_TRAINING_KEYS = ('OUTPUT', 'PRINT_FREQ', 'SAVE_FREQ', 'DEVICE', 'DATA.DATA_
                       'TRAIN.ONEDNN', 'TRAIN.OPTIMIZER.FUSED', 'DIST.BACKEND', 'DIST.TIMEOUT_MIN')
 
 
+# what a resumed run must build as the run it resumes built it
+_MODEL_KEYS = ('MODEL.NAME', 'MODEL.NUM_CLASSES', 'DATA.IMG_SIZE')
+
+
+def _same_source(given: str, started: str) -> bool:
+    """Whether MODEL.PRETRAINED `given` names the weights `started` names: the same text, or the same file."""
+    if given == started:
+        return True
+    try:
+        return bool(started) and os.path.samefile(given, started)
+    except OSError:
+        return False
+
+
 class TrainingCheckpoint:
     """The checkpoint of one training run: what it holds, the atomic writing of `last.pth` / `best.pth`, reading
     one back checked, and restoring one into the live model, EMA, optimizer, scaler, schedule, state and RNG."""
@@ -431,6 +445,28 @@ class TrainingCheckpoint:
             raise CheckpointError(f"checkpoint {path!r} is malformed: rng holds {len(checkpoint['rng'])} random "
                                   f"state(s) but world_size is {checkpoint['world_size']}; expected one per process")
         return checkpoint
+
+    @staticmethod
+    def check_same_run(checkpoint: Mapping[str, Any], path: str, cfg: CN) -> None:
+        """Raise `UsageError` unless `cfg` builds the model that wrote `checkpoint` (MODEL.NAME, MODEL.KWARGS,
+        MODEL.NUM_CLASSES, DATA.IMG_SIZE) and starts from the same MODEL.PRETRAINED, if it names one: a run resumed
+        under another model goes on from the other model's weights and epoch where the shapes allow it (softmax,
+        SimA and linear DeiT share every one), and weights given to start from are not loaded into a resumed run."""
+        try:
+            stored = config_from_yaml_string(checkpoint['config'], f"checkpoint {path!r}")
+        except ConfigError:
+            return  # a config this engine no longer reads: restoring compares the weights, and says so
+        changes = [change for change in config_changes(stored, cfg)
+                   if change.split()[0] in _MODEL_KEYS or change.startswith('MODEL.KWARGS.')]
+        if changes:
+            raise UsageError(f"checkpoint {path!r} holds a run of another model: {'; '.join(changes)}; expected that "
+                             f"model to resume it (another model: another --output; to start from its weights: "
+                             f"--pretrained {path} with another --output)")
+        given, started = cfg.MODEL.PRETRAINED, stored.MODEL.PRETRAINED
+        if given and not _same_source(given, started):
+            raise UsageError(f"MODEL.PRETRAINED {given!r} would not be loaded: this run resumes {path!r}, which "
+                             f"started from {repr(started) if started else 'random weights'}; expected another "
+                             f"--output to start from {given!r}")
 
     @staticmethod
     def check_resumable(checkpoint: Mapping[str, Any], path: str, batch_size: int, accumulation: int,

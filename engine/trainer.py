@@ -26,7 +26,7 @@ from models.checkpoint import CheckpointError
 from .build import (autocast_dtype, check_model_config, check_onednn, check_optimizer_config, check_pretrained,
                     check_sync_bn, create_criterion, create_optimizer, create_scheduler, create_training_model,
                     read_weights, synchronize_batchnorm)
-from .checkpoint import LAST, OutputLock, TrainingCheckpoint, atomic_write_text, remove_stale_temp_files
+from .checkpoint import BEST, LAST, OutputLock, TrainingCheckpoint, atomic_write_text, remove_stale_temp_files
 from .compile import CompileTimer, compile_errors_reported, compile_model
 from .config import ema_decay, scaled_lrs, total_batch_size
 from .data import (build_batch_augmentation, build_eval_loader, build_train_loader, check_images, check_splits,
@@ -150,17 +150,24 @@ class StopSignal:
 
 def _check_nothing_replaced(output: str, resume: Optional[str]) -> None:
     """Refuse a run that would write its checkpoints over those of another run in `output`: a fresh run
-    (TRAIN.AUTO_RESUME False) or one resuming a checkpoint from elsewhere (MODEL.RESUME)."""
-    last = os.path.join(output, LAST)
-    if not os.path.isfile(last) or (resume is not None and (not os.path.exists(resume)
-                                                            or os.path.samefile(resume, last))):
-        return  # nothing to replace, its own checkpoint resumed, or a missing MODEL.RESUME that reading names
-    # without MODEL.RESUME, a last.pth that is not resumed means TRAIN.AUTO_RESUME is off
-    source, advice = (f"MODEL.RESUME is {resume}", "without --resume") if resume else \
-        ("TRAIN.AUTO_RESUME is False", "TRAIN.AUTO_RESUME True")
-    raise UsageError(f"output folder {output!r} holds the checkpoints of a run ({last}) that this run would "
-                     f"replace, since {source}; expected a folder without one: choose another --output, or resume "
-                     f"that run ({advice})")
+    (TRAIN.AUTO_RESUME False, or no last.pth beside a best.pth) or one resuming a checkpoint from elsewhere
+    (MODEL.RESUME)."""
+    if resume is not None and not os.path.exists(resume):
+        return  # a missing MODEL.RESUME, which reading names
+    for name in (LAST, BEST):
+        path = os.path.join(output, name)
+        if not os.path.isfile(path) or (resume is not None and os.path.samefile(resume, path)):
+            continue
+        if resume is not None and os.path.samefile(resume, os.path.join(output, LAST)):
+            return  # its own run resumed
+        if resume:
+            source, advice = f"MODEL.RESUME is {resume}", ", or resume that run (without --resume)"
+        elif name == LAST:  # a last.pth that is not resumed means TRAIN.AUTO_RESUME is off
+            source, advice = "TRAIN.AUTO_RESUME is False", ", or resume that run (TRAIN.AUTO_RESUME True)"
+        else:
+            source, advice = f"there is no {LAST} beside it to resume", ""
+        raise UsageError(f"output folder {output!r} holds the checkpoints of a run ({path}) that this run would "
+                         f"replace, since {source}; expected a folder without one: choose another --output{advice}")
 
 
 def _continues(last: str, resume: str) -> bool:
@@ -243,18 +250,38 @@ def train(cfg: CN, info: DistInfo, check_data: bool = False) -> Dict[str, Any]:
     run. A run stopped by SIGTERM / SIGINT saves, then raises `Stopped`."""
     check_sync_bn(cfg, check_model_config(cfg), info)
     check_optimizer_config(cfg)
-    if _resume_path(cfg) is None:
+    resume = _resume_path(cfg)
+    if resume is None:
         check_pretrained(cfg.MODEL.PRETRAINED)
     if cfg.TRAIN.ONEDNN:
         check_onednn(info.device, 'AMP.ENABLED' if cfg.AMP.ENABLED else None, 'TRAIN.ONEDNN')
+    # the run to resume is read and compared with this one before the data is scanned, which can take minutes
+    stored = _read_resumed(resume, auto=resume == os.path.join(cfg.OUTPUT, LAST)) if resume else None
+    if stored is not None:
+        TrainingCheckpoint.check_same_run(stored, resume, cfg)
     lock = OutputLock(cfg.OUTPUT)
     try:
-        return _train(cfg, info, lock, check_data)
+        return _train(cfg, info, lock, check_data, resume, stored)
     finally:
         lock.release()
 
 
-def _train(cfg: CN, info: DistInfo, lock: OutputLock, check_data: bool) -> Dict[str, Any]:
+def _read_resumed(path: str, auto: bool) -> Dict[str, Any]:
+    """The training checkpoint `path`; where TRAIN.AUTO_RESUME found one that cannot be read, the error says how
+    to go on."""
+    try:
+        return TrainingCheckpoint.read(path)
+    except CheckpointError as e:
+        if not auto:
+            raise
+        best = os.path.join(os.path.dirname(path), BEST)
+        then = f", then --resume {best} goes on from the best epoch" if os.path.isfile(best) else \
+            " to start the run again"
+        raise CheckpointError(f"{e}; move it out of the output folder{then}") from None
+
+
+def _train(cfg: CN, info: DistInfo, lock: OutputLock, check_data: bool, resume: Optional[str],
+           stored: Optional[Dict[str, Any]]) -> Dict[str, Any]:
     root = resolve_data_root(cfg, info)
     check_splits(root, ('train', 'val'))
     bad_images = cfg.DATA.BAD_IMAGES
@@ -290,9 +317,7 @@ def _train(cfg: CN, info: DistInfo, lock: OutputLock, check_data: bool) -> Dict[
         raise UsageError(f"TRAIN.ACCUMULATION_STEPS {cfg.TRAIN.ACCUMULATION_STEPS} exceeds the "
                          f"{len(train_loader)} batches per epoch; expected fewer accumulation steps")
 
-    resume = _resume_path(cfg)
     main_process_first(info, lambda: _check_nothing_replaced(output, resume), f"check {output!r}")
-    stored = TrainingCheckpoint.read(resume) if resume else None
     if stored is not None:
         TrainingCheckpoint.check_resumable(stored, resume, cfg.DATA.BATCH_SIZE, cfg.TRAIN.ACCUMULATION_STEPS,
                                            info.world_size)

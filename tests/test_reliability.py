@@ -194,22 +194,6 @@ def test_a_non_finite_loss_stops_training_with_exit_status_2_and_keeps_last_chec
                                                         'train.log']
 
 
-def test_resuming_into_another_model_fails_with_one_line_and_keeps_last_checkpoint(
-        tmp_path, digits, one_epoch, capsys):
-    output = tmp_path / 'run'
-    shutil.copytree(one_epoch, output)
-    saved = (output / 'last.pth').read_bytes()
-    capsys.readouterr()
-    assert run_cli(train_main, [*train_argv(output, digits), 'MODEL.KWARGS.depth', '1']) == USAGE_EXIT_CODE
-    err = capsys.readouterr().err
-    assert err.count('\n') == 1 and err.startswith(f"error: checkpoint {str(output / 'last.pth')!r} does not match "
-                                                   f"DeiT: unexpected: blocks.1."), err
-    # what wrote it, and the way out: a second run into the same folder is most often a new run
-    assert err.endswith("; it holds a run of inline_deit_tiny with MODEL.KWARGS {depth: 2, embed_dim: 64, num_heads: "
-                        "4, patch_size: 4}, expected that model to resume it (another model: another --output)\n"), err
-    assert (output / 'last.pth').read_bytes() == saved
-
-
 def signals_at(monkeypatch, *sends):
     """Make the loop's per-update stop check send (call number, signal) pairs to this process; a signal sent
     during update u is seen at the end of update u + 1."""
@@ -336,6 +320,69 @@ def test_a_fresh_run_into_a_folder_holding_a_run_is_refused_and_replaces_nothing
         f"would replace, since {source}; expected a folder without one: choose another --output, or resume that run "
         f"({'TRAIN.AUTO_RESUME True' if how.startswith('TRAIN') else 'without --resume'})\n")
     assert checkpoints(output) == before
+
+
+@pytest.mark.parametrize('opts, changes', [
+    (['MODEL.NAME', 'softmax_deit_tiny'], "MODEL.NAME 'inline_deit_tiny' (this run: 'softmax_deit_tiny')"),
+    (['MODEL.KWARGS.depth', '3'], "MODEL.KWARGS.depth 2 (this run: 3)"),
+    (['DATA.IMG_SIZE', '32'], "DATA.IMG_SIZE 16 (this run: 32)"),
+])
+def test_a_run_of_another_model_is_not_resumed_and_is_refused_before_the_data_is_read(tmp_path, one_epoch, capsys,
+                                                                                     opts, changes):
+    """Another model with the same tensor shapes (softmax, SimA and linear DeiT share every one) went on from the
+    stored model's weights, optimizer and epoch, where a config change is only reported; another image size was
+    blamed on 'another model' with the very name and keywords of this run. The data path does not exist: the
+    refusal comes before any scan."""
+    output = tmp_path / 'run'
+    shutil.copytree(one_epoch, output)
+    before = checkpoints(output)
+    assert run_cli(train_main, [*train_argv(output, tmp_path / 'no-data'), *opts]) == USAGE_EXIT_CODE
+    last = str(output / 'last.pth')
+    assert capsys.readouterr().err == (
+        f"error: checkpoint {last!r} holds a run of another model: {changes}; expected that model to resume it "
+        f"(another model: another --output; to start from its weights: --pretrained {last} with another --output)\n")
+    assert checkpoints(output) == before
+
+
+def test_weights_to_start_from_are_refused_for_a_run_that_resumes(tmp_path, one_epoch, capsys):
+    """--pretrained into a folder whose run is resumed was ignored without a word, and recorded in its config."""
+    output = tmp_path / 'run'
+    shutil.copytree(one_epoch, output)
+    other = str(one_epoch / 'best.pth')
+    assert run_cli(train_main, [*train_argv(output, tmp_path / 'no-data'), 'MODEL.PRETRAINED', other]) == 2
+    assert capsys.readouterr().err == (
+        f"error: MODEL.PRETRAINED {other!r} would not be loaded: this run resumes {str(output / 'last.pth')!r}, "
+        f"which started from random weights; expected another --output to start from {other!r}\n")
+
+
+def test_a_best_checkpoint_without_a_last_one_is_not_replaced_and_resumes(tmp_path, digits, one_epoch, capsys):
+    """With last.pth deleted to save space, a new run wrote over best.pth and emptied log.jsonl; a fine-tune whose
+    --pretrained file lay in its own output folder replaced it. Resuming best.pth itself goes on."""
+    output = tmp_path / 'run'
+    shutil.copytree(one_epoch, output)
+    (output / 'last.pth').unlink()
+    before = checkpoints(output)
+    for opts in ([], ['MODEL.PRETRAINED', str(output / 'best.pth')]):
+        assert run_cli(train_main, [*train_argv(output, digits), *opts]) == USAGE_EXIT_CODE
+        assert capsys.readouterr().err == (
+            f"error: output folder {str(output)!r} holds the checkpoints of a run ({output / 'best.pth'}) that this "
+            f"run would replace, since there is no last.pth beside it to resume; expected a folder without one: "
+            f"choose another --output\n")
+    assert checkpoints(output) == before
+    assert run_cli(train_main, ['--resume', str(output / 'best.pth'), *train_argv(output, digits)]) == 0
+    assert [r['epoch'] for r in records(output)] == [0, 1]
+
+
+def test_an_unreadable_last_checkpoint_says_how_to_go_on(tmp_path, one_epoch, capsys):
+    """The error named the cut file only; resuming best.pth was refused as replacing it."""
+    output = tmp_path / 'run'
+    shutil.copytree(one_epoch, output)
+    (output / 'last.pth').write_bytes((output / 'last.pth').read_bytes()[:100_000])
+    assert run_cli(train_main, train_argv(output, tmp_path / 'no-data')) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: checkpoint {str(output / 'last.pth')!r} is truncated or corrupt")
+    assert err.endswith(f"; move it out of the output folder, then --resume {output / 'best.pth'} goes on from the "
+                        f"best epoch\n") and err.count('\n') == 1
 
 
 def test_a_run_resumed_from_another_folder_goes_on_when_its_command_runs_again(tmp_path, digits, one_epoch, capsys):
