@@ -17,6 +17,7 @@ import numpy as np
 import torch
 import yaml
 from timm.utils import ModelEmaV3
+from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 from yacs.config import CfgNode as CN
 
@@ -259,9 +260,13 @@ def train(cfg: CN, info: DistInfo, check_data: bool = False) -> Dict[str, Any]:
     stored = _read_resumed(resume, auto=resume == os.path.join(cfg.OUTPUT, LAST)) if resume else None
     if stored is not None:
         TrainingCheckpoint.check_same_run(stored, resume, cfg)
+    # so are the weights to start from, where they lie in a file already (a download waits for the data check)
+    pretrained = None
+    if stored is None and cfg.MODEL.PRETRAINED and os.path.isfile(cfg.MODEL.PRETRAINED):
+        pretrained = read_weights(cfg.MODEL.PRETRAINED)
     lock = OutputLock(cfg.OUTPUT)
     try:
-        return _train(cfg, info, lock, check_data, resume, stored)
+        return _train(cfg, info, lock, check_data, resume, stored, pretrained)
     finally:
         lock.release()
 
@@ -281,7 +286,7 @@ def _read_resumed(path: str, auto: bool) -> Dict[str, Any]:
 
 
 def _train(cfg: CN, info: DistInfo, lock: OutputLock, check_data: bool, resume: Optional[str],
-           stored: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+           stored: Optional[Dict[str, Any]], pretrained: Optional[Dict[str, Tensor]]) -> Dict[str, Any]:
     root = resolve_data_root(cfg, info)
     check_splits(root, ('train', 'val'))
     bad_images = cfg.DATA.BAD_IMAGES
@@ -323,8 +328,7 @@ def _train(cfg: CN, info: DistInfo, lock: OutputLock, check_data: bool, resume: 
                                            info.world_size)
         check_trained_classes(stored['classes'], train_set.classes, f"checkpoint {resume!r}",
                               os.path.join(root, 'train'))
-    pretrained = None
-    if cfg.MODEL.PRETRAINED and stored is None:
+    if cfg.MODEL.PRETRAINED and stored is None and pretrained is None:
         pretrained = read_weights(weights_file(cfg.MODEL.PRETRAINED, 'MODEL.PRETRAINED', info))
     try:
         model = create_training_model(cfg, info.device, pretrained, source=cfg.MODEL.PRETRAINED,

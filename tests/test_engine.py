@@ -899,6 +899,22 @@ def test_an_unknown_pretrained_tag_is_one_line_before_any_data_is_read(tmp_path,
     assert not data.exists() and not (tmp_path / 'out').exists()
 
 
+@pytest.mark.parametrize('content, problem', [(b'not weights\n', 'is not a checkpoint'),
+                                               (b'PK\x03\x04cut', 'truncated or corrupt')])
+def test_a_pretrained_file_that_holds_no_weights_is_one_line_before_any_data_is_read(tmp_path, capsys, content,
+                                                                                    problem):
+    """A text file or a cut one given to start from was found out after the training and validation folders were
+    scanned (minutes on ImageNet), and left behind an output folder with an empty train.log."""
+    weights = tmp_path / 'weights.pth'
+    weights.write_bytes(content)
+    data = tmp_path / 'digits'  # the digits demo would write its data here first
+    code, _, err = _run(train_main, ['--cfg', TINY, '--output', str(tmp_path / 'out'), '--pretrained', str(weights),
+                                     '--opts', 'DATA.DATA_PATH', str(data)], capsys)
+    assert code == USAGE_EXIT_CODE and str(weights) in err and problem in err, err
+    assert err.count('\n') == 1
+    assert not data.exists() and not (tmp_path / 'out').exists()
+
+
 def test_released_weights_of_an_unknown_tag_are_a_checkpoint_error():
     with pytest.raises(CheckpointError, match=f"^{re.escape(UNKNOWN_TAG)}$"):
         released_weights_file('inline_deit_tiny.in22k')
