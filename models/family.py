@@ -629,11 +629,14 @@ def create_variant(
         build_kwargs['pretrained_filter_fn'] = functools.partial(build_kwargs['pretrained_filter_fn'], strict=False)
     built = {**model_args, **kwargs}
     released_elsewhere: Dict[str, Any] = {}
-    native = _native_attentions(model_args, built)
-    if native is None and 'attn_type' not in kwargs:
+    native: Optional[List[List[str]]] = None
+    if 'attn_type' in kwargs or kwargs.keys() & {'depths', 'depth'}:
+        native = _native_attentions(model_args, built)
         depths = built.get('depths', built.get('depth'))
-        raise ValueError(f"{variant}'s attn_type {model_args['attn_type']!r} names the attention of each of its own "
-                         f"stages, not of depths {depths!r}; expected an attn_type for those stages too")
+        # depths that are no list are for the constructor to name
+        if native is None and 'attn_type' not in kwargs and isinstance(depths, (list, tuple)):
+            raise ValueError(f"{variant}'s attn_type {model_args['attn_type']!r} names the attention of each of its "
+                             f"own stages, not of depths {depths!r}; expected an attn_type for those stages too")
     if 'attn_type' in kwargs and _block_attentions(built) != native:
         release_sources, own_weights = _weight_sources(variant, kwargs)
         if pretrained and not own_weights and strict:
