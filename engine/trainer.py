@@ -26,7 +26,7 @@ from models.checkpoint import CheckpointError
 
 from .build import (autocast_dtype, check_model_config, check_onednn, check_optimizer_config, check_pretrained,
                     check_sync_bn, create_criterion, create_optimizer, create_scheduler, create_training_model,
-                    read_weights, synchronize_batchnorm)
+                    official_weights, read_weights, synchronize_batchnorm)
 from .checkpoint import BEST, LAST, OutputLock, TrainingCheckpoint, atomic_write_text, remove_stale_temp_files
 from .compile import CompileTimer, compile_errors_reported, compile_model
 from .config import ema_decay, scaled_lrs, total_batch_size
@@ -336,6 +336,12 @@ def _train(cfg: CN, info: DistInfo, lock: OutputLock, check_data: bool, resume: 
     except CheckpointError as e:
         if pretrained is None or not cfg.MODEL.PRETRAINED_STRICT:
             raise
+        own = check_model_config(cfg).state_dict()
+        shared = len(own.keys() & official_weights(cfg.MODEL.NAME, pretrained).keys())
+        if 2 * shared < len(own):  # another family or size: a non-strict start would be mostly from scratch
+            raise CheckpointError(f"{e}; it shares {shared} of the model's {len(own)} tensors by name, so it holds "
+                                  f"weights of another architecture; expected weights of {cfg.MODEL.NAME} (or of "
+                                  f"it with another attention)") from None
         raise CheckpointError(f"{e}; to start from the tensors the checkpoint shares with the model (such as another "
                               f"attention's weights), set MODEL.PRETRAINED_STRICT False") from None
     ema = None

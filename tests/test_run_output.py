@@ -130,6 +130,23 @@ def test_pretrained_weights_of_another_attention_start_a_run_only_when_asked(fin
                     f"{', '.join(new)}; dropped: none"]
 
 
+def test_pretrained_weights_of_another_family_are_named_as_such_not_offered_a_partial_start(finished_run, tmp_path,
+                                                                                             capsys):
+    """DeiT weights for a Swin model were offered MODEL.PRETRAINED_STRICT False, which loaded 4 of 63 tensors and
+    trained from scratch under the name of a fine-tune."""
+    digits = str(finished_run.parent / 'digits')
+    best = finished_run / 'best.pth'
+    swin = tmp_path / 'swin.yaml'
+    swin.write_text('DATA: {DATASET: digits, IMG_SIZE: 16}\nMODEL: {NAME: softmax_swin_tiny, NUM_CLASSES: 10, KWARGS: '
+                    '{embed_dim: 16, depths: [2, 2], num_heads: [1, 2], window_size: 2}}\n')
+    assert run_cli(train_main, ['--cfg', str(swin), '--data-path', digits, '--pretrained', str(best), '--output',
+                                str(tmp_path / 'swin')]) == USAGE_EXIT_CODE
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {best}: checkpoint does not match SwinTransformer: missing: ") and err.endswith(
+        "; it shares 6 of the model's 63 tensors by name, so it holds weights of another architecture; expected "
+        "weights of softmax_swin_tiny (or of it with another attention)\n") and err.count('\n') == 1, err
+
+
 def test_throughput_shows_a_first_result_after_one_forward_and_keeps_stdout_for_results(capsys):
     code = run_cli(eval_main, ['--model', 'inline_deit_tiny', '--throughput', '--batch-size', '4',
                                '--warmup-forwards', '2', '--timed-forwards', '3', '--opts'] + TINY_MODEL_OPTS)
