@@ -9,15 +9,16 @@ import random
 import signal
 import sys
 import time
+import warnings
 from contextlib import contextmanager
 from dataclasses import replace
-from typing import Any, Dict, Iterator, Optional, TextIO
+from typing import Any, Callable, Dict, Iterator, Optional, TextIO
 
 import numpy as np
 import torch
 import yaml
 from timm.utils import ModelEmaV3
-from torch import Tensor
+from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 from yacs.config import CfgNode as CN
 
@@ -25,8 +26,8 @@ from models._files import named_on_error
 from models.checkpoint import CheckpointError
 
 from .build import (autocast_dtype, check_model_config, check_onednn, check_optimizer_config, check_pretrained,
-                    check_sync_bn, create_criterion, create_optimizer, create_scheduler, create_training_model,
-                    official_weights, read_weights, synchronize_batchnorm)
+                    check_sync_bn, create_criterion, create_model, create_optimizer, create_scheduler,
+                    create_training_model, official_weights, read_weights, synchronize_batchnorm)
 from .checkpoint import BEST, LAST, OutputLock, TrainingCheckpoint, atomic_write_text, remove_stale_temp_files
 from .compile import CompileTimer, compile_errors_reported, compile_model
 from .config import ema_decay, scaled_lrs, total_batch_size
@@ -260,15 +261,39 @@ def train(cfg: CN, info: DistInfo, check_data: bool = False) -> Dict[str, Any]:
     stored = _read_resumed(resume, auto=resume == os.path.join(cfg.OUTPUT, LAST)) if resume else None
     if stored is not None:
         TrainingCheckpoint.check_same_run(stored, resume, cfg)
-    # so are the weights to start from, where they lie in a file already (a download waits for the data check)
+    # so are the weights to start from, read and matched with the model, where they lie in a file already (a
+    # download waits for the data check)
     pretrained = None
     if stored is None and cfg.MODEL.PRETRAINED and os.path.isfile(cfg.MODEL.PRETRAINED):
         pretrained = read_weights(cfg.MODEL.PRETRAINED)
+        with warnings.catch_warnings():  # loading into the meta device copies nothing, which torch warns of per tensor
+            warnings.filterwarnings('ignore', message='.*copying from a non-meta parameter')
+            _with_start_weights(cfg, pretrained, lambda: create_model(
+                cfg, pretrained, source=cfg.MODEL.PRETRAINED, device='meta', strict=cfg.MODEL.PRETRAINED_STRICT))
     lock = OutputLock(cfg.OUTPUT)
     try:
         return _train(cfg, info, lock, check_data, resume, stored, pretrained)
     finally:
         lock.release()
+
+
+def _with_start_weights(cfg: CN, pretrained: Optional[Dict[str, Tensor]], build: Callable[[], nn.Module]) -> nn.Module:
+    """`build()`, the model loaded with the MODEL.PRETRAINED weights `pretrained`; weights that do not fit it
+    strictly raise with the way on: a start from the tensors they share, or, where they share under half of the
+    model's (another family or size, which such a start would train mostly from scratch), weights of this model."""
+    try:
+        return build()
+    except CheckpointError as e:
+        if pretrained is None or not cfg.MODEL.PRETRAINED_STRICT:
+            raise
+        own = check_model_config(cfg).state_dict()
+        shared = len(own.keys() & official_weights(cfg.MODEL.NAME, pretrained).keys())
+        if 2 * shared < len(own):
+            raise CheckpointError(f"{e}; it shares {shared} of the model's {len(own)} tensors by name, so it holds "
+                                  f"weights of another architecture; expected weights of {cfg.MODEL.NAME} (or of "
+                                  f"it with another attention)") from None
+        raise CheckpointError(f"{e}; to start from the tensors the checkpoint shares with the model (such as another "
+                              f"attention's weights), set MODEL.PRETRAINED_STRICT False") from None
 
 
 def _read_resumed(path: str, auto: bool) -> Dict[str, Any]:
@@ -330,20 +355,8 @@ def _train(cfg: CN, info: DistInfo, lock: OutputLock, check_data: bool, resume: 
                               os.path.join(root, 'train'))
     if cfg.MODEL.PRETRAINED and stored is None and pretrained is None:
         pretrained = read_weights(weights_file(cfg.MODEL.PRETRAINED, 'MODEL.PRETRAINED', info))
-    try:
-        model = create_training_model(cfg, info.device, pretrained, source=cfg.MODEL.PRETRAINED,
-                                      strict=cfg.MODEL.PRETRAINED_STRICT)
-    except CheckpointError as e:
-        if pretrained is None or not cfg.MODEL.PRETRAINED_STRICT:
-            raise
-        own = check_model_config(cfg).state_dict()
-        shared = len(own.keys() & official_weights(cfg.MODEL.NAME, pretrained).keys())
-        if 2 * shared < len(own):  # another family or size: a non-strict start would be mostly from scratch
-            raise CheckpointError(f"{e}; it shares {shared} of the model's {len(own)} tensors by name, so it holds "
-                                  f"weights of another architecture; expected weights of {cfg.MODEL.NAME} (or of "
-                                  f"it with another attention)") from None
-        raise CheckpointError(f"{e}; to start from the tensors the checkpoint shares with the model (such as another "
-                              f"attention's weights), set MODEL.PRETRAINED_STRICT False") from None
+    model = _with_start_weights(cfg, pretrained, lambda: create_training_model(
+        cfg, info.device, pretrained, source=cfg.MODEL.PRETRAINED, strict=cfg.MODEL.PRETRAINED_STRICT))
     ema = None
     if cfg.EMA.ENABLED:
         ema = ModelEmaV3(model, decay=ema_decay(cfg, info.world_size),

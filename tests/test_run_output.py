@@ -145,6 +145,7 @@ def test_pretrained_weights_of_another_family_are_named_as_such_not_offered_a_pa
     assert err.startswith(f"error: {best}: checkpoint does not match SwinTransformer: missing: ") and err.endswith(
         "; it shares 6 of the model's 63 tensors by name, so it holds weights of another architecture; expected "
         "weights of softmax_swin_tiny (or of it with another attention)\n") and err.count('\n') == 1, err
+    assert not (tmp_path / 'swin').exists()  # matched with the model before the data scan and the output folder
 
 
 def test_throughput_shows_a_first_result_after_one_forward_and_keeps_stdout_for_results(capsys):
