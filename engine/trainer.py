@@ -154,14 +154,13 @@ def _check_nothing_replaced(output: str, resume: Optional[str]) -> None:
     """Refuse a run that would write its checkpoints over those of another run in `output`: a fresh run
     (TRAIN.AUTO_RESUME False, or no last.pth beside a best.pth) or one resuming a checkpoint from elsewhere
     (MODEL.RESUME)."""
-    if resume is not None and not os.path.exists(resume):
-        return  # a missing MODEL.RESUME, which reading names
+    last = os.path.join(output, LAST)
+    if resume is not None and (not os.path.exists(resume) or _is_same_file(resume, last)):
+        return  # a missing MODEL.RESUME, which reading names, or the folder's own run resumed
     for name in (LAST, BEST):
         path = os.path.join(output, name)
-        if not os.path.isfile(path) or (resume is not None and os.path.samefile(resume, path)):
-            continue
-        if resume is not None and os.path.samefile(resume, os.path.join(output, LAST)):
-            return  # its own run resumed
+        if not os.path.isfile(path) or (resume is not None and _is_same_file(resume, path)):
+            continue  # nothing to replace, or the best.pth that this run resumes
         if resume:
             source, advice = f"MODEL.RESUME is {resume}", ", or resume that run (without --resume)"
         elif name == LAST:  # a last.pth that is not resumed means TRAIN.AUTO_RESUME is off
@@ -170,6 +169,11 @@ def _check_nothing_replaced(output: str, resume: Optional[str]) -> None:
             source, advice = f"there is no {LAST} beside it to resume", ""
         raise UsageError(f"output folder {output!r} holds the checkpoints of a run ({path}) that this run would "
                          f"replace, since {source}; expected a folder without one: choose another --output{advice}")
+
+
+def _is_same_file(path: str, other: str) -> bool:
+    """Whether the existing file `path` is `other`, which may be missing."""
+    return os.path.isfile(other) and os.path.samefile(path, other)
 
 
 def _continues(last: str, resume: str) -> bool:
