@@ -279,6 +279,21 @@ def test_multimax_flex_path_matches_plain_path(dtype, tol, masked):
 
 
 @pytest.mark.filterwarnings('ignore:flex_attention called without torch.compile')
+@pytest.mark.parametrize('masked, causal', [(False, False), (True, False), (False, True)])
+def test_multimax_flex_with_parameters_per_row_matches_the_formula(masked, causal):
+    """The score_mod that CUDA training takes, σ's eight scalars copied per query row, computes σ: here in
+    inference, the only FlexAttention pass the CPU has (tests/test_cuda.py checks its gradients on a GPU)."""
+    q, k, v, pos_bias, mask = windows(dtype=torch.float64)
+    ranges, ts = spec_parameters(torch.float64)
+    mask = mask if masked else None
+    with torch.no_grad():
+        out, _ = multimax._multimax_flex(3 * q, k, v, ranges, ts, pos_bias, mask, causal, per_row_parameters=True)
+        expected = multimax_attention(3 * q, k, v, ranges, ts, pos_bias, mask, use_flex=False, use_kernel=False,
+                                      causal=causal)
+    assert max_abs_err(out, expected) < 1e-12
+
+
+@pytest.mark.filterwarnings('ignore:flex_attention called without torch.compile')
 @pytest.mark.parametrize('masked', [False, True])
 def test_multimax_flex_training_keeps_flex_log_sum_exp_and_backpropagates_in_row_blocks(monkeypatch, masked):
     """Training through FlexAttention: its forward pass (the unfused reference here) supplies the output and the

@@ -16,9 +16,11 @@ score-sized intermediates. Larger ones run a block of query rows at a time: in i
 scores, in training beyond 64 MiB, where the forward pass keeps one log-sum-exp per row and the backward pass
 recomputes each block's scores, so memory grows with the score matrix only through one block.
 
-Training on CUDA joins the two: FlexAttention's forward pass returns the log-sum-exp, and the backward pass is
-the one in row blocks. FlexAttention's own backward would have to differentiate `ranges` and `ts`, scalars
-shared by every score, by atomic adds from every score into the same eight addresses.
+Training on CUDA is FlexAttention's forward and backward passes, fused. Its backward pass differentiates a tensor
+the `score_mod` captures only where it is read once per score, so σ's eight scalars travel as eight tensors with one
+copy per query row: each is read once, and the gradient's atomic adds spread over rows instead of meeting at eight
+addresses. Forced FlexAttention on the CPU (`use_flex=True`), which has no backward pass there, trains with its
+forward pass's log-sum-exp and the backward pass in row blocks.
 
 Causal form (`causal=True`): on every path, key j > i gets −inf in query i's logits after σ, like the mask.
 """
@@ -34,7 +36,8 @@ from timm.layers import trunc_normal_
 from .causal import later_tokens
 from .layout import Grid, merge_heads
 from .mixer import MixContext, autocast_off, differentiable_grads, is_exporting, needs_grad
-from .multimax_cpu import KernelAttention, cpu_kernel_available, multimax_cpu, multimax_modulation
+from .multimax_cpu import (KernelAttention, cpu_kernel_available, modulation_by_parts, multimax_cpu,
+                           multimax_modulation)
 from .registry import register_attention
 from .softmax import SoftmaxMixer
 
@@ -214,8 +217,8 @@ def multimax_attention(
     i's logits after σ. `use_flex`: None takes FlexAttention without dropout on CUDA (for heads of 16 channels or
     more), and, where the kernel is not taken, in CPU inference inside `torch.compile` (not export) in float32,
     float16 or bfloat16 without bias; the plain path otherwise.
-    True forces FlexAttention (compiled on CUDA, its unfused reference elsewhere) for the forward pass, with the
-    backward pass in row blocks. `use_kernel`: None takes the fused CPU kernel (`multimax_cpu.py`) on the CPU
+    True forces FlexAttention (compiled on CUDA, its unfused reference elsewhere): for both passes on CUDA, for the
+    forward pass elsewhere, with the backward pass in row blocks. `use_kernel`: None takes the fused CPU kernel (`multimax_cpu.py`) on the CPU
     without causal masking or dropout, in inference and in training without bias or mask, eager or compiled (not
     export), where it builds; True forces it there. `onednn`: the kernel's large float32 products through oneDNN
     (`models.convert_to_onednn`), where this torch has them.
@@ -256,6 +259,8 @@ def multimax_attention(
         if q.is_cuda and not cuda_flex_fits:
             raise ValueError(f"the FlexAttention path of MultiMax on CUDA takes heads of at least "
                              f"{_CUDA_FLEX_MIN_HEAD_DIM} channels, got {q.shape[-1]} (q, k) and {v.shape[-1]} (v)")
+        if training and q.is_cuda:
+            return _multimax_flex(q, k, v, ranges, ts, bias, mask, causal, per_row_parameters=True)[0]
         if training:
             rows = max(1, _FLEX_BACKWARD_BLOCK_BYTES // row_bytes)
             return _MultiMaxInRowBlocks.apply(q, k, v, ranges, ts, bias, mask, causal, rows, True)
@@ -333,8 +338,7 @@ _ROW_BLOCKS_TRACE = torch.__version__ >= '2.14'
 # Inductor's CUDA FlexAttention kernel (torch 2.11 to 2.14 at least) takes heads of at least this many channels;
 # smaller ones (tiny test models) take the paths without it.
 _CUDA_FLEX_MIN_HEAD_DIM = 16
-# The backward pass after FlexAttention's forward pass takes blocks this large: on a GPU, kernel launches rather
-# than cache bound small blocks.
+# The backward pass after FlexAttention's unfused forward pass (forced on the CPU) takes blocks this large.
 _FLEX_BACKWARD_BLOCK_BYTES = 256 << 20
 # Training takes the plain path up to this many bytes of scores: its backward pass keeps about three score
 # matrices, but it does not recompute them, and blocks of few rows (large batches of short sequences) multiply
@@ -404,12 +408,15 @@ def _masked(logits: Tensor, mask: Optional[Tensor], causal: bool = False, first_
 
 
 def _multimax_flex(q: Tensor, k: Tensor, v: Tensor, ranges: Tensor, ts: Tensor, bias: Optional[Tensor],
-                   mask: Optional[Tensor], causal: bool = False,
-                   keep_lse: bool = False) -> Tuple[Tensor, Optional[Tensor]]:
+                   mask: Optional[Tensor], causal: bool = False, keep_lse: bool = False,
+                   per_row_parameters: bool = False) -> Tuple[Tensor, Optional[Tensor]]:
     """FlexAttention with σ as `score_mod`: the output and, with `keep_lse`, the (B, h, n, 1) float32
-    log-sum-exp of each row's logits."""
+    log-sum-exp of each row's logits. `per_row_parameters`: σ's scalars as eight (B, h, n) tensors, each read once
+    per score, so that FlexAttention's backward pass differentiates them."""
     work = torch.promote_types(q.dtype, torch.float32)
     ranges, ts = ranges.to(work), ts.to(work)
+    row_parameters = [p.expand(q.shape[:3]).contiguous() for p in torch.cat([ranges, ts]).unbind()] \
+        if per_row_parameters else []
     per_image = per_head = False
     if bias is not None:  # (B or 1, h or 1, n, m), read at the score's image and head where it has them
         bias = bias.to(work)
@@ -425,7 +432,10 @@ def _multimax_flex(q: Tensor, k: Tensor, v: Tensor, ranges: Tensor, ts: Tensor, 
         if bias is not None:
             leading = (batch,) * per_image + (head,) * per_head
             score = score + bias[leading + (q_idx, kv_idx)]
-        score = multimax_modulation(score, ranges, ts)
+        if per_row_parameters:
+            score = modulation_by_parts(score, *[p[batch, head, q_idx] for p in row_parameters])
+        else:
+            score = multimax_modulation(score, ranges, ts)
         if mask is not None:
             score = score + mask[batch % num_windows, q_idx, kv_idx]
         if causal:

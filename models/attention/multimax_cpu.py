@@ -40,7 +40,8 @@ from torch.utils.flop_counter import register_flop_formula
 
 from .mixer import cpu_float32_kernels_apply, differentiable_grads
 
-__all__ = ['multimax_modulation', 'multimax_cpu', 'multimax_cpu_backward', 'KernelAttention', 'cpu_kernel_available',
+__all__ = ['multimax_modulation', 'modulation_by_parts', 'multimax_cpu', 'multimax_cpu_backward', 'KernelAttention',
+           'cpu_kernel_available',
            'onednn_products_available', 'onednn_products_apply', 'onednn_bmm', 'onednn_matmul',
            'attention_matmul']
 
@@ -145,8 +146,14 @@ def _built(op: str) -> Any:
 
 def multimax_modulation(x: Tensor, ranges: Tensor, ts: Tensor) -> Tensor:
     """Element-wise σ(x) with `ranges` = (b₀, b₁, b₂, b₃) and `ts` = (t₀, t₁, t₂, t₃); zeros give σ(x) = x."""
-    return (x + ts[0] * torch.relu(ranges[0] - x) + ts[1] * torch.relu(x - ranges[1])
-            + ts[2] * torch.relu(ranges[2] - x).square() + ts[3] * torch.relu(x - ranges[3]).square())
+    return modulation_by_parts(x, ranges[0], ranges[1], ranges[2], ranges[3], ts[0], ts[1], ts[2], ts[3])
+
+
+def modulation_by_parts(x: Tensor, b0: Tensor, b1: Tensor, b2: Tensor, b3: Tensor,
+                        t0: Tensor, t1: Tensor, t2: Tensor, t3: Tensor) -> Tensor:
+    """`multimax_modulation` with its eight parameters apart, for callers that hold them as separate tensors."""
+    return (x + t0 * torch.relu(b0 - x) + t1 * torch.relu(x - b1)
+            + t2 * torch.relu(b2 - x).square() + t3 * torch.relu(x - b3).square())
 
 
 @torch.compiler.assume_constant_result
