@@ -65,9 +65,14 @@ def check_model_name(name: str) -> None:
     raise UsageError(f"unknown model {name!r}: expected a model registered with timm{hint}")
 
 
-def check_pretrained(value: str) -> None:
+def check_pretrained(value: str, ema: bool = False) -> None:
     """Raise `UsageError` unless MODEL.PRETRAINED `value` is empty, a file, a registered model name with released
-    weights (which the trainer downloads), a `local-dir:` folder with weights or an `hf-hub:` repository."""
+    weights (which the trainer downloads), a `local-dir:` folder with weights or an `hf-hub:` repository; with
+    MODEL.PRETRAINED_EMA (`ema`), unless it is a file, the only kind that holds EMA weights beside the model's."""
+    if ema and not os.path.isfile(value):
+        given = f"MODEL.PRETRAINED {value!r} is no file" if value else "MODEL.PRETRAINED is empty"
+        raise UsageError(f"MODEL.PRETRAINED_EMA True takes the EMA weights of a checkpoint file, but {given}; "
+                         f"expected a checkpoint with EMA weights, or MODEL.PRETRAINED_EMA False")
     if not value or os.path.isfile(value):
         return
     if is_hub_name(value):
@@ -114,18 +119,20 @@ def classifier_rows(name: str, state_dict: Mapping[str, Tensor]) -> Optional[int
     return None
 
 
-def read_weights(path: str, ema: bool = False) -> Dict[str, Tensor]:
+def read_weights(path: str, ema: bool = False, without_ema: str = 'drop --ema') -> Dict[str, Tensor]:
     """Model weights from a checkpoint file: ours (`model` / `model_ema`), an official release (`model`,
-    `state_dict`, `state_dict_ema`) or a flat state dict. `ema` picks the EMA weights and fails without them."""
-    return checkpoint_weights(load_checkpoint_file(path), path, ema)
+    `state_dict`, `state_dict_ema`) or a flat state dict. `ema` picks the EMA weights and fails without them,
+    naming `without_ema` as the way to the model weights."""
+    return checkpoint_weights(load_checkpoint_file(path), path, ema, without_ema)
 
 
-def checkpoint_weights(checkpoint: Any, path: str, ema: bool = False) -> Dict[str, Tensor]:
+def checkpoint_weights(checkpoint: Any, path: str, ema: bool = False, without_ema: str = 'drop --ema'
+                       ) -> Dict[str, Tensor]:
     """`read_weights` of the loaded contents of the checkpoint file `path`."""
     if ema:
         if not isinstance(checkpoint, Mapping) or not any(isinstance(checkpoint.get(k), Mapping) for k in EMA_KEYS):
             raise CheckpointError(f"checkpoint {path!r} has no EMA weights; expected one of the keys "
-                                  f"{', '.join(EMA_KEYS)} (drop --ema to use the model weights)")
+                                  f"{', '.join(EMA_KEYS)} ({without_ema} to use the model weights)")
         return checkpoint_state_dict(checkpoint, EMA_KEYS, f"checkpoint {path!r}")
     return checkpoint_state_dict(checkpoint, MODEL_KEYS, f"checkpoint {path!r}")
 

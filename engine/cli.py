@@ -50,6 +50,8 @@ def train_main(argv: Sequence[str]) -> int:
     parser.add_argument('--pretrained', help='weights to start from (MODEL.PRETRAINED), e.g. for fine-tuning: a '
                                              'checkpoint file, a model name for its released weights, or '
                                              "'local-dir:FOLDER' / 'hf-hub:REPO' of a model saved for the hub")
+    parser.add_argument('--pretrained-ema', action='store_true', default=None,
+                        help="start from the EMA weights of the --pretrained checkpoint (MODEL.PRETRAINED_EMA)")
     parser.add_argument('--compile', action='store_true', default=None,
                         help='torch.compile the whole model, without graph breaks (TRAIN.COMPILE)')
     parser.add_argument('--onednn', action='store_true', default=None,
@@ -60,7 +62,8 @@ def train_main(argv: Sequence[str]) -> int:
     args = parse_args_with_opts(parser, argv)
     cfg = load_config(args.cfg, args.opts, _overrides(args, dict(
         data_path='DATA.DATA_PATH', batch_size='DATA.BATCH_SIZE', output='OUTPUT', resume='MODEL.RESUME',
-        pretrained='MODEL.PRETRAINED', compile='TRAIN.COMPILE', onednn='TRAIN.ONEDNN')))
+        pretrained='MODEL.PRETRAINED', pretrained_ema='MODEL.PRETRAINED_EMA', compile='TRAIN.COMPILE',
+        onednn='TRAIN.ONEDNN')))
     info = init_distributed(cfg.DEVICE, cfg.DIST.BACKEND, cfg.DIST.TIMEOUT_MIN)
     try:
         train(cfg, info, check_data=args.check_data)

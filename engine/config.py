@@ -62,6 +62,9 @@ _C.MODEL.LABEL_SMOOTHING = 0.1
 _C.MODEL.PRETRAINED = ''
 # False: load only the tensors MODEL.PRETRAINED shares with the model (another attention's weights), naming the rest
 _C.MODEL.PRETRAINED_STRICT = True
+# True: the EMA weights of a MODEL.PRETRAINED checkpoint file (our `model_ema`, an official `state_dict_ema`), as
+# eval.py --ema takes them; False: its model weights
+_C.MODEL.PRETRAINED_EMA = False
 _C.MODEL.RESUME = ''  # a training checkpoint to resume; '' -> OUTPUT/last.pth when TRAIN.AUTO_RESUME
 # Constructor keywords passed verbatim to timm.create_model (the official lower-case names: embed_dim, depths, ...).
 _C.MODEL.KWARGS = CN(new_allowed=True)

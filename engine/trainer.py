@@ -258,7 +258,7 @@ def train(cfg: CN, info: DistInfo, check_data: bool = False) -> Dict[str, Any]:
     check_optimizer_config(cfg)
     resume = _resume_path(cfg)
     if resume is None:
-        check_pretrained(cfg.MODEL.PRETRAINED)
+        check_pretrained(cfg.MODEL.PRETRAINED, cfg.MODEL.PRETRAINED_EMA)
     if cfg.TRAIN.ONEDNN:
         check_onednn(info.device, 'AMP.ENABLED' if cfg.AMP.ENABLED else None, 'TRAIN.ONEDNN')
     # the run to resume is read and compared with this one before the data is scanned, which can take minutes
@@ -269,7 +269,7 @@ def train(cfg: CN, info: DistInfo, check_data: bool = False) -> Dict[str, Any]:
     # download waits for the data check)
     pretrained = None
     if stored is None and cfg.MODEL.PRETRAINED and os.path.isfile(cfg.MODEL.PRETRAINED):
-        pretrained = read_weights(cfg.MODEL.PRETRAINED)
+        pretrained = _read_start_weights(cfg, cfg.MODEL.PRETRAINED)
         with warnings.catch_warnings():  # loading into the meta device copies nothing, which torch warns of per tensor
             warnings.filterwarnings('ignore', message='.*copying from a non-meta parameter')
             _with_start_weights(cfg, pretrained, lambda: create_model(
@@ -279,6 +279,11 @@ def train(cfg: CN, info: DistInfo, check_data: bool = False) -> Dict[str, Any]:
         return _train(cfg, info, lock, check_data, resume, stored, pretrained)
     finally:
         lock.release()
+
+
+def _read_start_weights(cfg: CN, path: str) -> Dict[str, Tensor]:
+    """The weights of the file `path` that MODEL.PRETRAINED_EMA picks, its EMA or its model weights."""
+    return read_weights(path, cfg.MODEL.PRETRAINED_EMA, without_ema='set MODEL.PRETRAINED_EMA False')
 
 
 def _with_start_weights(cfg: CN, pretrained: Optional[Dict[str, Tensor]], build: Callable[[], nn.Module]) -> nn.Module:
@@ -358,9 +363,16 @@ def _train(cfg: CN, info: DistInfo, lock: OutputLock, check_data: bool, resume: 
         check_trained_classes(stored['classes'], train_set.classes, f"checkpoint {resume!r}",
                               os.path.join(root, 'train'))
     if cfg.MODEL.PRETRAINED and stored is None and pretrained is None:
-        pretrained = read_weights(weights_file(cfg.MODEL.PRETRAINED, 'MODEL.PRETRAINED', info))
+        pretrained = _read_start_weights(cfg, weights_file(cfg.MODEL.PRETRAINED, 'MODEL.PRETRAINED', info))
     model = _with_start_weights(cfg, pretrained, lambda: create_training_model(
         cfg, info.device, pretrained, source=cfg.MODEL.PRETRAINED, strict=cfg.MODEL.PRETRAINED_STRICT))
+    if pretrained is not None and info.is_main:
+        if os.path.isfile(cfg.MODEL.PRETRAINED):
+            which = 'EMA' if cfg.MODEL.PRETRAINED_EMA else 'model'
+            logger.info(f"started from the {which} weights of {cfg.MODEL.PRETRAINED} (MODEL.PRETRAINED_EMA "
+                        f"{cfg.MODEL.PRETRAINED_EMA})")
+        else:
+            logger.info(f"started from the weights of {cfg.MODEL.PRETRAINED}")
     ema = None
     if cfg.EMA.ENABLED:
         ema = ModelEmaV3(model, decay=ema_decay(cfg, info.world_size),

@@ -130,6 +130,46 @@ def test_pretrained_weights_of_another_attention_start_a_run_only_when_asked(fin
                     f"{', '.join(new)}; dropped: none"]
 
 
+@pytest.mark.parametrize('ema', [False, True])
+def test_pretrained_checkpoint_starts_from_the_weights_asked_for_and_says_which(finished_run, tmp_path, ema):
+    """A checkpoint holds model and EMA weights: --pretrained takes the model's, --pretrained-ema the EMA's
+    (MODEL.PRETRAINED_EMA, as eval.py --ema), and the log names the one taken."""
+    best = finished_run / 'best.pth'
+    stored = torch.load(best, weights_only=True)
+    started = {}
+    real_train_one_epoch = engine.trainer.train_one_epoch
+
+    def record_start(model, *args, **kwargs):
+        started.update({k: v.clone() for k, v in model.state_dict().items()})
+        return real_train_one_epoch(model, *args, **kwargs)
+    engine.trainer.train_one_epoch, output = record_start, tmp_path / 'out'
+    try:
+        assert train_main(['--cfg', TINY, '--output', str(output), '--data-path', str(finished_run.parent / 'digits'),
+                           '--pretrained', str(best)] + ['--pretrained-ema'] * ema + ['--opts', 'TRAIN.EPOCHS', '1']) == 0
+    finally:
+        engine.trainer.train_one_epoch = real_train_one_epoch
+    weights = stored['model_ema' if ema else 'model']
+    assert started.keys() == weights.keys() and all(torch.equal(started[k], v) for k, v in weights.items())
+    log = (output / 'train.log').read_text()
+    assert f"started from the {'EMA' if ema else 'model'} weights of {best} (MODEL.PRETRAINED_EMA {ema})" in log
+
+
+def test_pretrained_ema_of_weights_without_an_ema_is_refused_before_the_data_is_read(finished_run, tmp_path, capsys):
+    plain = tmp_path / 'plain.pth'
+    torch.save({'model': torch.load(finished_run / 'best.pth', weights_only=True)['model']}, plain)
+    argv = ['--cfg', TINY, '--data-path', str(tmp_path / 'no-data'), '--output', str(tmp_path / 'out'),
+            '--pretrained-ema']
+    assert run_cli(train_main, argv + ['--pretrained', str(plain)]) == USAGE_EXIT_CODE
+    assert capsys.readouterr().err == (f"error: checkpoint {str(plain)!r} has no EMA weights; expected one of the keys "
+                                       f"model_ema, state_dict_ema (set MODEL.PRETRAINED_EMA False to use the model "
+                                       f"weights)\n")
+    assert run_cli(train_main, argv + ['--pretrained', 'softmax_deit_tiny']) == USAGE_EXIT_CODE
+    assert capsys.readouterr().err == ("error: MODEL.PRETRAINED_EMA True takes the EMA weights of a checkpoint file, "
+                                       "but MODEL.PRETRAINED 'softmax_deit_tiny' is no file; expected a checkpoint with "
+                                       "EMA weights, or MODEL.PRETRAINED_EMA False\n")
+    assert not (tmp_path / 'out').exists()
+
+
 def test_pretrained_weights_of_another_family_are_named_as_such_not_offered_a_partial_start(finished_run, tmp_path,
                                                                                              capsys):
     """DeiT weights for a Swin model were offered MODEL.PRETRAINED_STRICT False, which loaded 4 of 63 tensors and
