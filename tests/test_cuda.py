@@ -129,10 +129,12 @@ def test_multimax_on_cuda_takes_compiled_flex_attention_and_matches_the_formula(
         assert relative_error(grad, want) < 10 * tol, name
 
 
-@pytest.mark.parametrize('attention', ['softmax', 'multimax', 'inline', 'flatten'])
-def test_inductor_compiled_model_on_cuda_matches_eager_without_recompiling(attention):
-    model = tiny_model('swin', attention).to(CUDA)
-    x, weights = inputs('swin', CUDA)
+# the tiny DeiT's heads have 16 channels: its MultiMax trains through FlexAttention inside the compiled model
+@pytest.mark.parametrize('family, attention', [('swin', 'softmax'), ('swin', 'multimax'), ('swin', 'inline'),
+                                               ('swin', 'flatten'), ('deit', 'multimax')])
+def test_inductor_compiled_model_on_cuda_matches_eager_without_recompiling(family, attention):
+    model = tiny_model(family, attention).to(CUDA)
+    x, weights = inputs(family, CUDA)
     counter = CompileCounterWithBackend('inductor')
     compiled = torch.compile(model, fullgraph=True, backend=counter)
     got = forward_backward(compiled, x, weights)
