@@ -180,6 +180,10 @@ _ARGUMENT_KINDS = (
 )
 
 
+# arguments that are an image size, one side for both or an (H, W) pair
+_IMAGE_SIZES = ('img_size', 'window_img_size')
+
+
 def check_arguments(
         sizes: Optional[Mapping[str, Any]] = None,
         counts: Optional[Mapping[str, Any]] = None,
@@ -190,7 +194,7 @@ def check_arguments(
     """A ValueError naming the first constructor argument out of range, before any layer is built (a layer would
     fail later with a message about tensors): `sizes` (widths, heads, patch and window sizes) take integers > 0,
     `counts` (depths, classes) integers >= 0, `ratios` numbers > 0 and `rates` (dropout, drop path) numbers in
-    [0, 1]. Each argument is one value, `img_size` also an (H, W) pair, and those named in `per_stage` a list with
+    [0, 1]. Each argument is one value, `img_size` and `window_img_size` also an (H, W) pair, and those named in `per_stage` a list with
     a value per stage (None: not used)."""
     given = dict(sizes=sizes, counts=counts, ratios=ratios, rates=rates)
     for kind, expected, valid in _ARGUMENT_KINDS:
@@ -200,9 +204,9 @@ def check_arguments(
             listed = isinstance(value, (list, tuple))
             if name in per_stage and not listed:
                 raise ValueError(f"{name} {value!r} is not a list; expected {expected} per stage, as a list")
-            if name == 'img_size' and listed and len(value) != 2:
-                raise ValueError(f"img_size {value!r} is not an (H, W) pair; expected {expected} or a pair of them")
-            if listed and name not in per_stage and name != 'img_size':
+            if name in _IMAGE_SIZES and listed and len(value) != 2:
+                raise ValueError(f"{name} {value!r} is not an (H, W) pair; expected {expected} or a pair of them")
+            if listed and name not in per_stage and name not in _IMAGE_SIZES:
                 raise ValueError(f"{name} {value!r} is not one value; expected {expected}")
             entries = list(value) if listed else [value]
             if not entries or not all(valid(v) for v in entries):
@@ -409,7 +413,12 @@ class ZooModel(nn.Module):
         self._check_size(size, 'img_size')
         self._set_grids(size)
         self.img_size = size
-        update_model_input_size(self, size)
+        update_model_input_size(self, size, **self._resize_args())
+
+    def _resize_args(self) -> Dict[str, Any]:
+        """Constructor arguments besides `img_size` that rebuild the model as `set_input_size` left it (recorded
+        for `timm.models.save_for_hf`)."""
+        return {}
 
     def _format_features(self, x: Tensor, grid: Grid) -> Tensor:
         """Tokens (B, [prefix +] H*W, C) on `grid` -> the layout of `features_fmt`."""

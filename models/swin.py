@@ -122,6 +122,9 @@ class SwinTransformer(ZooModel):
         drop_rate: dropout after the stem, in the MLPs and after the attention projection (as the original).
         attn_drop_rate: dropout on attention weights; drop_path_rate: stochastic depth, linear over all blocks.
         dynamic_img_size: take any input size whose sides are multiples of `patch_size`.
+        window_img_size: the input size whose stage grids decide the windows (a window covering its grid makes
+            the stage global), None for `img_size`. `set_input_size` keeps a model's windows and records the size
+            they were decided at here, so that a model saved after it is rebuilt with the same windows.
     """
 
     official_head_init = True
@@ -147,21 +150,25 @@ class SwinTransformer(ZooModel):
             attn_drop_rate: float = 0.,
             drop_path_rate: float = 0.1,
             dynamic_img_size: bool = False,
+            window_img_size: Optional[Union[int, Tuple[int, int]]] = None,
     ):
         super().__init__()
         check_arguments(
             sizes=dict(img_size=img_size, patch_size=patch_size, in_chans=in_chans, embed_dim=embed_dim,
-                       num_heads=num_heads, window_size=window_size, la_window_size=la_window_size),
+                       num_heads=num_heads, window_size=window_size, la_window_size=la_window_size,
+                       window_img_size=window_img_size),
             counts=dict(num_classes=num_classes, depths=depths), ratios=dict(mlp_ratio=mlp_ratio),
             rates=dict(drop_rate=drop_rate, attn_drop_rate=attn_drop_rate, drop_path_rate=drop_path_rate),
             per_stage=('depths', 'num_heads'))
         self.img_size: Grid = tuple(to_2tuple(img_size))
         self.img_divisor = patch_size
+        self.window_img_size: Grid = self.img_size if window_img_size is None else tuple(to_2tuple(window_img_size))
         self._init_input_size(dynamic_img_size)
         num_stages = len(depths)
         if len(num_heads) != num_stages:
             raise ValueError(f"num_heads {list(num_heads)} must give one value per stage of depths {list(depths)}")
         self._check_size(self.img_size, 'img_size')
+        self._check_size(self.window_img_size, 'window_img_size')
         self._init_output_fmt('NHWC')
         self.in_chans = in_chans
         self.num_classes = num_classes
@@ -173,13 +180,13 @@ class SwinTransformer(ZooModel):
         self.attn_names = stage_attentions(attn_type, depths, mixed_linear)
         attn_kwargs = check_attn_kwargs([name for stage in self.attn_names for name in stage], attn_kwargs)
 
-        self.patch_embed = PatchEmbed(self.img_size, patch_size, in_chans, embed_dim, norm_layer=nn.LayerNorm,
+        self.patch_embed = PatchEmbed(self.window_img_size, patch_size, in_chans, embed_dim, norm_layer=nn.LayerNorm,
                                       strict_img_size=False)
         self.pos_drop = nn.Dropout(drop_rate)
         dpr = calculate_drop_path_rates(drop_path_rate, sum(depths))
         self.layers = nn.ModuleList()
         self.feature_info = []
-        for i, stage_grid in enumerate(self._stage_grids(self.img_size)):
+        for i, stage_grid in enumerate(self._stage_grids(self.window_img_size)):
             dim = embed_dim * 2 ** i
             self.layers.append(SwinStage(
                 dim, stage_grid, num_heads[i], self.attn_names[i], window_size, la_window_size, mlp_ratio, qkv_bias,
@@ -189,10 +196,15 @@ class SwinTransformer(ZooModel):
         self.norm = nn.LayerNorm(self.num_features)
         self.head = nn.Linear(self.num_features, num_classes) if num_classes > 0 else nn.Identity()
         self.apply(init_weights)
+        if self.window_img_size != self.img_size:  # the windows of that size, on this size's grids
+            self._set_grids(self.img_size)
 
     @torch.jit.ignore
     def no_weight_decay(self) -> set:
         return {n for n, _ in self.named_parameters() if n.endswith('relative_position_bias_table')}
+
+    def _resize_args(self) -> Dict[str, Any]:
+        return dict(window_img_size=self.window_img_size)
 
     @torch.jit.ignore
     def group_matcher(self, coarse: bool = False) -> Dict[str, Any]:
