@@ -297,27 +297,34 @@ def _skip_derived_buffers(module: nn.Module, state_dict: Dict[str, Any], prefix:
         del state_dict[key]
 
 
-# The prefix each model's state dict is loaded under (`module.` inside DistributedDataParallel), which torch gives
-# the load pre-hooks but not the post-hooks.
-_LOAD_PREFIXES: 'weakref.WeakKeyDictionary[nn.Module, str]' = weakref.WeakKeyDictionary()
+# The prefix each model's state dict is loaded under (`module.` inside DistributedDataParallel) and the load's list
+# of error messages, which torch gives the load pre-hooks but not the post-hooks.
+_LOADS: 'weakref.WeakKeyDictionary[nn.Module, Tuple[str, List[str]]]' = weakref.WeakKeyDictionary()
+_SIZE_MISMATCH = re.compile(r'^size mismatch for (\S+): ')
 
 
-def _remember_load_prefix(module: nn.Module, state_dict: Dict[str, Any], prefix: str, *args: Any) -> None:
-    """Load pre-hook: record `prefix` for `_keys_as_named`."""
-    _LOAD_PREFIXES[module] = prefix
+def _remember_load(module: nn.Module, state_dict: Dict[str, Any], prefix: str, local_metadata: Any, strict: bool,
+                   missing_keys: List[str], unexpected_keys: List[str], error_msgs: List[str]) -> None:
+    """Load pre-hook: record `prefix` and `error_msgs` for `_keys_as_named`."""
+    _LOADS[module] = (prefix, error_msgs)
 
 
 def _keys_as_named(module: nn.Module, incompatible_keys: Any) -> None:
-    """Load post-hook: missing keys under the names `state_dict` gives them (official ones), unexpected keys under
-    the names the loaded state dict gave them, not the module paths torch meets them at, so that `load_state_dict`
-    reports (and, strict, refuses) keys a user can find, the model loaded on its own or inside a wrapper."""
+    """Load post-hook: missing keys and tensors of another size under the names `state_dict` gives them (official
+    ones), unexpected keys under the names the loaded state dict gave them, not the module paths torch meets them
+    at, so that `load_state_dict` reports (and, strict, refuses) keys a user can find, the model loaded on its own
+    or inside a wrapper."""
     renames = loaded_key_names(module)
-    prefix = _LOAD_PREFIXES.pop(module, '')
-    if incompatible_keys.missing_keys:
+    prefix, error_msgs = _LOADS.pop(module, ('', []))
+    mismatched = [(i, found) for i, found in ((i, _SIZE_MISMATCH.match(m)) for i, m in enumerate(error_msgs)) if found]
+    if incompatible_keys.missing_keys or mismatched:
         saved = {id(tensor): key for key, tensor in module.state_dict(keep_vars=True).items()}
         tensors = itertools.chain(module.named_parameters(remove_duplicate=False), module.named_buffers())
         names = {prefix + name: prefix + saved.get(id(tensor), name) for name, tensor in tensors}
         incompatible_keys.missing_keys[:] = [names.get(key, key) for key in incompatible_keys.missing_keys]
+        for i, found in mismatched:
+            key = found.group(1)
+            error_msgs[i] = f'size mismatch for {names.get(key, key)}: {error_msgs[i][found.end():]}'
     given = []
     for key in incompatible_keys.unexpected_keys:
         for _ in range(len(renames)):  # a key renamed by the model's hook, then by a block's or an attention's
@@ -355,7 +362,7 @@ class ZooModel(nn.Module):
         # official checkpoints hold the buffers these models recompute, so that `load_state_dict` of one works as
         # in the official code, and so does timm's `load_checkpoint` (create_model's `checkpoint_path`)
         self.register_load_state_dict_pre_hook(_skip_derived_buffers)
-        self.register_load_state_dict_pre_hook(_remember_load_prefix)
+        self.register_load_state_dict_pre_hook(_remember_load)
         self.register_load_state_dict_post_hook(_keys_as_named)
 
     def official_keys_of(self, state_dict: Dict[str, Tensor]) -> Dict[str, Tensor]:

@@ -322,6 +322,23 @@ def test_load_state_dict_reports_keys_under_the_names_of_the_state_dicts(family,
         softmax.load_state_dict(given)
 
 
+@pytest.mark.parametrize('wrapped', [False, True], ids=['model', 'wrapped'])
+@pytest.mark.parametrize('name, family, other_size', [('inline_pvt_tiny', 'pvt', dict(img_size=128)),
+                                                      ('flatten_cswin_tiny', 'cswin', dict(img_size=128))])
+def test_load_state_dict_names_tensors_of_another_size_by_their_keys(name, family, other_size, wrapped):
+    """The weights of another input size: torch's "size mismatch for …" names each tensor by the key `state_dict`
+    gives it (`pos_embed1`, `stage1.0.attns.0.positional_encoding`), not by its module path."""
+    wrap = _Wrapper if wrapped else (lambda model: model)
+    model = wrap(timm.create_model(name, **TINY[family]))
+    other = wrap(timm.create_model(name, **dict(TINY[family], **other_size)))
+    with pytest.raises(RuntimeError) as refused:
+        model.load_state_dict(other.state_dict(), strict=False)
+    named = re.findall(r'size mismatch for (\S+):', str(refused.value))
+    own = model.state_dict()
+    assert named and all(key in own and own[key].shape != other.state_dict()[key].shape for key in named), named
+    assert 'module.' * wrapped + ('pos_embed1' if family == 'pvt' else 'stage1.0.attns.0.positional_encoding') in named
+
+
 def test_pretrained_strict_false_still_refuses_tensors_of_another_shape(tmp_path):
     """Softmax CSwin's LePE convolutions have another shape than InLine CSwin's: refused, as timm's loader refuses
     them (`load_pretrained_into` drops them and says so)."""
