@@ -412,11 +412,12 @@ class ZooModel(nn.Module):
             return super().get_submodule(keys.to_module(target))
 
     @torch.jit.ignore
-    def set_input_size(self, img_size: Union[int, Grid]) -> None:
-        """Make `img_size` the model's input size: position embeddings, FLatten's positional encodings and the bias
-        tables of global windows resampled, and windows, stripes and masks rebuilt, as a run at that size with
-        `dynamic_img_size=True` resamples and rebuilds them, so outputs at `img_size` stay the same."""
-        size: Grid = tuple(to_2tuple(img_size))
+    def set_input_size(self, img_size: Optional[Union[int, Grid]] = None) -> None:
+        """Make `img_size` (None: the current size, as in timm) the model's input size: position embeddings,
+        FLatten's positional encodings and the bias tables of global windows resampled, and windows, stripes and
+        masks rebuilt, as a run at that size with `dynamic_img_size=True` resamples and rebuilds them, so outputs at
+        `img_size` stay the same."""
+        size: Grid = tuple(to_2tuple(self.img_size if img_size is None else img_size))
         self._check_size(size, 'img_size')
         self._set_grids(size)
         self.img_size = size

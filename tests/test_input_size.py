@@ -100,6 +100,16 @@ def test_set_input_size_keeps_frozen_parameters_frozen_and_the_dtype(family):
     assert {p.dtype for p in model.parameters()} == {torch.float64}
 
 
+@pytest.mark.parametrize('family', ['deit', 'swin'])
+def test_set_input_size_without_a_size_keeps_the_current_one_as_timms_does(family):
+    model = randomize(build(family, 'softmax'))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    model.set_input_size()
+    size = FAMILIES[family][1]['img_size']
+    assert model.img_size == (size, size)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
 def test_window_attention_pads_to_whole_windows_and_masks_the_padded_grid():
     """On a 5x5 grid, shifted 3x3 windows equal the same attention on the zero-padded 6x6 map, cropped."""
     torch.manual_seed(0)
