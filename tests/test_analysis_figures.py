@@ -514,3 +514,23 @@ def test_a_script_s_out_folder_loses_the_temporary_files_of_runs_killed_while_wr
         path.write_text('half a table')
     engine.checkpoint.prepare_script_out(argparse.ArgumentParser(), str(tmp_path / 'stats'), prefix=True)
     assert [p.name for p in tmp_path.iterdir()] == [running.name]
+
+
+def test_layer_curves_keep_one_colour_per_model_and_a_legend_of_every_model(monkeypatch, tmp_path):
+    """A statistic that does not apply to one attention (additive's distance has none) leaves its line out of that
+    panel; the other lines keep their colours, and the legend names every model in its colour."""
+    rows = [dict(model=model, depth=depth, entropy=1.0 + i + depth, distance_px=np.nan if model == 'additive' else 10.0 + i)
+            for i, model in enumerate(('softmax', 'additive', 'linear')) for depth in (0, 1)]
+    saved = []
+    monkeypatch.setattr(plots, '_save', lambda fig, path: saved.append(fig))
+    plots.plot_layer_curves(rows, ('entropy', 'distance_px'), str(tmp_path / 'curves.png'))
+    fig, = saved
+    entropy, distance = fig.axes
+    colour_of = {text.get_text(): handle.get_color() for handle, text in zip(fig.legends[0].legend_handles,
+                                                                             fig.legends[0].get_texts())}
+    assert list(colour_of) == ['softmax', 'additive', 'linear'] and len(set(colour_of.values())) == 3
+    first_value = {line.get_ydata()[0]: line.get_color() for ax in (entropy, distance) for line in ax.get_lines()}
+    assert first_value == {1.0: colour_of['softmax'], 2.0: colour_of['additive'], 3.0: colour_of['linear'],
+                           10.0: colour_of['softmax'], 12.0: colour_of['linear']}
+    assert len(distance.get_lines()) == 2
+    plt.close(fig)

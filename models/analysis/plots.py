@@ -8,6 +8,7 @@ import os
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import matplotlib
+import matplotlib.lines
 import matplotlib.ticker
 matplotlib.use('Agg')
 import matplotlib.pyplot as plt  # noqa: E402
@@ -242,20 +243,26 @@ def plot_simplex(path: str, ranges: Optional[Tensor] = None, ts: Optional[Tensor
 
 def plot_layer_curves(rows: Sequence[Mapping[str, object]], statistics: Sequence[str], path: str,
                       label: Callable[[Mapping[str, object]], str] = lambda row: str(row['model'])) -> None:
-    """One panel per statistic: its mean over the heads against the layer depth, one line per `label(row)`."""
-    fig, axes = plt.subplots(1, len(statistics), figsize=(3.6 * len(statistics), 3.2), squeeze=False)
+    """One panel per statistic: its mean over the heads against the layer depth, one line per `label(row)`, in one
+    colour per label on every panel (a statistic that does not apply to an attention leaves its line out), and one
+    legend of every label below the panels."""
+    fig, axes = plt.subplots(1, len(statistics), figsize=(3.6 * len(statistics), 3.6), squeeze=False)
+    names = list(dict.fromkeys(label(row) for row in rows))
+    cycle = plt.rcParams['axes.prop_cycle'].by_key()['color']
+    colours = {name: cycle[i % len(cycle)] for i, name in enumerate(names)}
     for ax, statistic in zip(axes[0], statistics):
         series: Dict[str, Dict[int, List[float]]] = {}
         for row in rows:
             series.setdefault(label(row), {}).setdefault(int(row['depth']), []).append(float(row[statistic]))
         for name, by_depth in series.items():
             if all(np.isnan(by_depth[d]).all() for d in by_depth):
-                continue  # a statistic that does not apply to this attention
+                continue
             depths = sorted(by_depth)
-            ax.plot(depths, [np.nanmean(by_depth[d]) for d in depths], marker='o', label=name)
+            ax.plot(depths, [np.nanmean(by_depth[d]) for d in depths], marker='o', color=colours[name])
         ax.set_xlabel('layer')
         ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
         ax.set_title(statistic, fontsize=10)
-    axes[0][-1].legend(fontsize=7)
-    fig.tight_layout()
+    handles = [matplotlib.lines.Line2D([], [], color=colours[name], marker='o', label=name) for name in names]
+    fig.legend(handles=handles, loc='lower center', ncol=min(len(names), 8), fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.1, 1, 1))
     _save(fig, path)
