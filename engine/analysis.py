@@ -15,14 +15,13 @@ from models.analysis import attention_layers
 from models.checkpoint import has_released_weights
 
 from .build import create_model
-from .data import BadImage, eval_transform, image_mode, read_image
+from .data import IMAGE_EXTENSIONS, BadImage, eval_transform, image_mode, read_image
 from .errors import UsageError
 from .evaluation import eval_config, load_weights
 from .hub import is_hub_name, weights_file
 
 __all__ = ['IMAGE_EXTENSIONS', 'refuse_unreleased', 'load_analysis_model', 'find_images', 'load_images']
 
-IMAGE_EXTENSIONS = ('.png', '.jpg', '.jpeg', '.bmp', '.webp', '.tif', '.tiff')
 
 
 def refuse_unreleased(parser: argparse.ArgumentParser, names: Sequence[str]) -> None:
@@ -59,7 +58,9 @@ def load_analysis_model(model_name: Optional[str], checkpoint: Optional[str], op
 
 
 def find_images(path: str, limit: Optional[int] = None) -> List[str]:
-    """`path` itself, or the image files under the folder `path` in sorted order (the first `limit`)."""
+    """`path` itself, or the image files under the folder `path` (those train.py and eval.py read) in sorted order;
+    with `limit`, that many spread evenly over them, so that a folder of class folders gives images of every class
+    rather than of the first."""
     if os.path.isfile(path):
         return [path]
     if not os.path.isdir(path):
@@ -68,7 +69,9 @@ def find_images(path: str, limit: Optional[int] = None) -> List[str]:
                    if name.lower().endswith(IMAGE_EXTENSIONS))
     if not files:
         raise UsageError(f"no image files ({', '.join(IMAGE_EXTENSIONS)}) under {path!r}")
-    return files[:limit]
+    if limit is None or limit >= len(files):
+        return files
+    return [files[i * len(files) // limit] for i in range(limit)]
 
 
 def load_images(files: Sequence[str], cfg: CN) -> Tuple[Tensor, List[np.ndarray]]:

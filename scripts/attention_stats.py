@@ -55,7 +55,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                         help="the released weights of --models' registered names, downloaded once into the cache")
     parser.add_argument('--ema', action='store_true', help="the checkpoints' EMA weights")
     parser.add_argument('--data', required=True, help='an image file or a folder of images (searched recursively)')
-    parser.add_argument('--max-images', type=int, default=256, help='images taken from the folder (default 256)')
+    parser.add_argument('--max-images', type=int, default=256,
+                        help='images taken from the folder, spread evenly over its sorted files (default 256)')
     parser.add_argument('--batch-size', type=int, default=32, help='images per forward pass (default 32)')
     parser.add_argument('--out', required=True, help='output path without extension: OUT.csv, OUT.md, OUT.png')
     parser.add_argument('--debug', action='store_true', help='show tracebacks instead of one-line errors')

@@ -52,7 +52,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                                              '--model any weights file of that model, a release included')
     parser.add_argument('--ema', action='store_true', help="the checkpoint's EMA weights")
     parser.add_argument('--image', required=True, help='an image file or a folder of images (searched recursively)')
-    parser.add_argument('--max-images', type=int, default=4, help='images taken from a folder (default 4)')
+    parser.add_argument('--max-images', type=int, default=4,
+                        help='images taken from a folder, spread evenly over its sorted files (default 4)')
     parser.add_argument('--layers', nargs='+', default=['0', '-1'],
                         help='attention layers: module names or indices (default: first and last)')
     parser.add_argument('--queries', nargs='+', default=None,

@@ -534,3 +534,15 @@ def test_layer_curves_keep_one_colour_per_model_and_a_legend_of_every_model(monk
                            10.0: colour_of['softmax'], 12.0: colour_of['linear']}
     assert len(distance.get_lines()) == 2
     plt.close(fig)
+
+
+def test_a_folder_gives_images_of_every_class_and_every_format_the_training_data_takes(tmp_path):
+    """`--max-images` spreads over the sorted files (the first N of an ImageFolder split were its first class), and
+    the analysis scripts read every image format train.py and eval.py read (.ppm and .pgm were skipped)."""
+    for label, ext in zip('abc', ('.png', '.ppm', '.pgm')):
+        (tmp_path / label).mkdir()
+        for i in range(3):
+            Image.new('L' if ext == '.pgm' else 'RGB', (8, 8)).save(tmp_path / label / f'{i}{ext}')
+    found = engine.analysis.find_images(str(tmp_path), 3)
+    assert [Path(f).relative_to(tmp_path).as_posix() for f in found] == ['a/0.png', 'b/0.ppm', 'c/0.pgm']
+    assert len(engine.analysis.find_images(str(tmp_path))) == len(engine.analysis.find_images(str(tmp_path), 20)) == 9
