@@ -160,7 +160,7 @@ def refuse_below(parser: argparse.ArgumentParser, minimums: Mapping[str, Tuple[O
 # Writes that fail for a reason the user sets right outside the program, and what they need instead.
 _STORAGE_PROBLEMS = {errno.ENOSPC: 'free space on its disk', errno.EDQUOT: 'room in the disk quota',
                      errno.EROFS: 'a disk that is not read-only', errno.EACCES: 'a folder this user can write',
-                     errno.EPERM: 'a folder this user can write'}
+                     errno.EPERM: 'a folder this user can write', errno.EISDIR: 'a file name that no folder has'}
 # What gloo says when the process at the other end of a collective has gone (exited, killed) or hangs.
 _GLOO_PEER_GONE = ('Connection reset by peer', 'Connection closed by peer', 'Broken pipe', 'Timed out waiting')
 

@@ -1,5 +1,6 @@
 """Files written whole or not at all: the training checkpoints, the scripts' tables and the analysis figures go into
 a temporary file beside their target, which replaces the target only once complete."""
+import errno
 import os
 import re
 import shutil
@@ -59,8 +60,12 @@ def atomic_write(path: str, write: Callable[[BinaryIO], Any]) -> None:
     """`write(f)` into a temporary file in the target's folder, fsync, then rename over `path` (inside
     `files_taken_together`, when its block ends).
 
-    A crash or signal at any point leaves either the previous file or the new one, never a partial file.
+    A crash or signal at any point leaves either the previous file or the new one, never a partial file. A folder
+    of that name is refused before anything is written (inside `files_taken_together`: before any file of the
+    block takes its name).
     """
+    if os.path.isdir(path):
+        raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
     tmp = temporary_path(os.path.abspath(path))

@@ -330,6 +330,25 @@ def test_attention_stats_stopped_while_writing_keeps_the_previous_three_files(im
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == previous
 
 
+def test_a_folder_named_like_an_output_file_is_one_line_and_keeps_the_previous_files(images, tmp_path, capsys):
+    """A folder `stats.png` in the way of the figure: a traceback after the new table and Markdown had taken their
+    names beside no figure. Now one line naming it, status 2, and the previous CSV and Markdown kept."""
+    out = tmp_path / 'stats'
+    argv = ['--models', 'softmax_deit_tiny', '--data', str(images), '--batch-size', '2', '--out', str(out),
+            '--opts'] + TINY
+    assert run_cli(attention_stats.main, argv) == 0
+    (tmp_path / 'stats.png').unlink()
+    (tmp_path / 'stats.png').mkdir()
+    previous = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}
+    capsys.readouterr()
+    argv[1] = 'linear_deit_tiny'
+    assert run_cli(attention_stats.main, argv) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (f"error: cannot write {str(out) + '.png'!r} (Is a directory); "
+                                                        f"expected a file name that no folder has")
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()} == previous
+    assert sorted(p.name for p in tmp_path.iterdir()) == ['stats.csv', 'stats.md', 'stats.png']
+
+
 def test_attention_stats_refuses_an_attention_without_weights_before_measuring(images, tmp_path, monkeypatch,
                                                                                 capsys):
     """A user's attention registered without a weight function stopped attention_stats.py with a traceback, after
