@@ -45,6 +45,9 @@ def load_analysis_model(model_name: Optional[str], checkpoint: Optional[str], op
     if checkpoint and not os.path.isfile(checkpoint):
         raise UsageError(f"checkpoint {checkpoint!r} not found")
     cfg = eval_config(None, model_name, None if model_name else checkpoint, opts, model_option=model_option)
+    asked = dict(zip(opts[::2], opts[1::2])).get('DEVICE', 'cpu')  # a checkpoint's own DEVICE is its training's
+    if asked not in ('auto', 'cpu'):  # else ignored without a word
+        raise UsageError(f"DEVICE {asked!r}: the analysis scripts run on the CPU; expected DEVICE cpu (or auto)")
     # on the meta device, which allocates nothing: before any weights are read or downloaded
     if not attention_layers(create_model(cfg, device='meta')):
         raise UsageError(f"model {cfg.MODEL.NAME!r} has no attention layer of this zoo; expected one of the zoo's "

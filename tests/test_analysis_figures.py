@@ -565,3 +565,16 @@ def test_a_folder_gives_images_of_every_class_and_every_format_the_training_data
     found = engine.analysis.find_images(str(tmp_path), 3)
     assert [Path(f).relative_to(tmp_path).as_posix() for f in found] == ['a/0.png', 'b/0.ppm', 'c/0.pgm']
     assert len(engine.analysis.find_images(str(tmp_path))) == len(engine.analysis.find_images(str(tmp_path), 20)) == 9
+
+
+@pytest.mark.parametrize('script', ['attention_stats', 'visualize_attention'])
+def test_an_accelerator_asked_of_the_analysis_scripts_is_refused_not_ignored(images, tmp_path, capsys, script):
+    """`--opts DEVICE cuda` was accepted and the scripts ran on the CPU without a word."""
+    if script == 'attention_stats':
+        main, argv = attention_stats.main, ['--models', 'softmax_deit_tiny', '--data', str(images)]
+    else:
+        main, argv = visualize.main, ['--model', 'softmax_deit_tiny', '--image', str(images)]
+    out = tmp_path / 'out'
+    assert run_cli(main, argv + ['--out', str(out / 'stats'), '--opts', 'DEVICE', 'cuda'] + TINY) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == ("error: DEVICE 'cuda': the analysis scripts run on the CPU; "
+                                                        "expected DEVICE cpu (or auto)")
