@@ -229,8 +229,8 @@ def released_weights_file(name: str) -> str:
     if tag_problem:
         raise CheckpointError(tag_problem)
     if not has_released_weights(name):
-        raise CheckpointError(f"model {name!r} has no pretrained weights to start from; expected a checkpoint file "
-                              f"of your own")
+        raise CheckpointError(f"model {name!r} has no released weights; expected a checkpoint file of your own "
+                              f"(eval.py: --checkpoint FILE, train.py: --pretrained FILE)")
     cfg = get_pretrained_cfg(name)
     if cfg.file:
         return cfg.file

@@ -266,8 +266,8 @@ def test_an_attention_registered_outside_the_package_trains_and_evaluates_throug
                               str(digits), '--opts', 'MODEL.IMPORTS', "['my_family']", 'MODEL.NUM_CLASSES', '10',
                               'DATA.IMG_SIZE', '16'], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert by_name.returncode == USAGE_EXIT_CODE and by_name.stderr.splitlines()[-1] == (
-        "error: model 'my_family_tiny' has no pretrained weights to start from; expected a checkpoint file of your "
-        "own")
+        "error: model 'my_family_tiny' has no released weights; expected a checkpoint file of your own (eval.py: "
+        "--checkpoint FILE, train.py: --pretrained FILE)")
     missing = subprocess.run(train + ['MODEL.IMPORTS', "['no_such_module']"], cwd=tmp_path, capture_output=True,
                              text=True, timeout=300)
     assert missing.returncode == USAGE_EXIT_CODE and missing.stderr.splitlines()[-1] == (
