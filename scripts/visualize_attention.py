@@ -83,6 +83,13 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     return args
 
 
+def _class_token_layers(model: torch.nn.Module, image: torch.Tensor) -> List[str]:
+    """The recordable layers whose tokens include the class token, from one forward pass of `image`."""
+    with torch.no_grad(), record_attention(model) as every:
+        model(image)
+    return [name for name in every if every[name].num_prefix_tokens > 0]
+
+
 def parse_layers(layers: Sequence[str]) -> List[Union[str, int]]:
     return [int(layer) if re.fullmatch(r'-?\d+', layer) else layer for layer in layers]
 
@@ -154,9 +161,10 @@ def main(argv: Sequence[str]) -> int:
     if 'cls' in labels:  # PVT's class token joins in its last stage, and SimA-XCiT's in its class attention
         for name, layer in recorded.items():
             if not layer.is_pooling and layer.num_prefix_tokens == 0:
+                way = "or --layers that hold the class token" if any(_class_token_layers(model, inputs[:1])) else \
+                    "no layer this script records holds it"
                 raise UsageError(f"query 'cls': layer {name} has no class token (its tokens are the "
-                                 f"{layer.grid[0]}x{layer.grid[1]} grid); expected Y,X points for it, or --layers "
-                                 f"that hold the class token")
+                                 f"{layer.grid[0]}x{layer.grid[1]} grid); expected Y,X points for it, {way}")
     stems = figure_stems(files, args.image)
     if args.queries and any(layer.is_pooling for layer in recorded.values()):
         print("additive attention's layers pool the tokens: their figures show each pool's weights, not --queries")

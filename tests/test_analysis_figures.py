@@ -214,20 +214,22 @@ def test_class_token_models_without_a_rollout_draw_the_rest(images, tmp_path, ca
     assert not any('rollout' in name for name in names)
 
 
-@pytest.mark.parametrize('model, opts, layer', [
-    ('softmax_pvt_tiny', LATE_CLASS_TOKEN['softmax_pvt_tiny'], 'stages.0.blocks.0.attn'),
-    ('sima_nano_12_p16', LATE_CLASS_TOKEN['sima_nano_12_p16'], 'blocks.0.attn'),
+@pytest.mark.parametrize('model, opts, layer, way', [
+    ('softmax_pvt_tiny', LATE_CLASS_TOKEN['softmax_pvt_tiny'], 'stages.0.blocks.0.attn',
+     'or --layers that hold the class token'),
+    ('sima_nano_12_p16', LATE_CLASS_TOKEN['sima_nano_12_p16'], 'blocks.0.attn', 'no layer this script records holds it'),
 ])
-def test_a_class_token_query_on_a_layer_without_one_is_one_line(images, tmp_path, capsys, model, opts, layer):
+def test_a_class_token_query_on_a_layer_without_one_is_one_line(images, tmp_path, capsys, model, opts, layer, way):
     """PVT's class token joins in its last stage and SimA-XCiT's in its class attention: 'cls' on an earlier layer
-    drew the top-left patch's row under a 'cls' file name."""
+    drew the top-left patch's row under a 'cls' file name. The way out names other layers only where one holds the
+    token: SimA-XCiT's class attention is not recorded."""
     out = tmp_path / 'figures'
     argv = ['--model', model, '--image', str(images), '--max-images', '1', '--layers', layer, '--queries', 'cls',
             '--out', str(out), '--opts']
     assert run_cli(visualize.main, argv + opts) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"error: query 'cls': layer {layer} has no class token (its tokens are the ") \
-        and err.endswith("grid); expected Y,X points for it, or --layers that hold the class token\n")
+        and err.endswith(f"grid); expected Y,X points for it, {way}\n")
     assert not out.exists() or not os.listdir(out)
 
 
