@@ -194,8 +194,8 @@ def check_arguments(
     """A ValueError naming the first constructor argument out of range, before any layer is built (a layer would
     fail later with a message about tensors): `sizes` (widths, heads, patch and window sizes) take integers > 0,
     `counts` (depths, classes) integers >= 0, `ratios` numbers > 0 and `rates` (dropout, drop path) numbers in
-    [0, 1]. Each argument is one value, `img_size` and `window_img_size` also an (H, W) pair, and those named in `per_stage` a list with
-    a value per stage (None: not used)."""
+    [0, 1]. Each argument is one value, `img_size` and `window_img_size` also an (H, W) pair, and those named in
+    `per_stage` a list with a value per stage (None: not used)."""
     given = dict(sizes=sizes, counts=counts, ratios=ratios, rates=rates)
     for kind, expected, valid in _ARGUMENT_KINDS:
         for name, value in (given[kind] or {}).items():
@@ -316,13 +316,13 @@ def _keys_as_named(module: nn.Module, incompatible_keys: Any) -> None:
     or inside a wrapper."""
     renames = loaded_key_names(module)
     prefix, error_msgs = _LOADS.pop(module, ('', []))
-    mismatched = [(i, found) for i, found in ((i, _SIZE_MISMATCH.match(m)) for i, m in enumerate(error_msgs)) if found]
+    mismatched = {i: found for i, found in enumerate(map(_SIZE_MISMATCH.match, error_msgs)) if found}
     if incompatible_keys.missing_keys or mismatched:
         saved = {id(tensor): key for key, tensor in module.state_dict(keep_vars=True).items()}
         tensors = itertools.chain(module.named_parameters(remove_duplicate=False), module.named_buffers())
         names = {prefix + name: prefix + saved.get(id(tensor), name) for name, tensor in tensors}
         incompatible_keys.missing_keys[:] = [names.get(key, key) for key in incompatible_keys.missing_keys]
-        for i, found in mismatched:
+        for i, found in mismatched.items():
             key = found.group(1)
             error_msgs[i] = f'size mismatch for {names.get(key, key)}: {error_msgs[i][found.end():]}'
     given = []

@@ -217,7 +217,8 @@ def test_class_token_models_without_a_rollout_draw_the_rest(images, tmp_path, ca
 @pytest.mark.parametrize('model, opts, layer, way', [
     ('softmax_pvt_tiny', LATE_CLASS_TOKEN['softmax_pvt_tiny'], 'stages.0.blocks.0.attn',
      'or --layers that hold the class token'),
-    ('sima_nano_12_p16', LATE_CLASS_TOKEN['sima_nano_12_p16'], 'blocks.0.attn', 'no layer this script records holds it'),
+    ('sima_nano_12_p16', LATE_CLASS_TOKEN['sima_nano_12_p16'], 'blocks.0.attn',
+     'no layer this script records holds it'),
 ])
 def test_a_class_token_query_on_a_layer_without_one_is_one_line(images, tmp_path, capsys, model, opts, layer, way):
     """PVT's class token joins in its last stage and SimA-XCiT's in its class attention: 'cls' on an earlier layer
@@ -540,7 +541,8 @@ def test_a_script_s_out_folder_loses_the_temporary_files_of_runs_killed_while_wr
 def test_layer_curves_keep_one_colour_per_model_and_a_legend_of_every_model(monkeypatch, tmp_path):
     """A statistic that does not apply to one attention (additive's distance has none) leaves its line out of that
     panel; the other lines keep their colours, and the legend names every model in its colour."""
-    rows = [dict(model=model, depth=depth, entropy=1.0 + i + depth, distance_px=np.nan if model == 'additive' else 10.0 + i)
+    rows = [dict(model=model, depth=depth, entropy=1.0 + i + depth,
+                 distance_px=np.nan if model == 'additive' else 10.0 + i)
             for i, model in enumerate(('softmax', 'additive', 'linear')) for depth in (0, 1)]
     saved = []
     monkeypatch.setattr(plots, '_save', lambda fig, path: saved.append(fig))

@@ -537,7 +537,8 @@ def test_a_start_from_another_family_or_a_missing_source_is_one_line(tmp_path):
                                                         f"registered model name, or 'local-dir:FOLDER' / "
                                                         f"'hf-hub:REPO'")):
         load_pretrained_into(model, str(tmp_path))
-    with pytest.raises(CheckpointError, match="model 'sima_deit_tiny' has no released weights; expected a checkpoint file"):
+    with pytest.raises(CheckpointError,
+                       match="model 'sima_deit_tiny' has no released weights; expected a checkpoint file"):
         load_pretrained_into(model, 'sima_deit_tiny')
 
 

@@ -4,6 +4,7 @@ one forward."""
 import json
 import re
 from pathlib import Path
+from typing import Dict, List
 
 import numpy as np
 import pytest
@@ -77,6 +78,21 @@ def test_timm_reads_the_weights_and_their_ema_from_a_run_checkpoint(finished_run
     assert not torch.equal(stored['model']['head.weight'], stored['model_ema']['head.weight'])
 
 
+def train_recording_the_start(argv: List[str]) -> Dict[str, torch.Tensor]:
+    """Run train.py with `argv` (status 0 expected) and return the weights its first epoch starts from."""
+    started: Dict[str, torch.Tensor] = {}
+    real_train_one_epoch = engine.trainer.train_one_epoch
+
+    def record_start(model, *args, **kwargs):
+        if not started:
+            started.update({k: v.clone() for k, v in model.state_dict().items()})
+        return real_train_one_epoch(model, *args, **kwargs)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(engine.trainer, 'train_one_epoch', record_start)
+        assert train_main(argv) == 0
+    return started
+
+
 def test_pretrained_weights_say_what_they_changed(finished_run, tmp_path):
     rng = np.random.default_rng(0)
     for split in ('train', 'val'):
@@ -110,17 +126,8 @@ def test_pretrained_weights_of_another_attention_start_a_run_only_when_asked(fin
     assert err.endswith("; to start from the tensors the checkpoint shares with the model (such as another "
                         "attention's weights), set MODEL.PRETRAINED_STRICT False\n") and err.count('\n') == 1
 
-    started = {}
-    real_train_one_epoch = engine.trainer.train_one_epoch
-
-    def record_start(model, *args, **kwargs):
-        started.update({k: v.clone() for k, v in model.state_dict().items()})
-        return real_train_one_epoch(model, *args, **kwargs)
-    engine.trainer.train_one_epoch, output = record_start, tmp_path / 'partial'
-    try:
-        assert train_main(['--output', str(output)] + argv + ['MODEL.PRETRAINED_STRICT', 'False']) == 0
-    finally:
-        engine.trainer.train_one_epoch = real_train_one_epoch
+    output = tmp_path / 'partial'
+    started = train_recording_the_start(['--output', str(output)] + argv + ['MODEL.PRETRAINED_STRICT', 'False'])
     new = [f'blocks.{i}.attn.residual.{j}.{p}' for i in range(2) for j in (0, 2) for p in ('weight', 'bias')]
     assert {k for k in started if k not in weights or '.residual.' in k} == set(new)
     assert all(torch.equal(started[k], v) for k, v in weights.items() if '.residual.' not in k)
@@ -136,25 +143,18 @@ def test_pretrained_checkpoint_starts_from_the_weights_asked_for_and_says_which(
     (MODEL.PRETRAINED_EMA, as eval.py --ema), and the log names the one taken."""
     best = finished_run / 'best.pth'
     stored = torch.load(best, weights_only=True)
-    started = {}
-    real_train_one_epoch = engine.trainer.train_one_epoch
-
-    def record_start(model, *args, **kwargs):
-        started.update({k: v.clone() for k, v in model.state_dict().items()})
-        return real_train_one_epoch(model, *args, **kwargs)
-    engine.trainer.train_one_epoch, output = record_start, tmp_path / 'out'
-    try:
-        assert train_main(['--cfg', TINY, '--output', str(output), '--data-path', str(finished_run.parent / 'digits'),
-                           '--pretrained', str(best)] + ['--pretrained-ema'] * ema + ['--opts', 'TRAIN.EPOCHS', '1']) == 0
-    finally:
-        engine.trainer.train_one_epoch = real_train_one_epoch
+    output = tmp_path / 'out'
+    started = train_recording_the_start(['--cfg', TINY, '--output', str(output), '--data-path',
+                                         str(finished_run.parent / 'digits'), '--pretrained', str(best)]
+                                        + ['--pretrained-ema'] * ema + ['--opts', 'TRAIN.EPOCHS', '1'])
     weights = stored['model_ema' if ema else 'model']
     assert started.keys() == weights.keys() and all(torch.equal(started[k], v) for k, v in weights.items())
     log = (output / 'train.log').read_text()
     assert f"started from the {'EMA' if ema else 'model'} weights of {best} (MODEL.PRETRAINED_EMA {ema})" in log
 
 
-def test_pretrained_ema_of_weights_without_an_ema_is_refused_before_the_data_is_read(finished_run, tmp_path, capsys):
+def test_pretrained_ema_of_weights_without_an_ema_is_refused_before_the_data_is_read(finished_run, tmp_path,
+                                                                                     capsys):
     plain = tmp_path / 'plain.pth'
     torch.save({'model': torch.load(finished_run / 'best.pth', weights_only=True)['model']}, plain)
     argv = ['--cfg', TINY, '--data-path', str(tmp_path / 'no-data'), '--output', str(tmp_path / 'out'),
@@ -165,8 +165,8 @@ def test_pretrained_ema_of_weights_without_an_ema_is_refused_before_the_data_is_
                                        f"weights)\n")
     assert run_cli(train_main, argv + ['--pretrained', 'softmax_deit_tiny']) == USAGE_EXIT_CODE
     assert capsys.readouterr().err == ("error: MODEL.PRETRAINED_EMA True takes the EMA weights of a checkpoint file, "
-                                       "but MODEL.PRETRAINED 'softmax_deit_tiny' is no file; expected a checkpoint with "
-                                       "EMA weights, or MODEL.PRETRAINED_EMA False\n")
+                                       "but MODEL.PRETRAINED 'softmax_deit_tiny' is no file; expected a checkpoint "
+                                       "with EMA weights, or MODEL.PRETRAINED_EMA False\n")
     assert not (tmp_path / 'out').exists()
 
 

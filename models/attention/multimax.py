@@ -218,10 +218,10 @@ def multimax_attention(
     more), and, where the kernel is not taken, in CPU inference inside `torch.compile` (not export) in float32,
     float16 or bfloat16 without bias; the plain path otherwise.
     True forces FlexAttention (compiled on CUDA, its unfused reference elsewhere): for both passes on CUDA, for the
-    forward pass elsewhere, with the backward pass in row blocks. `use_kernel`: None takes the fused CPU kernel (`multimax_cpu.py`) on the CPU
-    without causal masking or dropout, in inference and in training without bias or mask, eager or compiled (not
-    export), where it builds; True forces it there. `onednn`: the kernel's large float32 products through oneDNN
-    (`models.convert_to_onednn`), where this torch has them.
+    forward pass elsewhere, with the backward pass in row blocks. `use_kernel`: None takes the fused CPU kernel
+    (`multimax_cpu.py`) on the CPU without causal masking or dropout, in inference and in training without bias or
+    mask, eager or compiled (not export), where it builds; True forces it there. `onednn`: the kernel's large
+    float32 products through oneDNN (`models.convert_to_onednn`), where this torch has them.
     """
     if torch.jit.is_scripting():  # the plain path without the custom autograd functions
         return _multimax_plain(q, k, v, ranges, ts, bias, mask, dropout_p, causal)
