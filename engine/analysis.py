@@ -52,11 +52,12 @@ def load_analysis_model(model_name: Optional[str], checkpoint: Optional[str], op
     if not attention_layers(create_model(cfg, device='meta')):
         raise UsageError(f"model {cfg.MODEL.NAME!r} has no attention layer of this zoo; expected one of the zoo's "
                          f"models (timm.list_models('*_deit_*') and friends)")
-    if not checkpoint and model_name and (pretrained or is_hub_name(model_name)):
+    released = bool(not checkpoint and model_name and (pretrained or is_hub_name(model_name)))
+    if released:
         checkpoint = weights_file(model_name, model_option)
     if not checkpoint:
         return create_model(cfg).eval(), cfg
-    cfg, weights, _ = load_weights(cfg, checkpoint, ema, adopt_classes=model_name is not None)
+    cfg, weights, _, _ = load_weights(cfg, checkpoint, ema, adopt_classes=model_name is not None, released=released)
     return create_model(cfg, weights, source=f"checkpoint {checkpoint!r}").eval(), cfg
 
 

@@ -17,8 +17,9 @@ from torch import Tensor, nn
 from yacs.config import CfgNode as CN
 
 import models  # noqa: F401  (registers the zoo's families with timm)
-from models.checkpoint import (EMA_KEYS, MODEL_KEYS, CheckpointError, checkpoint_state_dict, has_released_weights,
-                               load_checkpoint_file, load_shared_weights, official_keys, unknown_pretrained_tag)
+from models.checkpoint import (EMA_KEYS, MODEL_KEYS, PRETRAINED_KEYS, CheckpointError, checkpoint_state_dict,
+                               has_released_weights, load_checkpoint_file, load_shared_weights, official_keys,
+                               unknown_pretrained_tag)
 from models.onednn import convert_to_onednn, onednn_available
 
 from .config import ConfigError, mixup_active, model_kwargs
@@ -28,7 +29,7 @@ from .hub import is_hub_name, weights_file
 
 __all__ = ['import_model_modules', 'check_model_name', 'check_model_config', 'check_pretrained', 'official_weights',
            'classifier_names', 'classifier_rows',
-           'read_weights', 'checkpoint_weights', 'create_model', 'weight_changes', 'create_optimizer',
+           'read_weights', 'weights_keys', 'checkpoint_weights', 'create_model', 'weight_changes', 'create_optimizer',
            'create_scheduler', 'create_criterion', 'autocast_dtype', 'check_onednn', 'create_training_model']
 
 # optimizers whose `fused=True` kernel runs on every device the engine trains on (CPU, CUDA); Adagrad's is CPU only
@@ -119,22 +120,28 @@ def classifier_rows(name: str, state_dict: Mapping[str, Tensor]) -> Optional[int
     return None
 
 
-def read_weights(path: str, ema: bool = False, without_ema: str = 'drop --ema') -> Dict[str, Tensor]:
+def read_weights(path: str, ema: bool = False, without_ema: str = 'drop --ema', released: bool = False
+                 ) -> Dict[str, Tensor]:
     """Model weights from a checkpoint file: ours (`model` / `model_ema`), an official release (`model`,
     `state_dict`, `state_dict_ema`) or a flat state dict. `ema` picks the EMA weights and fails without them,
-    naming `without_ema` as the way to the model weights."""
-    return checkpoint_weights(load_checkpoint_file(path), path, ema, without_ema)
+    naming `without_ema` as the way to the model weights. A `released` file (the weights of a model name) gives
+    what `timm.create_model(name, pretrained=True)` takes from it: its EMA weights where it holds both."""
+    return checkpoint_weights(load_checkpoint_file(path), path, ema, without_ema, released)
 
 
-def checkpoint_weights(checkpoint: Any, path: str, ema: bool = False, without_ema: str = 'drop --ema'
-                       ) -> Dict[str, Tensor]:
+def weights_keys(ema: bool = False, released: bool = False) -> Tuple[str, ...]:
+    """The keys `read_weights` takes a checkpoint's weights from, in order, for `ema` and `released`."""
+    return EMA_KEYS if ema else PRETRAINED_KEYS if released else MODEL_KEYS
+
+
+def checkpoint_weights(checkpoint: Any, path: str, ema: bool = False, without_ema: str = 'drop --ema',
+                       released: bool = False) -> Dict[str, Tensor]:
     """`read_weights` of the loaded contents of the checkpoint file `path`."""
-    if ema:
-        if not isinstance(checkpoint, Mapping) or not any(isinstance(checkpoint.get(k), Mapping) for k in EMA_KEYS):
-            raise CheckpointError(f"checkpoint {path!r} has no EMA weights; expected one of the keys "
-                                  f"{', '.join(EMA_KEYS)} ({without_ema} to use the model weights)")
-        return checkpoint_state_dict(checkpoint, EMA_KEYS, f"checkpoint {path!r}")
-    return checkpoint_state_dict(checkpoint, MODEL_KEYS, f"checkpoint {path!r}")
+    if ema and (not isinstance(checkpoint, Mapping)
+                or not any(isinstance(checkpoint.get(k), Mapping) for k in EMA_KEYS)):
+        raise CheckpointError(f"checkpoint {path!r} has no EMA weights; expected one of the keys "
+                              f"{', '.join(EMA_KEYS)} ({without_ema} to use the model weights)")
+    return checkpoint_state_dict(checkpoint, weights_keys(ema, released), f"checkpoint {path!r}")
 
 
 def _check_channels(cfg: CN, in_chans: int) -> None:

@@ -138,7 +138,7 @@ def eval_main(argv: Sequence[str]) -> int:
                 checkpoint = weights_file(args.model, '--model', info)
             result = evaluate_weights(cfg, info, checkpoint, ema=args.ema, amp=args.amp,
                                       adopt_classes=bool(args.model), check_data=args.check_data,
-                                      compile=args.compile, onednn=args.onednn)
+                                      compile=args.compile, onednn=args.onednn, released=not args.checkpoint)
             if info.is_main:
                 print(f"{result['model']} ({result['weights']} weights, {result['precision']}): top-1 "
                       f"{result['top1']:.3f} top-5 {result['top5']:.3f} on {result['count']} images")

@@ -1,18 +1,18 @@
 """Evaluating our checkpoints, official releases and models saved for the hub with the preprocessing they declare,
 and measuring throughput."""
 import os
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 import timm
 import torch
 from torch import Tensor, nn
 from yacs.config import CfgNode as CN
 
-from models.checkpoint import CheckpointError, load_checkpoint_file
+from models.checkpoint import CheckpointError, held_weights, load_checkpoint_file
 from models.onednn import convert_to_onednn
 
 from .build import (autocast_dtype, check_model_name, checkpoint_weights, classifier_names, classifier_rows,
-                    create_model, import_model_modules, official_weights)
+                    create_model, import_model_modules, official_weights, weights_keys)
 from .checkpoint import recorded_classes
 from .compile import CompileTimer, compile_errors_reported, compile_model
 from .config import config_from_yaml_string, get_default_config, load_config, merge_dict, merge_opts, validate_config
@@ -23,7 +23,7 @@ from .errors import UsageError
 from .hub import hub_config, is_hub_name
 from .loops import evaluate, measure_throughput
 
-__all__ = ['eval_config', 'load_weights', 'evaluate_weights', 'throughput']
+__all__ = ['eval_config', 'LoadedWeights', 'load_weights', 'evaluate_weights', 'throughput']
 
 
 def _model_data_settings(pretrained_cfg: Dict[str, Any]) -> Dict[str, Any]:
@@ -113,13 +113,23 @@ def eval_config(
     return cfg
 
 
-def load_weights(cfg: CN, checkpoint: str, ema: bool,
-                  adopt_classes: bool) -> Tuple[CN, Dict[str, Tensor], Optional[List[str]]]:
+class LoadedWeights(NamedTuple):
+    cfg: CN
+    weights: Dict[str, Tensor]
+    classes: Optional[List[str]]
+    kind: str  # 'model' or 'ema'
+
+
+def load_weights(cfg: CN, checkpoint: str, ema: bool, adopt_classes: bool,
+                 released: bool = False) -> LoadedWeights:
     """`cfg`, with MODEL.NUM_CLASSES taken from the checkpoint when `adopt_classes` (a `--model` evaluation), else
-    checked against it; the checkpoint's weights; the class folder names it was trained on, where it records them."""
+    checked against it; the checkpoint's weights (of a `released` file, those `timm.create_model(name,
+    pretrained=True)` takes: its EMA weights where it holds both); the class folder names it was trained on, where
+    it records them; which weights they are."""
     stored = load_checkpoint_file(checkpoint)
     classes = recorded_classes(stored)
-    weights = official_weights(cfg.MODEL.NAME, checkpoint_weights(stored, checkpoint, ema=ema))
+    kind = held_weights(stored, weights_keys(ema, released))
+    weights = official_weights(cfg.MODEL.NAME, checkpoint_weights(stored, checkpoint, ema=ema, released=released))
     del stored  # a training checkpoint's optimizer state and EMA, not needed here
     rows = classifier_rows(cfg.MODEL.NAME, weights)
     classifiers = classifier_names(cfg.MODEL.NAME)
@@ -128,7 +138,7 @@ def load_weights(cfg: CN, checkpoint: str, ema: bool,
                               f"({' or '.join(f'{name}.weight' for name in classifiers)}); expected the weights of a "
                               f"model that classifies")
     if rows is None or rows == cfg.MODEL.NUM_CLASSES:
-        return cfg, weights, classes
+        return LoadedWeights(cfg, weights, classes, kind)
     if not adopt_classes:
         raise CheckpointError(f"checkpoint {checkpoint!r} has a {rows}-class classifier but MODEL.NUM_CLASSES is "
                               f"{cfg.MODEL.NUM_CLASSES}; expected a checkpoint for {cfg.MODEL.NUM_CLASSES} classes")
@@ -136,7 +146,7 @@ def load_weights(cfg: CN, checkpoint: str, ema: bool,
     cfg.defrost()
     cfg.MODEL.NUM_CLASSES = rows
     cfg.freeze()
-    return cfg, weights, classes
+    return LoadedWeights(cfg, weights, classes, kind)
 
 
 def _inference_model(model: nn.Module, cfg: CN, onednn: bool, compile: bool) -> nn.Module:
@@ -149,12 +159,13 @@ def _inference_model(model: nn.Module, cfg: CN, onednn: bool, compile: bool) -> 
 
 def evaluate_weights(cfg: CN, info: DistInfo, checkpoint: str, *, ema: bool = False, amp: bool = False,
                      adopt_classes: bool = False, check_data: bool = False, compile: bool = False,
-                     onednn: bool = False) -> Dict[str, Any]:
-    """Top-1 / top-5 of the weights in `checkpoint` on the validation folder, exact over processes; with
+                     onednn: bool = False, released: bool = False) -> Dict[str, Any]:
+    """Top-1 / top-5 of the weights in `checkpoint` (the `released` weights of a model name: those
+    `timm.create_model(name, pretrained=True)` takes) on the validation folder, exact over processes; with
     `check_data`, every image is decoded first; with `compile`, the model runs compiled (TRAIN.COMPILE_MODE,
     TRAIN.COMPILE_BACKEND), with `onednn` its products run through oneDNN (`check_onednn`).
     Under DATA.BAD_IMAGES 'skip' the bad files are left out of the counts."""
-    cfg, weights, classes = load_weights(cfg, checkpoint, ema, adopt_classes)
+    cfg, weights, classes, kind = load_weights(cfg, checkpoint, ema, adopt_classes, released)
     source = f"checkpoint {checkpoint!r}"
     root = resolve_data_root(cfg, info)
     val_set = load_split(root, 'val', eval_transform(cfg), bad_images=cfg.DATA.BAD_IMAGES, image_mode=image_mode(cfg))
@@ -173,7 +184,7 @@ def evaluate_weights(cfg: CN, info: DistInfo, checkpoint: str, *, ema: bool = Fa
     with compile_errors_reported(cfg.MODEL.NAME):
         metrics = evaluate(model, loader, info, amp=amp, amp_dtype=dtype, desc='eval',
                            compile_timer=CompileTimer('evaluation', compile))
-    return dict(model=cfg.MODEL.NAME, checkpoint=checkpoint, weights='ema' if ema else 'model', data=root,
+    return dict(model=cfg.MODEL.NAME, checkpoint=checkpoint, weights=kind, data=root,
                 img_size=cfg.DATA.IMG_SIZE, crop_pct=cfg.TEST.CROP_PCT, crop_mode=cfg.TEST.CROP_MODE,
                 precision=dtype if amp else 'float32', world_size=info.world_size, compiled=compile,
                 onednn=onednn, **metrics)
@@ -190,7 +201,7 @@ def throughput(cfg: CN, info: DistInfo, batch_size: int, checkpoint: Optional[st
     """
     weights = None
     if checkpoint:
-        cfg, weights, _ = load_weights(cfg, checkpoint, ema, adopt_classes)
+        cfg, weights, _, _ = load_weights(cfg, checkpoint, ema, adopt_classes)
     model = create_model(cfg, weights, source=f"checkpoint {checkpoint!r}").to(info.device)
     generator = torch.Generator().manual_seed(cfg.SEED)
     images = torch.randn(batch_size, image_channels(cfg), cfg.DATA.IMG_SIZE, cfg.DATA.IMG_SIZE, generator=generator)

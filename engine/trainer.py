@@ -281,9 +281,11 @@ def train(cfg: CN, info: DistInfo, check_data: bool = False) -> Dict[str, Any]:
         lock.release()
 
 
-def _read_start_weights(cfg: CN, path: str) -> Dict[str, Tensor]:
-    """The weights of the file `path` that MODEL.PRETRAINED_EMA picks, its EMA or its model weights."""
-    return read_weights(path, cfg.MODEL.PRETRAINED_EMA, without_ema='set MODEL.PRETRAINED_EMA False')
+def _read_start_weights(cfg: CN, path: str, released: bool = False) -> Dict[str, Tensor]:
+    """The weights of the file `path` that MODEL.PRETRAINED_EMA picks, its EMA or its model weights; of the
+    `released` weights of a model name, those `timm.create_model(name, pretrained=True)` takes."""
+    return read_weights(path, cfg.MODEL.PRETRAINED_EMA, without_ema='set MODEL.PRETRAINED_EMA False',
+                        released=released)
 
 
 def _with_start_weights(cfg: CN, pretrained: Optional[Dict[str, Tensor]], build: Callable[[], nn.Module]) -> nn.Module:
@@ -363,7 +365,8 @@ def _train(cfg: CN, info: DistInfo, lock: OutputLock, check_data: bool, resume: 
         check_trained_classes(stored['classes'], train_set.classes, f"checkpoint {resume!r}",
                               os.path.join(root, 'train'))
     if cfg.MODEL.PRETRAINED and stored is None and pretrained is None:
-        pretrained = _read_start_weights(cfg, weights_file(cfg.MODEL.PRETRAINED, 'MODEL.PRETRAINED', info))
+        pretrained = _read_start_weights(cfg, weights_file(cfg.MODEL.PRETRAINED, 'MODEL.PRETRAINED', info),
+                                         released=True)
     model = _with_start_weights(cfg, pretrained, lambda: create_training_model(
         cfg, info.device, pretrained, source=cfg.MODEL.PRETRAINED, strict=cfg.MODEL.PRETRAINED_STRICT))
     if pretrained is not None and info.is_main:

@@ -50,7 +50,8 @@ __all__ = [
     'process_alive', 'HUB_SOURCES', 'is_hub_name', 'hub_weights_file', 'start_weights_file', 'unknown_pretrained_tag',
     'has_released_weights', 'released_weights_file', 'official_keys', 'filter_checkpoint', 'adapt_state_dict',
     'load_pretrained_into', 'load_shared_weights', 'TransferReport', 'SAFE_GLOBALS', 'load_checkpoint_file',
-    'MODEL_KEYS', 'EMA_KEYS', 'checkpoint_state_dict', 'error_summary', 'rename_loaded_keys', 'loaded_key_names',
+    'MODEL_KEYS', 'EMA_KEYS', 'PRETRAINED_KEYS', 'checkpoint_state_dict', 'held_weights', 'error_summary',
+    'rename_loaded_keys', 'loaded_key_names',
     'is_derived_buffer', 'drop_derived_buffers', 'check_state_dict', 'load_state_dict_checked',
     'resample_grid_embedding', 'resize_grid_embedding', 'resize_rel_pos_bias_table',
 ]
@@ -67,6 +68,10 @@ WRAPPER_PREFIXES = ('module.', '_orig_mod.')
 # Where a checkpoint keeps its model weights, and its EMA weights: ours, DeiT's and Swin's, timm's train.py.
 MODEL_KEYS = ('model', 'state_dict')
 EMA_KEYS = ('model_ema', 'state_dict_ema')
+# Where pretrained weights are taken from, in timm's order (`create_model(pretrained=True)` reads a weights file
+# with `load_state_dict(use_ema=True)`): the EMA weights of a file that holds both. The CSWin releases are such
+# files, and the CSWin code evaluates their EMA weights (its `--model-ema` cannot be turned off).
+PRETRAINED_KEYS = ('state_dict_ema', 'model_ema', 'state_dict', 'model')
 # Seconds a connection attempt or a read may stall before the download is given up.
 DOWNLOAD_TIMEOUT_S = 60.
 DOWNLOAD_CHUNK = 1 << 20
@@ -298,6 +303,17 @@ def load_checkpoint_file(path: str, map_location: Any = 'cpu', shown_as: Optiona
         raise CheckpointError(f"{what} is truncated or corrupt ({error_summary(e)})") from None
 
 
+def _weights_key(checkpoint: Mapping[str, Any], keys: Sequence[str]) -> Optional[str]:
+    """The key `checkpoint_state_dict` takes the weights from: the first of `keys`, then of `EMA_KEYS`, that holds a
+    mapping; None for a flat state dict."""
+    return next((key for key in (*keys, *EMA_KEYS) if isinstance(checkpoint.get(key), Mapping)), None)
+
+
+def held_weights(checkpoint: Any, keys: Sequence[str] = MODEL_KEYS) -> str:
+    """Which weights `checkpoint_state_dict(checkpoint, keys)` gives: 'ema' (under one of `EMA_KEYS`) or 'model'."""
+    return 'ema' if isinstance(checkpoint, Mapping) and _weights_key(checkpoint, keys) in EMA_KEYS else 'model'
+
+
 def _with_article(type_name: str) -> str:
     return f"{'an' if type_name[0].lower() in 'aeiou' else 'a'} {type_name}"
 
@@ -313,10 +329,9 @@ def checkpoint_state_dict(checkpoint: Any, keys: Sequence[str] = MODEL_KEYS,
     expected = f"expected a flat state dict of tensors or one under the key {held_under}"
     if not isinstance(checkpoint, Mapping):
         raise CheckpointError(f"{source} holds {_with_article(type(checkpoint).__name__)}; {expected}")
-    for key in (*keys, *EMA_KEYS):
-        if isinstance(checkpoint.get(key), Mapping):
-            checkpoint = checkpoint[key]
-            break
+    key = _weights_key(checkpoint, keys)
+    if key is not None:
+        checkpoint = checkpoint[key]
     state_dict = {}
     for name, value in checkpoint.items():
         if not isinstance(value, Tensor):
@@ -483,13 +498,14 @@ def filter_checkpoint(
         prepare: Callable[[Dict[str, Tensor]], Dict[str, Tensor]] = lambda state_dict: state_dict,
         strict: bool = True,
 ) -> Dict[str, Tensor]:
-    """A checkpoint made ready for `model`: weights unwrapped, derived buffers dropped, keys of timm's layout
+    """A checkpoint made ready for `model`: weights unwrapped (a file's EMA weights where it holds both, as timm
+    takes pretrained weights: `PRETRAINED_KEYS`), derived buffers dropped, keys of timm's layout
     renamed (`official_keys`), `prepare` applied (a family's own adjustment), tensors of another resolution
     adapted, a classifier the model is built without (`num_classes=0`) dropped, and the keys checked (not `strict`,
     timm's `pretrained_strict=False`: their shapes only). Two kinds of tensor may differ in shape, for timm's
     loader adapts them after this filter: the classifier (re-created for another class count) and the cfg's
     `first_conv` weights in their input channels (adapted to the model's `in_chans`)."""
-    state_dict = prepare(official_keys(model, drop_derived_buffers(checkpoint_state_dict(checkpoint))))
+    state_dict = prepare(official_keys(model, drop_derived_buffers(checkpoint_state_dict(checkpoint, PRETRAINED_KEYS))))
     given_shapes = {k: v.shape for k, v in state_dict.items()}
     state_dict = adapt_state_dict(model, state_dict)
     classifiers = tuple(f'{name}.' for name in _cfg_module_names(model, 'classifier', ('head',)))
@@ -597,10 +613,12 @@ def load_pretrained_into(model: nn.Module, source: str) -> TransferReport:
     attention.
 
     Every tensor whose key and (after adaptation to the model's resolution) shape the model shares is loaded;
-    the report names the model's new keys, which keep their initialisation, and the dropped ones.
+    the report names the model's new keys, which keep their initialisation, and the dropped ones. A file gives its
+    model weights; a name, the weights `timm.create_model(name, pretrained=True)` takes (`PRETRAINED_KEYS`).
     """
     path = start_weights_file(source)
-    return load_shared_weights(model, checkpoint_state_dict(load_checkpoint_file(path), source=f"checkpoint {path!r}"),
+    keys = MODEL_KEYS if os.path.isfile(source) else PRETRAINED_KEYS
+    return load_shared_weights(model, checkpoint_state_dict(load_checkpoint_file(path), keys, f"checkpoint {path!r}"),
                                source)
 
 

@@ -348,7 +348,8 @@ def checkpoint_filter_fn(state_dict: Mapping[str, Tensor], model: CSWinTransform
                          strict: bool = True) -> Dict[str, Tensor]:
     """An official CSwin state dict (any attention; the papers keep CSwin's key names) made ready for `model`.
 
-    Unwraps 'model'/'state_dict', drops derived buffers, resizes grid-sized tensors to the model's grids, and
+    Unwraps the weights (the EMA weights of a file that holds both: the CSWin releases, whose code evaluates
+    them), drops derived buffers, resizes grid-sized tensors to the model's grids, and
     raises `CheckpointError` listing the keys when the checkpoint belongs to another model.
     """
     return filter_checkpoint(state_dict, model, strict=strict)

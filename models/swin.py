@@ -278,8 +278,8 @@ def checkpoint_filter_fn(state_dict: Dict[str, Tensor], model: SwinTransformer,
     """A Swin state dict (any attention; the official layout, which the papers keep, or timm's `swin_*`) made ready
     for `model`.
 
-    Unwraps 'model'/'state_dict', drops the saved relative position indices and shift masks (recomputed here),
-    renames timm's keys to the official ones, resizes grid- and window-sized tensors to the model's, and raises
+    Unwraps the weights (`PRETRAINED_KEYS`), drops the saved relative position indices and shift masks
+    (recomputed here), renames timm's keys to the official ones, resizes grid- and window-sized tensors to the model's, and raises
     `CheckpointError` listing the keys when the checkpoint belongs to another model.
     """
     return filter_checkpoint(state_dict, model, strict=strict)

@@ -1,6 +1,7 @@
 """Released weights download into timm's cache atomically, once, under the URL's file name or, for URLs without
 one (`/f/<id>/?dl=1`), under the model's name; failures are one line and leave no file. Served offline by an HTTP
 server on 127.0.0.1."""
+import argparse
 import concurrent.futures
 import dataclasses
 import io
@@ -330,16 +331,18 @@ TRAIN_TINY = dict(img_size=16, patch_size=4, embed_dim=64, depth=2, num_heads=4)
 
 
 def test_train_starts_from_the_released_weights_of_a_model_name(server, cache, monkeypatch, tmp_path, capsys):
+    """...those `timm.create_model(name, pretrained=True)` takes: of a release that holds model and EMA weights,
+    the EMA weights, which a file gives with --pretrained-ema."""
     digits = prepare_digits(str(tmp_path / 'digits'))
-    _, served = official_checkpoint(**TRAIN_TINY)
+    _, _, served = release_with_ema(**TRAIN_TINY)
     server.files['1d6b8191ad6d4114b291'] = served
     register_url(monkeypatch, 'inline_deit_tiny', server.url('1d6b8191ad6d4114b291'))
     local = tmp_path / 'local.pth'
     local.write_bytes(served)
     argv = ['--cfg', str(REPO / 'configs' / 'demo' / 'digits_tiny.yaml'), '--data-path', digits,
             '--opts', 'TRAIN.EPOCHS', '1', 'DATA.BATCH_SIZE', '128']
-    for start, output in (('inline_deit_tiny', 'by_name'), (str(local), 'by_file')):
-        assert run_cli(train_main, ['--pretrained', start, '--output', str(tmp_path / output), *argv]) == 0
+    for start, output, ema in (('inline_deit_tiny', 'by_name', []), (str(local), 'by_file', ['--pretrained-ema'])):
+        assert run_cli(train_main, ['--pretrained', start, *ema, '--output', str(tmp_path / output), *argv]) == 0
         assert f'{start}: re-initialised the classifier for 10 classes (the weights have 1000)' in \
             capsys.readouterr().out
     assert sorted(p.name for p in cache.iterdir()) == ['inline_deit_tiny.pth'] and len(server.requests) == 1
@@ -347,6 +350,51 @@ def test_train_starts_from_the_released_weights_of_a_model_name(server, cache, m
                         for output in ('by_name', 'by_file'))
     assert_weights_equal = [torch.equal(by_name[k], by_file[k]) for k in by_file]
     assert by_name.keys() == by_file.keys() and all(assert_weights_equal)
+
+
+def release_with_ema(**model_args) -> Tuple[Dict[str, torch.Tensor], Dict[str, torch.Tensor], bytes]:
+    """A tiny InLine DeiT's model weights, other EMA weights, and the bytes of a release holding both as the CSWin
+    releases do (timm's training checkpoint: 'state_dict', 'state_dict_ema', the run's argparse 'args')."""
+    torch.manual_seed(0)
+    raw = timm.create_model('inline_deit_tiny', **model_args).state_dict()
+    torch.manual_seed(1)
+    ema = timm.create_model('inline_deit_tiny', **model_args).state_dict()
+    buffer = io.BytesIO()
+    torch.save({'epoch': 299, 'arch': 'inline_deit_tiny', 'state_dict': raw, 'state_dict_ema': ema,
+                'args': argparse.Namespace(model_ema=True)}, buffer)
+    return raw, ema, buffer.getvalue()
+
+
+def test_a_release_with_ema_weights_gives_them_by_every_path_that_names_the_model(server, cache, monkeypatch,
+                                                                                 tmp_path, capsys):
+    """timm reads a pretrained `file` with `load_state_dict(use_ema=True)`, the EMA weights of a file that holds both;
+    the same release reached by `url` gave its model weights, and so did eval.py --model, train.py --pretrained
+    and load_pretrained_into with the model's name. The CSWin releases are such files, and the CSWin code evaluates
+    their EMA weights. A file given as a checkpoint keeps giving its model weights (--ema / MODEL.PRETRAINED_EMA for
+    the EMA)."""
+    raw, ema, served = release_with_ema(**EVAL_TINY)
+    server.files['1d6b8191ad6d4114b291'] = served
+    register_url(monkeypatch, 'inline_deit_tiny', server.url('1d6b8191ad6d4114b291'))
+    local = tmp_path / 'release.pth'
+    local.write_bytes(served)
+    for overlay in ({}, {'file': str(local)}):  # the release's 10 classes kept: timm keeps a cfg's class count
+        assert_weights(timm.create_model('inline_deit_tiny', pretrained=True, **EVAL_TINY,
+                                         pretrained_cfg_overlay=dict(overlay, num_classes=10)), ema)
+    started = timm.create_model('inline_deit_tiny', **EVAL_TINY)
+    load_pretrained_into(started, 'inline_deit_tiny')
+    assert_weights(started, ema)
+    load_pretrained_into(started, str(local))
+    assert_weights(started, raw)
+
+    digits = prepare_digits(str(tmp_path / 'digits'))
+    args = ['--data-path', digits, '--img-size', '16', '--crop-pct', '1.0', '--opts', *EVAL_OPTS]
+    results = {}
+    for label, given in (('by name', []), ('file', ['--checkpoint', str(local)]),
+                         ('file --ema', ['--checkpoint', str(local), '--ema'])):
+        assert eval_main(['--model', 'inline_deit_tiny', *given, *args]) == 0
+        results[label] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert [results[label]['weights'] for label in results] == ['ema', 'model', 'ema']
+    assert results['by name']['loss'] == results['file --ema']['loss'] != results['file']['loss']
 
 
 @pytest.mark.parametrize('entry', ['create_model', 'eval.py', 'train.py'])
