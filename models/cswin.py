@@ -399,7 +399,8 @@ _VARIANTS: Dict[str, Tuple[Dict[str, Any], str]] = {
     **_OFFICIAL,
 }
 
-_CSWIN_META = dict(paper_ids='arXiv:2107.00652', origin_url='https://github.com/microsoft/CSWin-Transformer')
+_CSWIN_META = dict(paper_ids='arXiv:2107.00652', origin_url='https://github.com/microsoft/CSWin-Transformer',
+                  license='mit')
 _CSWIN_URL = 'https://github.com/microsoft/CSWin-Transformer/releases/download/v0.1.0/{}.pth'
 # The papers evaluate with a 256/224 resize then crop at every size; the original CSwin code's configuration
 # uses crop_pct 0.9 at 224 and 1.0 at 384.

@@ -349,7 +349,8 @@ _VARIANTS: Dict[str, Tuple[Dict[str, Any], str]] = {
     **_OFFICIAL,
 }
 
-_SWIN_META = dict(paper_ids='arXiv:2103.14030', origin_url='https://github.com/microsoft/Swin-Transformer')
+_SWIN_META = dict(paper_ids='arXiv:2103.14030', origin_url='https://github.com/microsoft/Swin-Transformer',
+                  license='mit')
 _SWIN_URL = 'https://github.com/SwinTransformer/storage/releases/download/v1.0.0/{}.pth'
 # Swin evaluates at 384 without a crop: a square resize (TEST.CROP False), which timm calls 'squash'
 _AT_384 = dict(input_size=(3, 384, 384), pool_size=(12, 12), crop_pct=1.0, crop_mode='squash')

@@ -308,7 +308,7 @@ _DEIT_META = dict(paper_ids='arXiv:2012.12877', origin_url='https://github.com/f
 _DEIT_URL = 'https://dl.fbaipublicfiles.com/deit/deit_{}_patch16_224-{}.pth'
 _MULTIMAX_META = dict(paper_ids='arXiv:2406.01189', origin_url='https://github.com/ZhouYuxuanYX/MultiMax')
 
-_SIMA_META = dict(paper_ids='arXiv:2206.08898', origin_url='https://github.com/UCDvision/sima')
+_SIMA_META = dict(paper_ids='arXiv:2206.08898', origin_url='https://github.com/UCDvision/sima', license='mit')
 
 _COMMON = dict(patch_size=16, depth=12, mlp_ratio=4., qkv_bias=True)
 _SIZES: Dict[str, Dict[str, Any]] = {

@@ -434,7 +434,7 @@ def _create_sima_xcit(variant: str, pretrained: bool, model_args: Dict[str, Any]
 
 # The official code released no weights: the cfgs carry its evaluation (resize 256/224, centre crop, bicubic).
 _cfg = partial(imagenet_cfg, fixed_input_size=False, first_conv='patch_embed.proj.0.0',
-               paper_ids='arXiv:2206.08898', origin_url='https://github.com/UCDvision/sima')
+               paper_ids='arXiv:2206.08898', origin_url='https://github.com/UCDvision/sima', license='mit')
 
 # name part -> (embed_dim, depth, num_heads, eta, tokens_norm), as the official factories build them
 _SIZES: Dict[str, Tuple[int, int, int, float, bool]] = {

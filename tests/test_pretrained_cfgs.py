@@ -37,6 +37,21 @@ def test_official_variants_resize_to_a_square_then_centre_crop(name):
     assert tuple(crop.size) == (size, size)
 
 
+# The license each official repository declares (its LICENSE file or its files' headers); the InLine and FLatten
+# repositories and the MultiMax code declare none.
+LICENSES = {'https://github.com/facebookresearch/deit': 'apache-2.0', 'https://github.com/whai362/PVT': 'apache-2.0',
+            'https://github.com/microsoft/Swin-Transformer': 'mit',
+            'https://github.com/microsoft/CSWin-Transformer': 'mit', 'https://github.com/UCDvision/sima': 'mit'}
+
+
+def test_every_cfg_of_an_official_origin_carries_its_license():
+    cfgs = [timm.models.get_pretrained_cfg(name) for name in timm.list_models(module=['vit', 'pvt', 'pvt_v2', 'swin',
+                                                                                       'cswin', 'xcit_sima'])]
+    licenses = {(cfg.origin_url, cfg.license) for cfg in cfgs if cfg is not None and cfg.origin_url}
+    assert licenses == {(origin, LICENSES.get(origin)) for origin, _ in licenses}
+    assert {origin for origin, _ in licenses} >= set(LICENSES)
+
+
 CONFIGS = sorted(path for path in (Path(__file__).resolve().parents[1] / 'configs').glob('*/*.yaml')
                  if path.parent.name not in ('base', 'demo'))
 
