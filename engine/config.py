@@ -1,6 +1,7 @@
 """The yacs configuration tree, YAML files that inherit with `BASE`, and `--opts KEY VALUE ...` overrides.
 
-The defaults hold the DeiT recipe (facebookresearch/deit `main.py`), with the learning rate stepped per iteration.
+The defaults hold the DeiT recipe (facebookresearch/deit `main.py`), its learning rate stepped once per epoch
+(`TRAIN.LR_SCHEDULER.STEP previous_epoch`).
 A YAML file may name base files in a top-level `BASE: [path, ...]` list, resolved relative to the including file
 and merged first, in order. Unknown keys and values of the wrong type fail with a `ConfigError` naming the key.
 """
