@@ -2,9 +2,10 @@
 convolution, and a LayerNorm closing every stage.
 
 Every block takes its attention from the registry in the spatial-reduction grouping (separate `q` / `kv`
-projections), PVT v2's `linear=False` path: score-forming attentions reduce their keys and values by `sr_ratios`
-(a strided convolution `attn.sr` and LayerNorm `attn.norm`), the others by `la_sr_ratios` (1 in every stage by
-default, i.e. global attention over the stage), as FLatten-PVTv2 does. There is no absolute position embedding:
+projections): score-forming attentions reduce their keys and values by `sr_ratios` (a strided convolution
+`attn.sr` and LayerNorm `attn.norm`), or with `linear=True` by average pooling to 7 × 7 (then a 1×1 `attn.sr`,
+`attn.norm` and GELU), the others by `la_sr_ratios` (1 in every stage by default, i.e. global attention over the
+stage), as FLatten-PVTv2 does. There is no absolute position embedding:
 the overlapping patch embeddings and the MLP's depthwise convolution carry the position.
 
 The stages are `stages.{i}` modules (patch embedding, blocks, norm), which TorchScript loops over; the state dict
@@ -18,8 +19,10 @@ does. The model runs at the input size it was built for; with `dynamic_img_size=
 ceil(H / 4), then halved with rounding up, as the overlapping convolutions give them), FLatten's positional
 encodings resampled on the fly, and `set_input_size` makes such a size the model's own.
 
-Registered: every attention of the registry at the PVT v2 sizes (`{attention}_pvt_v2_b{0..5}`, heads 1-2-5-8),
-except that the names of the official FLatten-PVTv2 models (`_OFFICIAL`) carry their pattern and release.
+Registered: every attention of the registry at the PVT v2 sizes (`{attention}_pvt_v2_b{0..5}`, heads 1-2-5-8) and
+as PVT v2-B2-Linear (`{attention}_pvt_v2_b2_li`: keys and values of score-forming attentions pooled to 7 × 7 in
+every stage, PVT v2's `linear=True`), except that the names of the official FLatten-PVTv2 models (`_OFFICIAL`)
+carry their pattern and release.
 """
 import math
 import re
@@ -32,7 +35,7 @@ from torch import Tensor, nn
 from timm.layers import DropPath, calculate_drop_path_rates, to_2tuple
 from timm.models import generate_default_cfgs
 
-from .attention import build_attention, check_attn_kwargs, list_attentions, stage_attentions
+from .attention import build_attention, check_attn_kwargs, forms_score_matrix, list_attentions, stage_attentions
 from .attention.layout import Grid, image_to_tokens, tokens_to_image
 from .checkpoint import filter_checkpoint
 from .onednn import fuses_in_inference, onednn_conv2d_gelu
@@ -80,16 +83,18 @@ class DepthwiseConv(nn.Module):
 
 
 class DepthwiseConvMlp(nn.Module):
-    """PVT v2's MLP: fc1 -> 3×3 depthwise convolution on the hidden map -> GELU -> fc2 (dropout after each).
+    """PVT v2's MLP: fc1 -> (ReLU, with `extra_relu`: the linear models) -> 3×3 depthwise convolution on the
+    hidden map -> GELU -> fc2 (dropout after each).
 
     With `onednn` (set by `models.convert_to_onednn`), float32 CPU inference applies GELU inside the convolution
     (`onednn_conv2d_gelu`) instead of in a pass of its own over the hidden map: 1.88× the speed of the two at
     PVT v2-B1's first stage (512 channels, 56², batch 8), 1.26–1.30× at its later ones, one thread.
     """
 
-    def __init__(self, dim: int, hidden_dim: int, drop: float = 0.):
+    def __init__(self, dim: int, hidden_dim: int, drop: float = 0., extra_relu: bool = False):
         super().__init__()
         self.fc1 = nn.Linear(dim, hidden_dim)
+        self.relu = nn.ReLU() if extra_relu else nn.Identity()
         self.dwconv = DepthwiseConv(hidden_dim)
         self.act = nn.GELU()
         self.fc2 = nn.Linear(hidden_dim, dim)
@@ -98,7 +103,7 @@ class DepthwiseConvMlp(nn.Module):
 
     def forward(self, x: Tensor, size: Grid) -> Tensor:
         """x: (B, H*W, C) over the grid `size` -> (B, H*W, C)."""
-        x = self.fc1(x)
+        x = self.relu(self.fc1(x))
         if not torch.jit.is_scripting():
             conv = self.dwconv.dwconv
             if self.onednn and fuses_in_inference(x, conv.weight, conv.bias):
@@ -113,13 +118,14 @@ class PvtV2Block(nn.Module):
     """Pre-norm block around a given attention: x + attn(norm1(x)), then x + mlp(norm2(x)) with the depthwise
     convolution MLP."""
 
-    def __init__(self, dim: int, attn: nn.Module, mlp_ratio: float = 4., drop: float = 0., drop_path: float = 0.):
+    def __init__(self, dim: int, attn: nn.Module, mlp_ratio: float = 4., drop: float = 0., drop_path: float = 0.,
+                 extra_relu: bool = False):
         super().__init__()
         self.norm1 = nn.LayerNorm(dim, eps=1e-6)
         self.attn = attn
         self.drop_path = DropPath(drop_path) if drop_path > 0. else nn.Identity()
         self.norm2 = nn.LayerNorm(dim, eps=1e-6)
-        self.mlp = DepthwiseConvMlp(dim, int(dim * mlp_ratio), drop=drop)
+        self.mlp = DepthwiseConvMlp(dim, int(dim * mlp_ratio), drop=drop, extra_relu=extra_relu)
 
     def forward(self, x: Tensor, size: Grid) -> Tensor:
         """x: (B, H*W, C) over the grid `size` = (H, W) -> (B, H*W, C)."""
@@ -145,6 +151,18 @@ class PvtV2Stage(nn.Module):
 
 # `stages.{i}.blocks` is the official `block{i+1}`, and so on for every part of a stage
 _STAGE_KEYS = NumberedStageKeys({'patch_embed': 'patch_embed', 'blocks': 'block', 'norm': 'norm'})
+
+
+# The map size the linear spatial reduction pools keys and values to, in every stage.
+_LINEAR_POOL = 7
+
+
+def _key_reduction(name: str, sr_ratio: int, la_sr_ratio: int, linear: bool) -> Dict[str, int]:
+    """The spatial-reduction keywords of attention `name` in a stage: pooled to `_LINEAR_POOL` for a score-forming
+    attention of a `linear` model, else the stride `key_reduction` gives."""
+    if linear and forms_score_matrix(name):
+        return dict(pool_size=_LINEAR_POOL)
+    return dict(sr_ratio=key_reduction(name, sr_ratio, la_sr_ratio))
 
 
 def init_weights_pvt_v2(module: nn.Module) -> None:
@@ -173,6 +191,9 @@ class PyramidVisionTransformerV2(ZooModel):
         embed_dims, num_heads, mlp_ratios, depths: per stage width, heads, MLP ratio and number of blocks.
         qkv_bias: bias of the `q` and `kv` projections.
         sr_ratios: spatial reduction of keys and values per stage for score-forming attentions.
+        linear: PVT v2's linear spatial reduction (the `_li` models): score-forming attentions take their keys
+            and values from the map average-pooled to 7 × 7 in every stage (then a 1×1 convolution, LayerNorm
+            and GELU) instead of by `sr_ratios`, and the MLPs apply a ReLU before their depthwise convolution.
         la_sr_ratios: the same for attentions that form no score matrix, a string of digits ('1111') or a
             sequence of ints.
         attn_type: a registered name for every block, a list of names per stage, or an official pattern ('LLLL').
@@ -196,6 +217,7 @@ class PyramidVisionTransformerV2(ZooModel):
             qkv_bias: bool = True,
             depths: Sequence[int] = (3, 4, 6, 3),
             sr_ratios: Sequence[int] = (8, 4, 2, 1),
+            linear: bool = False,
             la_sr_ratios: Union[str, Sequence[int]] = '1111',
             attn_type: Union[str, Sequence[str]] = 'softmax',
             attn_kwargs: Optional[Dict[str, Any]] = None,
@@ -217,7 +239,8 @@ class PyramidVisionTransformerV2(ZooModel):
         names = stage_attentions(attn_type, depths)
         self.num_stages = NUM_STAGES
         self.img_divisor = 1
-        self.img_min_side = smallest_side(_STRIDES, names, sr_ratios, la_sr_ratios)
+        # pooling to a fixed size takes a map of any size
+        self.img_min_side = smallest_side(_STRIDES, names, [1] * NUM_STAGES if linear else sr_ratios, la_sr_ratios)
         self._init_input_size(dynamic_img_size)
         self.img_size: Grid = tuple(to_2tuple(img_size))
         self._check_size(self.img_size, 'img_size')
@@ -245,9 +268,9 @@ class PyramidVisionTransformerV2(ZooModel):
                     dim,
                     build_attention(
                         name, dim, num_heads[i], grid, qkv_bias, grouping='reduction', attn_kwargs=attn_kwargs,
-                        sr_ratio=key_reduction(name, sr_ratios[i], la_sr_ratios[i]),
+                        **_key_reduction(name, sr_ratios[i], la_sr_ratios[i], linear),
                         attn_drop=attn_drop_rate, proj_drop=drop_rate),
-                    mlp_ratio=mlp_ratios[i], drop=drop_rate, drop_path=next(rates))
+                    mlp_ratio=mlp_ratios[i], drop=drop_rate, drop_path=next(rates), extra_relu=linear)
                 for name in names[i]], dim))
         self.head = nn.Linear(embed_dims[-1], num_classes) if num_classes > 0 else nn.Identity()
         self.feature_info = [dict(module=f'stages.{i}', num_chs=embed_dims[i], reduction=4 * 2 ** i)
@@ -363,6 +386,9 @@ _VARIANTS: Dict[str, Tuple[Dict[str, Any], str]] = {
     **{f'{attn}_pvt_v2_{size}': (dict(_COMMON, **_SIZE_ARGS[size], attn_type=attn),
                                  f'PVT v2-{size} with {attn} attention in every block.')
        for attn in list_attentions() for size in _SIZES},
+    **{f'{attn}_pvt_v2_b2_li': (dict(_COMMON, **_SIZE_ARGS['b2'], linear=True, attn_type=attn),
+                                f'PVT v2-b2-Linear (keys pooled to 7 × 7) with {attn} attention in every block.')
+       for attn in list_attentions()},
     **_OFFICIAL,
 }
 
@@ -372,7 +398,7 @@ default_cfgs = generate_default_cfgs(tag_weights({
     **{name: _cfg() for name in _VARIANTS},
     **{f'softmax_pvt_v2_{size}': _cfg(f'https://github.com/whai362/PVT/releases/download/v2/pvt_v2_{size}.pth',
                                       **_PVT_V2_META)
-       for size in _SIZES},
+       for size in (*_SIZES, 'b2_li')},
     'flatten_pvt_v2_b0': _cfg(tsinghua_url('5d1f01532b104da28e7b'), **FLATTEN_META),
     **{f'flatten_pvt_v2_{size}': _cfg(**FLATTEN_META) for size in _SIZES[1:5]},
 }))

@@ -46,8 +46,8 @@ OFFICIAL_TOP1 = {
     'sima_deit_small_ls': 79.8,
     'softmax_deit_tiny': 72.2, 'softmax_deit_small': 79.9, 'softmax_deit_base': 81.8,
     'softmax_pvt_tiny': 75.1, 'softmax_pvt_small': 79.8, 'softmax_pvt_medium': 81.2, 'softmax_pvt_large': 81.7,
-    'softmax_pvt_v2_b0': 70.5, 'softmax_pvt_v2_b1': 78.7, 'softmax_pvt_v2_b2': 82.0, 'softmax_pvt_v2_b3': 83.1,
-    'softmax_pvt_v2_b4': 83.6, 'softmax_pvt_v2_b5': 83.8,
+    'softmax_pvt_v2_b0': 70.5, 'softmax_pvt_v2_b1': 78.7, 'softmax_pvt_v2_b2': 82.0, 'softmax_pvt_v2_b2_li': 82.1,
+    'softmax_pvt_v2_b3': 83.1, 'softmax_pvt_v2_b4': 83.6, 'softmax_pvt_v2_b5': 83.8,
     'softmax_swin_tiny': 81.2, 'softmax_swin_small': 83.2, 'softmax_swin_base': 83.5, 'softmax_swin_base_384': 84.5,
     'softmax_cswin_tiny': 82.8, 'softmax_cswin_small': 83.6, 'softmax_cswin_base': 84.2,
     'softmax_cswin_base_384': 85.5,
@@ -87,8 +87,8 @@ def official_table() -> List[str]:
 
 
 def family_of(family_size: str) -> str:
-    """The family of a family size: 'pvt_v2_b0' -> 'pvt_v2', 'swin_base_384' -> 'swin'."""
-    return re.match(r'(.+?)_(?:tiny|small|medium|large|base|b\d+)(?:_\d+)?$', family_size).group(1)
+    """The family of a family size: 'pvt_v2_b0' -> 'pvt_v2', 'swin_base_384' -> 'swin', 'pvt_v2_b2_li' -> 'pvt_v2'."""
+    return re.match(r'(.+?)_(?:tiny|small|medium|large|base|b\d+)(?:_\d+|_li)?$', family_size).group(1)
 
 
 def registry_table(families: Optional[Collection[str]] = None) -> List[str]:

@@ -328,6 +328,7 @@ REFUSED_GROUPINGS = [
     ('window', dict(window_size=2), "tokens within windows of the grid"),
     ('stripes', dict(split_size=1), "tokens within stripes of the grid"),
     ('reduction', dict(sr_ratio=2), "queries with keys pooled from patches of the grid"),
+    ('reduction', dict(pool_size=2), "queries with keys pooled from patches of the grid"),
 ]
 
 
@@ -337,7 +338,8 @@ def test_groupings_without_one_token_order_refuse_causal_in_one_line(name, group
     with pytest.raises(ValueError) as info:
         build_attention(name, DIM, HEADS, (4, 4), grouping=grouping, attn_kwargs=dict(causal=True), **kwargs)
     assert str(info.value) == (f"causal=True needs one sequence of tokens (grouping 'global', or 'reduction' with "
-                               f"sr_ratio=1); grouping {grouping!r} mixes {what}, where token order has no meaning")
+                               f"sr_ratio=1 and no pool_size); grouping {grouping!r} mixes {what}, where token order "
+                               f"has no meaning")
 
 
 def test_windowed_families_refuse_causal():

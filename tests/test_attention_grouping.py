@@ -203,6 +203,38 @@ def naive_reduced(attn, x, grid):
     return dense(out, attn.proj)
 
 
+def naive_pooled(attn, x, grid):
+    """PVT v2's linear spatial reduction written out: the mean of each (H/p)×(W/p) cell of the map, a 1×1
+    convolution, LayerNorm and exact GELU, then attention on the p×p reduced keys."""
+    (H, W), p = grid, attn.pool_size
+    B, N, C = x.shape
+    d = C // attn.num_heads
+    q = dense(x, attn.q)
+    cells = x.view(B, p, H // p, p, W // p, C).mean(dim=(2, 4)).reshape(B, p * p, C)
+    reduced = torch.einsum('bnc,oc->bno', cells, attn.sr.weight[:, :, 0, 0]) + attn.sr.bias
+    mean = reduced.mean(-1, keepdim=True)
+    var = ((reduced - mean) ** 2).mean(-1, keepdim=True)
+    reduced = (reduced - mean) / torch.sqrt(var + 1e-5) * attn.norm.weight + attn.norm.bias
+    reduced = 0.5 * reduced * (1 + torch.erf(reduced / math.sqrt(2)))
+    kv = dense(reduced, attn.kv)
+    k, v = kv[..., :C], kv[..., C:]
+    out = torch.zeros_like(q)
+    for j in range(attn.num_heads):
+        part = slice(j * d, (j + 1) * d)
+        out[..., part] = head_weights(attn, q[..., part], k[..., part]) @ v[..., part]
+    return dense(out, attn.proj)
+
+
+@pytest.mark.parametrize('name', ['softmax', 'multimax', 'sima'])
+def test_pooled_spatial_reduction_matches_naive(name):
+    attn = build64(name, 16, 2, (6, 9), grouping='reduction', pool_size=3)
+    with torch.no_grad():
+        attn.norm.weight.normal_()
+        attn.norm.bias.normal_()
+    x = 2 * torch.randn(2, 54, 16, dtype=torch.float64)
+    assert max_abs_err(attn(x, (6, 9)), naive_pooled(attn, x, (6, 9))) < 1e-10
+
+
 @pytest.mark.parametrize('name', ['softmax', 'multimax', 'sima'])
 def test_spatial_reduction_matches_naive(name):
     attn = build64(name, 16, 2, (4, 6), grouping='reduction', sr_ratio=2)
@@ -306,6 +338,11 @@ def test_bad_input_errors_name_the_bad_value(name):
     ('sima', dict(grouping='reduction', sr_ratio=5), "sr_ratio 5 is larger than the 4x4 grid it reduces; expected at "
                                                      "most 4"),
     ('softmax', dict(grouping='reduction', sr_ratio=2.0), "sr_ratio 2.0 must be a positive integer"),
+    ('softmax', dict(grouping='reduction', pool_size=0), "pool_size 0 must be a positive integer"),
+    ('softmax', dict(grouping='reduction', pool_size=2, sr_ratio=2), "pool_size 2 and sr_ratio 2 both reduce the keys; "
+                                                                     "expected one of them (sr_ratio=1 with pool_size)"),
+    ('additive', dict(grouping='reduction', pool_size=2), "additive attention takes no reduced keys: pool_size 2 needs "
+                                                          "an attention that supports them (pool_size=None expected)"),
     ('softmax', dict(grouping='window', window_size='7'), "window_size '7' must be an integer or an (h, w) pair of "
                                                           "integers"),
     ('softmax', dict(grouping='window', window_size=2, shift_size=1.0), "shift_size 1.0 must be an integer"),

@@ -8,6 +8,7 @@ import timm
 import timm.optim
 import torch
 import torch.nn.functional as F
+from torch.utils.flop_counter import FlopCounterMode
 from yacs.config import CfgNode
 
 import models  # noqa: F401  (registers the families)
@@ -17,7 +18,7 @@ from models.attention.multimax import MultiMaxMixer
 from models.pvt_v2 import PyramidVisionTransformerV2, checkpoint_filter_fn
 
 SIZES = ('b0', 'b1', 'b2', 'b3', 'b4', 'b5')
-ALL_NAMES = [f'{attn}_pvt_v2_{size}' for attn in list_attentions() for size in SIZES]
+ALL_NAMES = [f'{attn}_pvt_v2_{size}' for attn in list_attentions() for size in (*SIZES, 'b2_li')]
 TINY = dict(img_size=64, embed_dims=[16, 32, 40, 64], num_heads=[1, 2, 5, 8], mlp_ratios=[2, 2, 2, 2],
             depths=[1, 2, 1, 1], num_classes=7)
 # FLatten-PVTv2 as the official factories build it (spec inline_flatten.md §3.8).
@@ -176,19 +177,32 @@ def test_flatten_pvt_v2_matches_the_written_out_formula_in_float64():
 # ------------------------------------------------------------------------------------------------ PVT v2 itself
 
 # b1, b3 and b4 differ from these only in depth
-@pytest.mark.parametrize('size', ['b0', 'b2', 'b5'])
+@pytest.mark.parametrize('size', ['b0', 'b2', 'b5', 'b2_li'])
 def test_softmax_pvt_v2_has_timm_pvt_v2_parameter_count(size):
     assert count(meta_model(f'softmax_pvt_v2_{size}')) == count(meta_model(f'pvt_v2_{size}'))
 
 
-@pytest.mark.parametrize('img_size', [(64, 64), (72, 40)])
-def test_softmax_pvt_v2_loads_timm_weights_and_gives_timm_outputs_in_float64(img_size):
+def test_pvt_v2_b2_linear_has_the_official_size():
+    """The PVT v2 README: PVT-V2-B2-Linear, 22.6 M parameters, 3.9 GFLOPs (multiply-accumulates) at 224."""
+    model = meta_model('softmax_pvt_v2_b2_li')
+    assert round(count(model) / 1e6, 1) == 22.6
+    counter = FlopCounterMode(display=False)
+    with counter:
+        model(torch.empty(1, 3, 224, 224, device='meta'))
+    assert round(counter.get_total_flops() / 2e9, 1) == 3.9
+
+
+@pytest.mark.parametrize('size, img_size', [('b0', (64, 64)), ('b0', (72, 40)), ('b2_li', (64, 64)),
+                                             ('b2_li', (72, 40)), ('b2_li', (24, 24))])
+def test_softmax_pvt_v2_loads_timm_weights_and_gives_timm_outputs_in_float64(size, img_size):
     """timm's `pvt_v2_b*` (stages.{i}.… keys) renamed to the official keys: spatial reduction 8-4-2-1 with its
-    LayerNorm, depthwise-convolution MLP, per-stage norms; any input size with `dynamic_img_size`."""
+    LayerNorm (b2_li: average pooling to 7 × 7, a 1×1 convolution, LayerNorm and GELU in every stage, and a ReLU in
+    the MLPs), depthwise-convolution MLP, per-stage norms; any input size with `dynamic_img_size` (24²: stage
+    maps smaller than the 7 × 7 pool)."""
     torch.manual_seed(0)
-    reference = randomised(timm.create_model('pvt_v2_b0', **{k: v for k, v in TINY.items() if k != 'img_size'}))
+    reference = randomised(timm.create_model(f'pvt_v2_{size}', **{k: v for k, v in TINY.items() if k != 'img_size'}))
     reference = reference.double().eval()
-    model = timm.create_model('softmax_pvt_v2_b0', **TINY, dynamic_img_size=True).double().eval()
+    model = timm.create_model(f'softmax_pvt_v2_{size}', **TINY, dynamic_img_size=True).double().eval()
     model.load_state_dict(checkpoint_filter_fn(reference.state_dict(), model), strict=True)
     x = torch.randn(2, 3, *img_size, dtype=torch.float64)
     with torch.no_grad():
@@ -210,7 +224,15 @@ def test_softmax_pvt_v2_official_keys():
     assert 'block4.0.attn.sr.weight' not in own and not any('pos_embed' in k or 'cls_token' in k for k in own)
 
 
-@pytest.mark.parametrize('size', ['b0', 'b2'])
+def test_pvt_v2_b2_linear_pools_keys_in_every_stage():
+    keys = meta_model('softmax_pvt_v2_b2_li').state_dict()
+    assert [tuple(keys[f'block{i}.0.attn.sr.weight'].shape) for i in range(1, 5)] == [
+        (64, 64, 1, 1), (128, 128, 1, 1), (320, 320, 1, 1), (512, 512, 1, 1)]
+    assert keys.keys() - meta_model('softmax_pvt_v2_b2').state_dict().keys() == {
+        f'block4.{j}.attn.{part}' for j in range(3) for part in ('sr.weight', 'sr.bias', 'norm.weight', 'norm.bias')}
+
+
+@pytest.mark.parametrize('size', ['b0', 'b2', 'b2_li'])
 def test_every_attention_keeps_the_pvt_v2_body(size):
     base = meta_model(f'softmax_pvt_v2_{size}')
     depths = [len(base.stages[i - 1].blocks) for i in range(1, 5)]
@@ -280,7 +302,7 @@ def test_every_name_runs_forward_and_backward(name):
 
 def test_pretrained_cfgs():
     urls = {f'softmax_pvt_v2_{s}': f'https://github.com/whai362/PVT/releases/download/v2/pvt_v2_{s}.pth'
-            for s in SIZES}
+            for s in (*SIZES, 'b2_li')}
     urls['flatten_pvt_v2_b0'] = B0_URL
     for name in ALL_NAMES:
         cfg = timm.models.get_pretrained_cfg(name).to_dict()

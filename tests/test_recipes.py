@@ -138,7 +138,8 @@ SCHEDULES = {
     'base/deit': (*DEIT, 16), 'softmax/deit_tiny': (*DEIT, 4), 'softmax/deit_small': (*DEIT, 4),
     'softmax/deit_base': (*DEIT, 16),  # README: Ti/S 256 x 4 GPUs, B 64 x 16 GPUs
     'base/pvt': (*PVT, 8), **{f'softmax/pvt_{s}': (*PVT, 8) for s in ('tiny', 'small', 'medium', 'large')},
-    'base/pvt_v2': (*PVT, 8), **{f'softmax/pvt_v2_{s}': (*PVT, 8) for s in ('b0', 'b1', 'b2', 'b3', 'b4', 'b5')},
+    'base/pvt_v2': (*PVT, 8), **{f'softmax/pvt_v2_{s}': (*PVT, 8)
+                                       for s in ('b0', 'b1', 'b2', 'b2_li', 'b3', 'b4', 'b5')},
     **{f'multimax/deit_{s}': (*DEIT, g) for s, g in (('tiny', 4), ('small', 4), ('base', 16))},
     'base/cswin': (*CSWIN, 8), **{f'softmax/cswin_{s}': (*CSWIN, 8) for s in ('tiny', 'small', 'base')},
     'base/swin': (*SWIN, 8), **{f'softmax/swin_{s}': (*SWIN, 8) for s in ('tiny', 'small', 'base')},

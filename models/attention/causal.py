@@ -42,10 +42,12 @@ def no_causal_form(name: str, reason: str) -> ValueError:
 
 def check_causal_grouping(grouping: str, grouping_kwargs: Mapping[str, Any]) -> None:
     """A ValueError unless `grouping` keeps every token in one sequence, the order a causal mask follows."""
-    if grouping == 'global' or (grouping == 'reduction' and grouping_kwargs.get('sr_ratio', 1) == 1):
+    if grouping == 'global' or (grouping == 'reduction' and grouping_kwargs.get('sr_ratio', 1) == 1
+                                and grouping_kwargs.get('pool_size') is None):
         return
     what = _GROUPED_BY.get(grouping, f'{grouping} groups')
-    raise ValueError(f"causal=True needs one sequence of tokens (grouping 'global', or 'reduction' with sr_ratio=1); "
+    raise ValueError(f"causal=True needs one sequence of tokens (grouping 'global', or 'reduction' with sr_ratio=1 "
+                     f"and no pool_size); "
                      f"grouping {grouping!r} mixes {what}, where token order has no meaning")
 
 

@@ -164,8 +164,10 @@ class GlobalAttention(GroupedAttention):
 
 class SpatialReductionAttention(GroupedAttention):
     """PVT's attention: `q` Linear(C, C) and `kv` Linear(C, 2C), keys and values from the map reduced by a
-    stride-`sr_ratio` convolution `sr` and a LayerNorm `norm` when `sr_ratio` > 1 (mixers that take reduced keys
-    only), then the mixer and `proj`. Prefix tokens are allowed without reduction.
+    stride-`sr_ratio` convolution `sr` and a LayerNorm `norm` when `sr_ratio` > 1, or (PVT v2's linear
+    spatial reduction, `pool_size`) average-pooled to a `pool_size` × `pool_size` map at any input size, then a
+    1×1 convolution `sr`, LayerNorm `norm` and GELU; either for mixers that take reduced keys only. Then the mixer
+    and `proj`. Prefix tokens are allowed without reduction.
     """
 
     def __init__(
@@ -177,6 +179,7 @@ class SpatialReductionAttention(GroupedAttention):
             qkv_bias: bool = True,
             *,
             sr_ratio: int = 1,
+            pool_size: Optional[int] = None,
             mixer_options: Optional[Mapping[str, Any]] = None,
             attn_drop: float = 0.,
             proj_drop: float = 0.,
@@ -184,6 +187,15 @@ class SpatialReductionAttention(GroupedAttention):
         super().__init__(dim, num_heads, grid_size)
         if not is_integer(sr_ratio) or sr_ratio < 1:
             raise ValueError(f"sr_ratio {sr_ratio!r} must be a positive integer")
+        if pool_size is not None:
+            if not is_integer(pool_size) or pool_size < 1:
+                raise ValueError(f"pool_size {pool_size!r} must be a positive integer")
+            if sr_ratio > 1:
+                raise ValueError(f"pool_size {pool_size} and sr_ratio {sr_ratio} both reduce the keys; expected one "
+                                 f"of them (sr_ratio=1 with pool_size)")
+            if not mixer_cls.reduces_keys:
+                raise ValueError(f"{mixer_cls.attention_name} attention takes no reduced keys: pool_size "
+                                 f"{pool_size} needs an attention that supports them (pool_size=None expected)")
         if sr_ratio > 1 and not mixer_cls.reduces_keys:
             raise ValueError(f"{mixer_cls.attention_name} attention takes no reduced keys: sr_ratio {sr_ratio} needs "
                              f"an attention that supports them (sr_ratio=1 expected)")
@@ -193,9 +205,16 @@ class SpatialReductionAttention(GroupedAttention):
                 raise ValueError(f"sr_ratio {sr_ratio} is larger than the {gh}x{gw} grid it reduces; expected at most "
                                  f"{min(gh, gw)}")
         self.sr_ratio = sr_ratio
+        self.pool_size = pool_size
         self.q = nn.Linear(dim, dim, bias=qkv_bias)
         self.kv = nn.Linear(dim, dim * 2, bias=qkv_bias)
-        if sr_ratio > 1:
+        self.pool = self.act = None
+        if pool_size is not None:
+            self.pool = nn.AdaptiveAvgPool2d(pool_size)
+            self.sr = nn.Conv2d(dim, dim, kernel_size=1)
+            self.norm = nn.LayerNorm(dim)
+            self.act = nn.GELU()
+        elif sr_ratio > 1:
             self.sr = nn.Conv2d(dim, dim, kernel_size=sr_ratio, stride=sr_ratio)
             self.norm = nn.LayerNorm(dim)
         else:
@@ -204,7 +223,8 @@ class SpatialReductionAttention(GroupedAttention):
                      proj_drop)
 
     def extra_repr(self) -> str:
-        return f'{super().extra_repr()}, sr_ratio={self.sr_ratio}'
+        reduction = f'pool_size={self.pool_size}' if self.pool_size is not None else f'sr_ratio={self.sr_ratio}'
+        return f'{super().extra_repr()}, {reduction}'
 
     def forward(self, x: Tensor, size: Grid, block_input: Optional[Tensor] = None) -> Tensor:
         num_prefix = _prefix_tokens(size, x.shape[1])
@@ -214,7 +234,12 @@ class SpatialReductionAttention(GroupedAttention):
             if num_prefix:
                 raise ValueError(f"spatial reduction does not support prefix tokens, got {num_prefix} before the "
                                  f"{size[0]}x{size[1]} grid")
-            x = self.norm(image_to_tokens(self.sr(tokens_to_image(x, size))))
+            image = tokens_to_image(x, size)
+            if self.pool is not None:
+                image = self.pool(image)
+            x = self.norm(image_to_tokens(self.sr(image)))
+            if self.act is not None:
+                x = self.act(x)
         k, v = self.kv(x).chunk(2, dim=-1)
         return self._output(self.mixer(q, k, v, ctx))
 

@@ -127,7 +127,7 @@ def build_attention(
     The module's forward is `attn(x, size)` with `x` (B, N, C) whose last H*W tokens form the grid `size` = (H, W);
     the result has shape (B, N, C).
 
-    Groupings and their keywords: 'global' (prefix tokens allowed), 'reduction' (`sr_ratio`), 'window'
+    Groupings and their keywords: 'global' (prefix tokens allowed), 'reduction' (`sr_ratio`, `pool_size`), 'window'
     (`window_size`, `shift_size`, `rel_pos_bias`), 'stripes' (`split_size`). `attn_kwargs` holds method options;
     the mixer takes those it declares, so one dict serves models that mix several attentions. `causal=True`
     needs one sequence of tokens: the 'global' grouping, or 'reduction' with sr_ratio=1.
