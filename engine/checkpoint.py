@@ -64,16 +64,18 @@ def atomic_save(obj: Any, path: str) -> None:
 
 
 def atomic_write_text(path: str, text: str) -> None:
-    """`text` in UTF-8 through `atomic_write`, for the tables and notes that a long run writes at its end."""
-    atomic_write(path, lambda f: f.write(text.encode('utf-8')))
+    """`text` in UTF-8 through `atomic_write`, for the tables and notes that a long run writes at its end. Text
+    read with `errors='surrogateescape'` is written back byte for byte, UTF-8 or not."""
+    atomic_write(path, lambda f: f.write(text.encode('utf-8', errors='surrogateescape')))
 
 
 def write_table_keeping_notes(path: str, table: str) -> None:
     """The Markdown `table` to `path` through `atomic_write_text`, keeping what the file there holds from
-    `NOTES_MARKER` on: the notes written by hand below a script's table survive the script's next run."""
+    `NOTES_MARKER` on: the notes written by hand below a script's table survive the script's next run, byte for
+    byte (also in another encoding than UTF-8)."""
     notes = ''
     if os.path.exists(path):
-        with open(path, encoding='utf-8') as f:
+        with open(path, encoding='utf-8', errors='surrogateescape') as f:
             previous = f.read()
         if NOTES_MARKER in previous:
             notes = '\n' + NOTES_MARKER + previous.split(NOTES_MARKER, 1)[1]
@@ -108,14 +110,20 @@ def check_writable_folder(folder: str, source: str) -> None:
         raise UsageError(_not_writable(folder, e, source)) from None
 
 
-def prepare_script_out(parser: argparse.ArgumentParser, out: str, prefix: bool) -> None:
+def prepare_script_out(parser: argparse.ArgumentParser, out: str, prefix: bool, suffixes: Sequence[str] = ()
+                       ) -> None:
     """`parser.error` (one line, status 2) unless a script's `--out` can be written: the folder of `out` when it
-    is a prefix of the files (`docs/benchmarks` for .md and .csv), else `out` itself. The temporary files that runs
-    killed outright (SIGTERM, SIGKILL) while writing there left are removed (a finished or stopped run leaves none).
-    The folders made for it are removed at exit if they are still empty (the run failed before its results)."""
+    is a prefix of the files (`docs/benchmarks` for .md and .csv: `suffixes`, none of which may name a folder),
+    else `out` itself. The temporary files that runs killed outright (SIGTERM, SIGKILL) while writing there left
+    are removed (a finished or stopped run leaves none). The folders made for it are removed at exit if they are
+    still empty (the run failed before its results)."""
     if prefix and (out.endswith(os.sep) or os.path.isdir(out)):
         parser.error(f"--out {out}: is a folder; expected a path prefix of the files, such as "
                      f"{os.path.join(out, 'stats')}")
+    for suffix in suffixes:
+        if os.path.isdir(out + suffix):
+            parser.error(f"--out {out}: {out + suffix!r} is a folder; expected a prefix whose files "
+                         f"({', '.join(suffixes)}) are not folders")
     folder = (os.path.dirname(out) or '.') if prefix else out
     atexit.register(_remove_empty_folders, _missing_folders(folder))
     try:

@@ -72,7 +72,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     if args.ema and not args.checkpoints:
         parser.error("--ema reads the EMA weights of checkpoints; expected --checkpoints PATH ...")
     refuse_below(parser, {'--max-images': (args.max_images, 1), '--batch-size': (args.batch_size, 1)})
-    prepare_script_out(parser, args.out, prefix=True)
+    prepare_script_out(parser, args.out, prefix=True, suffixes=('.csv', '.md', '.png'))
     return args
 
 

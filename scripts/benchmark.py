@@ -519,7 +519,7 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -
     except ValueError as e:
         parser.error(f'--resolutions: {e}; expected positive numbers or FAMILY=R1,R2 with FAMILY one of '
                      f'{", ".join(args.families)}')
-    prepare_script_out(parser, args.out, prefix=True)
+    prepare_script_out(parser, args.out, prefix=True, suffixes=('.csv', '.md'))
     return resolutions
 
 

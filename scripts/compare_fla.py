@@ -41,7 +41,7 @@ with quit_on_interrupt():  # while torch and the models load: nothing has starte
     from torch import Tensor
 
     from benchmark import child_results, error_result, interleaved_seconds, peak_memory_mib
-    from engine.checkpoint import atomic_write_text, files_taken_together, prepare_script_out
+    from engine.checkpoint import atomic_write_text, files_taken_together, prepare_script_out, write_table_keeping_notes
     from engine.distributed import resolve_device
     from engine.errors import UsageError, refuse_below, run_cli
     from models.attention import MixContext, get_mixer_class
@@ -186,7 +186,7 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -
     if not torch.cuda.is_available():
         parser.error(f"--device {args.device}: this machine has no CUDA device, and fla-core's kernels are Triton "
                      f"kernels for GPUs; expected a machine with one")
-    prepare_script_out(parser, args.out, prefix=True)
+    prepare_script_out(parser, args.out, prefix=True, suffixes=('.json', '.md'))
     try:
         resolve_device(args.device)
         fla_kernels(args.kernels)
@@ -254,7 +254,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                   importlib.metadata.version('fla-core'))
     with files_taken_together():  # never a new JSON beside the previous run's table
         atomic_write_text(args.out + '.json', json.dumps(rows, indent=1))
-        atomic_write_text(args.out + '.md', '\n'.join(lines) + '\n')
+        write_table_keeping_notes(args.out + '.md', '\n'.join(lines) + '\n')
     print('\n'.join(lines))
 
 

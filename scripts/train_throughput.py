@@ -234,7 +234,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     except UsageError as e:
         parser.error(f'--device: {e}')
     if args.out:
-        prepare_script_out(parser, args.out, prefix=True)
+        prepare_script_out(parser, args.out, prefix=True, suffixes=('.md',))
     if args.threads:
         torch.set_num_threads(args.threads)
     start = time.perf_counter()

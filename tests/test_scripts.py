@@ -1,6 +1,7 @@
 """The benchmark and the zoo table take their attentions from the registry, so a new attention shows in both."""
 import csv
 import functools
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -603,6 +604,46 @@ def test_an_out_that_cannot_be_written_is_one_line_before_any_work(script, argv,
     assert capsys.readouterr().err.splitlines()[-1].endswith(
         f"error: output folder {problem}; expected a folder (--out {out})")
     assert os.listdir(tmp_path) == ['file']
+
+
+@pytest.mark.parametrize('script, argv, suffix', [
+    ('benchmark', ['--attentions', 'softmax'], '.csv'),
+    ('compare_fla', [], '.json'),
+    ('train_throughput', [], '.md'),
+    ('attention_stats', ['--models', 'inline_deit_tiny', '--data', '.'], '.png'),
+])
+def test_an_out_whose_file_name_is_a_folder_is_one_line_before_any_work(script, argv, suffix, tmp_path,
+                                                                        monkeypatch, capsys):
+    """A folder named like one of the files (`b.md/`) was refused by the writer after every model was measured,
+    which lost the measurements."""
+    monkeypatch.setattr(torch.cuda, 'is_available', lambda: True)
+    monkeypatch.setattr(torch.cuda, 'device_count', lambda: 1)
+    out = tmp_path / 'out'
+    (tmp_path / f'out{suffix}').mkdir()
+    with pytest.raises(SystemExit) as stopped:
+        load_script(script).main(argv + ['--out', str(out)])
+    assert stopped.value.code == 2
+    assert re.search(rf"error: --out {re.escape(str(out))}: '{re.escape(str(out))}{suffix}' is a folder; expected a "
+                     rf"prefix whose files \(.*{suffix}.*\) are not folders$", capsys.readouterr().err.splitlines()[-1])
+
+
+def test_compare_fla_keeps_the_notes_below_its_table(tmp_path, monkeypatch):
+    """docs/fla_comparison.md's reading below its table was overwritten by the next run, as benchmark.py's and
+    train_throughput.py's notes are not; notes that are not UTF-8 are kept byte for byte (they gave a traceback
+    after the whole run)."""
+    monkeypatch.setattr(compare_fla, 'check_arguments', lambda parser, args: None)
+    monkeypatch.setattr(torch.cuda, 'get_device_name', lambda device=None: 'test GPU')
+    monkeypatch.setattr(importlib.metadata, 'version', lambda name: '0.6.0')
+    measured = dict(tokens=64, kernel='fla chunk_linear_attn', out=1e-3, grad_q=1e-3, grad_k=1e-3, grad_v=1e-3,
+                    forward_ms=0.5, train_ms=2.0, forward_mib=32.0, train_mib=96.0, forward_vs_zoo=1.0,
+                    train_vs_zoo=1.0)
+    monkeypatch.setattr(compare_fla, 'run_child', lambda args, tokens: [measured])
+    out = tmp_path / 'f'
+    notes = f'{NOTES_MARKER}\n## Reading\nwritten by hand, caf\xe9 in Latin-1\n'.encode('latin-1')
+    out.with_suffix('.md').write_bytes(b'the last table\n\n' + notes)
+    compare_fla.main(['--tokens', '64', '--out', str(out)])
+    text = out.with_suffix('.md').read_bytes()
+    assert b'the last table' not in text and b'| 64 | fla chunk_linear_attn |' in text and text.endswith(b'\n' + notes)
 
 
 def test_compare_fla_refuses_a_machine_without_cuda(tmp_path, monkeypatch, capsys):
