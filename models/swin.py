@@ -295,9 +295,11 @@ def _create_swin(variant: str, pretrained: bool, model_args: Dict[str, Any],
         check_arguments(sizes=dict(window_size=linear_window))
         kwargs.setdefault('la_window_size', linear_window)
         model_args['window_size'] = softmax_window(linear_window)
+    # every stage by default, as many as the model has (timm's Swin takes them from `depths` too)
+    stages = len(kwargs.get('depths', model_args.get('depths', (2, 2, 6, 2))))
     return create_variant(SwinTransformer, variant, pretrained, model_args, kwargs,
                           pretrained_filter_fn=checkpoint_filter_fn,
-                          feature_cfg=dict(feature_cls='getter', out_indices=(0, 1, 2, 3)))
+                          feature_cfg=dict(feature_cls='getter', out_indices=tuple(range(stages))))
 
 
 def _eighth_but_at_least_7(linear_window: int) -> int:

@@ -381,6 +381,9 @@ def test_features_only_and_intermediates():
     assert features.feature_info.reduction() == [4, 8, 16, 32]
     x = torch.randn(2, 3, 32, 32)
     assert [tuple(f.shape) for f in features(x)] == [(2, 16, 8, 8), (2, 32, 4, 4), (2, 64, 2, 2), (2, 128, 1, 1)]
+    # every stage by default, also of a model with other than four (the default was four stages at any depth)
+    three = dict(kwargs, depths=(1, 1, 2), num_heads=(1, 2, 4))
+    assert len(timm.create_model('softmax_swin_tiny', features_only=True, **three)(x)) == 3
     pruned = timm.create_model('softmax_swin_tiny', features_only=True, out_indices=(1,), **kwargs)
     assert len(pruned.model.layers) == 2 and pruned.model.layers[1].downsample is None
     assert [tuple(f.shape) for f in pruned(x)] == [(2, 32, 4, 4)]
