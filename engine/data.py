@@ -45,7 +45,7 @@ from .loops import Progress
 
 __all__ = [
     'DIGITS_STAMP', 'default_digits_root', 'prepare_digits', 'resolve_data_root', 'check_splits', 'class_difference',
-    'check_trained_classes', 'load_split',
+    'check_trained_classes', 'class_folders', 'load_split',
     'BadImage', 'ImageFolderSplit', 'ImageLoader', 'image_mode', 'image_channels', 'read_image', 'check_images',
     'report_scan',
     'posterize', 'train_transform', 'eval_transform', 'build_batch_augmentation', 'ShardSampler', 'SkipSampler',
@@ -146,7 +146,8 @@ def _is_folder(entry: os.DirEntry) -> bool:
         return False
 
 
-def _class_folders(folder: str) -> List[str]:
+def class_folders(folder: str) -> List[str]:
+    """The class folders of a split folder, sorted as torchvision sorts them."""
     return sorted(e.name for e in os.scandir(folder) if _is_folder(e))
 
 
@@ -160,7 +161,7 @@ def check_splits(root: str, splits: Sequence[str]) -> None:
         folder = os.path.join(root, split)
         if not os.path.isdir(folder):
             raise UsageError(f"data path {root!r} has no {split}/ folder; expected {split}/<class>/<images>")
-        if _class_folders(folder):
+        if class_folders(folder):
             continue
         flat = sum(1 for e in os.scandir(folder) if has_file_allowed_extension(e.name, IMAGE_EXTENSIONS))
         if flat:  # ImageNet's validation archive unpacks this way
@@ -306,7 +307,7 @@ class ImageFolderSplit(ImageFolder):
                          allow_empty=True)
 
     def find_classes(self, directory: str) -> Tuple[List[str], Dict[str, int]]:
-        classes = _class_folders(directory)
+        classes = class_folders(directory)
         return classes, {name: index for index, name in enumerate(classes)}
 
     def make_dataset(self, directory: str, class_to_idx: Dict[str, int], extensions=None, is_valid_file=None,
@@ -443,7 +444,7 @@ def load_split(root: str, split: str, transform, num_classes: Optional[int] = No
     (when given) `num_classes` of them; images are read in Pillow's `image_mode`."""
     check_splits(root, [split])
     folder = os.path.join(root, split)
-    classes = _class_folders(folder)
+    classes = class_folders(folder)
     if num_classes is not None and len(classes) != num_classes:
         hidden = [c for c in classes if c.startswith('.')]
         among = f", among them the hidden {', '.join(hidden)}" if hidden else ''

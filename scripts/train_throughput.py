@@ -23,6 +23,7 @@ import datetime
 import json
 import os
 import platform
+import re
 import shlex
 import statistics
 import subprocess
@@ -48,8 +49,8 @@ with quit_on_interrupt():  # while torch and the models load: nothing has starte
     from engine.checkpoint import prepare_script_out, write_table_keeping_notes
     from engine.config import load_config
     from engine.data import (
-        build_batch_augmentation, build_train_loader, check_splits, image_channels, image_mode, load_split,
-        train_transform,
+        build_batch_augmentation, build_train_loader, check_splits, class_folders, image_channels, image_mode,
+        load_split, train_transform,
     )
     from engine.distributed import DistInfo, resolve_device
     from engine.errors import UsageError, refuse_below, run_cli, terminate_as_interrupt
@@ -205,7 +206,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument('--model', default='softmax_deit_tiny', help="MODEL.NAME ('' keeps the config's)")
     parser.add_argument('--device', default='cpu', choices=('cpu', 'cuda'))
     parser.add_argument('--data', default='', help='an image folder with train/ and val/ (default: generated)')
-    parser.add_argument('--classes', type=int, default=10, help='classes of the generated data')
+    parser.add_argument('--classes', type=int, default=None,
+                        help='classes of the generated data (default 10); with --data, its class folders')
     parser.add_argument('--per-class', type=int, default=64, help='training images per class when generating')
     parser.add_argument('--batch-size', type=int, default=0, help='DATA.BATCH_SIZE (0 keeps the config\'s)')
     parser.add_argument('--workers', type=int, default=None, help='DATA.NUM_WORKERS (default: the config\'s)')
@@ -225,6 +227,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     args.opts = [o for o in args.opts if o != '--']
+    misplaced = next((item for item in args.opts if re.match(r'--[A-Za-z]', item)), None)
+    if misplaced is not None:
+        parser.error(f"the config overrides after -- take KEY VALUE pairs up to the end of the command, got the option "
+                     f"{misplaced} among them; expected {misplaced} before them")
+    if len(args.opts) % 2:
+        parser.error(f"the config overrides after -- take KEY VALUE pairs, got an odd number of items: "
+                     f"{' '.join(args.opts)}")
     refuse_below(parser, {
         '--batches': (args.batches, 1), '--repeats': (args.repeats, 1), '--epochs': (args.epochs, 2),
         '--classes': (args.classes, 1), '--per-class': (args.per_class, 1), '--batch-size': (args.batch_size, 0),
@@ -238,14 +247,21 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     start = time.perf_counter()
+    if args.data:
+        check_splits(args.data, ['train', 'val'])
+        found = len(class_folders(os.path.join(args.data, 'train')))
+        if args.classes not in (None, found):
+            parser.error(f"--classes {args.classes}: --data {args.data} has {found} class folders in train; expected "
+                         f"--classes {found} or none")
+        args.classes = found
+    elif args.classes is None:
+        args.classes = 10
     with tempfile.TemporaryDirectory() as scratch:
         data = args.data or os.path.join(scratch, 'data')
         # the config, the model and a given dataset are checked before minutes of writing images and measuring
         cfg = load_config(args.cfg, train_opts(args, data) + ['OUTPUT', os.path.join(scratch, 'unused')])
         check_model_config(cfg)
-        if args.data:
-            check_splits(data, ['train', 'val'])
-        else:
+        if not args.data:
             write_images(data, args.classes, args.per_class)
         info = DistInfo(rank=0, world_size=1, local_rank=0, device=device)
         rates = {

@@ -251,6 +251,40 @@ def test_benchmark_times_both_cpu_matrix_product_libraries_and_runs_linear_layer
     assert '- batch 1, min of 1 inference rounds after 0 warm-up calls' in text  # --no-train: no training rounds
 
 
+class Measured(Exception):
+    """Raised in place of a measurement, with the config it was given."""
+
+
+def test_train_throughput_takes_the_class_count_of_given_data_and_names_its_own_overrides(tmp_path, monkeypatch,
+                                                                                        capsys):
+    """`--data` with other than 10 class folders failed with 'the model has 10 classes (MODEL.NUM_CLASSES)', a
+    setting the user never gave; a bad override after `--` was reported for `--opts`, which the script does not
+    have, with the script's own overrides and a temporary path in the message."""
+    data = tmp_path / 'data'
+    for split in ('train', 'val'):
+        for c in range(3):
+            (data / split / f'c{c}').mkdir(parents=True)
+
+    def measured(cfg, *args):
+        raise Measured(cfg.MODEL.NUM_CLASSES)
+
+    monkeypatch.setattr(train_throughput, 'loader_rate', measured)
+    with pytest.raises(Measured) as raised:
+        train_throughput.main(['--data', str(data), '--', 'DATA.IMG_SIZE', '32'])
+    assert raised.value.args == (3,)
+    for argv, message in (
+            (['--data', str(data), '--classes', '5'],
+             f"--classes 5: --data {data} has 3 class folders in train; expected --classes 3 or none"),
+            (['--', 'DATA.IMG_SIZE'],
+             "the config overrides after -- take KEY VALUE pairs, got an odd number of items: DATA.IMG_SIZE"),
+            (['--', 'DATA.IMG_SIZE', '32', '--out', 'x'],
+             "the config overrides after -- take KEY VALUE pairs up to the end of the command, got the option --out "
+             "among them; expected --out before them")):
+        with pytest.raises(SystemExit) as stopped:
+            train_throughput.main(argv)
+        assert stopped.value.code == 2 and capsys.readouterr().err.splitlines()[-1].endswith(f'error: {message}')
+
+
 def test_train_throughput_measures_loader_and_step_on_imagenet_shaped_images(tmp_path):
     """The throughput script's parts on a tiny model: ImageNet-shaped JPEGs, the DeiT recipe's loader with mixup,
     the training step, and a table that states its setting."""
