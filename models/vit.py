@@ -255,6 +255,23 @@ class DeiT(ZooModel):
     def _prune_stages(self, num_stages: int) -> None:
         self.blocks = self.blocks[:num_stages]
 
+    def forward_intermediates(
+            self,
+            x: Tensor,
+            indices: Optional[Union[int, List[int]]] = None,
+            return_prefix_tokens: bool = False,
+            norm: bool = False,
+            stop_early: bool = False,
+            output_fmt: str = 'NCHW',
+            intermediates_only: bool = False,
+            output_dict: bool = False,
+    ) -> Union[List[Tensor], Tuple[Tensor, List[Tensor]], List[Tuple[Tensor, Tensor]], Dict[str, Any]]:
+        """`ZooModel.forward_intermediates` with its arguments in the order of timm's `VisionTransformer`
+        (`return_prefix_tokens` third), so that a call with positional arguments means what it means there."""
+        return super().forward_intermediates(
+            x, indices=indices, norm=norm, stop_early=stop_early, output_fmt=output_fmt,
+            intermediates_only=intermediates_only, return_prefix_tokens=return_prefix_tokens, output_dict=output_dict)
+
     def forward_head(self, x: Tensor, pre_logits: bool = False) -> Tensor:
         """Pool the tokens of `forward_features` (class token, or mean, maximum or both of the patch tokens), then
         classify; with `multimax_logits` the logits pass through σ (in float32 at least: its squares overflow

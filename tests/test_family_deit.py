@@ -287,6 +287,9 @@ def test_intermediates_with_prefix_tokens_and_as_a_dict_equal_timms_deit():
         for kwargs in calls:
             torch.testing.assert_close(ours.forward_intermediates(x, **kwargs),
                                        theirs.forward_intermediates(x, **kwargs), rtol=0, atol=1e-6, msg=str(kwargs))
+        # positional arguments in timm's order: indices, return_prefix_tokens, norm (norm was the third)
+        torch.testing.assert_close(ours.forward_intermediates(x, [0], True, True),
+                                   theirs.forward_intermediates(x, [0], True, True), rtol=0, atol=1e-6)
         pairs = ours.forward_intermediates(x, return_prefix_tokens=True, intermediates_only=True)
         assert [(spatial.shape, prefix.shape) for spatial, prefix in pairs] == [((2, 32, 4, 4), (2, 1, 32))] * 2
         headless = timm.create_model('multimax_deit_tiny', **TINY).eval()  # no prefix tokens: no pairs, as in timm
