@@ -335,7 +335,8 @@ def test_attention_stats_stopped_while_writing_keeps_the_previous_three_files(im
 
 def test_a_folder_named_like_an_output_file_is_one_line_and_keeps_the_previous_files(images, tmp_path, capsys):
     """A folder `stats.png` in the way of the figure: a traceback after the new table and Markdown had taken their
-    names beside no figure. Now one line naming it, status 2, and the previous CSV and Markdown kept."""
+    names beside no figure. Now one line naming it before any measuring, status 2, and the previous CSV and
+    Markdown kept; a writer that meets such a folder all the same says so in one line too."""
     out = tmp_path / 'stats'
     argv = ['--models', 'softmax_deit_tiny', '--data', str(images), '--batch-size', '2', '--out', str(out),
             '--opts'] + TINY
@@ -345,11 +346,17 @@ def test_a_folder_named_like_an_output_file_is_one_line_and_keeps_the_previous_f
     previous = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}
     capsys.readouterr()
     argv[1] = 'linear_deit_tiny'
-    assert run_cli(attention_stats.main, argv) == 2
-    assert capsys.readouterr().err.splitlines()[-1] == (f"error: cannot write {str(out) + '.png'!r} (Is a directory); "
-                                                        f"expected a file name that no folder has")
+    with pytest.raises(SystemExit) as stopped:
+        attention_stats.main(argv)
+    assert stopped.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1].endswith(
+        f"error: --out {out}: {str(out) + '.png'!r} is a folder; expected a prefix whose files (.csv, .md, .png) are "
+        f"not folders")
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()} == previous
     assert sorted(p.name for p in tmp_path.iterdir()) == ['stats.csv', 'stats.md', 'stats.png']
+    assert run_cli(lambda argv: engine.checkpoint.atomic_write_text(str(out) + '.png', 'figure'), []) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (f"error: cannot write {str(out) + '.png'!r} (Is a directory); "
+                                                        f"expected a file name that no folder has")
 
 
 def test_attention_stats_refuses_an_attention_without_weights_before_measuring(images, tmp_path, monkeypatch,

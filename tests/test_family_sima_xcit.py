@@ -330,8 +330,9 @@ def test_input_sides_must_be_multiples_of_the_patch_size():
 # ------------------------------------------------------------------------------------------------ checkpoints
 
 def test_official_checkpoints_load_strictly(tmp_path):
-    """The official training checkpoint ({'model', 'model_ema', 'args', ...}) through timm's loader, which takes
-    the EMA weights, and through the filter, which takes 'model' (or 'model_ema' when alone)."""
+    """The official training checkpoint ({'model', 'model_ema', 'args', ...}) through timm's loader and through the
+    filter (the release's download path), both taking the EMA weights as timm takes pretrained weights, and either
+    when alone."""
     torch.manual_seed(0)
     source = randomised(timm.create_model('sima_nano_12_p8', **TINY)).eval()
     ema = randomised(timm.create_model('sima_nano_12_p8', **TINY), seed=1).eval()
@@ -347,9 +348,10 @@ def test_official_checkpoints_load_strictly(tmp_path):
     model.load_state_dict(checkpoint_filter_fn({'model': official, 'model_ema': ema.state_dict()}, model))
     with torch.no_grad():
         assert torch.equal(loaded(x), ema(x))
-        assert torch.equal(model(x), source(x))
-        model.load_state_dict(checkpoint_filter_fn({'model_ema': official}, model))
-        assert torch.equal(model(x), source(x))
+        assert torch.equal(model(x), ema(x))
+        for alone in ('model', 'model_ema'):
+            model.load_state_dict(checkpoint_filter_fn({alone: official}, model))
+            assert torch.equal(model(x), source(x))
     with pytest.raises(ValueError, match=r'missing: blocks\.0\.gamma3'):
         checkpoint_filter_fn({k: v for k, v in official.items() if k != 'blocks.0.gamma3'}, model)
 

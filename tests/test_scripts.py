@@ -420,7 +420,7 @@ def test_resolve_device_names_the_bad_device_and_what_this_machine_has(monkeypat
     (['--families', 'pvt', '--sizes', 'tiny', 'huge'],
      '--sizes huge: no model softmax_pvt_huge; softmax_pvt has sizes large, medium, small, tiny'),
     (['--families', 'pvt_v2', '--sizes', 'huge'], '--sizes huge: no model softmax_pvt_v2_huge; softmax_pvt_v2 has '
-                                                  'sizes tiny, small, medium, large, b0, b1, b2, b3, b4, b5'),
+                                                  'sizes tiny, small, medium, large, b0, b1, b2, b2_li, b3, b4, b5'),
 ])
 def test_benchmark_refuses_what_no_measurement_could_take_before_building_a_model(args, message, tmp_path,
                                                                                   monkeypatch, capsys):
