@@ -179,21 +179,13 @@ def test_linear_attentions_mix_each_shifted_window_alone(name):
 
 # ---------------------------------------------------------------- PVT spatial reduction
 
-def naive_reduced(attn, x, grid):
-    """Stride-r convolution written as a sum over kernel taps, LayerNorm, then attention on the reduced keys."""
-    (H, W), r = grid, attn.sr_ratio
-    B, N, C = x.shape
+def attend_reduced(attn, q, reduced, activation=lambda t: t):
+    """LayerNorm `norm` of the reduced map (B, M, C), `activation`, then attention of `q` on its keys, and `proj`."""
+    C = q.shape[-1]
     d = C // attn.num_heads
-    q = dense(x, attn.q)
-    image = x.view(B, H, W, C)
-    reduced = attn.sr.bias.expand(B, H // r, W // r, C)
-    for a in range(r):
-        for b in range(r):
-            reduced = reduced + torch.einsum('bijc,oc->bijo', image[:, a::r, b::r], attn.sr.weight[:, :, a, b])
-    reduced = reduced.reshape(B, -1, C)
     mean = reduced.mean(-1, keepdim=True)
     var = ((reduced - mean) ** 2).mean(-1, keepdim=True)
-    reduced = (reduced - mean) / torch.sqrt(var + 1e-5) * attn.norm.weight + attn.norm.bias
+    reduced = activation((reduced - mean) / torch.sqrt(var + 1e-5) * attn.norm.weight + attn.norm.bias)
     kv = dense(reduced, attn.kv)
     k, v = kv[..., :C], kv[..., C:]
     out = torch.zeros_like(q)
@@ -201,6 +193,18 @@ def naive_reduced(attn, x, grid):
         part = slice(j * d, (j + 1) * d)
         out[..., part] = head_weights(attn, q[..., part], k[..., part]) @ v[..., part]
     return dense(out, attn.proj)
+
+
+def naive_reduced(attn, x, grid):
+    """Stride-r convolution written as a sum over kernel taps, LayerNorm, then attention on the reduced keys."""
+    (H, W), r = grid, attn.sr_ratio
+    B, N, C = x.shape
+    image = x.view(B, H, W, C)
+    reduced = attn.sr.bias.expand(B, H // r, W // r, C)
+    for a in range(r):
+        for b in range(r):
+            reduced = reduced + torch.einsum('bijc,oc->bijo', image[:, a::r, b::r], attn.sr.weight[:, :, a, b])
+    return attend_reduced(attn, dense(x, attn.q), reduced.reshape(B, -1, C))
 
 
 def naive_pooled(attn, x, grid):
@@ -208,41 +212,24 @@ def naive_pooled(attn, x, grid):
     convolution, LayerNorm and exact GELU, then attention on the p×p reduced keys."""
     (H, W), p = grid, attn.pool_size
     B, N, C = x.shape
-    d = C // attn.num_heads
-    q = dense(x, attn.q)
     cells = x.view(B, p, H // p, p, W // p, C).mean(dim=(2, 4)).reshape(B, p * p, C)
     reduced = torch.einsum('bnc,oc->bno', cells, attn.sr.weight[:, :, 0, 0]) + attn.sr.bias
-    mean = reduced.mean(-1, keepdim=True)
-    var = ((reduced - mean) ** 2).mean(-1, keepdim=True)
-    reduced = (reduced - mean) / torch.sqrt(var + 1e-5) * attn.norm.weight + attn.norm.bias
-    reduced = 0.5 * reduced * (1 + torch.erf(reduced / math.sqrt(2)))
-    kv = dense(reduced, attn.kv)
-    k, v = kv[..., :C], kv[..., C:]
-    out = torch.zeros_like(q)
-    for j in range(attn.num_heads):
-        part = slice(j * d, (j + 1) * d)
-        out[..., part] = head_weights(attn, q[..., part], k[..., part]) @ v[..., part]
-    return dense(out, attn.proj)
+    return attend_reduced(attn, dense(x, attn.q), reduced,
+                          activation=lambda t: 0.5 * t * (1 + torch.erf(t / math.sqrt(2))))
 
 
+@pytest.mark.parametrize('reduction, grid, naive', [
+    (dict(sr_ratio=2), (4, 6), naive_reduced),
+    (dict(pool_size=3), (6, 9), naive_pooled),
+], ids=['strided', 'pooled'])
 @pytest.mark.parametrize('name', ['softmax', 'multimax', 'sima'])
-def test_pooled_spatial_reduction_matches_naive(name):
-    attn = build64(name, 16, 2, (6, 9), grouping='reduction', pool_size=3)
+def test_spatial_reduction_matches_naive(name, reduction, grid, naive):
+    attn = build64(name, 16, 2, grid, grouping='reduction', **reduction)
     with torch.no_grad():
         attn.norm.weight.normal_()
         attn.norm.bias.normal_()
-    x = 2 * torch.randn(2, 54, 16, dtype=torch.float64)
-    assert max_abs_err(attn(x, (6, 9)), naive_pooled(attn, x, (6, 9))) < 1e-10
-
-
-@pytest.mark.parametrize('name', ['softmax', 'multimax', 'sima'])
-def test_spatial_reduction_matches_naive(name):
-    attn = build64(name, 16, 2, (4, 6), grouping='reduction', sr_ratio=2)
-    with torch.no_grad():
-        attn.norm.weight.normal_()
-        attn.norm.bias.normal_()
-    x = 2 * torch.randn(2, 24, 16, dtype=torch.float64)
-    assert max_abs_err(attn(x, (4, 6)), naive_reduced(attn, x, (4, 6))) < 1e-10
+    x = 2 * torch.randn(2, grid[0] * grid[1], 16, dtype=torch.float64)
+    assert max_abs_err(attn(x, grid), naive(attn, x, grid)) < 1e-10
 
 
 # ---------------------------------------------------------------- CSwin stripes
@@ -339,8 +326,8 @@ def test_bad_input_errors_name_the_bad_value(name):
                                                      "most 4"),
     ('softmax', dict(grouping='reduction', sr_ratio=2.0), "sr_ratio 2.0 must be a positive integer"),
     ('softmax', dict(grouping='reduction', pool_size=0), "pool_size 0 must be a positive integer"),
-    ('softmax', dict(grouping='reduction', pool_size=2, sr_ratio=2), "pool_size 2 and sr_ratio 2 both reduce the keys; "
-                                                                     "expected one of them (sr_ratio=1 with pool_size)"),
+    ('softmax', dict(grouping='reduction', pool_size=2, sr_ratio=2),
+     "pool_size 2 and sr_ratio 2 both reduce the keys; expected one of them (sr_ratio=1 with pool_size)"),
     ('additive', dict(grouping='reduction', pool_size=2), "additive attention takes no reduced keys: pool_size 2 needs "
                                                           "an attention that supports them (pool_size=None expected)"),
     ('softmax', dict(grouping='window', window_size='7'), "window_size '7' must be an integer or an (h, w) pair of "
