@@ -364,7 +364,8 @@ def recorded_classes(checkpoint: Any) -> Optional[List[str]]:
 _NOT_TRAINING_KEYS = ('OUTPUT', 'PRINT_FREQ', 'SAVE_FREQ', 'DEVICE', 'DATA.DATA_PATH', 'DATA.PIN_MEMORY',
                       'MODEL.PRETRAINED', 'MODEL.PRETRAINED_STRICT', 'MODEL.PRETRAINED_EMA', 'MODEL.RESUME',
                       'TRAIN.AUTO_RESUME', 'TRAIN.EPOCHS_PER_RUN', 'TRAIN.COMPILE', 'TRAIN.COMPILE_MODE',
-                      'TRAIN.COMPILE_BACKEND', 'TRAIN.ONEDNN', 'TRAIN.OPTIMIZER.FUSED', 'DIST.BACKEND', 'DIST.TIMEOUT_MIN')
+                      'TRAIN.COMPILE_BACKEND', 'TRAIN.ONEDNN', 'TRAIN.OPTIMIZER.FUSED', 'DIST.BACKEND',
+                      'DIST.TIMEOUT_MIN')
 
 
 # what a resumed run must build as the run it resumes built it

@@ -279,8 +279,8 @@ def checkpoint_filter_fn(state_dict: Dict[str, Tensor], model: SwinTransformer,
     for `model`.
 
     Unwraps the weights (`PRETRAINED_KEYS`), drops the saved relative position indices and shift masks
-    (recomputed here), renames timm's keys to the official ones, resizes grid- and window-sized tensors to the model's, and raises
-    `CheckpointError` listing the keys when the checkpoint belongs to another model.
+    (recomputed here), renames timm's keys to the official ones, resizes grid- and window-sized tensors to the
+    model's, and raises `CheckpointError` listing the keys when the checkpoint belongs to another model.
     """
     return filter_checkpoint(state_dict, model, strict=strict)
 
