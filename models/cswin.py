@@ -364,7 +364,8 @@ def _create_cswin(variant: str, pretrained: bool, model_args: Dict[str, Any],
 
 _cfg = partial(imagenet_cfg, fixed_input_size=True, first_conv='stage1_conv_embed.0', pool_size=(7, 7))
 
-_SIZES = ('tiny', 'small', 'base', 'base_384')
+# The sizes of the official linear-attention models (the papers train no CSwin-L).
+_PAPER_SIZES = ('tiny', 'small', 'base', 'base_384')
 _SPLIT_224, _SPLIT_384 = (1, 2, 7, 7), (1, 2, 12, 12)
 
 # The original CSwin models, which every attention of the registry takes.
@@ -374,6 +375,9 @@ _ORIGINAL = {
     'base': dict(embed_dim=96, depth=(2, 4, 32, 2), num_heads=(4, 8, 16, 32), split_size=_SPLIT_224),
     'base_384': dict(img_size=384, embed_dim=96, depth=(2, 4, 32, 2), num_heads=(4, 8, 16, 32),
                      split_size=_SPLIT_384),
+    'large': dict(embed_dim=144, depth=(2, 4, 32, 2), num_heads=(6, 12, 24, 24), split_size=_SPLIT_224),
+    'large_384': dict(img_size=384, embed_dim=144, depth=(2, 4, 32, 2), num_heads=(6, 12, 24, 24),
+                      split_size=_SPLIT_384),
 }
 # The official linear-attention models: their own depths and linear stripes.
 _PAPER_DEPTHS = {'tiny': (2, 4, 18, 1), 'small': (3, 6, 29, 2), 'base': (3, 6, 29, 2), 'base_384': (3, 6, 29, 2)}
@@ -387,10 +391,10 @@ def _paper_args(size: str, depth: Tuple[int, ...], attn_type: str, **extra: Any)
 
 _OFFICIAL: Dict[str, Tuple[Dict[str, Any], str]] = {
     **{f'inline_cswin_{size}': (_paper_args(size, _PAPER_DEPTHS[size], 'IISS'), 'The official model, pattern IISS.')
-       for size in _SIZES},
+       for size in _PAPER_SIZES},
     **{f'flatten_cswin_{size}': (_paper_args(size, (2, 4, 32, 2) if size == 'small' else _PAPER_DEPTHS[size], 'LLSS',
                                              mixed_linear='L'), 'The official model, pattern LLSS.')
-       for size in _SIZES},
+       for size in _PAPER_SIZES},
 }
 _VARIANTS: Dict[str, Tuple[Dict[str, Any], str]] = {
     **{f'{attn}_cswin_{size}': (dict(args, attn_type=attn),
@@ -404,19 +408,29 @@ _CSWIN_META = dict(paper_ids='arXiv:2107.00652', origin_url='https://github.com/
 _CSWIN_URL = 'https://github.com/microsoft/CSWin-Transformer/releases/download/v0.1.0/{}.pth'
 # The papers evaluate with a 256/224 resize then crop at every size; the original CSwin code's configuration
 # uses crop_pct 0.9 at 224 and 1.0 at 384.
-_ORIGINAL_EVAL = {size: dict(input_size=(3, 384, 384), pool_size=(12, 12), crop_pct=1.0) if size == 'base_384'
+_ORIGINAL_EVAL = {size: dict(input_size=(3, 384, 384), pool_size=(12, 12), crop_pct=1.0) if size.endswith('_384')
                   else dict(crop_pct=0.9)
-                  for size in _SIZES}
+                  for size in _ORIGINAL}
 _PAPER_EVAL = {size: dict(input_size=(3, 384, 384), pool_size=(12, 12)) if size == 'base_384' else {}
-               for size in _SIZES}
+               for size in _PAPER_SIZES}
+# CSwin's releases: ImageNet-1k weights for T/S/B, and CSwin-L pretrained on ImageNet-22k (21841 classes) and
+# fine-tuned on ImageNet-1k.
+_CSWIN_RELEASES: Dict[str, Tuple[str, str, Dict[str, Any]]] = {
+    'softmax_cswin_tiny.in1k': ('tiny', 'cswin_tiny_224', {}),
+    'softmax_cswin_small.in1k': ('small', 'cswin_small_224', {}),
+    'softmax_cswin_base.in1k': ('base', 'cswin_base_224', {}),
+    'softmax_cswin_base_384.in1k': ('base_384', 'cswin_base_384', {}),
+    'softmax_cswin_large.in22k_ft_in1k': ('large', 'cswin_large_224', {}),
+    'softmax_cswin_large.in22k': ('large', 'cswin_large_22k_224', dict(num_classes=21841)),
+    'softmax_cswin_large_384.in22k_ft_in1k': ('large_384', 'cswin_large_384', {}),
+}
 
 default_cfgs = generate_default_cfgs(tag_weights({
-    **{f'{attn}_cswin_{size}': _cfg(**_ORIGINAL_EVAL[size]) for attn in list_attentions() for size in _SIZES},
+    **{f'{attn}_cswin_{size}': _cfg(**_ORIGINAL_EVAL[size]) for attn in list_attentions() for size in _ORIGINAL},
     **{f'{prefix}_cswin_{size}': _cfg(**_PAPER_EVAL[size], **meta)
-       for prefix, meta in (('inline', INLINE_META), ('flatten', FLATTEN_META)) for size in _SIZES},
-    **{f'softmax_cswin_{size}': _cfg(_CSWIN_URL.format(f'cswin_{size}' if size == 'base_384' else f'cswin_{size}_224'),
-                                     **_ORIGINAL_EVAL[size], **_CSWIN_META)
-       for size in _SIZES},
+       for prefix, meta in (('inline', INLINE_META), ('flatten', FLATTEN_META)) for size in _PAPER_SIZES},
+    **{name: _cfg(_CSWIN_URL.format(file), **_ORIGINAL_EVAL[size], **extra, **_CSWIN_META)
+       for name, (size, file, extra) in _CSWIN_RELEASES.items()},
     'inline_cswin_tiny': _cfg(tsinghua_url('49fa2ecc543647c4b970'), **INLINE_META),
     'inline_cswin_small': _cfg(tsinghua_url('59f4e65f776f4052b93c'), **INLINE_META),
     'inline_cswin_base': _cfg(tsinghua_url('91e17121df284ae38521'), **INLINE_META),

@@ -276,13 +276,17 @@ def imagenet_cfg(url: str = '', **kwargs: Any) -> Dict[str, Any]:
 def tag_weights(cfgs: Dict[str, Dict[str, Any]], tags: Optional[Mapping[str, str]] = None) -> Dict[str, Dict[str, Any]]:
     """`cfgs` with every cfg that has weights keyed 'name.tag', as timm keys released weights: the tag of the
     first prefix in `tags` that the name starts with (timm's own tag where timm keeps the same weights, such as
-    'fb_in1k' for DeiT's), else 'in1k'. `timm.create_model(name)` takes the tagged weights by default."""
+    'fb_in1k' for DeiT's), else 'in1k'. A name given with its tag ('name.ms_in22k') keeps it, and a name's cfg
+    without weights goes where the name has tagged ones. `timm.create_model(name)` takes the first tagged
+    weights of `name`, in `cfgs`' order."""
     def key(name: str, cfg: Dict[str, Any]) -> str:
-        if not (cfg.get('url') or cfg.get('file')):
+        if '.' in name or not (cfg.get('url') or cfg.get('file')):
             return name
         tag = next((t for prefix, t in (tags or {}).items() if name.startswith(prefix)), 'in1k')
         return f'{name}.{tag}'
-    return {key(name, cfg): cfg for name, cfg in cfgs.items()}
+    tagged = {key(name, cfg): cfg for name, cfg in cfgs.items()}
+    with_weights = {name.split('.')[0] for name in tagged if '.' in name}
+    return {name: cfg for name, cfg in tagged.items() if '.' in name or name not in with_weights}
 
 
 def tsinghua_url(file_id: str) -> str:

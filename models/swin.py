@@ -317,7 +317,11 @@ _SIZES: Dict[str, Dict[str, Any]] = {
     'small': dict(embed_dim=96, depths=(2, 2, 18, 2), num_heads=(3, 6, 12, 24), window_size=7),
     'base': dict(embed_dim=128, depths=(2, 2, 18, 2), num_heads=(4, 8, 16, 32), window_size=7),
     'base_384': dict(img_size=384, embed_dim=128, depths=(2, 2, 18, 2), num_heads=(4, 8, 16, 32), window_size=12),
+    'large': dict(embed_dim=192, depths=(2, 2, 18, 2), num_heads=(6, 12, 24, 48), window_size=7),
+    'large_384': dict(img_size=384, embed_dim=192, depths=(2, 2, 18, 2), num_heads=(6, 12, 24, 48), window_size=12),
 }
+# The sizes of the official linear-attention models (the papers train no Swin-L).
+_PAPER_SIZES = ('tiny', 'small', 'base', 'base_384')
 _WINDOW_DOC = ('`window_size` has the official constructor\'s meaning: the window of the linear blocks, from which the '
                'softmax window derives; by default the linear blocks are global at any img_size and the softmax '
                'window is the trained one. `la_window_size` overrides the linear window alone.')
@@ -341,7 +345,7 @@ _OFFICIAL: Dict[str, Tuple[Dict[str, Any], str]] = {
     **{f'flatten_swin_{size}': (_official(size, 'LLSS', _7_up_to_56_else_12, mixed_linear='L'),
                                 f'The official model, pattern LLSS; softmax window 7 if window_size <= 56 else 12. '
                                 f'{_WINDOW_DOC}')
-       for size in _SIZES},
+       for size in _PAPER_SIZES},
 }
 _VARIANTS: Dict[str, Tuple[Dict[str, Any], str]] = {
     **{f'{attn}_swin_{size}': (dict(args, attn_type=attn),
@@ -353,9 +357,36 @@ _VARIANTS: Dict[str, Tuple[Dict[str, Any], str]] = {
 
 _SWIN_META = dict(paper_ids='arXiv:2103.14030', origin_url='https://github.com/microsoft/Swin-Transformer',
                   license='mit')
-_SWIN_URL = 'https://github.com/SwinTransformer/storage/releases/download/v1.0.0/{}.pth'
+_SWIN_URL = 'https://github.com/SwinTransformer/storage/releases/download/{}.pth'
 # Swin evaluates at 384 without a crop: a square resize (TEST.CROP False), which timm calls 'squash'
 _AT_384 = dict(input_size=(3, 384, 384), pool_size=(12, 12), crop_pct=1.0, crop_mode='squash')
+_IN22K_CLASSES = 21841
+# Swin's releases by size: its file name and release version for ImageNet-1k training, ImageNet-22k pretraining
+# and the ImageNet-1k fine-tuning of the latter; the papers compare with the ImageNet-1k weights, which stay a
+# size's default where they exist (Swin-L has none).
+_SWIN_RELEASES = {
+    'tiny': ('swin_tiny_patch4_window7_224', 'v1.0.0', 'v1.0.8', '_22kto1k_finetune'),
+    'small': ('swin_small_patch4_window7_224', 'v1.0.0', 'v1.0.8', '_22kto1k_finetune'),
+    'base': ('swin_base_patch4_window7_224', 'v1.0.0', 'v1.0.0', '_22kto1k'),
+    'base_384': ('swin_base_patch4_window12_384', 'v1.0.0', 'v1.0.0', '_22kto1k'),
+    'large': ('swin_large_patch4_window7_224', None, 'v1.0.0', '_22kto1k'),
+    'large_384': ('swin_large_patch4_window12_384', None, 'v1.0.0', '_22kto1k'),
+}
+
+
+def _swin_releases() -> Dict[str, Dict[str, Any]]:
+    """The pretrained cfgs of Swin's own weights, tagged as timm tags the same files."""
+    cfgs = {}
+    for size, (file, in1k, in22k, finetuned) in _SWIN_RELEASES.items():
+        size_cfg = dict(_AT_384 if size.endswith('_384') else {}, **_SWIN_META)
+        name = f'softmax_swin_{size}'
+        if in1k:
+            cfgs[f'{name}.ms_in1k'] = _cfg(_SWIN_URL.format(f'{in1k}/{file}'), **size_cfg)
+        cfgs[f'{name}.ms_in22k_ft_in1k'] = _cfg(_SWIN_URL.format(f'{in22k}/{file}{finetuned}'), **size_cfg)
+        cfgs[f'{name}.ms_in22k'] = _cfg(_SWIN_URL.format(f'{in22k}/{file}_22k'), num_classes=_IN22K_CLASSES,
+                                        **size_cfg)
+    return cfgs
+
 
 default_cfgs = generate_default_cfgs(tag_weights({
     **{name: _cfg(**(_AT_384 if name.endswith('_384') else {})) for name in _VARIANTS},
@@ -367,10 +398,7 @@ default_cfgs = generate_default_cfgs(tag_weights({
     'flatten_swin_small': _cfg(tsinghua_url('94188e52af354bf4a88b'), **FLATTEN_META),
     'flatten_swin_base': _cfg(tsinghua_url('7a9e5186bad04e7fb3a9'), **FLATTEN_META),
     'flatten_swin_base_384': _cfg(tsinghua_url('0d0330cf2e5249f1abb6'), **dict(_AT_384, **FLATTEN_META)),
-    'softmax_swin_tiny': _cfg(_SWIN_URL.format('swin_tiny_patch4_window7_224'), **_SWIN_META),
-    'softmax_swin_small': _cfg(_SWIN_URL.format('swin_small_patch4_window7_224'), **_SWIN_META),
-    'softmax_swin_base': _cfg(_SWIN_URL.format('swin_base_patch4_window7_224'), **_SWIN_META),
-    'softmax_swin_base_384': _cfg(_SWIN_URL.format('swin_base_patch4_window12_384'), **_AT_384, **_SWIN_META),
-}, {'softmax_swin_': 'ms_in1k'}))
+    **_swin_releases(),
+}))
 
 register_variants(__name__, _VARIANTS, _create_swin)

@@ -53,7 +53,7 @@ def test_state_dict_keys_order_and_shapes_are_those_of_the_first_release(name):
 
 def test_every_attention_is_registered_on_every_family_size():
     sizes = [name[len('softmax_'):] for name in timm.list_models('softmax_*')]
-    assert len(sizes) == 22
+    assert len(sizes) == 26
     for attention in list_attentions():
         missing = [size for size in sizes if not timm.is_model(f'{attention}_{size}')]
         assert not missing, f"{attention}: {missing}"

@@ -18,7 +18,7 @@ from models.checkpoint import CheckpointError
 from models.cswin import CSWinBlock, CSWinTransformer
 
 FLAVOURS = tuple(list_attentions())
-SIZES = ('tiny', 'small', 'base', 'base_384')
+SIZES = ('tiny', 'small', 'base', 'base_384', 'large', 'large_384')
 ALL_NAMES = [f'{f}_cswin_{s}' for f in FLAVOURS for s in SIZES]
 
 # Grids 8, 4, 2, 1: score-forming stages 1-3 use two stripe branches, stage 4 one global branch.
@@ -213,12 +213,20 @@ def test_official_parameter_count(name):
 
 @pytest.mark.parametrize('size, embed_dim, depth, readme_millions', [
     ('tiny', 64, (1, 2, 21, 1), 23), ('small', 64, (2, 4, 32, 2), 35), ('base', 96, (2, 4, 32, 2), 78),
-    ('base_384', 96, (2, 4, 32, 2), 78),
+    ('base_384', 96, (2, 4, 32, 2), 78), ('large', 144, (2, 4, 32, 2), 173), ('large_384', 144, (2, 4, 32, 2), 173),
 ])
 def test_softmax_parameter_count(size, embed_dim, depth, readme_millions):
     count = num_params(meta_model(f'softmax_cswin_{size}'))
     assert count == original_cswin_params(embed_dim, depth)
-    assert math.ceil(count / 1e6) == readme_millions   # the README rounds up (22.3M is listed as 23M)
+    # the README rounds T/S/B up (22.3M is listed as 23M) and L (173.26M) down
+    assert readme_millions in (math.floor(count / 1e6), math.ceil(count / 1e6))
+
+
+def test_large_heads_are_the_official_ones():
+    """CSwin-L has 24 heads in its last two stages (head widths 24 and 48), as the official entrypoint."""
+    model = meta_model('softmax_cswin_large')
+    assert [(stage.blocks[0].attn.dim, stage.blocks[0].attn.num_heads) for stage in model.stages] == [
+        (144, 6), (288, 12), (576, 24), (1152, 24)]
 
 
 def test_other_flavours_keep_the_original_architecture():
@@ -290,9 +298,10 @@ def test_list_models():
     for flavour in FLAVOURS:
         assert timm.list_models(f'{flavour}_cswin_*') == sorted(f'{flavour}_cswin_{s}' for s in SIZES)
     assert timm.list_models('*_cswin_*', pretrained=True) == sorted(
-        f'{name}.in1k' for name in ['inline_cswin_tiny', 'inline_cswin_small', 'inline_cswin_base',
-                                    'flatten_cswin_tiny', 'softmax_cswin_tiny', 'softmax_cswin_small',
-                                    'softmax_cswin_base', 'softmax_cswin_base_384'])
+        [f'{name}.in1k' for name in ['inline_cswin_tiny', 'inline_cswin_small', 'inline_cswin_base',
+                                     'flatten_cswin_tiny', 'softmax_cswin_tiny', 'softmax_cswin_small',
+                                     'softmax_cswin_base', 'softmax_cswin_base_384']]
+        + ['softmax_cswin_large.in22k_ft_in1k', 'softmax_cswin_large.in22k', 'softmax_cswin_large_384.in22k_ft_in1k'])
 
 
 @pytest.mark.parametrize('name', ALL_NAMES)
@@ -316,6 +325,16 @@ def test_pretrained_cfgs():
     cfg = timm.get_pretrained_cfg('softmax_cswin_base_384')
     assert cfg.url.endswith('/v0.1.0/cswin_base_384.pth') and cfg.crop_pct == 1.0
     assert timm.get_pretrained_cfg('softmax_cswin_tiny').crop_pct == 0.9
+    release = 'https://github.com/microsoft/CSWin-Transformer/releases/download/v0.1.0/'
+    cfg = timm.get_pretrained_cfg('softmax_cswin_large')   # the default: fine-tuned on ImageNet-1k
+    assert (cfg.tag, cfg.url, cfg.num_classes, cfg.crop_pct) == (
+        'in22k_ft_in1k', release + 'cswin_large_224.pth', 1000, 0.9)
+    cfg = timm.get_pretrained_cfg('softmax_cswin_large.in22k')
+    assert (cfg.url, cfg.num_classes, cfg.input_size) == (release + 'cswin_large_22k_224.pth', 21841, (3, 224, 224))
+    cfg = timm.get_pretrained_cfg('softmax_cswin_large_384')
+    assert (cfg.url, cfg.input_size, cfg.crop_pct) == (release + 'cswin_large_384.pth', (3, 384, 384), 1.0)
+    with torch.device('meta'):
+        assert timm.create_model('softmax_cswin_large.in22k').head.out_features == 21841
 
 
 def test_layer_norm_eps_drop_path_rule_and_init():

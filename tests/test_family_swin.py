@@ -11,6 +11,7 @@ from torch import nn
 
 import timm
 from yacs.config import CfgNode
+from timm.models import get_arch_pretrained_cfgs
 from timm.models.swin_transformer import SwinTransformer as TimmSwin
 
 from models.attention import list_attentions
@@ -19,7 +20,7 @@ from models.swin import SwinTransformer, checkpoint_filter_fn
 from golden import load_golden
 
 FLAVOURS = tuple(list_attentions())
-SIZES = ('tiny', 'small', 'base', 'base_384')
+SIZES = ('tiny', 'small', 'base', 'base_384', 'large', 'large_384')
 ALL_NAMES = [f'{f}_swin_{s}' for f in FLAVOURS for s in SIZES]
 
 # A small model: grids 8, 4, 2, 1; score-forming blocks get 4x4 windows in stage 0, shifted in its 2nd block.
@@ -161,6 +162,7 @@ OFFICIAL_PARAMS = {
 TIMM_ORIGINALS = {
     'softmax_swin_tiny': 'swin_tiny_patch4_window7_224', 'softmax_swin_small': 'swin_small_patch4_window7_224',
     'softmax_swin_base': 'swin_base_patch4_window7_224', 'softmax_swin_base_384': 'swin_base_patch4_window12_384',
+    'softmax_swin_large': 'swin_large_patch4_window7_224', 'softmax_swin_large_384': 'swin_large_patch4_window12_384',
 }
 
 
@@ -172,6 +174,14 @@ def test_official_parameter_count(name):
 @pytest.mark.parametrize('name', list(TIMM_ORIGINALS))
 def test_softmax_parameter_count_equals_timm_swin(name):
     assert num_params(meta_model(name)) == num_params(meta_model(TIMM_ORIGINALS[name]))
+
+
+@pytest.mark.parametrize('name', list(TIMM_ORIGINALS))
+def test_timm_swin_state_dict_becomes_ours_at_full_size(name):
+    """timm's full-size Swin state dict (its layout), through the filter, has exactly our keys and shapes."""
+    ours = meta_model(name)
+    filtered = checkpoint_filter_fn(meta_model(TIMM_ORIGINALS[name]).state_dict(), ours)
+    assert {k: v.shape for k, v in filtered.items()} == {k: v.shape for k, v in ours.state_dict().items()}
 
 
 @pytest.mark.parametrize('name, official_keys, derived', [
@@ -252,9 +262,24 @@ def test_list_models():
     # released weights carry timm's tags: Swin's own as timm tags them, the papers' 'in1k'
     assert timm.list_models('*_swin_*', pretrained=True) == sorted(
         ['inline_swin_tiny.in1k', 'inline_swin_small.in1k', 'inline_swin_base.in1k', 'flatten_swin_tiny.in1k',
-         'flatten_swin_small.in1k', 'flatten_swin_base.in1k', 'flatten_swin_base_384.in1k',
-         'softmax_swin_tiny.ms_in1k', 'softmax_swin_small.ms_in1k', 'softmax_swin_base.ms_in1k',
-         'softmax_swin_base_384.ms_in1k'])
+         'flatten_swin_small.in1k', 'flatten_swin_base.in1k', 'flatten_swin_base_384.in1k']
+        + [f'softmax_swin_{size}.ms_in1k' for size in ('tiny', 'small', 'base', 'base_384')]
+        + [f'softmax_swin_{size}.{tag}' for size in SIZES for tag in ('ms_in22k', 'ms_in22k_ft_in1k')])
+
+
+@pytest.mark.parametrize('name', list(TIMM_ORIGINALS))
+def test_swin_releases_are_timm_s_with_its_tags(name):
+    """Every release of Swin's own weights is registered under timm's tag for the same file, with its class count
+    and resolution; the ImageNet-1k weights stay the default where they exist, as the papers compare with them."""
+    ours, theirs = ({cfg.tag: cfg for cfg in get_arch_pretrained_cfgs(arch).values()}
+                    for arch in (name, TIMM_ORIGINALS[name]))
+    assert set(ours) == set(theirs)
+    for tag, cfg in ours.items():
+        assert (cfg.url, cfg.num_classes, cfg.input_size, cfg.pool_size) == (
+            theirs[tag].url, theirs[tag].num_classes, theirs[tag].input_size, theirs[tag].pool_size), tag
+    assert timm.get_pretrained_cfg(name).tag == ('ms_in22k_ft_in1k' if 'large' in name else 'ms_in1k')
+    with torch.device('meta'):
+        assert timm.create_model(f'{name}.ms_in22k').num_classes == 21841
 
 
 @pytest.mark.parametrize('name', ALL_NAMES)
