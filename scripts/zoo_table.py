@@ -28,7 +28,8 @@ with quit_on_interrupt():  # while torch and the models load: nothing has starte
 
 # ImageNet-1k top-1 reported by the papers / official READMEs (None: no released weights or figure, or a figure
 # only in a paper table not checked here: MultiMax-DeiT, SimA-XCiT; DeiT-S -> SimA's is the paper's as its
-# authors' issue tracker quotes it).
+# authors' issue tracker quotes it). A name's default weights, then its other weights by tag: the ImageNet-22k
+# releases (the pretrained ones classify 21841 classes, so have no ImageNet-1k figure).
 OFFICIAL_TOP1 = {
     'inline_deit_tiny': 74.5, 'inline_deit_small': 80.2, 'inline_deit_base': 82.3,
     'inline_pvt_tiny': 78.2, 'inline_pvt_small': 82.0, 'inline_pvt_medium': 83.2, 'inline_pvt_large': 83.6,
@@ -49,8 +50,13 @@ OFFICIAL_TOP1 = {
     'softmax_pvt_v2_b0': 70.5, 'softmax_pvt_v2_b1': 78.7, 'softmax_pvt_v2_b2': 82.0, 'softmax_pvt_v2_b2_li': 82.1,
     'softmax_pvt_v2_b3': 83.1, 'softmax_pvt_v2_b4': 83.6, 'softmax_pvt_v2_b5': 83.8,
     'softmax_swin_tiny': 81.2, 'softmax_swin_small': 83.2, 'softmax_swin_base': 83.5, 'softmax_swin_base_384': 84.5,
+    'softmax_swin_large': 86.3, 'softmax_swin_large_384': 87.3,
+    'softmax_swin_tiny.ms_in22k_ft_in1k': 80.9, 'softmax_swin_small.ms_in22k_ft_in1k': 83.2,
+    'softmax_swin_base.ms_in22k_ft_in1k': 85.2, 'softmax_swin_base_384.ms_in22k_ft_in1k': 86.4,
+    **{f'softmax_swin_{size}.ms_in22k': None for size in ('tiny', 'small', 'base', 'base_384', 'large', 'large_384')},
     'softmax_cswin_tiny': 82.8, 'softmax_cswin_small': 83.6, 'softmax_cswin_base': 84.2,
-    'softmax_cswin_base_384': 85.5,
+    'softmax_cswin_base_384': 85.5, 'softmax_cswin_large': 86.5, 'softmax_cswin_large_384': 87.5,
+    'softmax_cswin_large.in22k': None,
 }
 
 
@@ -74,13 +80,15 @@ def measure(name: str) -> Tuple[int, int, float]:
 
 
 def official_table() -> List[str]:
-    """The official models with their measured size and cost, official top-1, weights and config (markdown)."""
+    """The official models with their measured size and cost, official top-1, the tag of their released weights
+    and config (markdown)."""
     lines = ['| model | resolution | params (M) | FLOPs (G) | official top-1 | weights | config |',
              '|---|---|---|---|---|---|---|']
     for name in OFFICIAL_TOP1:
         resolution, params, macs = measure(name)
         top1 = OFFICIAL_TOP1[name]
-        weights = 'released' if timm.models.get_pretrained_cfg(name).has_weights else '–'
+        cfg = timm.models.get_pretrained_cfg(name)
+        weights = f'`{cfg.tag}`' if cfg.has_weights else '–'
         lines.append(f'| `{name}` | {resolution} | {params / 1e6:.1f} | {macs / 1e9:.1f} | '
                      f'{top1 if top1 is not None else "–"} | {weights} | {config_file(name)} |')
     return lines
