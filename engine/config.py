@@ -297,18 +297,19 @@ def parse_args_with_opts(parser: argparse.ArgumentParser, argv: Sequence[str]) -
     return parser.parse_args(argv)
 
 
-def merge_opts(cfg: CN, opts: Sequence[str]) -> None:
-    """Merge `--opts KEY VALUE [KEY VALUE ...]` overrides; values are read as Python literals when they parse."""
+def merge_opts(cfg: CN, opts: Sequence[str], source: str = '--opts') -> None:
+    """Merge `--opts KEY VALUE [KEY VALUE ...]` overrides; values are read as Python literals when they parse.
+    `source` names the overrides in errors."""
     problem = _misplaced_option(opts)
     if problem:
         raise ConfigError(problem)
     if len(opts) % 2:
-        raise ConfigError(f"--opts needs KEY VALUE pairs, got an odd number of items: {' '.join(opts)}")
+        raise ConfigError(f"{source} needs KEY VALUE pairs, got an odd number of items: {' '.join(opts)}")
     for key, value in zip(opts[0::2], opts[1::2]):
         nested: Dict[str, Any] = value
         for part in reversed(key.split('.')):
             nested = {part: nested}
-        merge_dict(cfg, nested, '--opts')
+        merge_dict(cfg, nested, source)
 
 
 def _yaml_problem(error: yaml.YAMLError) -> str:
@@ -547,8 +548,10 @@ def load_config(
         cfg_file: Optional[str] = None,
         opts: Sequence[str] = (),
         overrides: Optional[Dict[str, Any]] = None,
+        opts_source: str = '--opts',
 ) -> CN:
-    """Defaults, then `cfg_file` (with its BASE chain), then `overrides` (nested dict from CLI flags), then `opts`.
+    """Defaults, then `cfg_file` (with its BASE chain), then `overrides` (nested dict from CLI flags), then `opts`
+    (named `opts_source` in errors).
 
     `OUTPUT` '' resolves to `output/<config file stem>` (or `output/<MODEL.NAME>` without a file). Frozen.
     """
@@ -557,7 +560,7 @@ def load_config(
         _merge_file(cfg, cfg_file)
     if overrides:
         merge_dict(cfg, overrides, 'the command line')
-    merge_opts(cfg, list(opts))
+    merge_opts(cfg, list(opts), opts_source)
     if not cfg.OUTPUT:
         stem = os.path.splitext(os.path.basename(cfg_file))[0] if cfg_file else cfg.MODEL.NAME
         cfg.OUTPUT = os.path.join('output', stem)

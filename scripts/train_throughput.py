@@ -259,7 +259,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     with tempfile.TemporaryDirectory() as scratch:
         data = args.data or os.path.join(scratch, 'data')
         # the config, the model and a given dataset are checked before minutes of writing images and measuring
-        cfg = load_config(args.cfg, train_opts(args, data) + ['OUTPUT', os.path.join(scratch, 'unused')])
+        cfg = load_config(args.cfg, train_opts(args, data) + ['OUTPUT', os.path.join(scratch, 'unused')],
+                          opts_source='the config overrides after --')
         check_model_config(cfg)
         if not args.data:
             write_images(data, args.classes, args.per_class)

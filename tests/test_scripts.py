@@ -348,7 +348,9 @@ def test_train_throughput_refuses_a_count_below_its_minimum_before_measuring(fla
 
 
 @pytest.mark.parametrize('argv, message', [
-    (['--', 'TRAIN.EPOCH', '3'], "unknown config key TRAIN.EPOCH in --opts; did you mean TRAIN.EPOCHS?"),
+    # named as one of the overrides after -- (the script has no --opts)
+    (['--', 'TRAIN.EPOCH', '3'],
+     "unknown config key TRAIN.EPOCH in the config overrides after --; did you mean TRAIN.EPOCHS?"),
     (['--model', 'inline_deit_tinny'], "unknown model 'inline_deit_tinny'"),
     (['--data', 'missing'], "data path 'missing' does not exist; expected a folder with train and val inside"),
 ])
