@@ -18,8 +18,8 @@ from yacs.config import CfgNode as CN
 
 import models  # noqa: F401  (registers the zoo's families with timm)
 from models.checkpoint import (EMA_KEYS, MODEL_KEYS, PRETRAINED_KEYS, CheckpointError, checkpoint_state_dict,
-                               has_released_weights, load_checkpoint_file, load_shared_weights, official_keys,
-                               unknown_pretrained_tag)
+                               has_released_weights, load_checkpoint_file, load_shared_weights,
+                               narrow_imagenet22k_classifier, official_keys, unknown_pretrained_tag)
 from models.onednn import convert_to_onednn, onednn_available
 
 from .config import ConfigError, mixup_active, model_kwargs
@@ -215,8 +215,15 @@ def create_model(cfg: CN, weights: Optional[Dict[str, Tensor]] = None, source: s
     if device is not None:
         kwargs['device'] = device
     if weights is not None:
-        weights = official_weights(name, weights)
+        with torch.device('meta'):
+            target = timm.create_model(name, num_classes=cfg.MODEL.NUM_CLASSES)
+        weights = official_keys(target, dict(weights))
+        given_rows = classifier_rows(name, weights)
+        weights = narrow_imagenet22k_classifier(target, weights)
         classes = classifier_rows(name, weights) or cfg.MODEL.NUM_CLASSES
+        if given_rows is not None and given_rows != classes:
+            logger.info(f"{source}: took the classifier rows of the {classes} ImageNet-1k classes from the weights' "
+                        f"{given_rows} ImageNet-22k classes, as the family's official fine-tuning does")
         kwargs.update(pretrained=True, pretrained_cfg_overlay=dict(state_dict=weights, num_classes=classes))
     try:
         model = _timm_create_model(cfg, kwargs)

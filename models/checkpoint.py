@@ -14,6 +14,7 @@ restricted to tensors and plain containers (`torch.load(weights_only=True)`); th
 own `pretrained_cfg_overlay=dict(file=...)` loading read those files too.
 """
 import argparse
+import functools
 import hashlib
 import http.client
 import logging
@@ -39,6 +40,7 @@ from torch import Tensor, nn
 import timm
 import timm.models._hub
 from huggingface_hub.utils import EntryNotFoundError, LocalEntryNotFoundError
+from timm.data import ImageNetInfo
 from timm.layers import resample_abs_pos_embed
 from timm.models import get_arch_pretrained_cfgs, get_pretrained_cfg, split_model_name_tag
 from tqdm import tqdm
@@ -49,6 +51,7 @@ __all__ = [
     'CheckpointError', 'DownloadError', 'checkpoint_cache_dir', 'cached_file_name', 'download_checkpoint',
     'process_alive', 'HUB_SOURCES', 'is_hub_name', 'hub_weights_file', 'start_weights_file', 'unknown_pretrained_tag',
     'has_released_weights', 'released_weights_file', 'official_keys', 'filter_checkpoint', 'adapt_state_dict',
+    'IMAGENET22K_CLASSES', 'imagenet1k_rows_of_imagenet22k', 'narrow_imagenet22k_classifier',
     'load_pretrained_into', 'load_shared_weights', 'TransferReport', 'SAFE_GLOBALS', 'load_checkpoint_file',
     'MODEL_KEYS', 'EMA_KEYS', 'PRETRAINED_KEYS', 'checkpoint_state_dict', 'held_weights', 'error_summary',
     'rename_loaded_keys', 'loaded_key_names',
@@ -492,6 +495,38 @@ def official_keys(model: nn.Module, state_dict: Dict[str, Tensor]) -> Dict[str, 
     return rename(state_dict) if rename is not None else state_dict
 
 
+IMAGENET22K_CLASSES = 21841
+# ImageNet-1k classes missing from the ImageNet-21k synset list, with the row Swin's fine-tuning takes for them
+_ROWS_OUTSIDE_IMAGENET21K = {'n04399382': 5564}
+
+
+@functools.lru_cache(maxsize=None)
+def imagenet1k_rows_of_imagenet22k() -> Tuple[int, ...]:
+    """The row of each ImageNet-1k class, in class order, in the ImageNet-22k classifiers of Swin's releases, as
+    Swin's fine-tuning picks them (its `map22kto1k.txt`): the class's index in Google's ImageNet-21k synset list,
+    which timm ships, and row 5564 for the one class that list lacks (teddy bear)."""
+    full_list = {synset: row for row, synset in enumerate(ImageNetInfo('imagenet-21k-goog').label_names())}
+    return tuple(full_list[synset] if synset in full_list else _ROWS_OUTSIDE_IMAGENET21K[synset]
+                 for synset in ImageNetInfo('imagenet-1k').label_names())
+
+
+def narrow_imagenet22k_classifier(model: nn.Module, state_dict: Dict[str, Tensor]) -> Dict[str, Tensor]:
+    """`state_dict` with a classifier of 21841 ImageNet-22k classes narrowed to the rows of the 1000 ImageNet-1k
+    classes (`imagenet1k_rows_of_imagenet22k`) when `model` classifies 1000 classes and its family's official
+    fine-tuning starts so (`narrows_imagenet22k_classifier`: Swin's); else `state_dict` itself."""
+    if not getattr(model, 'narrows_imagenet22k_classifier', False) or getattr(model, 'num_classes', None) != 1000:
+        return state_dict
+    rows = None
+    for classifier in _cfg_module_names(model, 'classifier', ('head',)):
+        for part in ('weight', 'bias'):
+            key = f'{classifier}.{part}'
+            if key in state_dict and state_dict[key].shape[0] == IMAGENET22K_CLASSES:
+                if rows is None:
+                    rows = torch.tensor(imagenet1k_rows_of_imagenet22k(), device=state_dict[key].device)
+                state_dict = {**state_dict, key: state_dict[key].index_select(0, rows)}
+    return state_dict
+
+
 def filter_checkpoint(
         checkpoint: Any,
         model: nn.Module,
@@ -499,13 +534,15 @@ def filter_checkpoint(
         strict: bool = True,
 ) -> Dict[str, Tensor]:
     """A checkpoint made ready for `model`: weights unwrapped (a file's EMA weights where it holds both, as timm
-    takes pretrained weights: `PRETRAINED_KEYS`), derived buffers dropped, keys of timm's layout
-    renamed (`official_keys`), `prepare` applied (a family's own adjustment), tensors of another resolution
+    takes pretrained weights: `PRETRAINED_KEYS`), derived buffers dropped, keys of timm's layout renamed
+    (`official_keys`), an ImageNet-22k classifier narrowed to ImageNet-1k where the family's fine-tuning does so
+    (`narrow_imagenet22k_classifier`), `prepare` applied (a family's own adjustment), tensors of another resolution
     adapted, a classifier the model is built without (`num_classes=0`) dropped, and the keys checked (not `strict`,
     timm's `pretrained_strict=False`: their shapes only). Two kinds of tensor may differ in shape, for timm's
     loader adapts them after this filter: the classifier (re-created for another class count) and the cfg's
     `first_conv` weights in their input channels (adapted to the model's `in_chans`)."""
-    state_dict = prepare(official_keys(model, drop_derived_buffers(checkpoint_state_dict(checkpoint, PRETRAINED_KEYS))))
+    state_dict = official_keys(model, drop_derived_buffers(checkpoint_state_dict(checkpoint, PRETRAINED_KEYS)))
+    state_dict = prepare(narrow_imagenet22k_classifier(model, state_dict))
     given_shapes = {k: v.shape for k, v in state_dict.items()}
     state_dict = adapt_state_dict(model, state_dict)
     classifiers = tuple(f'{name}.' for name in _cfg_module_names(model, 'classifier', ('head',)))
@@ -625,7 +662,7 @@ def load_pretrained_into(model: nn.Module, source: str) -> TransferReport:
 def load_shared_weights(model: nn.Module, state_dict: Mapping[str, Tensor], source: str) -> TransferReport:
     """Load into `model` every tensor of `state_dict` (any layout a family reads) whose key and, after adaptation
     to the model's resolution, shape it shares; `source` names the weights in the error when none is shared."""
-    state_dict = official_keys(model, drop_derived_buffers(state_dict))
+    state_dict = narrow_imagenet22k_classifier(model, official_keys(model, drop_derived_buffers(state_dict)))
     state_dict = adapt_state_dict(model, state_dict)
     own = model.state_dict()
     # in the model's order, whatever order the file keeps (safetensors sorts its keys)

@@ -359,6 +359,9 @@ class ZooModel(nn.Module):
     official_head_init: ClassVar[bool] = False
     # The final norm belongs to the last stage's width, so pruning stages drops it.
     norm_follows_last_stage: ClassVar[bool] = True
+    # A 1000-class model starts from the ImageNet-1k rows of a 21841-class ImageNet-22k classifier, as the family's
+    # official fine-tuning does (`models.checkpoint.narrow_imagenet22k_classifier`); else such a classifier is new.
+    narrows_imagenet22k_classifier: ClassVar[bool] = False
 
     def __init__(self) -> None:
         super().__init__()

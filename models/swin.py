@@ -128,6 +128,7 @@ class SwinTransformer(ZooModel):
     """
 
     official_head_init = True
+    narrows_imagenet22k_classifier = True
 
     def __init__(
             self,

@@ -1,6 +1,7 @@
 """Swin family: official golden, parameter counts and key names, a cross-check against timm's Swin, the window
 rules, checkpoint loading (official format, unsafe pickles, other models, other resolutions) and the timm API."""
 import functools
+import logging
 import os
 
 import pytest
@@ -14,8 +15,11 @@ from yacs.config import CfgNode
 from timm.models import get_arch_pretrained_cfgs
 from timm.models.swin_transformer import SwinTransformer as TimmSwin
 
+from engine.build import create_model, read_weights
+from engine.config import load_config
 from models.attention import list_attentions
-from models.checkpoint import CheckpointError
+from models.checkpoint import (IMAGENET22K_CLASSES, CheckpointError, imagenet1k_rows_of_imagenet22k,
+                               load_pretrained_into)
 from models.swin import SwinTransformer, checkpoint_filter_fn
 from golden import load_golden
 
@@ -459,3 +463,68 @@ def test_classifier_weight_decay_groups_and_grad_checkpointing():
     assert model(x).shape == (2, 1, 1, 128)
     with pytest.raises(ValueError, match="global_pool 'map'"):
         model.reset_classifier(0, 'map')
+
+
+# ------------------------------------------------------------------------- ImageNet-22k to ImageNet-1k
+
+# Facts of Swin's map22kto1k.txt, the rows its fine-tuning keeps of a 21841-class classifier: the first ten, the
+# row of teddy bear (class 850, a synset outside the ImageNet-21k list) and the last five.
+SWIN_22K_ROWS = {**dict(enumerate([359, 368, 460, 475, 486, 492, 496, 514, 516, 525])), 849: 11137, 850: 5564,
+                 851: 11168, **dict(zip(range(995, 1000), [21181, 21196, 21200, 21369, 21817]))}
+
+
+def test_imagenet1k_rows_of_the_imagenet22k_classifier_are_swin_s():
+    rows = imagenet1k_rows_of_imagenet22k()
+    assert len(rows) == len(set(rows)) == 1000 and max(rows) < IMAGENET22K_CLASSES
+    assert {i: rows[i] for i in SWIN_22K_ROWS} == SWIN_22K_ROWS
+
+
+def imagenet22k_swin_checkpoint(name, path, **kwargs):
+    """A Swin trained on 21841 classes, saved as Swin's releases are ({'model': ...})."""
+    source = randomize(timm.create_model(name, **dict(kwargs, num_classes=IMAGENET22K_CLASSES)))
+    torch.save({'model': source.state_dict()}, path)
+    return source
+
+
+def test_a_1000_class_fine_tuning_start_keeps_the_imagenet1k_rows_of_an_imagenet22k_classifier(tmp_path, caplog):
+    """As Swin's fine-tuning from its ImageNet-22k weights: by train.py's start (MODEL.PRETRAINED), by
+    `load_pretrained_into` for another attention and by the checkpoint filter; a model of another class count
+    starts with a new classifier."""
+    kwargs = {k: v for k, v in tiny_kwargs('softmax_swin_tiny').items() if k != 'num_classes'}
+    path = tmp_path / 'swin_tiny_patch4_window7_224_22k.pth'
+    source = imagenet22k_swin_checkpoint('softmax_swin_tiny', path, **kwargs)
+    rows = list(imagenet1k_rows_of_imagenet22k())
+    expected_weight, expected_bias = source.head.weight[rows], source.head.bias[rows]
+
+    opts = ['MODEL.NAME', 'softmax_swin_tiny', 'DATA.IMG_SIZE', '32', 'MODEL.NUM_CLASSES', '1000',
+            *[item for key, value in kwargs.items() if key != 'img_size'
+              for item in (f'MODEL.KWARGS.{key}', str(list(value) if isinstance(value, tuple) else value))]]
+    cfg = load_config(None, opts)
+    with caplog.at_level(logging.INFO):
+        started = create_model(cfg, read_weights(str(path)), source=str(path))
+    assert torch.equal(started.head.weight, expected_weight) and torch.equal(started.head.bias, expected_bias)
+    assert torch.equal(started.patch_embed.proj.weight, source.patch_embed.proj.weight)
+    assert "classifier rows of the 1000 ImageNet-1k classes from the weights' 21841 ImageNet-22k" in caplog.text
+
+    other_attention = timm.create_model('inline_swin_tiny', **dict(tiny_kwargs('inline_swin_tiny'), num_classes=1000))
+    report = load_pretrained_into(other_attention, str(path))
+    assert 'head.weight' in report.loaded and torch.equal(other_attention.head.weight, expected_weight)
+
+    model = timm.create_model('softmax_swin_tiny', **kwargs, num_classes=1000)
+    model.load_state_dict(checkpoint_filter_fn(torch.load(path, weights_only=True), model))
+    assert torch.equal(model.head.bias, expected_bias)
+
+    ten_classes = timm.create_model('softmax_swin_tiny', **kwargs, num_classes=10)
+    report = load_pretrained_into(ten_classes, str(path))
+    assert 'head.weight' in report.new and 'head.weight' in report.dropped
+
+
+def test_cswin_starts_a_new_classifier_from_imagenet22k_weights(tmp_path):
+    """CSwin's fine-tuning from ImageNet-22k (`--fine-22k`) drops the classifier; so does the zoo's start."""
+    kwargs = dict(img_size=32, embed_dim=16, depth=[1, 1, 2, 1], num_heads=[2, 2, 4, 4], split_size=[1, 2, 1, 1])
+    source = randomize(timm.create_model('softmax_cswin_tiny', **kwargs, num_classes=IMAGENET22K_CLASSES))
+    path = tmp_path / 'cswin_large_22k_224.pth'
+    torch.save({'state_dict_ema': source.state_dict()}, path)
+    model = timm.create_model('softmax_cswin_tiny', **kwargs, num_classes=1000)
+    report = load_pretrained_into(model, str(path))
+    assert report.new == ['head.weight', 'head.bias'] and 'stage1_conv_embed.0.weight' in report.loaded
