@@ -61,7 +61,14 @@ OFFICIAL_TOP1 = {
 
 
 def config_file(name: str) -> str:
-    attention, rest = name.split('_', 1)
+    """The config that trains model `name`'s weights: `{family size}_22kto1k.yaml` fine-tunes the ImageNet-22k
+    weights on ImageNet-1k; none trains on ImageNet-22k."""
+    attention, rest = name.split('.')[0].split('_', 1)
+    tag = timm.models.get_pretrained_cfg(name).tag or ''
+    if tag.endswith('in22k'):
+        return '–'
+    if tag.endswith('in22k_ft_in1k'):
+        rest += '_22kto1k'
     path = os.path.join('configs', attention, f'{rest}.yaml')
     return f'`{path}`' if os.path.exists(os.path.join(os.path.dirname(os.path.dirname(__file__)), path)) else '–'
 

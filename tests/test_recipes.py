@@ -144,6 +144,8 @@ SCHEDULES = {
     'base/cswin': (*CSWIN, 8), **{f'softmax/cswin_{s}': (*CSWIN, 8) for s in ('tiny', 'small', 'base')},
     'base/swin': (*SWIN, 8), **{f'softmax/swin_{s}': (*SWIN, 8) for s in ('tiny', 'small', 'base')},
     'softmax/swin_base_384': (*SWIN_384, 8),
+    # Swin's fine-tuning of its ImageNet-22k weights: the base-384 fine-tune's schedule
+    **{f'softmax/swin_{s}_22kto1k': (*SWIN_384, 8) for s in ('tiny', 'small', 'base', 'base_384', 'large', 'large_384')},
     **{f'base/{b}': (*SWIN_FORK_1024, 8) for b in ('inline', 'flatten', 'inline_flatten')},
     'inline/deit_tiny': (*INLINE_DEIT, 8), 'inline/deit_small': (*SWIN_FORK_1024, 8),
     'inline/deit_base': (*SWIN_FORK_512, 8),
