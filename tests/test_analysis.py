@@ -20,6 +20,9 @@ GRID = (4, 4)
 GROUPINGS = {
     'global': (dict(), 1),
     'reduction': (dict(sr_ratio=2), 0),
+    # PVT v2-Linear's keys pooled to a fixed map: coarser than the grid (uneven bins) and finer (repeated tokens)
+    'pooled 3x3': (dict(pool_size=3), 0),
+    'pooled 5x5': (dict(pool_size=5), 0),
     'window': (dict(window_size=2, shift_size=1), 0),
     'stripes': (dict(split_size=2), 0),
 }
@@ -28,10 +31,12 @@ CASES = [(name, grouping) for name in list_attentions() for grouping in GROUPING
 
 def build(name, grouping, seed=0):
     kwargs, prefix = GROUPINGS[grouping]
-    if grouping == 'reduction' and not get_mixer_class(name).reduces_keys:
+    reduction = grouping == 'reduction' or grouping.startswith('pooled')
+    if reduction and not get_mixer_class(name).reduces_keys:
         kwargs = dict(sr_ratio=1)
     torch.manual_seed(seed)
-    attn = build_attention(name, 16, 4, GRID, grouping=grouping, **kwargs).double().eval()
+    attn = build_attention(name, 16, 4, GRID, grouping='reduction' if reduction else grouping,
+                           **kwargs).double().eval()
     with torch.no_grad():  # non-zero parameters everywhere (MultiMax's σ, FLatten's encoding, biases)
         for p in attn.parameters():
             p.add_(torch.randn_like(p) * 0.2)
@@ -86,6 +91,10 @@ def test_recorded_matrix_reproduces_the_global_term(name, grouping):
     layer = rec[0]
     assert layer.weights.dtype == torch.float64
     assert max_abs_err(recorded_output(attn, layer, x), out) < 1e-10
+    pool_size = GROUPINGS[grouping][0].get('pool_size') if get_mixer_class(name).reduces_keys else None
+    if pool_size is not None:  # a row runs over the pooled keys (it ran over the grid's 16 positions)
+        assert layer.key_grid == (pool_size, pool_size)
+        assert layer.is_pooling or layer.weights.shape[-1] == pool_size ** 2
 
 
 @pytest.mark.parametrize('name,grouping', CASES)

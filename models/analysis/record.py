@@ -214,7 +214,9 @@ class AttentionRecord:
         attention = mixers[0][1].attention_name
         pooling = attention == 'additive'
         key_grid = size
-        if isinstance(layer, SpatialReductionAttention) and layer.sr_ratio > 1:
+        if isinstance(layer, SpatialReductionAttention) and layer.pool_size is not None:
+            key_grid = (layer.pool_size, layer.pool_size)
+        elif isinstance(layer, SpatialReductionAttention) and layer.sr_ratio > 1:
             key_grid = (size[0] // layer.sr_ratio, size[1] // layer.sr_ratio)
         M = num_prefix + key_grid[0] * key_grid[1]
         device = capture.calls[0].q.device
