@@ -34,17 +34,20 @@ def refuse_unreleased(parser: argparse.ArgumentParser, names: Sequence[str]) -> 
 
 
 def load_analysis_model(model_name: Optional[str], checkpoint: Optional[str], opts: Sequence[str] = (),
-                        ema: bool = False, model_option: str = '--model',
-                        pretrained: bool = False) -> Tuple[nn.Module, CN]:
+                        ema: bool = False, model_option: str = '--model', pretrained: bool = False,
+                        without_config: str = 'expected --model NAME with it, the model whose weights it holds'
+                        ) -> Tuple[nn.Module, CN]:
     """The model in eval mode and its config: `model_name` with its pretrained config, else the config stored in
     our `checkpoint`. Its weights: the checkpoint's when given, else those saved with a `local-dir:` / `hf-hub:`
     `model_name`, else with `pretrained` the released weights of registered `model_name` (downloaded once into the
     cache), else random ones. Weights load as eval.py loads them: an official release's layout and derived buffers
     through the family's filter, the class count of a `model_name` from the weights. `opts` override the config;
-    `model_option`, the script's option that gave `model_name`, starts the errors about it."""
+    `model_option`, the script's option that gave `model_name`, starts the errors about it; `without_config` is
+    the way on for a `checkpoint` alone that stores no config (an official release)."""
     if checkpoint and not os.path.isfile(checkpoint):
         raise UsageError(f"checkpoint {checkpoint!r} not found")
-    cfg = eval_config(None, model_name, None if model_name else checkpoint, opts, model_option=model_option)
+    cfg = eval_config(None, model_name, None if model_name else checkpoint, opts, model_option=model_option,
+                      without_config=without_config)
     asked = dict(zip(opts[::2], opts[1::2])).get('DEVICE', 'cpu')  # a checkpoint's own DEVICE is its training's
     if asked not in ('auto', 'cpu'):  # else ignored without a word
         raise UsageError(f"DEVICE {asked!r}: the analysis scripts run on the CPU; expected DEVICE cpu (or auto)")

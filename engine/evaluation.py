@@ -68,11 +68,13 @@ def eval_config(
         opts: Sequence[str] = (),
         overrides: Optional[Dict[str, Any]] = None,
         model_option: str = '--model',
+        without_config: str = 'expected --cfg FILE or --model NAME',
 ) -> CN:
     """The evaluation config: `--cfg` file, or a registered `--model` with its own preprocessing, or a
     `local-dir:` / `hf-hub:` `--model` with the architecture and preprocessing of its config.json, or (none of
     these) the config stored in one of our checkpoints; then command-line overrides and `--opts`. `model_option`
-    names the option that gave `model_name` in errors."""
+    names the option that gave `model_name` in errors; `without_config` is the way on, in the script's options,
+    for a checkpoint that stores no config."""
     if not cfg_file and model_name:  # a name a module of MODEL.IMPORTS registers is checked after it is imported
         imports = get_default_config()
         merge_opts(imports, list(opts))
@@ -98,8 +100,7 @@ def eval_config(
         stored = load_checkpoint_file(checkpoint)
         text = stored.get('config') if isinstance(stored, Mapping) else None
         if not isinstance(text, str):
-            raise UsageError(f"checkpoint {checkpoint!r} stores no config of this engine; expected --cfg FILE or "
-                             f"--model NAME")
+            raise UsageError(f"checkpoint {checkpoint!r} stores no config of this engine; {without_config}")
         cfg = config_from_yaml_string(text, f"checkpoint {checkpoint!r}")
         cfg.defrost()
         merge_dict(cfg, overrides or {}, 'the command line')

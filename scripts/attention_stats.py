@@ -4,8 +4,9 @@ per-layer plot, one line per model.
     python scripts/attention_stats.py --checkpoints softmax=output/softmax/best.pth inline=output/inline/best.pth \
         --data ~/.cache/swappable-attention-zoo/digits/val --max-images 360 --out docs/attention_stats
 
-`--models NAME ...` adds registered models with random weights, or with `--pretrained` their released weights
-(`--opts` overrides their config). Every model records every token's row in every layer (`models.analysis.stats`
+`--models NAME ...` adds registered models with random weights, or with `--pretrained` their released weights,
+and `--models NAME=FILE` a registered model with the weights of a file, such as an official release, which stores
+no config (`--opts` overrides their config). Every model records every token's row in every layer (`models.analysis.stats`
 defines the statistics). Writes OUT.csv, OUT.md and OUT.png.
 """
 import argparse
@@ -33,6 +34,7 @@ with quit_on_interrupt():  # while torch and the models load: nothing has starte
     from engine.loops import Progress
     from engine.trainer import setup_logging
     from models.analysis import record_attention
+    from models.checkpoint import is_hub_name
     try:
         from models.analysis.plots import plot_layer_curves
     except ModuleNotFoundError as missing:
@@ -48,12 +50,13 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument('--checkpoints', nargs='+', default=[], metavar='[LABEL=]PATH',
                         help="our checkpoints; the label defaults to the stored config's MODEL.KWARGS.attn_type, "
                              "else its MODEL.NAME")
-    parser.add_argument('--models', nargs='+', default=[], metavar='NAME',
-                        help="registered models (random weights without --pretrained), or 'local-dir:FOLDER' / "
-                             "'hf-hub:REPO' of models saved for the hub (their weights)")
+    parser.add_argument('--models', nargs='+', default=[], metavar='NAME[=FILE]',
+                        help="registered models (random weights without --pretrained; NAME=FILE: the weights of "
+                             "FILE, e.g. an official release), or 'local-dir:FOLDER' / 'hf-hub:REPO' of models saved "
+                             "for the hub (their weights)")
     parser.add_argument('--pretrained', action='store_true',
                         help="the released weights of --models' registered names, downloaded once into the cache")
-    parser.add_argument('--ema', action='store_true', help="the checkpoints' EMA weights")
+    parser.add_argument('--ema', action='store_true', help="the EMA weights of the checkpoints and files")
     parser.add_argument('--data', required=True, help='an image file or a folder of images (searched recursively)')
     parser.add_argument('--max-images', type=int, default=256,
                         help='images taken from the folder, spread evenly over its sorted files (default 256)')
@@ -67,10 +70,15 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         parser.error('expected --checkpoints or --models')
     if args.pretrained and not args.models:
         parser.error('--pretrained loads the released weights of --models NAME ...; expected --models')
+    with_files = [item for item in args.models if model_with_file(item)[1]]
+    if args.pretrained and with_files:
+        parser.error(f"--pretrained loads the released weights of --models NAME, but {with_files[0]} gives a file's; "
+                     f"expected one or the other")
     if args.pretrained:
         refuse_unreleased(parser, args.models)
-    if args.ema and not args.checkpoints:
-        parser.error("--ema reads the EMA weights of checkpoints; expected --checkpoints PATH ...")
+    if args.ema and not args.checkpoints and not with_files:
+        parser.error("--ema reads the EMA weights of checkpoints; expected --checkpoints PATH ... or --models "
+                     "NAME=FILE")
     refuse_below(parser, {'--max-images': (args.max_images, 1), '--batch-size': (args.batch_size, 1)})
     prepare_script_out(parser, args.out, prefix=True, suffixes=('.csv', '.md', '.png'))
     return args
@@ -85,10 +93,18 @@ def labelled_checkpoint(item: str) -> Tuple[str, str]:
     return (label, path) if path else ('', item)
 
 
-def sources(args: argparse.Namespace) -> List[Tuple[str, str, str]]:
-    """(label, model name or '', checkpoint or '') of every model to measure."""
-    found = [(label, '', path) for label, path in map(labelled_checkpoint, args.checkpoints)]
-    found += [(name, name, '') for name in args.models]
+def model_with_file(item: str) -> Tuple[str, str]:
+    """(model name, weights file or '') of a `--models` item, NAME or NAME=FILE (a hub name is one name)."""
+    if is_hub_name(item):
+        return item, ''
+    name, _, path = item.partition('=')
+    return name, path
+
+
+def sources(args: argparse.Namespace) -> List[Tuple[str, str, str, str]]:
+    """(label, model name or '', checkpoint or '', its option) of every model to measure."""
+    found = [(label, '', path, '--checkpoints') for label, path in map(labelled_checkpoint, args.checkpoints)]
+    found += [(name, name, path, '--models') for name, path in map(model_with_file, args.models)]
     return found
 
 
@@ -137,9 +153,10 @@ def main(argv: Sequence[str]) -> int:
     files = find_images(args.data, args.max_images)
     # every model built and labelled before the first is measured: a bad one fails at once, not after a long run
     loaded: Dict[str, Tuple[torch.nn.Module, CN]] = {}
-    for label, name, checkpoint in sources(args):
-        model, cfg = load_analysis_model(name or None, checkpoint or None, args.opts, args.ema, '--models',
-                                         pretrained=args.pretrained)
+    for label, name, checkpoint, option in sources(args):
+        model, cfg = load_analysis_model(
+            name or None, checkpoint or None, args.opts, args.ema, '--models', pretrained=args.pretrained,
+            without_config=f"expected it with the model whose weights it holds: --models NAME={checkpoint}")
         label = label or str(cfg.MODEL.KWARGS.get('attn_type', cfg.MODEL.NAME))
         try:
             with record_attention(model):  # every layer recordable (a weight function for each attention)
@@ -147,7 +164,9 @@ def main(argv: Sequence[str]) -> int:
         except ValueError as e:
             raise UsageError(f"{label}: {e}") from None
         if label in loaded:
-            raise UsageError(f"two models are labelled {label!r}; give them labels as LABEL=PATH")
+            raise UsageError(f"two models are labelled {label!r}; give them labels as LABEL=PATH" if option ==
+                             '--checkpoints' else f"model {label!r} is measured twice; expected each model of "
+                             f"--models once (checkpoints as --checkpoints LABEL=PATH take labels)")
         loaded[label] = model, cfg
     rows: List[Dict[str, object]] = []
     for label, (model, cfg) in loaded.items():

@@ -433,6 +433,40 @@ def test_an_official_release_file_is_drawn_with_its_weights(images, tmp_path):
     assert len(os.listdir(tmp_path / 'figures')) == 2
 
 
+def test_a_release_file_is_measured_with_its_model_s_name_as_each_script_takes_it(images, tmp_path, capsys):
+    """A file without our config (an official release) alone: each script names its own way to give the model
+    (attention_stats.py said `--cfg FILE or --model NAME`, options it does not have); `--models NAME=FILE` measures
+    the file's weights."""
+    torch.manual_seed(0)
+    source = timm.create_model('inline_swin_tiny', **SWIN_TINY)
+    release = tmp_path / 'inline_swin_t.pth'
+    torch.save({'model': source.state_dict(), 'epoch': 300}, release)
+    opts = ['--opts', 'DATA.IMG_SIZE', '32', 'MODEL.KWARGS.embed_dim', '16', 'MODEL.KWARGS.depths', '[2,1,1,1]',
+            'MODEL.KWARGS.num_heads', '[1,2,2,2]', 'MODEL.KWARGS.window_size', '4']
+    out = str(tmp_path / 'stats')
+    assert run_cli(attention_stats.main, ['--checkpoints', str(release), '--data', str(images), '--out', out]) == 2
+    assert capsys.readouterr().err == (f"error: checkpoint {str(release)!r} stores no config of this engine; expected "
+                                       f"it with the model whose weights it holds: --models NAME={release}\n")
+    assert run_cli(visualize.main, ['--checkpoint', str(release), '--image', str(images), '--out',
+                                    str(tmp_path / 'figures')]) == 2
+    assert capsys.readouterr().err == (f"error: checkpoint {str(release)!r} stores no config of this engine; expected "
+                                       f"--model NAME with it, the model whose weights it holds\n")
+    measured = {}
+
+    def measure(model, inputs, batch_size, label):
+        measured[label] = {k: v.clone() for k, v in model.state_dict().items()}
+        return real_measure(model, inputs, batch_size, label)
+
+    real_measure = attention_stats.measure
+    argv = ['--models', f'inline_swin_tiny={release}', 'softmax_swin_tiny', '--data', str(images), '--out', out,
+            *opts[:-2]]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(attention_stats, 'measure', measure)
+        assert run_cli(attention_stats.main, argv) == 0
+    assert set(measured) == {'inline_swin_tiny', 'softmax_swin_tiny'}
+    assert all(torch.equal(value, source.state_dict()[key]) for key, value in measured['inline_swin_tiny'].items())
+
+
 @pytest.mark.parametrize('script, argv, message', [
     ('visualize', ['--model', 'softmax_deit_tiny', '--checkpoint', 'best.pth', '--pretrained'],
      'error: --pretrained loads the released weights of --model NAME; expected --model without --checkpoint'),
@@ -445,7 +479,10 @@ def test_an_official_release_file_is_drawn_with_its_weights(images, tmp_path):
     ('visualize', ['--model', 'softmax_deit_tiny', '--ema'],
      'error: --ema reads the EMA weights of a checkpoint; expected --checkpoint PATH'),
     ('attention_stats', ['--models', 'softmax_deit_tiny', '--ema'],
-     'error: --ema reads the EMA weights of checkpoints; expected --checkpoints PATH ...'),
+     'error: --ema reads the EMA weights of checkpoints; expected --checkpoints PATH ... or --models NAME=FILE'),
+    ('attention_stats', ['--models', 'softmax_deit_tiny=best.pth', '--pretrained'],
+     "error: --pretrained loads the released weights of --models NAME, but softmax_deit_tiny=best.pth gives a file's; "
+     "expected one or the other"),
     ('attention_stats', ['--models', 'inline_deit_tiny', 'sima_deit_tiny', '--pretrained'],
      "error: --pretrained: model 'sima_deit_tiny' has no released weights; expected a name that "
      "timm.list_pretrained() lists"),
@@ -492,7 +529,9 @@ def test_a_model_without_attention_layers_of_the_zoo_is_refused_before_its_weigh
 
 
 @pytest.mark.parametrize('models, message', [
-    (['softmax_deit_tiny', 'softmax_deit_tiny'], "error: two models are labelled 'softmax_deit_tiny'; give them "),
+    # --models takes no labels (LABEL=PATH is a --checkpoints form)
+    (['softmax_deit_tiny', 'softmax_deit_tiny'], "error: model 'softmax_deit_tiny' is measured twice; expected each "
+                                                 "model of --models once"),
     (['softmax_deit_tiny', 'softmax_deit_tny'], "error: unknown model 'softmax_deit_tny': expected a model "),
 ])
 def test_attention_stats_checks_every_model_before_measuring_the_first(models, message, images, tmp_path,
