@@ -3,7 +3,7 @@ registered model name or a model saved for the hub, the evaluation preprocessing
 file or an image folder."""
 import argparse
 import os
-from typing import List, Optional, Sequence, Tuple
+from typing import Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import timm
@@ -72,13 +72,25 @@ def find_images(path: str, limit: Optional[int] = None) -> List[str]:
         return [path]
     if not os.path.isdir(path):
         raise UsageError(f"image {path!r} not found; expected an image file or an image folder")
-    files = sorted(os.path.join(root, name) for root, _, names in os.walk(path) for name in names
-                   if name.lower().endswith(IMAGE_EXTENSIONS))
+    files = sorted(_image_files(path))
     if not files:
         raise UsageError(f"no image files ({', '.join(IMAGE_EXTENSIONS)}) under {path!r}")
     if limit is None or limit >= len(files):
         return files
     return [files[i * len(files) // limit] for i in range(limit)]
+
+
+def _image_files(top: str) -> Iterator[str]:
+    """The image files under `top`, following links as the dataset scan does, each folder entered once (a link
+    loop ends where it returns)."""
+    entered = set()
+    for root, folders, names in os.walk(top, followlinks=True):
+        status = os.stat(root)
+        if (status.st_dev, status.st_ino) in entered:
+            folders.clear()
+            continue
+        entered.add((status.st_dev, status.st_ino))
+        yield from (os.path.join(root, name) for name in names if name.lower().endswith(IMAGE_EXTENSIONS))
 
 
 def load_images(files: Sequence[str], cfg: CN) -> Tuple[Tensor, List[np.ndarray]]:

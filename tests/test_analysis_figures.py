@@ -617,6 +617,20 @@ def test_a_folder_gives_images_of_every_class_and_every_format_the_training_data
     assert len(engine.analysis.find_images(str(tmp_path))) == len(engine.analysis.find_images(str(tmp_path), 20)) == 9
 
 
+def test_a_folder_of_linked_class_folders_is_read_as_the_training_data_reads_it(tmp_path):
+    """Class folders that are links (a split assembled from elsewhere) were skipped: no images, or some classes
+    silently missing. A link loop is entered once, and each folder read once."""
+    for label in 'ab':
+        (tmp_path / 'store' / label).mkdir(parents=True)
+        Image.new('RGB', (8, 8)).save(tmp_path / 'store' / label / '0.png')
+    (tmp_path / 'linked').mkdir()
+    (tmp_path / 'linked' / 'a').symlink_to(tmp_path / 'store' / 'a', target_is_directory=True)
+    (tmp_path / 'linked' / 'b').symlink_to(tmp_path / 'store' / 'b', target_is_directory=True)
+    (tmp_path / 'store' / 'a' / 'loop').symlink_to(tmp_path / 'store', target_is_directory=True)
+    found = engine.analysis.find_images(str(tmp_path / 'linked'))
+    assert sorted(os.path.realpath(f) for f in found) == [str(tmp_path / 'store' / label / '0.png') for label in 'ab']
+
+
 @pytest.mark.parametrize('script', ['attention_stats', 'visualize_attention'])
 def test_an_accelerator_asked_of_the_analysis_scripts_is_refused_not_ignored(images, tmp_path, capsys, script):
     """`--opts DEVICE cuda` was accepted and the scripts ran on the CPU without a word."""
