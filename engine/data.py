@@ -16,6 +16,7 @@ import os
 import random
 import re
 import shutil
+import signal
 import socket
 import stat
 import time
@@ -517,14 +518,26 @@ def _collate(samples: Sequence[Tuple[Any, int, Tuple[BadImage, ...]]]) -> _Batch
     return _Batch(images, targets, bad, len(samples) - len(good))
 
 
+def _outlast_one_sigterm(worker_id: int) -> None:
+    """A loader worker's start: its first SIGTERM is ignored, a second ends it. torchrun stops a process with a
+    signal to its process group, as `timeout` and batch schedulers do, which reached the workers too: they died
+    and the process failed on its next batch instead of saving after its step. The loader ends its workers
+    itself; a worker that does not end, the loader's and Python's own SIGTERM at exit still stops."""
+    def ignore_once(signum: int, frame: Any) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, ignore_once)
+
+
 class ImageLoader(DataLoader):
     """A `DataLoader` over an `ImageFolderSplit` that yields `(images, targets)` and applies `DATA.BAD_IMAGES` to
     the files its workers could not read: 'error' raises `BadImageError` naming the file; 'skip' logs each file
     the first time and keeps the files skipped in the current pass in `skipped`. `seeded` takes the
-    `(index, sample_seed)` keys of `SkipSampler` (`SeededSamples`)."""
+    `(index, sample_seed)` keys of `SkipSampler` (`SeededSamples`). Its workers outlast a stop signal sent to the
+    whole process group (`_outlast_one_sigterm`)."""
 
     def __init__(self, dataset: ImageFolderSplit, seeded: bool = False, **kwargs):
-        super().__init__(SeededSamples(dataset) if seeded else dataset, collate_fn=_collate, **kwargs)
+        super().__init__(SeededSamples(dataset) if seeded else dataset, collate_fn=_collate,
+                         worker_init_fn=_outlast_one_sigterm, **kwargs)
         self.split = dataset
         self.bad_images = dataset.bad_images
         self.skipped: Set[str] = set()

@@ -11,6 +11,7 @@ import glob
 import json
 import logging
 import math
+import multiprocessing
 import os
 import re
 import shutil
@@ -194,9 +195,10 @@ def test_a_non_finite_loss_stops_training_with_exit_status_2_and_keeps_last_chec
                                                         'train.log']
 
 
-def signals_at(monkeypatch, *sends):
-    """Make the loop's per-update stop check send (call number, signal) pairs to this process; a signal sent
-    during update u is seen at the end of update u + 1."""
+def signals_at(monkeypatch, *sends, workers_too: bool = False):
+    """Make the loop's per-update stop check send (call number, signal) pairs to this process (`workers_too`: and
+    to its DataLoader workers, as a signal to the process group reaches them); a signal sent during update u is seen
+    at the end of update u + 1."""
     real_any_rank = engine.loops.any_rank
     calls = []
 
@@ -204,6 +206,8 @@ def signals_at(monkeypatch, *sends):
         calls.append(flag)
         for call, signum in sends:
             if len(calls) == call:
+                for worker in multiprocessing.active_children() if workers_too else ():
+                    os.kill(worker.pid, signum)
                 os.kill(os.getpid(), signum)
         return real_any_rank(flag, device)
 
@@ -553,6 +557,18 @@ def test_sigterm_with_dataloader_workers_resumes_to_the_uninterrupted_weights(tm
     assert resumed[1].pop('train_loss') == pytest.approx(uninterrupted[1].pop('train_loss'), rel=1e-12)
     assert resumed == uninterrupted
     assert_same_end(output, reference)
+
+
+def test_sigterm_to_the_process_group_saves_as_one_to_the_process_alone(tmp_path, digits, monkeypatch):
+    """torchrun stops each process with a signal to its process group, as `timeout` and batch schedulers do, so the
+    DataLoader workers got SIGTERM too and died: the run failed on its next batch ('DataLoader worker ... is
+    killed by signal: Terminated'), without saving. The workers outlast one SIGTERM; the loader ends them."""
+    output = tmp_path / 'stopped'
+    signals_at(monkeypatch, (27, signal.SIGTERM), workers_too=True)
+    assert run_cli(train_main, [*train_argv(output, digits), *WORKERS]) == 128 + signal.SIGTERM
+    stopped = torch.load(output / 'last.pth', weights_only=True)
+    assert (stopped['epoch'], stopped['epoch_batches'], stopped['step']) == (1, 6, 28)
+    assert not multiprocessing.active_children()
 
 
 # Sends the given (update, signal) pairs to itself, as `signals_at` does, then trains: a second signal ends the
