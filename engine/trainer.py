@@ -229,9 +229,11 @@ def _drop_log_records(path: str, first_epoch: int) -> None:
     atomic_write_text(path, ''.join(kept))
 
 
-def _summary(log_path: str, checkpoint: TrainingCheckpoint, selected_by: str = 'val_top1') -> str:
+def _summary(log_path: str, checkpoint: TrainingCheckpoint, selected_by: str = 'val_top1',
+             best_so_far: Optional[float] = None) -> str:
     """One line for the end of a finished run: its best epoch by `selected_by` (the record's key that chose
-    best.pth) and its last epoch, from every record of `log.jsonl`."""
+    best.pth) and its last epoch, from every record of `log.jsonl`. A run resumed from another folder's checkpoint
+    saves no best.pth until it beats that checkpoint's best, `best_so_far`: the line says so."""
     records = []
     if os.path.isfile(log_path):
         with open(log_path) as f:
@@ -244,9 +246,13 @@ def _summary(log_path: str, checkpoint: TrainingCheckpoint, selected_by: str = '
     best = max(scored, key=lambda r: r[selected_by])  # the first of equal maxima, as best.pth keeps it
     last = records[-1]
     what = 'val top-1' if selected_by == 'val_top1' else 'EMA val top-1'
+    where = checkpoint.best_path
+    if not os.path.isfile(checkpoint.best_path):
+        above = f" {best_so_far:.2f}" if best_so_far is not None else ''
+        where = f"not above the{above} of the checkpoint it resumed from, so no best.pth here"
     return (f"finished {last['epoch'] + 1} epochs: best {what} {best[selected_by]:.2f} at epoch {best['epoch']} "
-            f"({checkpoint.best_path}), last {last.get(selected_by, last['val_top1']):.2f} "
-            f"({checkpoint.last_path}); log {log_path}")
+            f"({where}), last {last.get(selected_by, last['val_top1']):.2f} ({checkpoint.last_path}); "
+            f"log {log_path}")
 
 
 def train(cfg: CN, info: DistInfo, check_data: bool = False) -> Dict[str, Any]:
@@ -531,7 +537,8 @@ def _train(cfg: CN, info: DistInfo, lock: OutputLock, check_data: bool, resume: 
         signums = all_gather_objects(stop.received) if stopped else []
     if info.is_main and not stopped and state.epoch >= num_epochs:
         logger.info(_summary(os.path.join(output, LOG), checkpoint,
-                             'ema_val_top1' if ema_selects_best else 'val_top1'))
+                             'ema_val_top1' if ema_selects_best else 'val_top1',
+                             state.max_ema_accuracy if ema_selects_best else state.max_accuracy))
     if stopped:
         raise Stopped(next(s for s in signums if s is not None), checkpoint.last_path)
     return record

@@ -404,6 +404,23 @@ def test_a_run_resumed_from_another_folder_goes_on_when_its_command_runs_again(t
     assert checkpoints(one_epoch) == source
 
 
+def test_a_run_resumed_from_another_folder_names_no_best_pth_it_did_not_save(tmp_path, digits, one_epoch, capsys,
+                                                                             monkeypatch):
+    """A run resumed from another folder's checkpoint saves best.pth only once it beats that checkpoint's best; its
+    last line named a best.pth of this folder that did not exist."""
+    output = tmp_path / 'continued'
+    resumed_best = records(one_epoch)[-1]['max_val_top1']
+    monkeypatch.setattr(engine.trainer, 'evaluate', lambda *args, **kwargs: dict(top1=0.0, top5=0.0, loss=9.0,
+                                                                                 count=360))
+    argv = ['--cfg', TINY, '--output', str(output), '--data-path', str(digits), '--resume',
+            str(one_epoch / 'last.pth'), '--opts', *SHORT, 'TRAIN.EPOCHS', '2']
+    assert run_cli(train_main, argv) == 0
+    assert not (output / 'best.pth').exists()
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert (f"finished 2 epochs: best val top-1 0.00 at epoch 1 (not above the {resumed_best:.2f} of the checkpoint "
+            f"it resumed from, so no best.pth here), last 0.00 ({output / 'last.pth'})") in last
+
+
 def test_resuming_a_finished_epoch_with_another_batch_size_keeps_its_record(tmp_path, digits, one_epoch, capsys):
     output = tmp_path / 'run'
     shutil.copytree(one_epoch, output)

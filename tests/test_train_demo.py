@@ -162,9 +162,11 @@ def test_the_best_line_counts_the_epochs_with_an_ema_validation_alone(tmp_path):
     log.write_text('\n'.join(json.dumps(r) for r in [
         dict(epoch=0, val_top1=80.0), dict(epoch=1, val_top1=70.0, ema_val_top1=60.0),
         dict(epoch=2, val_top1=75.0, ema_val_top1=65.0)]) + '\n')
-    paths = SimpleNamespace(best_path='best.pth', last_path='last.pth')
+    (tmp_path / 'best.pth').touch()
+    paths = SimpleNamespace(best_path=str(tmp_path / 'best.pth'), last_path='last.pth')
     assert engine.trainer._summary(str(log), paths, 'ema_val_top1') == (
-        f"finished 3 epochs: best EMA val top-1 65.00 at epoch 2 (best.pth), last 65.00 (last.pth); log {log}")
+        f"finished 3 epochs: best EMA val top-1 65.00 at epoch 2 ({tmp_path / 'best.pth'}), last 65.00 (last.pth); "
+        f"log {log}")
     log.write_text(json.dumps(dict(epoch=0, val_top1=80.0)) + '\n')  # none validated: the model's top-1
     assert engine.trainer._summary(str(log), paths, 'ema_val_top1').startswith(
         "finished 1 epochs: best val top-1 80.00 at epoch 0")
