@@ -522,7 +522,7 @@ def _outlast_one_sigterm(worker_id: int) -> None:
     """A loader worker's start: its first SIGTERM is ignored, a second ends it. torchrun stops a process with a
     signal to its process group, as `timeout` and batch schedulers do, which reached the workers too: they died
     and the process failed on its next batch instead of saving after its step. The loader ends its workers
-    itself; a worker that does not end, the loader's and Python's own SIGTERM at exit still stops."""
+    itself, and one that hangs still stops at the next SIGTERM: the loader's own, or Python's at exit."""
     def ignore_once(signum: int, frame: Any) -> None:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGTERM, ignore_once)
