@@ -120,6 +120,19 @@ def classifier_rows(name: str, state_dict: Mapping[str, Tensor]) -> Optional[int
     return None
 
 
+def _imagenet1k_rows_of_imagenet22k_weights(name: str, model: nn.Module, weights: Dict[str, Tensor],
+                                            source: str) -> Dict[str, Tensor]:
+    """`weights` (official key names) with an ImageNet-22k classifier narrowed to the ImageNet-1k rows where
+    `model`'s family fine-tunes so (`models.checkpoint.narrow_imagenet22k_classifier`), said in the log."""
+    given_rows = classifier_rows(name, weights)
+    weights = narrow_imagenet22k_classifier(model, weights)
+    rows = classifier_rows(name, weights)
+    if given_rows != rows:
+        logger.info(f"{source}: took the classifier rows of the {rows} ImageNet-1k classes from the weights' "
+                    f"{given_rows} ImageNet-22k classes, as the family's official fine-tuning does")
+    return weights
+
+
 def read_weights(path: str, ema: bool = False, without_ema: str = 'drop --ema', released: bool = False
                  ) -> Dict[str, Tensor]:
     """Model weights from a checkpoint file: ours (`model` / `model_ema`), an official release (`model`,
@@ -202,6 +215,8 @@ def create_model(cfg: CN, weights: Optional[Dict[str, Tensor]] = None, source: s
     """
     if weights is not None and not strict:
         model = create_model(cfg, source=source, device=device)
+        weights = _imagenet1k_rows_of_imagenet22k_weights(cfg.MODEL.NAME, model, official_keys(model, dict(weights)),
+                                                          source)
         try:
             report = load_shared_weights(model, weights, source)
         except CheckpointError as e:
@@ -217,13 +232,8 @@ def create_model(cfg: CN, weights: Optional[Dict[str, Tensor]] = None, source: s
     if weights is not None:
         with torch.device('meta'):
             target = timm.create_model(name, num_classes=cfg.MODEL.NUM_CLASSES)
-        weights = official_keys(target, dict(weights))
-        given_rows = classifier_rows(name, weights)
-        weights = narrow_imagenet22k_classifier(target, weights)
+        weights = _imagenet1k_rows_of_imagenet22k_weights(name, target, official_keys(target, dict(weights)), source)
         classes = classifier_rows(name, weights) or cfg.MODEL.NUM_CLASSES
-        if given_rows is not None and given_rows != classes:
-            logger.info(f"{source}: took the classifier rows of the {classes} ImageNet-1k classes from the weights' "
-                        f"{given_rows} ImageNet-22k classes, as the family's official fine-tuning does")
         kwargs.update(pretrained=True, pretrained_cfg_overlay=dict(state_dict=weights, num_classes=classes))
     try:
         model = _timm_create_model(cfg, kwargs)

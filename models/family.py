@@ -24,8 +24,8 @@ from timm.models._input import update_model_input_size
 from .attention import list_attention_options, stage_attentions
 from .attention.layout import Grid, tokens_to_image
 from .attention.mixer import is_integer, is_number
-from .checkpoint import (HUB_SOURCES, cached_file_name, download_checkpoint, is_derived_buffer, loaded_key_names,
-                         rename_loaded_keys)
+from .checkpoint import (HUB_SOURCES, IMAGENET22K_CLASSES, cached_file_name, download_checkpoint, is_derived_buffer,
+                         loaded_key_names, rename_loaded_keys)
 
 __all__ = [
     'ZooModel', 'create_variant', 'register_variants', 'Block', 'BlockStack', 'init_weights', 'OfficialKeys',
@@ -676,6 +676,8 @@ def create_variant(
             kwargs['pretrained_cfg_overlay'] = {**(kwargs.get('pretrained_cfg_overlay') or {}), **cleared}
     if pretrained:
         _download_released_url(variant, kwargs)
+        if getattr(model_cls, 'narrows_imagenet22k_classifier', False):
+            _keep_narrowed_imagenet22k_classifier(variant, built.get('num_classes'), kwargs)
     device, dtype = kwargs.pop('device', None), kwargs.pop('dtype', None)
     # timm's factory keywords: parameters are created on `device` (the meta device allocates nothing)
     with torch.device(device) if device is not None else contextlib.nullcontext():
@@ -713,6 +715,15 @@ def _weight_sources(variant: str, kwargs: Mapping[str, Any]) -> Tuple[List[str],
     kept = [key for key in sources if getattr(given, key) == getattr(release, key)]
     own = given.source in HUB_SOURCES or given.state_dict is not None or len(kept) < len(sources)
     return kept, own
+
+
+def _keep_narrowed_imagenet22k_classifier(variant: str, num_classes: Any, kwargs: Dict[str, Any]) -> None:
+    """Let timm's loader keep the classifier of ImageNet-22k weights that the family's filter narrows to a 1000-class
+    model's ImageNet-1k rows: timm drops a classifier whenever the model's class count differs from the pretrained
+    cfg's, so the cfg is told the count the filtered weights have."""
+    cfg = resolve_pretrained_cfg(variant, kwargs.get('pretrained_cfg'), kwargs.get('pretrained_cfg_overlay'))
+    if num_classes == 1000 and cfg.num_classes == IMAGENET22K_CLASSES:
+        kwargs['pretrained_cfg_overlay'] = {**(kwargs.get('pretrained_cfg_overlay') or {}), 'num_classes': 1000}
 
 
 def _download_released_url(variant: str, kwargs: Dict[str, Any]) -> None:

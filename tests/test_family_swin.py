@@ -488,8 +488,8 @@ def imagenet22k_swin_checkpoint(name, path, **kwargs):
 
 def test_a_1000_class_fine_tuning_start_keeps_the_imagenet1k_rows_of_an_imagenet22k_classifier(tmp_path, caplog):
     """As Swin's fine-tuning from its ImageNet-22k weights: by train.py's start (MODEL.PRETRAINED), by
-    `load_pretrained_into` for another attention and by the checkpoint filter; a model of another class count
-    starts with a new classifier."""
+    `load_pretrained_into` for another attention, by the checkpoint filter and by timm's `pretrained=True` with
+    the ImageNet-22k tag; a model of another class count starts with a new classifier."""
     kwargs = {k: v for k, v in tiny_kwargs('softmax_swin_tiny').items() if k != 'num_classes'}
     path = tmp_path / 'swin_tiny_patch4_window7_224_22k.pth'
     source = imagenet22k_swin_checkpoint('softmax_swin_tiny', path, **kwargs)
@@ -505,6 +505,11 @@ def test_a_1000_class_fine_tuning_start_keeps_the_imagenet1k_rows_of_an_imagenet
     assert torch.equal(started.head.weight, expected_weight) and torch.equal(started.head.bias, expected_bias)
     assert torch.equal(started.patch_embed.proj.weight, source.patch_embed.proj.weight)
     assert "classifier rows of the 1000 ImageNet-1k classes from the weights' 21841 ImageNet-22k" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.INFO):  # MODEL.PRETRAINED_STRICT False
+        started = create_model(cfg, read_weights(str(path)), source=str(path), strict=False)
+    assert torch.equal(started.head.weight, expected_weight)
+    assert "classifier rows of the 1000 ImageNet-1k classes from the weights' 21841 ImageNet-22k" in caplog.text
 
     other_attention = timm.create_model('inline_swin_tiny', **dict(tiny_kwargs('inline_swin_tiny'), num_classes=1000))
     report = load_pretrained_into(other_attention, str(path))
@@ -513,6 +518,11 @@ def test_a_1000_class_fine_tuning_start_keeps_the_imagenet1k_rows_of_an_imagenet
     model = timm.create_model('softmax_swin_tiny', **kwargs, num_classes=1000)
     model.load_state_dict(checkpoint_filter_fn(torch.load(path, weights_only=True), model))
     assert torch.equal(model.head.bias, expected_bias)
+
+    # timm's loader drops a classifier whose class count differs from the pretrained cfg's (21841 here)
+    model = timm.create_model('softmax_swin_tiny.ms_in22k', pretrained=True, num_classes=1000,
+                              pretrained_cfg_overlay=dict(file=str(path)), **kwargs)
+    assert torch.equal(model.head.weight, expected_weight) and torch.equal(model.head.bias, expected_bias)
 
     ten_classes = timm.create_model('softmax_swin_tiny', **kwargs, num_classes=10)
     report = load_pretrained_into(ten_classes, str(path))
