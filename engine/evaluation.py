@@ -93,7 +93,10 @@ def eval_config(
         cfg.MODEL.NAME = model_name
         pretrained_cfg = timm.models.get_pretrained_cfg(model_name)
         if pretrained_cfg is not None:  # a model registered without default_cfgs takes the engine's defaults
-            merge_dict(cfg, _model_data_settings(pretrained_cfg.to_dict()), f"the pretrained config of {model_name}")
+            settings = _model_data_settings(pretrained_cfg.to_dict())
+            if pretrained_cfg.num_classes:  # an ImageNet-22k release classifies 21841 classes
+                settings['MODEL'] = dict(NUM_CLASSES=int(pretrained_cfg.num_classes))
+            merge_dict(cfg, settings, f"the pretrained config of {model_name}")
         merge_dict(cfg, overrides or {}, 'the command line')
         merge_opts(cfg, list(opts))
     elif checkpoint:

@@ -1321,6 +1321,14 @@ def test_timm_architectures_build_from_their_own_evaluation_config(name):
     assert shapes[0] == shapes[1]
 
 
+@pytest.mark.parametrize('name, classes', [('softmax_swin_tiny.ms_in22k', 21841), ('softmax_cswin_large.in22k', 21841),
+                                           ('softmax_swin_tiny', 1000),
+                                           ('vit_tiny_patch16_224.augreg_in21k', 21843)])
+def test_a_model_name_evaluates_with_the_class_count_of_its_release(name, classes):
+    """`eval.py --model NAME --throughput` times the released model, its classifier included."""
+    assert engine.evaluation.eval_config(None, name, None).MODEL.NUM_CLASSES == classes
+
+
 def test_a_timm_model_without_stochastic_depth_evaluates_and_trains_only_at_a_drop_path_rate_of_0(tmp_path, digits,
                                                                                                 capsys):
     """DLA takes no `drop_path_rate`: evaluation (where stochastic depth is off) builds it whatever the config's
