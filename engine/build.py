@@ -1,11 +1,13 @@
 """Model, weights, optimizer, scheduler and loss from a config, through timm's factories."""
 import difflib
 import importlib
+import importlib.util
 import inspect
 import logging
 import os
 import re
 import sys
+import traceback
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import timm
@@ -39,15 +41,40 @@ logger = logging.getLogger('engine')
 
 def import_model_modules(cfg: CN) -> None:
     """Import the modules of MODEL.IMPORTS, which register a user's attentions or families, with the working
-    directory on the import path (after the rest); `UsageError` for one that cannot be imported."""
+    directory on the import path (after the rest); `UsageError` for one that cannot be imported or fails on
+    import, naming the line of its own code that raised."""
     if cfg.MODEL.IMPORTS and os.getcwd() not in sys.path:
         sys.path.append(os.getcwd())
     for module in cfg.MODEL.IMPORTS:
         try:
             importlib.import_module(module)
-        except ImportError as e:
+        except ModuleNotFoundError as e:
+            if e.name is None or not (module == e.name or module.startswith(f'{e.name}.')):  # one it imports
+                raise UsageError(f"MODEL.IMPORTS module {module!r} failed on import ({e}; at "
+                                 f"{_raised_at(e, module)}); expected a module whose own imports are "
+                                 f"installed") from None
             raise UsageError(f"MODEL.IMPORTS module {module!r} cannot be imported ({e}); expected a module on the "
                              f"import path: in the working directory, on PYTHONPATH or installed") from None
+        except Exception as e:  # the registry refusing a name or class, a syntax error, a bug in the module
+            text = e.msg if isinstance(e, SyntaxError) else e  # whose str() names the place again
+            raise UsageError(f"MODEL.IMPORTS module {module!r} failed on import ({type(e).__name__}: {text}; at "
+                             f"{_raised_at(e, module)}); expected a module that imports and registers "
+                             f"cleanly") from None
+
+
+def _raised_at(error: BaseException, module: str) -> str:
+    """Where in `module`'s own file `error` was raised: the line of its code that raised it or called the raiser
+    (a syntax error's own line), else the last line the traceback names."""
+    if isinstance(error, SyntaxError) and error.filename:
+        return f"{error.filename}, line {error.lineno}"
+    frames = traceback.extract_tb(error.__traceback__)
+    try:
+        origin = getattr(importlib.util.find_spec(module), 'origin', None)
+    except (ImportError, ValueError):
+        origin = None
+    own = [frame for frame in frames if origin and os.path.abspath(frame.filename) == os.path.abspath(origin)]
+    frame = (own or frames)[-1]
+    return f"{frame.filename}, line {frame.lineno}"
 
 
 def check_model_name(name: str) -> None:

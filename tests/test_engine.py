@@ -39,10 +39,10 @@ import engine.trainer
 import engine.data
 import engine.evaluation
 from engine.build import (check_pretrained, create_criterion, create_model, create_optimizer, create_scheduler,
-                          read_weights)
+                          import_model_modules, read_weights)
 from engine.checkpoint import TrainingCheckpoint, atomic_save, atomic_write_text, rng_state, set_rng_state
 from engine.cli import eval_main, train_main
-from engine.config import ConfigError, load_config
+from engine.config import ConfigError, get_default_config, load_config
 from engine.data import (DIGITS_STAMP, ShardSampler, eval_transform, image_mode, load_split, prepare_digits)
 from engine.distributed import DistInfo
 from engine.errors import USAGE_EXIT_CODE, UsageError, run_cli
@@ -1397,3 +1397,27 @@ def test_the_script_itself_exits_2_without_a_traceback(tmp_path):
     assert result.returncode == USAGE_EXIT_CODE
     assert result.stderr.strip().splitlines() == [
         "error: config key TRAIN.BASE_LR expects a number, got 'x' in --opts"]
+
+
+@pytest.mark.parametrize('source, message', [
+    ("from models.attention import register_attention\nfrom models.attention.softmax import SoftmaxMixer\n\n\n"
+     "@register_attention('softmax')\nclass Again(SoftmaxMixer):\n    pass\n",
+     "(ValueError: attention 'softmax' is already registered by SoftmaxMixer; at {file}, line 5); expected a module "
+     "that imports and registers cleanly"),
+    ("def f(:\n    pass\n", "(SyntaxError: invalid syntax; at {file}, line 1)"),
+    ("import json\nimport no_such_dependency\n", "(No module named 'no_such_dependency'; at {file}, line 2); "
+     "expected a module whose own imports are installed"),
+])
+def test_a_model_imports_module_that_fails_is_named_on_one_line(tmp_path, monkeypatch, source, message):
+    """The registry refusing a name, a syntax error or a missing dependency of a MODEL.IMPORTS module: one line
+    naming the module, the error and its line, not a traceback."""
+    name = f'user_module_{tmp_path.name}'
+    (tmp_path / f'{name}.py').write_text(source)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg = get_default_config()
+    cfg.MODEL.IMPORTS = [name]
+    with pytest.raises(UsageError) as raised:
+        import_model_modules(cfg)
+    assert message.format(file=tmp_path / f'{name}.py') in str(raised.value)
+    assert str(raised.value).startswith(f"MODEL.IMPORTS module {name!r} ") and '\n' not in str(raised.value)
