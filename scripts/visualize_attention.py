@@ -30,7 +30,7 @@ with quit_on_interrupt():  # while torch and the models load: nothing has starte
     from engine.distributed import DistInfo
     from engine.loops import Progress
     from engine.trainer import setup_logging
-    from models.analysis import Query, attention_layers, record_attention
+    from models.analysis import Query, attention_layers, pools_tokens, record_attention
     try:
         from models.analysis.plots import (
             attention_rollout, grad_cam, plot_heat_map, plot_multimax_sigma, plot_query_maps, plot_simplex,
@@ -38,6 +38,7 @@ with quit_on_interrupt():  # while torch and the models load: nothing has starte
         )
     except ModuleNotFoundError as missing:
         exit_for_missing_extra(missing, 'analysis')
+    from models.attention.mixer import Mixer
     from models.attention.multimax import MultiMaxMixer
 
 
@@ -166,8 +167,10 @@ def main(argv: Sequence[str]) -> int:
                 raise UsageError(f"query 'cls': layer {name} has no class token (its tokens are the "
                                  f"{layer.grid[0]}x{layer.grid[1]} grid); expected Y,X points for it, {way}")
     stems = figure_stems(files, args.image)
-    if args.queries and any(layer.is_pooling for layer in recorded.values()):
-        print("additive attention's layers pool the tokens: their figures show each pool's weights, not --queries")
+    pooling = sorted({layer.attention for layer in recorded.values() if layer.is_pooling})
+    if args.queries and pooling:
+        print(f"{' and '.join(pooling)} attention's layers pool the tokens: their figures show each pool's weights, "
+              f"not --queries")
     with Progress(len(files), 'images', enabled=len(files) > 1) as progress:
         for index, stem in enumerate(stems):
             for name, layer in recorded.items():
@@ -180,10 +183,19 @@ def main(argv: Sequence[str]) -> int:
                 if 'q_norm' in layer.extras:
                     plot_token_norms(shown[index], layer, save(f'{stem}_{slug(name)}_norms.png'), index)
             progress.update()
-    additive = any(layer.mixer.attention_name == 'additive' for layer in attention_layers(model).values())
-    if has_class_token and additive:
-        print("no attention rollout: additive attention pools the tokens into global vectors and forms no "
-              "token-to-token weights to multiply through the layers")
+    mixers = [module for layer in attention_layers(model).values() for module in layer.modules()
+              if isinstance(module, Mixer)]
+    try:
+        pooling = sorted({mixer.attention_name for mixer in mixers if pools_tokens(type(mixer))})
+    except ValueError as e:  # a layer outside --layers whose attention has no weight function
+        pooling, unrecorded = [], str(e)
+    else:
+        unrecorded = None
+    if has_class_token and unrecorded:
+        print(f"no attention rollout: {unrecorded}")
+    elif has_class_token and pooling:
+        print(f"no attention rollout: {' and '.join(pooling)} attention pools the tokens into global vectors and "
+              f"forms no token-to-token weights to multiply through the layers")
     elif has_class_token:
         with torch.no_grad(), record_attention(model) as full:
             model(inputs)

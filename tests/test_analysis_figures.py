@@ -22,6 +22,8 @@ import engine.loops
 from engine.analysis import load_analysis_model
 from engine.errors import UsageError, run_cli
 from models.analysis import matrices, plots, record_attention
+from models.attention import registry
+from models.attention.additive import AdditiveMixer
 from models.attention.linear import LinearMixer
 from models.attention import build_attention
 from models.analysis.plots import SIMPLEX_TEMPERATURES, plot_simplex, simplex_logits, simplex_points
@@ -146,18 +148,36 @@ def test_visualize_attention_gives_images_of_one_stem_and_repeated_queries_one_f
         visualize.figure_stems(['v/a b.png', 'v/a-b.png', 'v/a_b.png'], 'v')
 
 
-@pytest.mark.parametrize('model', ['additive_deit_tiny', 'additive_pvt_tiny'])
-def test_additive_class_token_models_say_why_they_draw_no_rollout_and_no_queries(images, tmp_path, capsys, model):
-    """They drew neither, silently, where the other class-token models say why."""
-    opts = TINY if model == 'additive_deit_tiny' else LATE_CLASS_TOKEN['softmax_pvt_tiny']
-    argv = ['--model', model, '--image', str(images), '--max-images', '1', '--queries', '4,4', '--out',
-            str(tmp_path / 'figures'), '--opts'] + opts
+@pytest.fixture
+def renamed_additive(monkeypatch):
+    """Additive attention under another name, as a user's subclass that keeps its `forward`."""
+    class RenamedAdditive(AdditiveMixer):
+        pass
+    monkeypatch.setitem(registry._MIXERS, 'renamed_additive', RenamedAdditive)
+    monkeypatch.setattr(RenamedAdditive, 'attention_name', 'renamed_additive')
+    return 'renamed_additive'
+
+
+@pytest.mark.parametrize('model', ['additive_deit_tiny', 'additive_pvt_tiny', 'renamed_additive_deit_tiny'])
+def test_additive_class_token_models_say_why_they_draw_no_rollout_and_no_queries(images, tmp_path, capsys, model,
+                                                                                 request):
+    """They drew neither, silently, where the other class-token models say why; additive attention is known by
+    its weights (pools), not its name: a renamed subclass drew pool figures as token queries, and failed."""
+    opts = TINY if 'deit' in model else LATE_CLASS_TOKEN['softmax_pvt_tiny']
+    attention = 'additive'
+    if model.startswith('renamed'):
+        attention = request.getfixturevalue('renamed_additive')
+        model, opts = 'additive_deit_tiny', opts + ['MODEL.KWARGS.attn_type', attention]
+    out = tmp_path / 'figures'
+    argv = ['--model', model, '--image', str(images), '--max-images', '1', '--queries', '4,4', '--out', str(out),
+            '--opts'] + opts
     assert run_cli(visualize.main, argv) == 0
     printed = capsys.readouterr().out
-    assert ("additive attention's layers pool the tokens: their figures show each pool's weights, not --queries\n"
-            in printed)
-    assert ('no attention rollout: additive attention pools the tokens into global vectors and forms no '
+    assert (f"{attention} attention's layers pool the tokens: their figures show each pool's weights, not "
+            f"--queries\n" in printed)
+    assert (f'no attention rollout: {attention} attention pools the tokens into global vectors and forms no '
             'token-to-token weights to multiply through the layers\n' in printed)
+    assert any(name.endswith('_pool0.png') for name in os.listdir(out))
 
 
 def test_visualize_attention_writes_figures(images, tmp_path):

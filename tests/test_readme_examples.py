@@ -11,15 +11,17 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def extending_examples():
-    """The Python blocks of the README's Extending section: the attention file, then the family module."""
+    """The Python blocks of the README's Extending section: the attention file, its analysis weights, then the
+    family module."""
     text = (ROOT / 'README.md').read_text()
     section = text[text.index('## Extending'):text.index('## Tests and benchmarks')]
     return re.findall(r'```python\n(.*?)```', section, flags=re.S)
 
 
 def test_the_extending_section_has_an_attention_and_a_family_example():
-    attention, family = extending_examples()
+    attention, weights, family = extending_examples()
     assert attention.startswith('# models/attention/cosine.py') and "@register_attention('cosine')" in attention
+    assert weights.startswith('# models/analysis/matrices.py') and '@attention_matrix(CosineMixer)' in weights
     assert 'class PlainViT(ZooModel)' in family and 'register_variants(__name__' in family
 
 
@@ -45,10 +47,21 @@ print('ok')
 
 
 def test_the_examples_run_as_package_files(tmp_path):
-    attention, family = extending_examples()
+    """The examples in a copy of the package, and the tests that iterate the registry run on the new attention
+    there, as they would in the user's clone."""
+    attention, weights, family = extending_examples()
     package = tmp_path / 'models'
     shutil.copytree(ROOT / 'models', package, ignore=shutil.ignore_patterns('__pycache__'))
     (package / 'attention' / 'cosine.py').write_text(attention)
+    matrices = package / 'analysis' / 'matrices.py'
+    matrices.write_text(matrices.read_text() + '\n\n' + weights)
     (package / 'plainvit.py').write_text(family)
     run = subprocess.run([sys.executable, '-c', CHECK], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0 and run.stdout.strip() == 'ok', run.stderr[-3000:]
+    shutil.copytree(ROOT / 'tests', tmp_path / 'tests', ignore=shutil.ignore_patterns('__pycache__'))
+    shutil.copy(ROOT / 'pyproject.toml', tmp_path)
+    run = subprocess.run([sys.executable, '-m', 'pytest', '-q', '-p', 'no:cacheprovider', '-k', 'cosine',
+                          'tests/test_analysis.py', 'tests/test_attention_core.py'], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:]
+    assert re.search(r'^\d+ passed', run.stdout.splitlines()[-1]), run.stdout[-3000:]

@@ -14,7 +14,7 @@ the attentions compute nothing for analysis. A function forms only the requested
 
 Everything runs in float32 at least, with autocast off; float64 inputs stay float64.
 """
-from typing import Callable, Dict, NamedTuple, Optional, Type
+from typing import Callable, Dict, NamedTuple, Optional, Set, Type
 
 import torch
 import torch.nn.functional as F
@@ -30,7 +30,7 @@ from ..attention.multimax import MultiMaxMixer, multimax_modulation, regions_apa
 from ..attention.sima import SimAMixer, l1_normalize_tokens
 from ..attention.softmax import SoftmaxMixer
 
-__all__ = ['MixerWeights', 'attention_matrix', 'mixer_weights']
+__all__ = ['MixerWeights', 'attention_matrix', 'mixer_weights', 'matrix_function', 'pools_tokens']
 
 
 class MixerWeights(NamedTuple):
@@ -42,13 +42,16 @@ class MixerWeights(NamedTuple):
 
 MatrixFn = Callable[[Mixer, Tensor, Tensor, Tensor, MixContext, Optional[Tensor]], MixerWeights]
 _MATRICES: Dict[Type[Mixer], MatrixFn] = {}
+_POOLING: Set[Type[Mixer]] = set()
 
 
-def attention_matrix(mixer_cls: Type[Mixer]) -> Callable[[MatrixFn], MatrixFn]:
+def attention_matrix(mixer_cls: Type[Mixer], *, pools: bool = False) -> Callable[[MatrixFn], MatrixFn]:
     """Register `fn(mixer, q, k, v, ctx, rows) -> MixerWeights` for `mixer_cls` (q: (B', n, C), k, v: (B', m, C),
-    rows: query indices within a group or None for all)."""
+    rows: query indices within a group or None for all). `pools`: the mixer forms no token-by-token weights and
+    `fn` returns its pooling distributions (`MixerWeights.pools`), as for additive attention."""
     def wrap(fn: MatrixFn) -> MatrixFn:
         _MATRICES[mixer_cls] = fn
+        (_POOLING.add if pools else _POOLING.discard)(mixer_cls)
         return fn
     return wrap
 
@@ -62,16 +65,27 @@ def mixer_weights(mixer: Mixer, q: Tensor, k: Tensor, v: Tensor, ctx: MixContext
         return weights_of(mixer, q.to(work), k.to(work), v.to(work), ctx, rows)
 
 
-def matrix_function(mixer_cls: Type[Mixer]) -> MatrixFn:
-    """The function registered for `mixer_cls`, or for the base class whose `forward` it runs (a subclass with a
-    `forward` of its own computes other weights than its base's); a ValueError where there is none."""
+def _registered_class(mixer_cls: Type[Mixer]) -> Type[Mixer]:
+    """`mixer_cls`, or the base class whose `forward` it runs (a subclass with a `forward` of its own computes
+    other weights than its base's), that has a registered function; a ValueError where there is none."""
     for cls in mixer_cls.__mro__:
         if cls in _MATRICES:
-            return _MATRICES[cls]
+            return cls
         if 'forward' in vars(cls):
             break
     raise ValueError(f"no attention matrix is defined for {mixer_cls.__name__}; register one with "
                      f"models.analysis.attention_matrix")
+
+
+def matrix_function(mixer_cls: Type[Mixer]) -> MatrixFn:
+    """The function registered for `mixer_cls` or the base whose `forward` it runs; a ValueError where none is."""
+    return _MATRICES[_registered_class(mixer_cls)]
+
+
+def pools_tokens(mixer_cls: Type[Mixer]) -> bool:
+    """Whether `mixer_cls`'s weights are pooling distributions (`attention_matrix(..., pools=True)`) rather than
+    token-by-token rows; a ValueError where no function is registered for it."""
+    return _registered_class(mixer_cls) in _POOLING
 
 
 def _take(x: Tensor, rows: Optional[Tensor]) -> Tensor:
@@ -165,7 +179,7 @@ def linear_weights(mixer: LinearMixer, q: Tensor, k: Tensor, v: Tensor, ctx: Mix
     return MixerWeights(weights=kernel / (kernel.sum(dim=-1, keepdim=True) + 1e-6))
 
 
-@attention_matrix(AdditiveMixer)
+@attention_matrix(AdditiveMixer, pools=True)
 def additive_weights(mixer: AdditiveMixer, q: Tensor, k: Tensor, v: Tensor, ctx: MixContext,
                      rows: Optional[Tensor]) -> MixerWeights:
     """Per head, α = softmax over tokens of query_att(q)/√d and β = softmax over tokens of key_att(k ⊙ g_q)/√d."""

@@ -24,7 +24,7 @@ from ..attention.layout import (
     Grid, image_to_tokens, pad_tokens, padded_grid, split_heads, tokens_to_image, window_partition,
 )
 from ..attention.mixer import MixContext, Mixer
-from .matrices import matrix_function, mixer_weights
+from .matrices import matrix_function, mixer_weights, pools_tokens
 
 __all__ = ['LayerAttention', 'AttentionRecord', 'record_attention', 'attention_layers', 'Query']
 
@@ -212,7 +212,7 @@ class AttentionRecord:
         num_prefix = N - size[0] * size[1]
         mixers = _mixers(layer)
         attention = mixers[0][1].attention_name
-        pooling = attention == 'additive'
+        pooling = pools_tokens(type(mixers[0][1]))
         key_grid = size
         if isinstance(layer, SpatialReductionAttention) and layer.pool_size is not None:
             key_grid = (layer.pool_size, layer.pool_size)
