@@ -1,7 +1,6 @@
 """Model, weights, optimizer, scheduler and loss from a config, through timm's factories."""
 import difflib
 import importlib
-import importlib.util
 import inspect
 import logging
 import os
@@ -50,30 +49,27 @@ def import_model_modules(cfg: CN) -> None:
             importlib.import_module(module)
         except ModuleNotFoundError as e:
             if e.name is None or not (module == e.name or module.startswith(f'{e.name}.')):  # one it imports
-                raise UsageError(f"MODEL.IMPORTS module {module!r} failed on import ({e}; at "
-                                 f"{_raised_at(e, module)}); expected a module whose own imports are "
-                                 f"installed") from None
+                raise UsageError(f"MODEL.IMPORTS module {module!r} failed on import ({e}; at {_raised_at(e)}); "
+                                 f"expected a module whose own imports are installed") from None
             raise UsageError(f"MODEL.IMPORTS module {module!r} cannot be imported ({e}); expected a module on the "
                              f"import path: in the working directory, on PYTHONPATH or installed") from None
         except Exception as e:  # the registry refusing a name or class, a syntax error, a bug in the module
-            text = e.msg if isinstance(e, SyntaxError) else e  # whose str() names the place again
+            text = ' '.join(str(e.msg if isinstance(e, SyntaxError) else e).split())  # one line; msg: no place
             raise UsageError(f"MODEL.IMPORTS module {module!r} failed on import ({type(e).__name__}: {text}; at "
-                             f"{_raised_at(e, module)}); expected a module that imports and registers "
-                             f"cleanly") from None
+                             f"{_raised_at(e)}); expected a module that imports and registers cleanly") from None
 
 
-def _raised_at(error: BaseException, module: str) -> str:
-    """Where in `module`'s own file `error` was raised: the line of its code that raised it or called the raiser
-    (a syntax error's own line), else the last line the traceback names."""
+def _raised_at(error: BaseException) -> str:
+    """Where the failed import of a module raised `error`: the line of the module's own code (a package's
+    `__init__` for a dotted name) that raised it or called the raiser, the first past the import machinery; a
+    syntax error's own line."""
     if isinstance(error, SyntaxError) and error.filename:
         return f"{error.filename}, line {error.lineno}"
     frames = traceback.extract_tb(error.__traceback__)
-    try:
-        origin = getattr(importlib.util.find_spec(module), 'origin', None)
-    except (ImportError, ValueError):
-        origin = None
-    own = [frame for frame in frames if origin and os.path.abspath(frame.filename) == os.path.abspath(origin)]
-    frame = (own or frames)[-1]
+    machinery = (os.path.abspath(__file__), os.path.dirname(os.path.abspath(importlib.__file__)) + os.sep)
+    own = [frame for frame in frames if not frame.filename.startswith('<frozen')
+           and not os.path.abspath(frame.filename).startswith(machinery)]
+    frame = (own or frames)[0]
     return f"{frame.filename}, line {frame.lineno}"
 
 
@@ -147,8 +143,8 @@ def classifier_rows(name: str, state_dict: Mapping[str, Tensor]) -> Optional[int
     return None
 
 
-def _imagenet1k_rows_of_imagenet22k_weights(name: str, model: nn.Module, weights: Dict[str, Tensor],
-                                            source: str) -> Dict[str, Tensor]:
+def _with_imagenet1k_classifier(name: str, model: nn.Module, weights: Dict[str, Tensor],
+                                source: str) -> Dict[str, Tensor]:
     """`weights` (official key names) with an ImageNet-22k classifier narrowed to the ImageNet-1k rows where
     `model`'s family fine-tunes so (`models.checkpoint.narrow_imagenet22k_classifier`), said in the log."""
     given_rows = classifier_rows(name, weights)
@@ -242,8 +238,7 @@ def create_model(cfg: CN, weights: Optional[Dict[str, Tensor]] = None, source: s
     """
     if weights is not None and not strict:
         model = create_model(cfg, source=source, device=device)
-        weights = _imagenet1k_rows_of_imagenet22k_weights(cfg.MODEL.NAME, model, official_keys(model, dict(weights)),
-                                                          source)
+        weights = _with_imagenet1k_classifier(cfg.MODEL.NAME, model, official_keys(model, dict(weights)), source)
         try:
             report = load_shared_weights(model, weights, source)
         except CheckpointError as e:
@@ -259,7 +254,7 @@ def create_model(cfg: CN, weights: Optional[Dict[str, Tensor]] = None, source: s
     if weights is not None:
         with torch.device('meta'):
             target = timm.create_model(name, num_classes=cfg.MODEL.NUM_CLASSES)
-        weights = _imagenet1k_rows_of_imagenet22k_weights(name, target, official_keys(target, dict(weights)), source)
+        weights = _with_imagenet1k_classifier(name, target, official_keys(target, dict(weights)), source)
         classes = classifier_rows(name, weights) or cfg.MODEL.NUM_CLASSES
         kwargs.update(pretrained=True, pretrained_cfg_overlay=dict(state_dict=weights, num_classes=classes))
     try:

@@ -1407,17 +1407,26 @@ def test_the_script_itself_exits_2_without_a_traceback(tmp_path):
     ("def f(:\n    pass\n", "(SyntaxError: invalid syntax; at {file}, line 1)"),
     ("import json\nimport no_such_dependency\n", "(No module named 'no_such_dependency'; at {file}, line 2); "
      "expected a module whose own imports are installed"),
+    ("raise ValueError('line one\\nline two')\n", "(ValueError: line one line two; at {file}, line 1)"),
+    # after the package's first line, print('ran')
+    ("raise RuntimeError('in the package')\n", "(RuntimeError: in the package; at {package}, line 2)"),
 ])
-def test_a_model_imports_module_that_fails_is_named_on_one_line(tmp_path, monkeypatch, source, message):
-    """The registry refusing a name, a syntax error or a missing dependency of a MODEL.IMPORTS module: one line
-    naming the module, the error and its line, not a traceback."""
-    name = f'user_module_{tmp_path.name}'
-    (tmp_path / f'{name}.py').write_text(source)
+def test_a_model_imports_module_that_fails_is_named_on_one_line(tmp_path, monkeypatch, capsys, source, message):
+    """The registry refusing a name, a syntax error, a missing dependency or any error of a MODEL.IMPORTS module,
+    or of the package of a dotted one: one line naming the module, the error and its line, not a traceback; the
+    failed code runs once."""
+    package = f'user_package_{tmp_path.name}'
+    (tmp_path / package).mkdir()
+    in_package = 'in the package' in source
+    (tmp_path / package / '__init__.py').write_text(f"print('ran')\n{source}" if in_package else "print('ran')\n")
+    (tmp_path / package / 'user_module.py').write_text('' if in_package else source)
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
     cfg = get_default_config()
-    cfg.MODEL.IMPORTS = [name]
+    cfg.MODEL.IMPORTS = [f'{package}.user_module']
     with pytest.raises(UsageError) as raised:
         import_model_modules(cfg)
-    assert message.format(file=tmp_path / f'{name}.py') in str(raised.value)
-    assert str(raised.value).startswith(f"MODEL.IMPORTS module {name!r} ") and '\n' not in str(raised.value)
+    file, init = tmp_path / package / 'user_module.py', tmp_path / package / '__init__.py'
+    assert message.format(file=file, package=init) in str(raised.value)
+    assert str(raised.value).startswith(f"MODEL.IMPORTS module '{package}.user_module' ")
+    assert '\n' not in str(raised.value) and capsys.readouterr().out == 'ran\n'
