@@ -186,16 +186,16 @@ def main(argv: Sequence[str]) -> int:
     mixers = [module for layer in attention_layers(model).values() for module in layer.modules()
               if isinstance(module, Mixer)]
     try:
-        pooling = sorted({mixer.attention_name for mixer in mixers if pools_tokens(type(mixer))})
+        pooling_in_model = sorted({mixer.attention_name for mixer in mixers if pools_tokens(type(mixer))})
     except ValueError as e:  # a layer outside --layers whose attention has no weight function
-        pooling, unrecorded = [], str(e)
+        pooling_in_model, unrecorded = [], str(e)
     else:
         unrecorded = None
     if has_class_token and unrecorded:
         print(f"no attention rollout: {unrecorded}")
-    elif has_class_token and pooling:
-        print(f"no attention rollout: {' and '.join(pooling)} attention pools the tokens into global vectors and "
-              f"forms no token-to-token weights to multiply through the layers")
+    elif has_class_token and pooling_in_model:
+        print(f"no attention rollout: {' and '.join(pooling_in_model)} attention pools the tokens into global "
+              f"vectors and forms no token-to-token weights to multiply through the layers")
     elif has_class_token:
         with torch.no_grad(), record_attention(model) as full:
             model(inputs)

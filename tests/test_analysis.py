@@ -7,9 +7,10 @@ import torch
 import torch.nn.functional as F
 
 import models  # noqa: F401  (registers the families)
-from models.analysis import attention_layers, record_attention
+from models.analysis import attention_layers, matrices, record_attention
 from models.analysis.stats import AttentionStatistics, collision_share, row_statistics
 from models.attention import build_attention, get_mixer_class, list_attentions
+from models.attention.additive import AdditiveMixer
 from models.attention.layout import merge_heads, split_heads
 from models.attention.sima import l1_normalize_tokens
 
@@ -81,6 +82,34 @@ def recorded_output(attn, layer, x):
         if layer.local is not None:
             mixed = mixed + layer.local
     return attn.proj(mixed)
+
+
+def test_a_weight_function_registered_against_what_it_returns_is_named(monkeypatch):
+    """A pooling function registered without pools=True (a subclass of additive attention with a forward of its
+    own) failed with an AttributeError on None, and a token-rows function registered with it alike."""
+    monkeypatch.setattr(matrices, '_MATRICES', dict(matrices._MATRICES))
+    monkeypatch.setattr(matrices, '_POOLING', set(matrices._POOLING))
+
+    class OwnForward(AdditiveMixer):
+        def forward(self, q, k, v, ctx):
+            return super().forward(q, k, v, ctx)
+
+    attn, x = build('additive', 'global')
+    attn.mixer.__class__ = OwnForward
+    matrices.attention_matrix(OwnForward)(matrices.additive_weights)
+    with record_attention(attn) as rec:
+        attn(x, GRID)
+    with pytest.raises(ValueError, match=r"^the attention matrix function of OwnForward is registered without "
+                                         r"pools=True, but returns pools; expected attention_matrix\(\.\.\., "
+                                         r"pools=True\) for a function that returns pools"):
+        rec[0]
+    attn, x = build('softmax', 'global')
+    matrices.attention_matrix(type(attn.mixer), pools=True)(matrices.softmax_weights)
+    with record_attention(attn) as rec:
+        attn(x, GRID)
+    with pytest.raises(ValueError, match=r"^the attention matrix function of SoftmaxMixer is registered with "
+                                         r"pools=True, but returns no pools"):
+        rec[0]
 
 
 @pytest.mark.parametrize('name,grouping', CASES)

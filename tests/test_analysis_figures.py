@@ -25,7 +25,7 @@ from models.analysis import matrices, plots, record_attention
 from models.attention import registry
 from models.attention.additive import AdditiveMixer
 from models.attention.linear import LinearMixer
-from models.attention import build_attention
+from models.attention import build_attention, register_attention
 from models.analysis.plots import SIMPLEX_TEMPERATURES, plot_simplex, simplex_logits, simplex_points
 
 from reference import max_abs_err
@@ -149,13 +149,13 @@ def test_visualize_attention_gives_images_of_one_stem_and_repeated_queries_one_f
 
 
 @pytest.fixture
-def renamed_additive(monkeypatch):
+def renamed_additive():
     """Additive attention under another name, as a user's subclass that keeps its `forward`."""
+    @register_attention('renamed_additive')
     class RenamedAdditive(AdditiveMixer):
         pass
-    monkeypatch.setitem(registry._MIXERS, 'renamed_additive', RenamedAdditive)
-    monkeypatch.setattr(RenamedAdditive, 'attention_name', 'renamed_additive')
-    return 'renamed_additive'
+    yield RenamedAdditive.attention_name
+    del registry._MIXERS[RenamedAdditive.attention_name]
 
 
 @pytest.mark.parametrize('model', ['additive_deit_tiny', 'additive_pvt_tiny', 'renamed_additive_deit_tiny'])

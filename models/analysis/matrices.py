@@ -6,8 +6,8 @@ the attentions compute nothing for analysis. A function forms only the requested
 
 - `weights` (B', heads, r, m): row i is the distribution (or the signed row, for InLine and SimA) that mixes the
   m values into query i's global term, so `weights @ v` is that term exactly;
-- `pools` (B', heads, 2, n): additive attention's query- and key-pooling distributions over the tokens (it forms
-  no token-by-token matrix);
+- `pools` (B', heads, 2, n): for an attention that forms no token-by-token matrix (registered with `pools=True`),
+  its two pooling distributions over the tokens (additive attention's query and key pools);
 - `local` (B', n, C): the term added to the global one that is not an attention weight (InLine's residual,
   FLatten's depthwise convolution of V);
 - `extras`: per-token quantities the papers draw, (B', heads, n) each (SimA's ‖q̂‖ and ‖k̂‖).
@@ -30,7 +30,7 @@ from ..attention.multimax import MultiMaxMixer, multimax_modulation, regions_apa
 from ..attention.sima import SimAMixer, l1_normalize_tokens
 from ..attention.softmax import SoftmaxMixer
 
-__all__ = ['MixerWeights', 'attention_matrix', 'mixer_weights', 'matrix_function', 'pools_tokens']
+__all__ = ['MixerWeights', 'attention_matrix', 'mixer_weights', 'pools_tokens']
 
 
 class MixerWeights(NamedTuple):

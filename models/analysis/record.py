@@ -247,6 +247,12 @@ class AttentionRecord:
             # all rows at once, or none: the local term and extras of every group without a row of weights
             result = mixer_weights(mixer, call.q, call.k, call.v, call.ctx,
                                    None if whole else torch.zeros(0, dtype=torch.long, device=device))
+            if (result.pools if pooling else result.weights) is None:
+                registered = 'with pools=True, but returns no pools' if pooling else \
+                    'without pools=True, but returns pools'
+                raise ValueError(f"the attention matrix function of {type(mixer).__name__} is registered "
+                                 f"{registered}; expected attention_matrix(..., pools=True) for a function that "
+                                 f"returns pools (B', heads, 2, n), else one that returns weights (B', heads, r, m)")
             if pooling:
                 pools = result.pools.view(B, G, h, 2, n)
                 # a last column for the padding's positions, dropped with it
