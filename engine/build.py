@@ -7,7 +7,7 @@ import os
 import re
 import sys
 import traceback
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import timm
 import torch
@@ -20,7 +20,8 @@ from yacs.config import CfgNode as CN
 import models  # noqa: F401  (registers the zoo's families with timm)
 from models.checkpoint import (EMA_KEYS, MODEL_KEYS, PRETRAINED_KEYS, CheckpointError, checkpoint_state_dict,
                                has_released_weights, load_checkpoint_file, load_shared_weights,
-                               narrow_imagenet22k_classifier, official_keys, unknown_pretrained_tag)
+                               imagenet1k_classes, narrow_imagenet22k_classifier, official_keys,
+                               unknown_pretrained_tag)
 from models.onednn import convert_to_onednn, onednn_available
 
 from .config import ConfigError, mixup_active, model_kwargs
@@ -143,17 +144,25 @@ def classifier_rows(name: str, state_dict: Mapping[str, Tensor]) -> Optional[int
     return None
 
 
-def _with_imagenet1k_classifier(name: str, model: nn.Module, weights: Dict[str, Tensor],
-                                source: str) -> Dict[str, Tensor]:
+def _with_imagenet1k_classifier(name: str, model: nn.Module, weights: Dict[str, Tensor], source: str,
+                                classes: Optional[Sequence[str]]) -> Dict[str, Tensor]:
     """`weights` (official key names) with an ImageNet-22k classifier narrowed to the ImageNet-1k rows where
-    `model`'s family fine-tunes so (`models.checkpoint.narrow_imagenet22k_classifier`), said in the log."""
-    given_rows = classifier_rows(name, weights)
-    weights = narrow_imagenet22k_classifier(model, weights)
-    rows = classifier_rows(name, weights)
-    if given_rows != rows:
-        logger.info(f"{source}: took the classifier rows of the {rows} ImageNet-1k classes from the weights' "
-                    f"{given_rows} ImageNet-22k classes, as the family's official fine-tuning does")
-    return weights
+    `model`'s family fine-tunes so (`models.checkpoint.narrow_imagenet22k_classifier`), said in the log; not where
+    the data's `classes` (class folder names, None: unknown) are other than ImageNet-1k's, which start a new one."""
+    narrowed = narrow_imagenet22k_classifier(model, weights)
+    if narrowed is weights:
+        return weights
+    given_rows, rows = classifier_rows(name, weights), classifier_rows(name, narrowed)
+    if classes is not None and tuple(classes) != imagenet1k_classes():
+        index, (found, synset) = next((i, pair) for i, pair in enumerate(zip(classes, imagenet1k_classes()))
+                                      if pair[0] != pair[1])
+        logger.info(f"{source}: kept none of the weights' {given_rows} ImageNet-22k classifier rows: the data's "
+                    f"class {index} is {found!r}, not ImageNet-1k's {synset!r}, so the rows of ImageNet-1k's classes "
+                    f"would start the wrong classes")
+        return weights
+    logger.info(f"{source}: took the classifier rows of the {rows} ImageNet-1k classes from the weights' "
+                f"{given_rows} ImageNet-22k classes, as the family's official fine-tuning does")
+    return narrowed
 
 
 def read_weights(path: str, ema: bool = False, without_ema: str = 'drop --ema', released: bool = False
@@ -226,7 +235,8 @@ def _timm_create_model(cfg: CN, kwargs: Dict[str, Any]) -> nn.Module:
 
 
 def create_model(cfg: CN, weights: Optional[Dict[str, Tensor]] = None, source: str = 'checkpoint',
-                 device: Optional[str] = None, strict: bool = True) -> nn.Module:
+                 device: Optional[str] = None, strict: bool = True,
+                 classes: Optional[Sequence[str]] = None) -> nn.Module:
     """`timm.create_model(MODEL.NAME, num_classes, img_size, drop_path_rate, **MODEL.KWARGS)`, its parameters
     created on `device` (None: the default device); without `img_size` or a `drop_path_rate` of 0 for a model that
     has no such argument (a convolutional net, a net without stochastic depth), unless MODEL.KWARGS gives them.
@@ -235,10 +245,13 @@ def create_model(cfg: CN, weights: Optional[Dict[str, Tensor]] = None, source: s
     checkpoints and official releases load alike. A classifier for another class count is re-initialised (for
     fine-tuning); callers that evaluate check the class count first. Without `strict`, only the tensors the
     weights share with the model load (`models.checkpoint.load_shared_weights`), and the log names the others.
+    A 1000-class Swin takes the ImageNet-1k rows of ImageNet-22k weights unless the data's `classes` (class folder
+    names, where known) are other than ImageNet-1k's.
     """
     if weights is not None and not strict:
         model = create_model(cfg, source=source, device=device)
-        weights = _with_imagenet1k_classifier(cfg.MODEL.NAME, model, official_keys(model, dict(weights)), source)
+        weights = _with_imagenet1k_classifier(cfg.MODEL.NAME, model, official_keys(model, dict(weights)), source,
+                                              classes)
         try:
             report = load_shared_weights(model, weights, source)
         except CheckpointError as e:
@@ -254,9 +267,9 @@ def create_model(cfg: CN, weights: Optional[Dict[str, Tensor]] = None, source: s
     if weights is not None:
         with torch.device('meta'):
             target = timm.create_model(name, num_classes=cfg.MODEL.NUM_CLASSES)
-        weights = _with_imagenet1k_classifier(name, target, official_keys(target, dict(weights)), source)
-        classes = classifier_rows(name, weights) or cfg.MODEL.NUM_CLASSES
-        kwargs.update(pretrained=True, pretrained_cfg_overlay=dict(state_dict=weights, num_classes=classes))
+        weights = _with_imagenet1k_classifier(name, target, official_keys(target, dict(weights)), source, classes)
+        rows = classifier_rows(name, weights) or cfg.MODEL.NUM_CLASSES
+        kwargs.update(pretrained=True, pretrained_cfg_overlay=dict(state_dict=weights, num_classes=rows))
     try:
         model = _timm_create_model(cfg, kwargs)
     except CheckpointError as e:
@@ -314,10 +327,11 @@ def check_model_config(cfg: CN) -> nn.Module:
 
 
 def create_training_model(cfg: CN, device: torch.device, weights: Optional[Dict[str, Tensor]] = None,
-                          source: str = 'checkpoint', strict: bool = True) -> nn.Module:
-    """`create_model` as training runs it, on `device`: through oneDNN with TRAIN.ONEDNN, with gradient
-    checkpointing with TRAIN.USE_CHECKPOINT."""
-    model = create_model(cfg, weights, source=source, strict=strict)
+                          source: str = 'checkpoint', strict: bool = True,
+                          classes: Optional[Sequence[str]] = None) -> nn.Module:
+    """`create_model` as training runs it, on `device`, for the data's `classes`: through oneDNN with
+    TRAIN.ONEDNN, with gradient checkpointing with TRAIN.USE_CHECKPOINT."""
+    model = create_model(cfg, weights, source=source, strict=strict, classes=classes)
     if cfg.TRAIN.ONEDNN:
         convert_to_onednn(model)
     if cfg.TRAIN.USE_CHECKPOINT:

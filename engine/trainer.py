@@ -374,7 +374,8 @@ def _train(cfg: CN, info: DistInfo, lock: OutputLock, check_data: bool, resume: 
         pretrained = _read_start_weights(cfg, weights_file(cfg.MODEL.PRETRAINED, 'MODEL.PRETRAINED', info),
                                          released=True)
     model = _with_start_weights(cfg, pretrained, lambda: create_training_model(
-        cfg, info.device, pretrained, source=cfg.MODEL.PRETRAINED, strict=cfg.MODEL.PRETRAINED_STRICT))
+        cfg, info.device, pretrained, source=cfg.MODEL.PRETRAINED, strict=cfg.MODEL.PRETRAINED_STRICT,
+        classes=train_set.classes))
     if pretrained is not None and info.is_main:
         if os.path.isfile(cfg.MODEL.PRETRAINED):
             which = 'EMA' if cfg.MODEL.PRETRAINED_EMA else 'model'

@@ -51,7 +51,7 @@ __all__ = [
     'CheckpointError', 'DownloadError', 'checkpoint_cache_dir', 'cached_file_name', 'download_checkpoint',
     'process_alive', 'HUB_SOURCES', 'is_hub_name', 'hub_weights_file', 'start_weights_file', 'unknown_pretrained_tag',
     'has_released_weights', 'released_weights_file', 'official_keys', 'filter_checkpoint', 'adapt_state_dict',
-    'IMAGENET22K_CLASSES', 'imagenet1k_rows_of_imagenet22k', 'narrow_imagenet22k_classifier',
+    'IMAGENET22K_CLASSES', 'imagenet1k_classes', 'imagenet1k_rows_of_imagenet22k', 'narrow_imagenet22k_classifier',
     'load_pretrained_into', 'load_shared_weights', 'TransferReport', 'SAFE_GLOBALS', 'load_checkpoint_file',
     'MODEL_KEYS', 'EMA_KEYS', 'PRETRAINED_KEYS', 'checkpoint_state_dict', 'held_weights', 'error_summary',
     'rename_loaded_keys', 'loaded_key_names',
@@ -501,13 +501,19 @@ _ROWS_OUTSIDE_IMAGENET21K = {'n04399382': 5564}
 
 
 @functools.lru_cache(maxsize=None)
+def imagenet1k_classes() -> Tuple[str, ...]:
+    """The WordNet synsets of the 1000 ImageNet-1k classes in class order, the names of ImageNet's class folders."""
+    return tuple(ImageNetInfo('imagenet-1k').label_names())
+
+
+@functools.lru_cache(maxsize=None)
 def imagenet1k_rows_of_imagenet22k() -> Tuple[int, ...]:
     """The row of each ImageNet-1k class, in class order, in the ImageNet-22k classifiers of Swin's releases, as
     Swin's fine-tuning picks them (its `map22kto1k.txt`): the class's index in Google's ImageNet-21k synset list,
     which timm ships, and row 5564 for the one class that list lacks (teddy bear)."""
     full_list = {synset: row for row, synset in enumerate(ImageNetInfo('imagenet-21k-goog').label_names())}
     return tuple(full_list[synset] if synset in full_list else _ROWS_OUTSIDE_IMAGENET21K[synset]
-                 for synset in ImageNetInfo('imagenet-1k').label_names())
+                 for synset in imagenet1k_classes())
 
 
 def narrow_imagenet22k_classifier(model: nn.Module, state_dict: Dict[str, Tensor]) -> Dict[str, Tensor]:
@@ -655,15 +661,14 @@ def load_pretrained_into(model: nn.Module, source: str) -> TransferReport:
     """
     path = start_weights_file(source)
     keys = MODEL_KEYS if os.path.isfile(source) else PRETRAINED_KEYS
-    return load_shared_weights(model, checkpoint_state_dict(load_checkpoint_file(path), keys, f"checkpoint {path!r}"),
-                               source)
+    state_dict = checkpoint_state_dict(load_checkpoint_file(path), keys, f"checkpoint {path!r}")
+    return load_shared_weights(model, narrow_imagenet22k_classifier(model, official_keys(model, state_dict)), source)
 
 
 def load_shared_weights(model: nn.Module, state_dict: Mapping[str, Tensor], source: str) -> TransferReport:
     """Load into `model` every tensor of `state_dict` (any layout a family reads) whose key and, after adaptation
     to the model's resolution, shape it shares; `source` names the weights in the error when none is shared."""
-    state_dict = narrow_imagenet22k_classifier(model, official_keys(model, drop_derived_buffers(state_dict)))
-    state_dict = adapt_state_dict(model, state_dict)
+    state_dict = adapt_state_dict(model, official_keys(model, drop_derived_buffers(state_dict)))
     own = model.state_dict()
     # in the model's order, whatever order the file keeps (safetensors sorts its keys)
     loaded = [k for k, v in own.items() if k in state_dict and state_dict[k].shape == v.shape]

@@ -720,9 +720,10 @@ def _weight_sources(variant: str, kwargs: Mapping[str, Any]) -> Tuple[List[str],
 def _keep_narrowed_imagenet22k_classifier(variant: str, num_classes: Any, kwargs: Dict[str, Any]) -> None:
     """Let timm's loader keep the classifier of ImageNet-22k weights that the family's filter narrows to a 1000-class
     model's ImageNet-1k rows: timm drops a classifier whenever the model's class count differs from the pretrained
-    cfg's, so the cfg is told the count the filtered weights have."""
+    cfg's, so the cfg is told the count the filtered weights have. Weights given as a `state_dict` keep the count
+    their giver states (`engine` narrows them itself, where the data's classes are ImageNet-1k's)."""
     cfg = resolve_pretrained_cfg(variant, kwargs.get('pretrained_cfg'), kwargs.get('pretrained_cfg_overlay'))
-    if num_classes == 1000 and cfg.num_classes == IMAGENET22K_CLASSES:
+    if num_classes == 1000 and cfg.num_classes == IMAGENET22K_CLASSES and cfg.state_dict is None:
         kwargs['pretrained_cfg_overlay'] = {**(kwargs.get('pretrained_cfg_overlay') or {}), 'num_classes': 1000}
 
 

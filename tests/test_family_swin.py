@@ -18,8 +18,8 @@ from timm.models.swin_transformer import SwinTransformer as TimmSwin
 from engine.build import create_model, read_weights
 from engine.config import load_config
 from models.attention import list_attentions
-from models.checkpoint import (IMAGENET22K_CLASSES, CheckpointError, imagenet1k_rows_of_imagenet22k,
-                               load_pretrained_into)
+from models.checkpoint import (IMAGENET22K_CLASSES, CheckpointError, imagenet1k_classes,
+                               imagenet1k_rows_of_imagenet22k, load_pretrained_into)
 from models.swin import SwinTransformer, checkpoint_filter_fn
 from golden import load_golden
 
@@ -510,6 +510,20 @@ def test_a_1000_class_fine_tuning_start_keeps_the_imagenet1k_rows_of_an_imagenet
         started = create_model(cfg, read_weights(str(path)), source=str(path), strict=False)
     assert torch.equal(started.head.weight, expected_weight)
     assert "classifier rows of the 1000 ImageNet-1k classes from the weights' 21841 ImageNet-22k" in caplog.text
+    # train.py names the data's classes: ImageNet's folders take the rows, others a new classifier
+    started = create_model(cfg, read_weights(str(path)), source=str(path), classes=imagenet1k_classes())
+    assert torch.equal(started.head.weight, expected_weight)
+    numbered = [str(i) for i in range(1000)]
+    for strict in (True, False):
+        caplog.clear()
+        with caplog.at_level(logging.INFO):
+            started = create_model(cfg, read_weights(str(path)), source=str(path), strict=strict, classes=numbered)
+        assert started.head.weight.shape == expected_weight.shape
+        assert not torch.equal(started.head.weight, expected_weight)
+        assert torch.equal(started.patch_embed.proj.weight, source.patch_embed.proj.weight)
+        assert (f"{path}: kept none of the weights' 21841 ImageNet-22k classifier rows: the data's class 0 is '0', "
+                f"not ImageNet-1k's 'n01440764'") in caplog.text
+        assert "took the classifier rows" not in caplog.text
 
     other_attention = timm.create_model('inline_swin_tiny', **dict(tiny_kwargs('inline_swin_tiny'), num_classes=1000))
     report = load_pretrained_into(other_attention, str(path))
