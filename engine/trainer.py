@@ -250,7 +250,8 @@ def _summary(log_path: str, checkpoint: TrainingCheckpoint, selected_by: str = '
     if not os.path.isfile(checkpoint.best_path):
         above = f" {best_so_far:.2f}" if best_so_far is not None else ''
         where = f"not above the{above} of the checkpoint it resumed from, so no best.pth here"
-    return (f"finished {last['epoch'] + 1} epochs: best {what} {best[selected_by]:.2f} at epoch {best['epoch']} "
+    epochs = f"{last['epoch'] + 1} epoch{'s' if last['epoch'] else ''}"
+    return (f"finished {epochs}: best {what} {best[selected_by]:.2f} at epoch {best['epoch']} "
             f"({where}), last {last.get(selected_by, last['val_top1']):.2f} ({checkpoint.last_path}); "
             f"log {log_path}")
 

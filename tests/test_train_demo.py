@@ -169,7 +169,7 @@ def test_the_best_line_counts_the_epochs_with_an_ema_validation_alone(tmp_path):
         f"log {log}")
     log.write_text(json.dumps(dict(epoch=0, val_top1=80.0)) + '\n')  # none validated: the model's top-1
     assert engine.trainer._summary(str(log), paths, 'ema_val_top1').startswith(
-        "finished 1 epochs: best val top-1 80.00 at epoch 0")
+        "finished 1 epoch: best val top-1 80.00 at epoch 0")
 
 
 def test_sigterm_saves_after_the_current_step_and_resumes_exactly(tmp_path, digits, uninterrupted, monkeypatch):
