@@ -756,3 +756,22 @@ def test_a_stop_during_a_benchmark_is_one_line_and_ends_its_measuring_process(tm
     while [pid for pid in measuring if os.path.exists(f'/proc/{pid}')] and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not [pid for pid in measuring if os.path.exists(f'/proc/{pid}')]
+
+
+def test_the_readme_zoo_table_is_the_one_zoo_table_prints(monkeypatch):
+    """The README's table of official models, apart from what zoo_table.py measures (taken from the README here,
+    so no model is built): the rows, official top-1, release tags and configs; and every released weights file
+    of the zoo has its row."""
+    text = open(os.path.join(os.path.dirname(SCRIPTS), 'README.md')).read()
+    start = text.index('| model | resolution | params (M) | FLOPs (G) | official top-1 | weights | config |')
+    readme = text[start:text.index('\n\n', start)].splitlines()
+    measured = {}
+    for row in readme[2:]:
+        name, resolution, params, flops = [cell.strip() for cell in row.strip('|').split('|')][:4]
+        measured[name.strip('`')] = (int(resolution), float(params) * 1e6, float(flops) * 1e9)
+    monkeypatch.setattr(zoo_table, 'measure', lambda name: measured[name])
+    assert zoo_table.official_table() == readme
+    released = {name for name in timm.list_pretrained()
+                if name.split('_')[0] in list_attentions() and timm.models.get_pretrained_cfg(name).has_weights}
+    listed = {name if '.' in name else f'{name}.{timm.models.get_pretrained_cfg(name).tag}' for name in measured}
+    assert released and released <= listed, sorted(released - listed)
