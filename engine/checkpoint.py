@@ -473,9 +473,10 @@ class TrainingCheckpoint:
                              f"--pretrained {path} with another --output)")
         given, started = cfg.MODEL.PRETRAINED, stored.MODEL.PRETRAINED
         if given and not _same_source(given, started):
+            resume = f"MODEL.PRETRAINED {started!r}" if started else "no MODEL.PRETRAINED"
             raise UsageError(f"MODEL.PRETRAINED {given!r} would not be loaded: this run resumes {path!r}, which "
                              f"started from {repr(started) if started else 'random weights'}; expected another "
-                             f"--output to start from {given!r}")
+                             f"--output to start from {given!r}, or {resume} to resume the run")
 
     @staticmethod
     def check_resumable(checkpoint: Mapping[str, Any], path: str, batch_size: int, accumulation: int,

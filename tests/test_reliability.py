@@ -356,7 +356,8 @@ def test_weights_to_start_from_are_refused_for_a_run_that_resumes(tmp_path, one_
     assert run_cli(train_main, [*train_argv(output, tmp_path / 'no-data'), 'MODEL.PRETRAINED', other]) == 2
     assert capsys.readouterr().err == (
         f"error: MODEL.PRETRAINED {other!r} would not be loaded: this run resumes {str(output / 'last.pth')!r}, "
-        f"which started from random weights; expected another --output to start from {other!r}\n")
+        f"which started from random weights; expected another --output to start from {other!r}, or no "
+        f"MODEL.PRETRAINED to resume the run\n")
 
 
 def test_a_best_checkpoint_without_a_last_one_is_not_replaced_and_resumes(tmp_path, digits, one_epoch, capsys):
