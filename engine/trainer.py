@@ -37,7 +37,7 @@ from .data import (build_batch_augmentation, build_eval_loader, build_train_load
 from .distributed import (
     DistInfo, all_gather_objects, all_reduce_sum, any_rank, average_batchnorm_statistics, barrier, main_process_first,
 )
-from .errors import Stopped, UsageError, exit_at_once
+from .errors import NonFiniteLossError, Stopped, UsageError, exit_at_once
 from .hub import weights_file
 from .loops import EpochOptions, TrainState, evaluate, train_one_epoch
 
@@ -64,6 +64,15 @@ class _LogFile(logging.FileHandler):
         reason = error.strerror if isinstance(error, OSError) and error.strerror else repr(error)
         print(f"warning: cannot write {self.baseFilename!r} ({reason}); the log goes on on the console alone",
               file=sys.stderr)
+
+
+def _note_in_log_file(output: str, message: str) -> None:
+    """`message` in the `train.log` of `output` alone, where this process writes it (rank 0, once the run holds the
+    folder), so that the log of a run that stopped on an error ends with it."""
+    path = os.path.abspath(os.path.join(output, 'train.log'))
+    for handler in logger.handlers:
+        if isinstance(handler, _LogFile) and handler.baseFilename == path:
+            handler.handle(logger.makeRecord(logger.name, logging.ERROR, __file__, 0, message, None, None))
 
 
 def setup_logging(info: DistInfo, output: Optional[str] = None, stream: Optional[TextIO] = None) -> None:
@@ -284,6 +293,9 @@ def train(cfg: CN, info: DistInfo, check_data: bool = False) -> Dict[str, Any]:
     lock = OutputLock(cfg.OUTPUT)
     try:
         return _train(cfg, info, lock, check_data, resume, stored, pretrained)
+    except (UsageError, CheckpointError, NonFiniteLossError) as e:
+        _note_in_log_file(cfg.OUTPUT, f"error: {e}")  # the console gets it from the command line's handler
+        raise
     finally:
         lock.release()
 

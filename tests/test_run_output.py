@@ -211,3 +211,15 @@ def test_throughput_needs_a_timed_forward_of_an_image(capsys, argv, message):
         eval_main(['--model', 'inline_deit_tiny', '--throughput', *argv])
     assert exited.value.code == USAGE_EXIT_CODE
     assert capsys.readouterr().err.strip().splitlines()[-1] == f'eval.py: error: {message}'
+
+
+def test_a_run_stopped_by_an_error_says_so_at_the_end_of_its_log(finished_run, tmp_path, capsys):
+    """An error after the run took its folder (a download that fails; here, more accumulation steps than the data
+    has batches) left an empty train.log: the error went to the console alone."""
+    digits = str(finished_run.parent / 'digits')
+    argv = ['--cfg', TINY, '--output', str(tmp_path / 'out'), '--data-path', digits,
+            '--opts', 'TRAIN.ACCUMULATION_STEPS', '1000']
+    assert run_cli(train_main, argv) == USAGE_EXIT_CODE
+    error = capsys.readouterr().err.splitlines()[-1]
+    assert error.startswith('error: TRAIN.ACCUMULATION_STEPS 1000 exceeds the ')
+    assert (tmp_path / 'out' / 'train.log').read_text().splitlines()[-1].endswith(f"] {error}")
