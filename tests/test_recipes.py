@@ -13,11 +13,12 @@ import torch
 from PIL import Image, ImageOps
 from timm.data.random_erasing import RandomErasing
 
-from engine.build import autocast_dtype, create_scheduler
+from engine.build import autocast_dtype, check_pretrained, create_scheduler
 from engine.cli import train_main
 from engine.config import ConfigError, load_config, scaled_lrs
 from engine.data import build_batch_augmentation, posterize, train_transform
 from engine.loops import TrainState, step_schedule
+from models.checkpoint import has_released_weights
 
 CONFIGS = Path(__file__).resolve().parents[1] / 'configs'
 RECIPES = sorted(p for p in CONFIGS.rglob('*.yaml') if p.parent.name != 'demo')
@@ -165,6 +166,28 @@ SCHEDULES = {
     **{f'sima/{s}_p{p}': (*SIMA, 8) for s in ('nano_12', 'tiny_12', 'small_12', 'tiny_24', 'small_24', 'medium_24',
                                                'large_24') for p in (16, 8)},
 }
+
+
+def test_every_fine_tuning_recipe_starts_from_the_released_weights_it_fine_tunes():
+    """The 384 fine-tunes (30 epochs at lr 2e-5) trained from random weights unless given --pretrained; each now
+    names the released 224 weights of its model (or the ImageNet-22k ones), where they are released."""
+    fine_tunes = 0
+    for path in RECIPES:
+        cfg = load_config(str(path))
+        if cfg.TRAIN.EPOCHS > 30:
+            assert not cfg.MODEL.PRETRAINED, path
+            continue
+        fine_tunes += 1
+        start = cfg.MODEL.PRETRAINED.split('.')[0]
+        if path.stem.endswith('_22kto1k'):
+            assert cfg.MODEL.PRETRAINED == f'{cfg.MODEL.NAME}.ms_in22k', path
+        elif has_released_weights(cfg.MODEL.NAME.replace('_384', '')):
+            assert start == cfg.MODEL.NAME.replace('_384', ''), path
+        else:
+            assert not cfg.MODEL.PRETRAINED, path
+        if cfg.MODEL.PRETRAINED:
+            check_pretrained(cfg.MODEL.PRETRAINED)
+    assert fine_tunes == 11
 
 
 def test_every_recipe_has_an_official_schedule():
