@@ -17,7 +17,7 @@ from models._files import UNFINISHED_FILES
 from models.checkpoint import CheckpointError
 
 __all__ = ['UsageError', 'BadImageError', 'NonFiniteLossError', 'Stopped', 'USAGE_EXIT_CODE', 'run_cli',
-           'exit_at_once', 'refuse_below', 'exit_for_missing_extra', 'terminate_as_interrupt']
+           'error_line', 'exit_at_once', 'refuse_below', 'exit_for_missing_extra', 'terminate_as_interrupt']
 
 USAGE_EXIT_CODE = 2
 
@@ -117,7 +117,7 @@ def run_cli(main: Callable[[Sequence[str]], int], argv: Optional[Sequence[str]] 
         if '--debug' in argv:
             raise
         if _reports() or isinstance(e, BadImageError):
-            print(f"error: {e}", file=sys.stderr)
+            print(error_line(e), file=sys.stderr)
         return USAGE_EXIT_CODE
     except KeyboardInterrupt as e:
         if '--debug' in argv:
@@ -143,9 +143,19 @@ def run_cli(main: Callable[[Sequence[str]], int], argv: Optional[Sequence[str]] 
         if '--debug' in argv or not _peer_gone(e):
             raise
         if _reports():
-            print(f"error: a collective with the other processes failed ({_first_sentence(e)}): another process "
-                  f"ended or stopped answering; its own output says why", file=sys.stderr)
+            print(error_line(e), file=sys.stderr)
         return 1
+
+
+def error_line(error: Exception) -> str:
+    """The line that reports `error`: `run_cli`'s for bad input, a diverged run or a collective failed by another
+    process; for any other error (a traceback on the console), its type and first sentence."""
+    if isinstance(error, (UsageError, CheckpointError, NonFiniteLossError)):
+        return f"error: {error}"
+    if isinstance(error, RuntimeError) and _peer_gone(error):
+        return (f"error: a collective with the other processes failed ({_first_sentence(error)}): another process "
+                f"ended or stopped answering; its own output says why")
+    return f"error: {type(error).__name__}: {_first_sentence(error)}"
 
 
 def refuse_below(parser: argparse.ArgumentParser, minimums: Mapping[str, Tuple[Optional[float], float]]) -> None:

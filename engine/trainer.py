@@ -12,7 +12,7 @@ import time
 import warnings
 from contextlib import contextmanager
 from dataclasses import replace
-from typing import Any, Callable, Dict, Iterator, Optional, TextIO
+from typing import Any, Callable, Dict, Iterator, List, Optional, TextIO
 
 import numpy as np
 import torch
@@ -37,7 +37,7 @@ from .data import (build_batch_augmentation, build_eval_loader, build_train_load
 from .distributed import (
     DistInfo, all_gather_objects, all_reduce_sum, any_rank, average_batchnorm_statistics, barrier, main_process_first,
 )
-from .errors import NonFiniteLossError, Stopped, UsageError, exit_at_once
+from .errors import Stopped, UsageError, error_line, exit_at_once
 from .hub import weights_file
 from .loops import EpochOptions, TrainState, evaluate, train_one_epoch
 
@@ -66,13 +66,24 @@ class _LogFile(logging.FileHandler):
               file=sys.stderr)
 
 
-def _note_in_log_file(output: str, message: str) -> None:
-    """`message` in the `train.log` of `output` alone, where this process writes it (rank 0, once the run holds the
-    folder), so that the log of a run that stopped on an error ends with it."""
+def _log_files(output: str) -> List[_LogFile]:
     path = os.path.abspath(os.path.join(output, 'train.log'))
-    for handler in logger.handlers:
-        if isinstance(handler, _LogFile) and handler.baseFilename == path:
-            handler.handle(logger.makeRecord(logger.name, logging.ERROR, __file__, 0, message, None, None))
+    return [handler for handler in logger.handlers if isinstance(handler, _LogFile) and handler.baseFilename == path]
+
+
+def _note_in_log_file(output: str, message: str) -> None:
+    """`message` in the `train.log` of `output` alone, so that the log of a run that stopped on an error ends
+    with it."""
+    for handler in _log_files(output):
+        handler.handle(logger.makeRecord(logger.name, logging.ERROR, __file__, 0, message, None, None))
+
+
+def _close_log_file(output: str) -> None:
+    """Stop logging into the `train.log` of `output`: a later run in this process writes there only once it
+    holds the folder."""
+    for handler in _log_files(output):
+        logger.removeHandler(handler)
+        handler.close()
 
 
 def setup_logging(info: DistInfo, output: Optional[str] = None, stream: Optional[TextIO] = None) -> None:
@@ -293,11 +304,13 @@ def train(cfg: CN, info: DistInfo, check_data: bool = False) -> Dict[str, Any]:
     lock = OutputLock(cfg.OUTPUT)
     try:
         return _train(cfg, info, lock, check_data, resume, stored, pretrained)
-    except (UsageError, CheckpointError, NonFiniteLossError) as e:
-        _note_in_log_file(cfg.OUTPUT, f"error: {e}")  # the console gets it from the command line's handler
+    except Exception as e:  # a stop after saving has logged its own line
+        if lock.fd is not None:  # the run took the folder: its log is this run's (the console has the error)
+            _note_in_log_file(cfg.OUTPUT, error_line(e))
         raise
     finally:
         lock.release()
+        _close_log_file(cfg.OUTPUT)
 
 
 def _read_start_weights(cfg: CN, path: str, released: bool = False) -> Dict[str, Tensor]:

@@ -222,4 +222,22 @@ def test_a_run_stopped_by_an_error_says_so_at_the_end_of_its_log(finished_run, t
     assert run_cli(train_main, argv) == USAGE_EXIT_CODE
     error = capsys.readouterr().err.splitlines()[-1]
     assert error.startswith('error: TRAIN.ACCUMULATION_STEPS 1000 exceeds the ')
-    assert (tmp_path / 'out' / 'train.log').read_text().splitlines()[-1].endswith(f"] {error}")
+    log = tmp_path / 'out' / 'train.log'
+    assert log.read_text().splitlines()[-1].endswith(f"] {error}")
+    # an error before the run takes the folder belongs to no run of it: the earlier run's log stays as it was
+    written = log.read_text()
+    assert run_cli(train_main, [*argv, 'MODEL.NUM_CLASSES', '11']) == USAGE_EXIT_CODE
+    assert 'MODEL.NUM_CLASSES' in capsys.readouterr().err and log.read_text() == written
+
+
+def test_a_run_stopped_by_an_unexpected_error_names_it_at_the_end_of_its_log(finished_run, tmp_path, monkeypatch):
+    """Any exception, not only bad input (here one that a collective with a rank that ended would raise)."""
+    def fail(*args, **kwargs):
+        raise RuntimeError('Connection closed by peer [127.0.0.1]:1234. More details follow.\nTrace')
+
+    monkeypatch.setattr(engine.trainer, 'train_one_epoch', fail)
+    argv = ['--cfg', TINY, '--output', str(tmp_path / 'out'), '--data-path', str(finished_run.parent / 'digits')]
+    with pytest.raises(RuntimeError):
+        train_main(argv)
+    assert (tmp_path / 'out' / 'train.log').read_text().splitlines()[-1].endswith(
+        "] error: RuntimeError: Connection closed by peer [127.0.0.1]:1234")
