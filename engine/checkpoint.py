@@ -473,10 +473,19 @@ class TrainingCheckpoint:
                              f"--pretrained {path} with another --output)")
         given, started = cfg.MODEL.PRETRAINED, stored.MODEL.PRETRAINED
         if given and not _same_source(given, started):
-            resume = f"MODEL.PRETRAINED {started!r}" if started else "no MODEL.PRETRAINED"
+            resume = f"--pretrained {started}" if started else "--pretrained '' (no MODEL.PRETRAINED)"
             raise UsageError(f"MODEL.PRETRAINED {given!r} would not be loaded: this run resumes {path!r}, which "
                              f"started from {repr(started) if started else 'random weights'}; expected another "
                              f"--output to start from {given!r}, or {resume} to resume the run")
+
+    @staticmethod
+    def started_from(checkpoint: Mapping[str, Any], path: str) -> str:
+        """The MODEL.PRETRAINED the run that wrote `checkpoint` started from ('' for random weights or a config
+        this engine no longer reads)."""
+        try:
+            return config_from_yaml_string(checkpoint['config'], f"checkpoint {path!r}").MODEL.PRETRAINED
+        except ConfigError:
+            return ''
 
     @staticmethod
     def check_resumable(checkpoint: Mapping[str, Any], path: str, batch_size: int, accumulation: int,

@@ -292,6 +292,12 @@ def train(cfg: CN, info: DistInfo, check_data: bool = False) -> Dict[str, Any]:
     stored = _read_resumed(resume, auto=resume == os.path.join(cfg.OUTPUT, LAST)) if resume else None
     if stored is not None:
         TrainingCheckpoint.check_same_run(stored, resume, cfg)
+        started = TrainingCheckpoint.started_from(stored, resume)
+        if started and not cfg.MODEL.PRETRAINED:  # the checkpoints of every resumption name the run's start
+            cfg = cfg.clone()
+            cfg.defrost()
+            cfg.MODEL.PRETRAINED = started
+            cfg.freeze()
     # so are the weights to start from, read and matched with the model, where they lie in a file already (a
     # download waits for the data check)
     pretrained = None

@@ -34,7 +34,7 @@ import engine.trainer
 from engine.build import create_criterion, create_model, create_optimizer, create_scheduler
 from engine.checkpoint import OutputLock, TrainingCheckpoint
 from engine.cli import eval_main, train_main
-from engine.config import load_config, scaled_lrs
+from engine.config import config_from_yaml_string, load_config, scaled_lrs
 from engine.data import build_train_loader, load_split, prepare_digits, train_transform
 from engine.distributed import DistInfo
 from engine.errors import USAGE_EXIT_CODE, NonFiniteLossError, run_cli
@@ -356,8 +356,21 @@ def test_weights_to_start_from_are_refused_for_a_run_that_resumes(tmp_path, one_
     assert run_cli(train_main, [*train_argv(output, tmp_path / 'no-data'), 'MODEL.PRETRAINED', other]) == 2
     assert capsys.readouterr().err == (
         f"error: MODEL.PRETRAINED {other!r} would not be loaded: this run resumes {str(output / 'last.pth')!r}, "
-        f"which started from random weights; expected another --output to start from {other!r}, or no "
-        f"MODEL.PRETRAINED to resume the run\n")
+        f"which started from random weights; expected another --output to start from {other!r}, or "
+        f"--pretrained '' (no MODEL.PRETRAINED) to resume the run\n")
+
+
+def test_a_run_resumed_without_its_weights_still_resumes_with_them_named(tmp_path, digits, one_epoch, capsys):
+    """Each resumption saved its own config: resumed once without --pretrained, the run was then said to have
+    started from random weights, and its own first command was refused."""
+    output, start = tmp_path / 'run', str(one_epoch / 'last.pth')
+    started = [*train_argv(output, digits), 'TRAIN.EPOCHS', '3', 'TRAIN.EPOCHS_PER_RUN', '1']
+    assert run_cli(train_main, ['--pretrained', start, *started]) == 0
+    assert run_cli(train_main, started) == 0
+    assert config_from_yaml_string(torch.load(output / 'last.pth', weights_only=True)['config']).MODEL.PRETRAINED \
+        == start
+    assert run_cli(train_main, ['--pretrained', start, *started]) == 0, capsys.readouterr().err
+    assert saved_steps(output)['last.pth'] == 3 * 22
 
 
 def test_a_best_checkpoint_without_a_last_one_is_not_replaced_and_resumes(tmp_path, digits, one_epoch, capsys):
