@@ -154,11 +154,12 @@ def _with_imagenet1k_classifier(name: str, model: nn.Module, weights: Dict[str, 
         return weights
     given_rows, rows = classifier_rows(name, weights), classifier_rows(name, narrowed)
     if classes is not None and tuple(classes) != imagenet1k_classes():
-        index, (found, synset) = next((i, pair) for i, pair in enumerate(zip(classes, imagenet1k_classes()))
-                                      if pair[0] != pair[1])
+        index = next((i for i, (found, synset) in enumerate(zip(classes, imagenet1k_classes())) if found != synset),
+                     None)
+        differ = f"{len(classes)} classes" if index is None else \
+            f"class {index} is {classes[index]!r}, not {imagenet1k_classes()[index]!r}"
         logger.info(f"{source}: kept none of the weights' {given_rows} ImageNet-22k classifier rows: the data's "
-                    f"class {index} is {found!r}, not ImageNet-1k's {synset!r}, so the rows of ImageNet-1k's classes "
-                    f"would start the wrong classes")
+                    f"classes are not ImageNet-1k's ({differ}), so those rows would start the wrong classes")
         return weights
     logger.info(f"{source}: took the classifier rows of the {rows} ImageNet-1k classes from the weights' "
                 f"{given_rows} ImageNet-22k classes, as the family's official fine-tuning does")

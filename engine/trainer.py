@@ -473,7 +473,7 @@ def _train(cfg: CN, info: DistInfo, lock: OutputLock, check_data: bool, resume: 
                            f"top-1 is trivially 100 %; expected 2 or more classes for a meaningful accuracy")
         logger.info(f"{info.world_size} process(es) on {info.device.type}, total batch "
                     f"{total_batch_size(cfg, info.world_size)}, lr {lrs['lr']:.3e}, {updates_per_epoch} updates "
-                    f"per epoch, {num_epochs} epochs; output {output}"
+                    f"per epoch, {num_epochs} epoch{'s' if num_epochs != 1 else ''}; output {output}"
                     + (f"; compiled (torch.compile, backend {cfg.TRAIN.COMPILE_BACKEND}, mode "
                        f"{cfg.TRAIN.COMPILE_MODE})" if compiled else '')
                     + ('; products through oneDNN' if cfg.TRAIN.ONEDNN else ''))

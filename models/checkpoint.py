@@ -655,6 +655,8 @@ def load_pretrained_into(model: nn.Module, source: str) -> TransferReport:
     saved by `timm.models.save_for_hf`: a fine-tuning start such as softmax DeiT weights in a DeiT with another
     attention.
 
+    A 1000-class Swin takes the ImageNet-1k rows of an ImageNet-22k classifier (`narrow_imagenet22k_classifier`:
+    the function knows no data, so it takes the classes to be ImageNet-1k's, as Swin's fine-tuning does).
     Every tensor whose key and (after adaptation to the model's resolution) shape the model shares is loaded;
     the report names the model's new keys, which keep their initialisation, and the dropped ones. A file gives its
     model weights; a name, the weights `timm.create_model(name, pretrained=True)` takes (`PRETRAINED_KEYS`).

@@ -3,6 +3,7 @@ rules, checkpoint loading (official format, unsafe pickles, other models, other 
 import functools
 import logging
 import os
+from pathlib import Path
 
 import pytest
 import safetensors.torch
@@ -11,17 +12,21 @@ import torch.nn.functional as F
 from torch import nn
 
 import timm
+from PIL import Image
 from yacs.config import CfgNode
 from timm.models import get_arch_pretrained_cfgs
 from timm.models.swin_transformer import SwinTransformer as TimmSwin
 
 from engine.build import create_model, read_weights
+from engine.cli import train_main
 from engine.config import load_config
 from models.attention import list_attentions
 from models.checkpoint import (IMAGENET22K_CLASSES, CheckpointError, imagenet1k_classes,
                                imagenet1k_rows_of_imagenet22k, load_pretrained_into)
 from models.swin import SwinTransformer, checkpoint_filter_fn
 from golden import load_golden
+
+REPO = Path(__file__).resolve().parents[1]
 
 FLAVOURS = tuple(list_attentions())
 SIZES = ('tiny', 'small', 'base', 'base_384', 'large', 'large_384')
@@ -521,8 +526,9 @@ def test_a_1000_class_fine_tuning_start_keeps_the_imagenet1k_rows_of_an_imagenet
         assert started.head.weight.shape == expected_weight.shape
         assert not torch.equal(started.head.weight, expected_weight)
         assert torch.equal(started.patch_embed.proj.weight, source.patch_embed.proj.weight)
-        assert (f"{path}: kept none of the weights' 21841 ImageNet-22k classifier rows: the data's class 0 is '0', "
-                f"not ImageNet-1k's 'n01440764'") in caplog.text
+        assert (f"{path}: kept none of the weights' 21841 ImageNet-22k classifier rows: the data's classes are not "
+                f"ImageNet-1k's (class 0 is '0', not 'n01440764'), so those rows would start the wrong "
+                f"classes") in caplog.text
         assert "took the classifier rows" not in caplog.text
 
     other_attention = timm.create_model('inline_swin_tiny', **dict(tiny_kwargs('inline_swin_tiny'), num_classes=1000))
@@ -541,6 +547,29 @@ def test_a_1000_class_fine_tuning_start_keeps_the_imagenet1k_rows_of_an_imagenet
     ten_classes = timm.create_model('softmax_swin_tiny', **kwargs, num_classes=10)
     report = load_pretrained_into(ten_classes, str(path))
     assert 'head.weight' in report.new and 'head.weight' in report.dropped
+
+
+def test_train_py_fine_tunes_other_1000_classes_from_imagenet22k_weights_with_a_new_classifier(tmp_path):
+    """The 22k-to-1k recipe on 1000 numbered class folders (0, 1, 10, 100, ... in class order): ImageNet-1k's rows
+    would start each from an unrelated ImageNet class, and train.py said it took them."""
+    kwargs = {k: v for k, v in tiny_kwargs('softmax_swin_tiny').items() if k not in ('num_classes', 'img_size')}
+    path = tmp_path / 'swin_tiny_patch4_window7_224_22k.pth'
+    imagenet22k_swin_checkpoint('softmax_swin_tiny', path, img_size=32, **kwargs)
+    for split in ('train', 'val'):
+        for label in range(1000):
+            (tmp_path / 'data' / split / str(label)).mkdir(parents=True)
+            Image.new('RGB', (8, 8), (label % 256, 0, 0)).save(tmp_path / 'data' / split / str(label) / 'a.png')
+    opts = ['DATA.IMG_SIZE', '32', 'DATA.BATCH_SIZE', '500', 'DATA.NUM_WORKERS', '0', 'TRAIN.EPOCHS', '1',
+            'TRAIN.WARMUP_EPOCHS', '0', 'TRAIN.ACCUMULATION_STEPS', '1',
+            *[item for key, value in kwargs.items()
+              for item in (f'MODEL.KWARGS.{key}', str(list(value) if isinstance(value, tuple) else value))]]
+    argv = ['--cfg', str(REPO / 'configs' / 'softmax' / 'swin_tiny_22kto1k.yaml'), '--data-path',
+            str(tmp_path / 'data'), '--pretrained', str(path), '--output', str(tmp_path / 'run'), '--opts', *opts]
+    assert train_main(argv) == 0
+    log = (tmp_path / 'run' / 'train.log').read_text()
+    assert (f"{path}: kept none of the weights' 21841 ImageNet-22k classifier rows: the data's classes are not "
+            f"ImageNet-1k's (class 0 is '0', not 'n01440764')") in log
+    assert f"{path}: re-initialised the classifier for 1000 classes (the weights have 21841)" in log
 
 
 def test_cswin_starts_a_new_classifier_from_imagenet22k_weights(tmp_path):
