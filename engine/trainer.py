@@ -71,6 +71,11 @@ def _log_files(output: str) -> List[_LogFile]:
     return [handler for handler in logger.handlers if isinstance(handler, _LogFile) and handler.baseFilename == path]
 
 
+def _count(number: int, noun: str, plural: str = '') -> str:
+    """'1 epoch', '2 epochs'; '1 class', '2 classes' with the `plural` given."""
+    return f"{number} {noun if number == 1 else plural or noun + 's'}"
+
+
 def _note_in_log_file(output: str, message: str) -> None:
     """`message` in the `train.log` of `output` alone, so that the log of a run that stopped on an error ends
     with it."""
@@ -270,9 +275,8 @@ def _summary(log_path: str, checkpoint: TrainingCheckpoint, selected_by: str = '
     if not os.path.isfile(checkpoint.best_path):
         above = f" {best_so_far:.2f}" if best_so_far is not None else ''
         where = f"not above the{above} of the checkpoint it resumed from, so no best.pth here"
-    epochs = f"{last['epoch'] + 1} epoch{'s' if last['epoch'] else ''}"
-    return (f"finished {epochs}: best {what} {best[selected_by]:.2f} at epoch {best['epoch']} "
-            f"({where}), last {last.get(selected_by, last['val_top1']):.2f} ({checkpoint.last_path}); "
+    return (f"finished {_count(last['epoch'] + 1, 'epoch')}: best {what} {best[selected_by]:.2f} at epoch "
+            f"{best['epoch']} ({where}), last {last.get(selected_by, last['val_top1']):.2f} ({checkpoint.last_path}); "
             f"log {log_path}")
 
 
@@ -467,13 +471,13 @@ def _train(cfg: CN, info: DistInfo, lock: OutputLock, check_data: bool, resume: 
             atomic_write_text(os.path.join(output, CONFIG), cfg.dump())
         n_params = sum(p.numel() for p in model.parameters())
         logger.info(f"model {cfg.MODEL.NAME}: {n_params / 1e6:.2f}M parameters; {len(train_set)} training and "
-                    f"{len(val_set)} validation images in {len(train_set.classes)} classes")
+                    f"{len(val_set)} validation images in {_count(len(train_set.classes), 'class', 'classes')}")
         if len(train_set.classes) == 1:
             logger.warning(f"the dataset has 1 class ({train_set.classes[0]}): every prediction is that class, so "
                            f"top-1 is trivially 100 %; expected 2 or more classes for a meaningful accuracy")
         logger.info(f"{info.world_size} process(es) on {info.device.type}, total batch "
-                    f"{total_batch_size(cfg, info.world_size)}, lr {lrs['lr']:.3e}, {updates_per_epoch} updates "
-                    f"per epoch, {num_epochs} epoch{'s' if num_epochs != 1 else ''}; output {output}"
+                    f"{total_batch_size(cfg, info.world_size)}, lr {lrs['lr']:.3e}, "
+                    f"{_count(updates_per_epoch, 'update')} per epoch, {_count(num_epochs, 'epoch')}; output {output}"
                     + (f"; compiled (torch.compile, backend {cfg.TRAIN.COMPILE_BACKEND}, mode "
                        f"{cfg.TRAIN.COMPILE_MODE})" if compiled else '')
                     + ('; products through oneDNN' if cfg.TRAIN.ONEDNN else ''))
