@@ -411,14 +411,22 @@ def error_result(e: Exception, device: torch.device) -> Dict:
 def child_results(cmd: List[str], timeout: int, env: Optional[Dict[str, str]] = None) -> Union[List[Dict], str]:
     """The results a measuring process prints as JSON on its last line, or why there are none: the timeout, or the
     last line of its error output."""
-    try:
-        with terminate_as_interrupt():
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-    except subprocess.TimeoutExpired:
-        return f'timeout after {timeout} s'
+    with terminate_as_interrupt(), subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                                    env=env) as proc:
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            return f'timeout after {timeout} s'
+        except BaseException:
+            # subprocess.run kills the process on an interruption but does not wait for it, leaving it to init
+            proc.kill()
+            proc.wait()
+            raise
     if proc.returncode != 0:
-        return (proc.stderr.strip().splitlines() or [f'exit status {proc.returncode}'])[-1][:200]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+        return (stderr.strip().splitlines() or [f'exit status {proc.returncode}'])[-1][:200]
+    return json.loads(stdout.strip().splitlines()[-1])
 
 
 def run_group(args: argparse.Namespace, specs: List[Dict], resolution: int, train: bool) -> List[Dict]:
