@@ -14,7 +14,7 @@ import argparse
 import os
 import re
 import sys
-from typing import List, Sequence, Union
+from typing import List, Optional, Sequence, Union
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from engine.startup import quit_on_interrupt  # noqa: E402
@@ -134,6 +134,21 @@ def figure_stems(files: Sequence[str], image: str) -> List[str]:
     return stems
 
 
+def _no_rollout_reason(model: torch.nn.Module) -> Optional[str]:
+    """Why the rollout cannot be formed, known before the model runs again for every layer: an attention that
+    pools the tokens, or one without a weight function (in a layer outside --layers); None where it can."""
+    mixers = [module for layer in attention_layers(model).values() for module in layer.modules()
+              if isinstance(module, Mixer)]
+    try:
+        pooling = sorted({mixer.attention_name for mixer in mixers if pools_tokens(type(mixer))})
+    except ValueError as e:
+        return str(e)
+    if pooling:
+        return (f"{' and '.join(pooling)} attention pools the tokens into global vectors and forms no "
+                f"token-to-token weights to multiply through the layers")
+    return None
+
+
 def main(argv: Sequence[str]) -> int:
     args = parse_args(argv)
     # progress as train.py shows it: a bar on a terminal, whole lines in a log file or a pipe
@@ -183,19 +198,9 @@ def main(argv: Sequence[str]) -> int:
                 if 'q_norm' in layer.extras:
                     plot_token_norms(shown[index], layer, save(f'{stem}_{slug(name)}_norms.png'), index)
             progress.update()
-    mixers = [module for layer in attention_layers(model).values() for module in layer.modules()
-              if isinstance(module, Mixer)]
-    try:
-        pooling_in_model = sorted({mixer.attention_name for mixer in mixers if pools_tokens(type(mixer))})
-    except ValueError as e:  # a layer outside --layers whose attention has no weight function
-        pooling_in_model, unrecorded = [], str(e)
-    else:
-        unrecorded = None
-    if has_class_token and unrecorded:
-        print(f"no attention rollout: {unrecorded}")
-    elif has_class_token and pooling_in_model:
-        print(f"no attention rollout: {' and '.join(pooling_in_model)} attention pools the tokens into global "
-              f"vectors and forms no token-to-token weights to multiply through the layers")
+    no_rollout = _no_rollout_reason(model) if has_class_token else None
+    if no_rollout is not None:
+        print(f"no attention rollout: {no_rollout}")
     elif has_class_token:
         with torch.no_grad(), record_attention(model) as full:
             model(inputs)

@@ -88,7 +88,6 @@ def test_a_weight_function_registered_against_what_it_returns_is_named(monkeypat
     """A pooling function registered without pools=True (a subclass of additive attention with a forward of its
     own) failed with an AttributeError on None, and a token-rows function registered with it alike."""
     monkeypatch.setattr(matrices, '_MATRICES', dict(matrices._MATRICES))
-    monkeypatch.setattr(matrices, '_POOLING', set(matrices._POOLING))
 
     class OwnForward(AdditiveMixer):
         def forward(self, q, k, v, ctx):

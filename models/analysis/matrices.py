@@ -14,7 +14,7 @@ the attentions compute nothing for analysis. A function forms only the requested
 
 Everything runs in float32 at least, with autocast off; float64 inputs stay float64.
 """
-from typing import Callable, Dict, NamedTuple, Optional, Set, Type
+from typing import Callable, Dict, NamedTuple, Optional, Type
 
 import torch
 import torch.nn.functional as F
@@ -41,8 +41,14 @@ class MixerWeights(NamedTuple):
 
 
 MatrixFn = Callable[[Mixer, Tensor, Tensor, Tensor, MixContext, Optional[Tensor]], MixerWeights]
-_MATRICES: Dict[Type[Mixer], MatrixFn] = {}
-_POOLING: Set[Type[Mixer]] = set()
+
+
+class _Registered(NamedTuple):
+    function: MatrixFn
+    pools: bool
+
+
+_MATRICES: Dict[Type[Mixer], _Registered] = {}
 
 
 def attention_matrix(mixer_cls: Type[Mixer], *, pools: bool = False) -> Callable[[MatrixFn], MatrixFn]:
@@ -50,8 +56,7 @@ def attention_matrix(mixer_cls: Type[Mixer], *, pools: bool = False) -> Callable
     rows: query indices within a group or None for all). `pools`: the mixer forms no token-by-token weights and
     `fn` returns its pooling distributions (`MixerWeights.pools`), as for additive attention."""
     def wrap(fn: MatrixFn) -> MatrixFn:
-        _MATRICES[mixer_cls] = fn
-        (_POOLING.add if pools else _POOLING.discard)(mixer_cls)
+        _MATRICES[mixer_cls] = _Registered(fn, pools)
         return fn
     return wrap
 
@@ -65,12 +70,12 @@ def mixer_weights(mixer: Mixer, q: Tensor, k: Tensor, v: Tensor, ctx: MixContext
         return weights_of(mixer, q.to(work), k.to(work), v.to(work), ctx, rows)
 
 
-def _registered_class(mixer_cls: Type[Mixer]) -> Type[Mixer]:
-    """`mixer_cls`, or the base class whose `forward` it runs (a subclass with a `forward` of its own computes
-    other weights than its base's), that has a registered function; a ValueError where there is none."""
+def _registration(mixer_cls: Type[Mixer]) -> _Registered:
+    """The registration of `mixer_cls`, or of the base class whose `forward` it runs (a subclass with a `forward`
+    of its own computes other weights than its base's); a ValueError where there is none."""
     for cls in mixer_cls.__mro__:
         if cls in _MATRICES:
-            return cls
+            return _MATRICES[cls]
         if 'forward' in vars(cls):
             break
     raise ValueError(f"no attention matrix is defined for {mixer_cls.__name__}; register one with "
@@ -79,13 +84,13 @@ def _registered_class(mixer_cls: Type[Mixer]) -> Type[Mixer]:
 
 def matrix_function(mixer_cls: Type[Mixer]) -> MatrixFn:
     """The function registered for `mixer_cls` or the base whose `forward` it runs; a ValueError where none is."""
-    return _MATRICES[_registered_class(mixer_cls)]
+    return _registration(mixer_cls).function
 
 
 def pools_tokens(mixer_cls: Type[Mixer]) -> bool:
     """Whether `mixer_cls`'s weights are pooling distributions (`attention_matrix(..., pools=True)`) rather than
     token-by-token rows; a ValueError where no function is registered for it."""
-    return _registered_class(mixer_cls) in _POOLING
+    return _registration(mixer_cls).pools
 
 
 def _take(x: Tensor, rows: Optional[Tensor]) -> Tensor:
