@@ -7,12 +7,13 @@ import os
 import re
 import sys
 import traceback
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import timm
 import torch
 from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
-from timm.optim import create_optimizer_v2, get_optimizer_class, get_optimizer_info, list_optimizers
+from timm.optim import (create_optimizer_v2, get_optimizer_class, get_optimizer_info, list_optimizers,
+                        param_groups_weight_decay)
 from timm.scheduler import create_scheduler_v2
 from torch import Tensor, nn
 from yacs.config import CfgNode as CN
@@ -448,8 +449,29 @@ def create_optimizer(cfg: CN, model: nn.Module, lr: float) -> torch.optim.Optimi
         extra['betas'] = tuple(opt.BETAS)
     if opt.FUSED and kind in FUSED_OPTIMIZERS:
         extra['fused'] = True
+    if cfg.TRAIN.BACKBONE_LR_SCALE != 1:
+        extra['param_group_fn'] = _backbone_scaled_groups(cfg.TRAIN.WEIGHT_DECAY, lr * cfg.TRAIN.BACKBONE_LR_SCALE)
     return create_optimizer_v2(model, opt=opt.NAME, lr=lr, weight_decay=cfg.TRAIN.WEIGHT_DECAY,
                                momentum=opt.MOMENTUM, **extra)
+
+
+def _backbone_scaled_groups(weight_decay: float, backbone_lr: float) -> Callable[[nn.Module], List[Dict[str, Any]]]:
+    """A `param_group_fn` for timm's factory: its weight-decay groups, each split into the classifier's parameters
+    (`model.get_classifier()`, first, so the first group's lr is the schedule of BASE_LR) and the rest, which peak
+    at `backbone_lr`. timm's schedulers keep one peak per group and share the warm-up start and the minimum, as
+    CSwin's fine-tuning does with its --lr-scale."""
+    def groups(model: nn.Module) -> List[Dict[str, Any]]:
+        classifier = model.get_classifier()
+        modules = classifier if isinstance(classifier, tuple) else (classifier,)  # DeiT's distilled heads
+        in_classifier = {id(p) for module in modules for p in module.parameters()}
+        no_decay = getattr(model, 'no_weight_decay', lambda: set())()
+        heads, backbone = [], []
+        for group in param_groups_weight_decay(model, weight_decay, no_weight_decay_list=no_decay):
+            params = group.pop('params')
+            heads.append({**group, 'params': [p for p in params if id(p) in in_classifier]})
+            backbone.append({**group, 'params': [p for p in params if id(p) not in in_classifier], 'lr': backbone_lr})
+        return [group for group in heads + backbone if group['params']]
+    return groups
 
 
 def create_scheduler(cfg: CN, optimizer: torch.optim.Optimizer, lrs: Mapping[str, float],

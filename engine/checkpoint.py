@@ -528,7 +528,8 @@ class TrainingCheckpoint:
                 logger.warning(f"{path} has no EMA weights; the EMA starts from the model")
             else:
                 load_state_dict_checked(self.ema.module, checkpoint['model_ema'], f"EMA of checkpoint {path!r}")
-        with _loading(path, 'an optimizer state', 'one of the same model and TRAIN.OPTIMIZER.NAME'):
+        with _loading(path, 'an optimizer state', 'one of the same model and TRAIN.OPTIMIZER.NAME, with '
+                      'TRAIN.BACKBONE_LR_SCALE 1 in both runs or in neither'):
             self.optimizer.load_state_dict(_with_live_settings(checkpoint['optimizer'], self.optimizer))
         # a disabled scaler saves an empty state, which an enabled one refuses
         if self.scaler.is_enabled() and checkpoint['scaler']:

@@ -83,6 +83,9 @@ _C.TRAIN.BASE_LR = 5e-4
 _C.TRAIN.WARMUP_LR = 1e-6
 _C.TRAIN.MIN_LR = 1e-5
 _C.TRAIN.LR_SCALING = 'base'  # scale by total batch / 512: 'base' (DeiT: BASE_LR only), 'all' (Swin), 'none'
+# the peak learning rate of every parameter outside the classifier, as a fraction of the classifier's (CSwin's
+# fine-tuning --lr-scale); each follows the schedule from its own peak to the same WARMUP_LR and MIN_LR
+_C.TRAIN.BACKBONE_LR_SCALE = 1.0
 _C.TRAIN.WEIGHT_DECAY = 0.05
 _C.TRAIN.CLIP_GRAD = None  # max gradient norm; None = no clipping
 _C.TRAIN.ACCUMULATION_STEPS = 1
@@ -188,7 +191,7 @@ _CHOICES = {
 }
 
 _POSITIVE = ('DATA.BATCH_SIZE', 'DATA.IMG_SIZE', 'MODEL.NUM_CLASSES', 'TRAIN.EPOCHS', 'TRAIN.ACCUMULATION_STEPS',
-             'TRAIN.BASE_LR', 'TRAIN.LR_SCHEDULER.DECAY_EPOCHS', 'TRAIN.LR_SCHEDULER.DECAY_RATE', 'PRINT_FREQ',
+             'TRAIN.BASE_LR', 'TRAIN.BACKBONE_LR_SCALE', 'TRAIN.LR_SCHEDULER.DECAY_EPOCHS', 'TRAIN.LR_SCHEDULER.DECAY_RATE', 'PRINT_FREQ',
              'SAVE_FREQ', 'DIST.TIMEOUT_MIN', 'AUG.REPEATED_AUG', 'AUG.RECOUNT')
 _NON_NEGATIVE = ('SEED', 'DATA.NUM_WORKERS', 'TRAIN.WARMUP_EPOCHS', 'TRAIN.COOLDOWN_EPOCHS', 'TRAIN.EPOCHS_PER_RUN',
                  'TRAIN.MAX_NONFINITE_STEPS', 'TRAIN.WARMUP_LR', 'TRAIN.MIN_LR', 'TRAIN.WEIGHT_DECAY',

@@ -475,8 +475,11 @@ def _train(cfg: CN, info: DistInfo, lock: OutputLock, check_data: bool, resume: 
         if len(train_set.classes) == 1:
             logger.warning(f"the dataset has 1 class ({train_set.classes[0]}): every prediction is that class, so "
                            f"top-1 is trivially 100 %; expected 2 or more classes for a meaningful accuracy")
+        backbone_lr = ('' if cfg.TRAIN.BACKBONE_LR_SCALE == 1 else
+                       f" ({lrs['lr'] * cfg.TRAIN.BACKBONE_LR_SCALE:.3e} outside the classifier: "
+                       f"TRAIN.BACKBONE_LR_SCALE {cfg.TRAIN.BACKBONE_LR_SCALE:g})")
         logger.info(f"{info.world_size} process(es) on {info.device.type}, total batch "
-                    f"{total_batch_size(cfg, info.world_size)}, lr {lrs['lr']:.3e}, "
+                    f"{total_batch_size(cfg, info.world_size)}, lr {lrs['lr']:.3e}{backbone_lr}, "
                     f"{_count(updates_per_epoch, 'update')} per epoch, {_count(num_epochs, 'epoch')}; output {output}"
                     + (f"; compiled (torch.compile, backend {cfg.TRAIN.COMPILE_BACKEND}, mode "
                        f"{cfg.TRAIN.COMPILE_MODE})" if compiled else '')

@@ -46,7 +46,7 @@ from engine.config import ConfigError, get_default_config, load_config
 from engine.data import (DIGITS_STAMP, ShardSampler, eval_transform, image_mode, load_split, prepare_digits)
 from engine.distributed import DistInfo
 from engine.errors import USAGE_EXIT_CODE, UsageError, run_cli
-from engine.loops import EpochOptions, TrainState, evaluate, train_one_epoch
+from engine.loops import EpochOptions, TrainState, evaluate, step_schedule, train_one_epoch
 from models._files import UNFINISHED_FILES, files_taken_together
 from models.checkpoint import CheckpointError, has_released_weights, released_weights_file
 
@@ -293,6 +293,52 @@ def test_no_weight_decay_on_norms_biases_and_position_embeddings(tiny_cfg):
     assert all(not n.endswith('.bias') and 'norm' not in n for n in decay)
     assert no_decay | decay == set(names.values())
     assert all(g['lr'] == 2e-3 and g['eps'] == 1e-8 for g in optimizer.param_groups)
+
+
+def test_backbone_lr_scale_splits_each_weight_decay_group_and_scales_the_backbone_schedule(tiny_cfg):
+    """TRAIN.BACKBONE_LR_SCALE (CSwin's --lr-scale): the classifier's parameters follow BASE_LR's schedule and every
+    other parameter the same schedule from `scale` times the peak, to the same warm-up start and minimum (CSwin's
+    timm scheduler keeps one peak per group); weight decay is the unscaled optimizer's, parameter for parameter.
+    AdamW's first step moves each weight by its group's learning rate."""
+    cfg = load_config(TINY, ['TRAIN.BACKBONE_LR_SCALE', '0.05', 'TRAIN.WARMUP_EPOCHS', '2', 'TRAIN.EPOCHS', '6',
+                             'TRAIN.WARMUP_LR', '1e-6', 'TRAIN.MIN_LR', '1e-5', 'TRAIN.LR_SCHEDULER.STEP', 'epoch'])
+    torch.manual_seed(0)
+    model = create_model(cfg)
+    names = {id(p): n for n, p in model.named_parameters()}
+    plain = create_optimizer(tiny_cfg, model, lr=2e-3)
+    decay_of = {names[id(p)]: g['weight_decay'] for g in plain.param_groups for p in g['params']}
+    optimizer = create_optimizer(cfg, model, lr=2e-3)
+    assert len(optimizer.param_groups) == 4 and [g['lr'] for g in optimizer.param_groups] == [2e-3, 2e-3, 1e-4, 1e-4]
+    grouped = [names[id(p)] for g in optimizer.param_groups for p in g['params']]
+    assert sorted(grouped) == sorted(names.values())
+    assert {names[id(p)] for g in optimizer.param_groups[:2] for p in g['params']} == {'head.weight', 'head.bias'}
+    assert {n: g['weight_decay'] for g in optimizer.param_groups for n in (names[id(p)] for p in g['params'])} \
+        == decay_of
+
+    lrs = dict(lr=2e-3, warmup_lr=1e-6, min_lr=1e-5)
+    scheduler, _ = create_scheduler(cfg, optimizer, lrs, updates_per_epoch=3)
+    seen = []
+    for epoch in range(6):
+        step_schedule(scheduler, TrainState(epoch=epoch), 3, 1, 'epoch')
+        seen.append([g['lr'] for g in optimizer.param_groups])
+    assert seen[0] == [1e-6] * 4  # the warm-up starts every group at WARMUP_LR
+    for peak, index in ((2e-3, 0), (1e-4, 2)):
+        assert seen[1][index] == pytest.approx(1e-6 + (peak - 1e-6) / 2, rel=1e-12)
+        cosine = 1e-5 + 0.5 * (peak - 1e-5) * (1 + math.cos(math.pi * 3 / 6))
+        assert seen[3][index] == pytest.approx(cosine, rel=1e-12)
+    step_schedule(scheduler, TrainState(epoch=6), 3, 1, 'epoch')
+    assert [g['lr'] for g in optimizer.param_groups] == pytest.approx([1e-5] * 4, rel=1e-12)
+
+    no_decay = load_config(TINY, ['TRAIN.BACKBONE_LR_SCALE', '0.05', 'TRAIN.WEIGHT_DECAY', '0'])
+    model = model.double()
+    optimizer = create_optimizer(no_decay, model, lr=2e-3)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for p in model.parameters():
+        p.grad = torch.sign(torch.randn_like(p)) * (1 + torch.rand_like(p))
+    optimizer.step()
+    for n, p in model.named_parameters():
+        lr = 2e-3 if n.startswith('head.') else 1e-4
+        torch.testing.assert_close((p.detach() - before[n]).abs(), torch.full_like(p, lr), rtol=1e-7, atol=0)
 
 
 @pytest.mark.parametrize('name', ['adamw', 'sgd'])
@@ -771,7 +817,8 @@ def test_a_stored_state_the_live_objects_refuse_fails_with_one_line(tmp_path):
         _training_objects(tmp_path / 'restored', TrainState()).restore(stored, 'two_groups.pth', 5)
     assert str(error.value) == ("checkpoint 'two_groups.pth' has an optimizer state that this run cannot load "
                                 "(ValueError: loaded state dict has a different number of parameter groups); "
-                                "expected one of the same model and TRAIN.OPTIMIZER.NAME")
+                                "expected one of the same model and TRAIN.OPTIMIZER.NAME, with "
+                                "TRAIN.BACKBONE_LR_SCALE 1 in both runs or in neither")
     stored = TrainingCheckpoint.read(saved.last_path)
     del stored['rng'][0]['torch']
     with pytest.raises(CheckpointError) as error:

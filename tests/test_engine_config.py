@@ -174,6 +174,7 @@ def test_bad_files_name_the_key_and_the_expectation(tmp_path, text, words):
                                             "names, e.g. ['my_attention']"),
     # timm's random erasing draws from range(1, RECOUNT + 1): an empty range at the first image
     (['AUG.RECOUNT', '0'], "config key AUG.RECOUNT is 0; expected a value > 0"),
+    (['TRAIN.BACKBONE_LR_SCALE', '0'], "config key TRAIN.BACKBONE_LR_SCALE is 0.0; expected a value > 0"),
 ])
 def test_values_that_would_fail_inside_timm_or_torch_or_contradict_are_named(opts, message):
     """Each was an exception from timm's or torch's own checks (some at the first batch or scheduler step), a

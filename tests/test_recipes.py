@@ -130,6 +130,9 @@ SWIN_FORK_1024 = (300, 20, False, 1e-5, 'update')  # 128 x 8: inline_deit_s, *_s
 SWIN_FORK_512 = (300, 20, False, 5e-6, 'update')  # 64 x 8: inline_deit_b, *_swin_b
 SWIN_FORK_384 = (30, 5, False, 1e-7, 'update')  # *_swin_b_384: 32 x 8
 PVT_FORK = {b: (310, 5, False, lr, 'update') for b, lr in ((128, 2e-5), (64, 1e-5), (32, 5e-6))}  # by batch per GPU
+# CSwin's fine-tunes (finetune.py, timm's train.py): no warm-up, then cooldown 10; 22k -> 1k 30 epochs, 384 20
+CSWIN_22KTO1K = (40, 0, False, 5e-7, 'epoch')
+CSWIN_384 = (30, 0, False, 5e-7, 'epoch')
 CSWIN_FORK = {b: (310, 20, False, lr, 'update') for b, lr in ((128, 2e-5), (64, 1e-5), (256, 4e-5))}
 CSWIN_FORK_384 = (30, 0, False, 2.5e-7, 'update')  # *_cswin_b_384: 20 epochs + cooldown 10, no warm-up, 32 x 8
 SIMA = (400, 5, False, 1e-5, 'previous_epoch')  # UCDvision/sima main.py: 400 epochs (cooldown 10 never runs)
@@ -143,6 +146,7 @@ SCHEDULES = {
                                        for s in ('b0', 'b1', 'b2', 'b2_li', 'b3', 'b4', 'b5')},
     **{f'multimax/deit_{s}': (*DEIT, g) for s, g in (('tiny', 4), ('small', 4), ('base', 16))},
     'base/cswin': (*CSWIN, 8), **{f'softmax/cswin_{s}': (*CSWIN, 8) for s in ('tiny', 'small', 'base')},
+    'softmax/cswin_base_384': (*CSWIN_384, 8), 'softmax/cswin_large_22kto1k': (*CSWIN_22KTO1K, 8),
     'base/swin': (*SWIN, 8), **{f'softmax/swin_{s}': (*SWIN, 8) for s in ('tiny', 'small', 'base')},
     'softmax/swin_base_384': (*SWIN_384, 8),
     # Swin's fine-tuning of its ImageNet-22k weights: the base-384 fine-tune's schedule
@@ -180,14 +184,14 @@ def test_every_fine_tuning_recipe_starts_from_the_released_weights_it_fine_tunes
         fine_tunes += 1
         start = cfg.MODEL.PRETRAINED.split('.')[0]
         if path.stem.endswith('_22kto1k'):
-            assert cfg.MODEL.PRETRAINED == f'{cfg.MODEL.NAME}.ms_in22k', path
+            assert cfg.MODEL.PRETRAINED in (f'{cfg.MODEL.NAME}.ms_in22k', f'{cfg.MODEL.NAME}.in22k'), path
         elif has_released_weights(cfg.MODEL.NAME.replace('_384', '')):
             assert start == cfg.MODEL.NAME.replace('_384', ''), path
         else:
             assert not cfg.MODEL.PRETRAINED, path
         if cfg.MODEL.PRETRAINED:
             check_pretrained(cfg.MODEL.PRETRAINED)
-    assert fine_tunes == 11
+    assert fine_tunes == 13
 
 
 def test_every_recipe_has_an_official_schedule():
@@ -237,8 +241,9 @@ def test_schedule_matches_the_official_recipe(key):
     assert lr_at(decay_end) == pytest.approx(min_lr, rel=1e-12)
     if cfg.TRAIN.COOLDOWN_EPOCHS:  # the last update of the run, at the minimum
         assert lr_at_update(epochs_run * per_epoch - 1) == pytest.approx(min_lr, rel=1e-12)
-    if per != 'update':  # one value an epoch; DeiT's loop runs epochs 0 and 1 both at the warm-up's start
+    if per != 'update':  # one value an epoch
         assert {lr_at_update(2 * per_epoch + i) for i in range(per_epoch)} == {lr_at_update(2 * per_epoch)}
+    if per != 'update' and warmup:  # DeiT's loop runs epochs 0 and 1 both at the warm-up's start
         second = lrs['warmup_lr'] + (1 - lag) * (lrs['lr'] - lrs['warmup_lr']) / warmup
         assert lr_at_update(0) == lrs['warmup_lr'] and lr_at_update(per_epoch) == pytest.approx(second, rel=1e-12)
 
