@@ -31,7 +31,7 @@ from .errors import UsageError
 from .hub import is_hub_name, weights_file
 
 __all__ = ['import_model_modules', 'check_model_name', 'check_model_config', 'check_pretrained', 'official_weights',
-           'classifier_names', 'classifier_rows',
+           'classifier_names', 'classifier_rows', 'imagenet1k_difference', 'narrows_to_imagenet1k',
            'read_weights', 'weights_keys', 'checkpoint_weights', 'create_model', 'weight_changes', 'create_optimizer',
            'create_scheduler', 'create_criterion', 'autocast_dtype', 'check_onednn', 'create_training_model']
 
@@ -145,6 +145,25 @@ def classifier_rows(name: str, state_dict: Mapping[str, Tensor]) -> Optional[int
     return None
 
 
+def imagenet1k_difference(classes: Sequence[str]) -> Optional[str]:
+    """How class folder names `classes` differ from ImageNet-1k's synsets in order ("class 3 is 'x', not
+    'n01491361'"); None where they are the same."""
+    if tuple(classes) == imagenet1k_classes():
+        return None
+    index = next((i for i, (found, synset) in enumerate(zip(classes, imagenet1k_classes())) if found != synset), None)
+    return f"{len(classes)} classes" if index is None else \
+        f"class {index} is {classes[index]!r}, not {imagenet1k_classes()[index]!r}"
+
+
+def narrows_to_imagenet1k(name: str, weights: Mapping[str, Tensor]) -> bool:
+    """Whether `weights` (official key names) hold an ImageNet-22k classifier whose ImageNet-1k rows a 1000-class
+    model `name` takes (`models.checkpoint.narrow_imagenet22k_classifier`: Swin's family)."""
+    with torch.device('meta'):
+        target = timm.create_model(name, num_classes=1000)
+    given = dict(weights)
+    return narrow_imagenet22k_classifier(target, given) is not given
+
+
 def _with_imagenet1k_classifier(name: str, model: nn.Module, weights: Dict[str, Tensor], source: str,
                                 classes: Optional[Sequence[str]]) -> Dict[str, Tensor]:
     """`weights` (official key names) with an ImageNet-22k classifier narrowed to the ImageNet-1k rows where
@@ -154,11 +173,8 @@ def _with_imagenet1k_classifier(name: str, model: nn.Module, weights: Dict[str, 
     if narrowed is weights:
         return weights
     given_rows, rows = classifier_rows(name, weights), classifier_rows(name, narrowed)
-    if classes is not None and tuple(classes) != imagenet1k_classes():
-        index = next((i for i, (found, synset) in enumerate(zip(classes, imagenet1k_classes())) if found != synset),
-                     None)
-        differ = f"{len(classes)} classes" if index is None else \
-            f"class {index} is {classes[index]!r}, not {imagenet1k_classes()[index]!r}"
+    differ = None if classes is None else imagenet1k_difference(classes)
+    if differ is not None:
         logger.info(f"{source}: kept none of the weights' {given_rows} ImageNet-22k classifier rows: the data's "
                     f"classes are not ImageNet-1k's ({differ}), so those rows would start the wrong classes")
         return weights

@@ -12,7 +12,8 @@ from models.checkpoint import CheckpointError, held_weights, load_checkpoint_fil
 from models.onednn import convert_to_onednn
 
 from .build import (autocast_dtype, check_model_name, checkpoint_weights, classifier_names, classifier_rows,
-                    create_model, import_model_modules, official_weights, weights_keys)
+                    create_model, imagenet1k_difference, import_model_modules, narrows_to_imagenet1k,
+                    official_weights, weights_keys)
 from .checkpoint import recorded_classes
 from .compile import CompileTimer, compile_errors_reported, compile_model
 from .config import config_from_yaml_string, get_default_config, load_config, merge_dict, merge_opts, validate_config
@@ -127,9 +128,10 @@ class LoadedWeights(NamedTuple):
 def load_weights(cfg: CN, checkpoint: str, ema: bool, adopt_classes: bool,
                  released: bool = False) -> LoadedWeights:
     """`cfg`, with MODEL.NUM_CLASSES taken from the checkpoint when `adopt_classes` (a `--model` evaluation), else
-    checked against it; the checkpoint's weights (of a `released` file, those `timm.create_model(name,
-    pretrained=True)` takes: its EMA weights where it holds both); the class folder names it was trained on, where
-    it records them; which weights they are."""
+    checked against it (1000 classes take the ImageNet-1k rows of the ImageNet-22k classifier of a family that
+    fine-tunes so: `narrows_to_imagenet1k`); the checkpoint's weights (of a `released` file, those
+    `timm.create_model(name, pretrained=True)` takes: its EMA weights where it holds both); the class folder names
+    it was trained on, where it records them; which weights they are."""
     stored = load_checkpoint_file(checkpoint)
     classes = recorded_classes(stored)
     kind = held_weights(stored, weights_keys(ema, released))
@@ -141,7 +143,8 @@ def load_weights(cfg: CN, checkpoint: str, ema: bool, adopt_classes: bool,
         raise CheckpointError(f"checkpoint {checkpoint!r} holds no classifier "
                               f"({' or '.join(f'{name}.weight' for name in classifiers)}); expected the weights of a "
                               f"model that classifies")
-    if rows is None or rows == cfg.MODEL.NUM_CLASSES:
+    if rows is None or rows == cfg.MODEL.NUM_CLASSES or (
+            not adopt_classes and cfg.MODEL.NUM_CLASSES == 1000 and narrows_to_imagenet1k(cfg.MODEL.NAME, weights)):
         return LoadedWeights(cfg, weights, classes, kind)
     if not adopt_classes:
         raise CheckpointError(f"checkpoint {checkpoint!r} has a {rows}-class classifier but MODEL.NUM_CLASSES is "
@@ -151,6 +154,25 @@ def load_weights(cfg: CN, checkpoint: str, ema: bool, adopt_classes: bool,
     cfg.MODEL.NUM_CLASSES = rows
     cfg.freeze()
     return LoadedWeights(cfg, weights, classes, kind)
+
+
+def _for_imagenet1k_folders(cfg: CN, weights: Mapping[str, Tensor], val_classes: Sequence[str], source: str,
+                            folder: str) -> CN:
+    """`cfg` for the 1000 ImageNet-1k classes where the ImageNet-22k classifier of `weights` has ImageNet-1k rows
+    that the model's family takes (`narrows_to_imagenet1k`) and the validation folder holds 1000 classes: those
+    must be ImageNet-1k's synsets in order, or the rows would score the wrong classes."""
+    if len(val_classes) != 1000 or not narrows_to_imagenet1k(cfg.MODEL.NAME, weights):
+        return cfg
+    differ = imagenet1k_difference(val_classes)
+    if differ is not None:
+        raise UsageError(f"{source} classifies the {classifier_rows(cfg.MODEL.NAME, weights)} ImageNet-22k classes, "
+                         f"of which it evaluates ImageNet-1k's on 1000 class folders, but those of {folder} are not "
+                         f"ImageNet-1k's ({differ}); expected ImageNet-1k's class folders in order")
+    cfg = cfg.clone()
+    cfg.defrost()
+    cfg.MODEL.NUM_CLASSES = 1000
+    cfg.freeze()
+    return cfg
 
 
 def _inference_model(model: nn.Module, cfg: CN, onednn: bool, compile: bool) -> nn.Module:
@@ -173,6 +195,7 @@ def evaluate_weights(cfg: CN, info: DistInfo, checkpoint: str, *, ema: bool = Fa
     source = f"checkpoint {checkpoint!r}"
     root = resolve_data_root(cfg, info)
     val_set = load_split(root, 'val', eval_transform(cfg), bad_images=cfg.DATA.BAD_IMAGES, image_mode=image_mode(cfg))
+    cfg = _for_imagenet1k_folders(cfg, weights, val_set.classes, source, os.path.join(root, 'val'))
     if len(val_set.classes) != cfg.MODEL.NUM_CLASSES:
         raise UsageError(f"{source} is for {cfg.MODEL.NUM_CLASSES} classes but {root}/val has "
                          f"{len(val_set.classes)} class folders; expected the dataset the checkpoint was trained on")
@@ -180,7 +203,7 @@ def evaluate_weights(cfg: CN, info: DistInfo, checkpoint: str, *, ema: bool = Fa
     report_scan(val_set)
     if check_data:
         check_images(val_set, cfg, info)
-    model = create_model(cfg, weights, source=source).to(info.device)
+    model = create_model(cfg, weights, source=source, classes=val_set.classes).to(info.device)
     del weights
     loader = build_eval_loader(cfg, val_set, info, eval_batch_size(cfg))
     dtype = autocast_dtype(cfg, info.device, amp)

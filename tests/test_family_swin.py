@@ -1,6 +1,7 @@
 """Swin family: official golden, parameter counts and key names, a cross-check against timm's Swin, the window
 rules, checkpoint loading (official format, unsafe pickles, other models, other resolutions) and the timm API."""
 import functools
+import json
 import logging
 import os
 from pathlib import Path
@@ -18,8 +19,9 @@ from timm.models import get_arch_pretrained_cfgs
 from timm.models.swin_transformer import SwinTransformer as TimmSwin
 
 from engine.build import create_model, read_weights
-from engine.cli import train_main
+from engine.cli import eval_main, train_main
 from engine.config import load_config
+from engine.errors import USAGE_EXIT_CODE, run_cli
 from models.attention import list_attentions
 from models.checkpoint import (IMAGENET22K_CLASSES, CheckpointError, imagenet1k_classes,
                                imagenet1k_rows_of_imagenet22k, load_pretrained_into)
@@ -570,6 +572,52 @@ def test_train_py_fine_tunes_other_1000_classes_from_imagenet22k_weights_with_a_
     assert (f"{path}: kept none of the weights' 21841 ImageNet-22k classifier rows: the data's classes are not "
             f"ImageNet-1k's (class 0 is '0', not 'n01440764')") in log
     assert f"{path}: re-initialised the classifier for 1000 classes (the weights have 21841)" in log
+
+
+def test_eval_py_scores_imagenet22k_swin_weights_on_imagenet1k_folders_by_their_imagenet1k_rows(tmp_path, capsys):
+    """eval.py refused ImageNet-22k weights on ImageNet-1k's class folders (21841 classes, 1000 folders); they
+    now score through the ImageNet-1k rows of their classifier, as the fine-tuning starts: the numbers of those rows
+    saved as a 1000-class checkpoint, by --model with the 22k tag or without, and by --cfg of 1000 classes. Other
+    1000 class folders are one line, before any image is read."""
+    kwargs = {k: v for k, v in tiny_kwargs('softmax_swin_tiny').items() if k not in ('num_classes', 'img_size')}
+    path = tmp_path / 'swin_tiny_patch4_window7_224_22k.pth'
+    source = imagenet22k_swin_checkpoint('softmax_swin_tiny', path, img_size=32, **kwargs)
+    rows = list(imagenet1k_rows_of_imagenet22k())
+    narrowed = dict(source.state_dict(), **{'head.weight': source.head.weight[rows], 'head.bias': source.head.bias[rows]})
+    torch.save({'model': narrowed}, tmp_path / 'narrowed.pth')
+    generator = torch.Generator().manual_seed(0)
+    for folder, names in (('imagenet', imagenet1k_classes()), ('numbered', [str(i) for i in range(1000)])):
+        for name in names:
+            (tmp_path / folder / 'val' / name).mkdir(parents=True)
+            pixels = torch.randint(0, 256, (8, 8, 3), dtype=torch.uint8, generator=generator).numpy()
+            Image.fromarray(pixels).save(tmp_path / folder / 'val' / name / 'a.png')
+    opts = ['DATA.IMG_SIZE', '32', 'DATA.NUM_WORKERS', '0', 'TEST.BATCH_SIZE', '250',
+            *[item for key, value in kwargs.items()
+              for item in (f'MODEL.KWARGS.{key}', str(list(value) if isinstance(value, tuple) else value))]]
+
+    def evaluate(argv, data='imagenet'):
+        code = run_cli(eval_main, [*argv, '--data-path', str(tmp_path / data), '--opts', *opts])
+        captured = capsys.readouterr()
+        return code, captured.out, captured.err
+
+    code, out, _ = evaluate(['--model', 'softmax_swin_tiny', '--checkpoint', str(tmp_path / 'narrowed.pth')])
+    expected = json.loads(out.splitlines()[-1])
+    assert code == 0 and expected['count'] == 1000
+    for argv in (['--model', 'softmax_swin_tiny.ms_in22k', '--checkpoint', str(path)],
+                 ['--model', 'softmax_swin_tiny', '--checkpoint', str(path)],
+                 ['--cfg', str(REPO / 'configs' / 'softmax' / 'swin_tiny_22kto1k.yaml'), '--checkpoint', str(path)]):
+        code, out, err = evaluate(argv)
+        result = json.loads(out.splitlines()[-1])
+        assert code == 0, err
+        assert [result[k] for k in ('top1', 'top5', 'loss', 'count')] == \
+            [expected[k] for k in ('top1', 'top5', 'loss', 'count')], argv
+        assert "classifier rows of the 1000 ImageNet-1k classes from the weights' 21841 ImageNet-22k" in err
+    code, out, err = evaluate(['--model', 'softmax_swin_tiny.ms_in22k', '--checkpoint', str(path)], 'numbered')
+    assert code == USAGE_EXIT_CODE and out == ''
+    assert err.strip().splitlines()[-1] == (
+        f"error: checkpoint {str(path)!r} classifies the 21841 ImageNet-22k classes, of which it evaluates "
+        f"ImageNet-1k's on 1000 class folders, but those of {tmp_path / 'numbered' / 'val'} are not ImageNet-1k's "
+        f"(class 0 is '0', not 'n01440764'); expected ImageNet-1k's class folders in order")
 
 
 def test_cswin_starts_a_new_classifier_from_imagenet22k_weights(tmp_path):
