@@ -318,10 +318,13 @@ def measure_throughput(model: nn.Module, images: torch.Tensor, info: DistInfo, *
     """Images per second of `model` on one batch: `warmup` forwards, then `timed` forwards timed (official).
 
     The first warm-up forward is logged with its rate and the time the whole measurement will take, so a slow
-    device shows a first result within one forward. `compile_timer` gets the time of each warm-up forward.
+    device shows a first result within one forward; of a compiled model (an enabled `compile_timer`, which gets
+    the time of each warm-up forward), the second, since the first one compiles.
     """
     model.eval()
     images = images.to(info.device)
+    compiling = compile_timer is not None and compile_timer.enabled
+    estimated_at = 1 if compiling and warmup > 1 else 0
 
     def sync():
         if info.device.type == 'cuda':
@@ -335,13 +338,14 @@ def measure_throughput(model: nn.Module, images: torch.Tensor, info: DistInfo, *
             if compile_timer is not None:
                 sync()
                 compile_timer.record(time.perf_counter() - begin)
-            if i == 0:
+            if i == estimated_at:
                 sync()
                 first = time.perf_counter() - begin
                 if info.is_main:
-                    logger.info(f"first forward: {images.shape[0] / first:.1f} images/s; {warmup} warm-up and "
+                    which = 'first forward after compiling' if estimated_at else 'first forward'
+                    logger.info(f"{which}: {images.shape[0] / first:.1f} images/s; {warmup} warm-up and "
                                 f"{timed} timed forwards of {images.shape[0]} images take about "
-                                f"{_duration(first * (warmup + timed - 1))}")
+                                f"{_duration(first * (warmup + timed - 1 - i))}" + (' more' if estimated_at else ''))
             progress.update()
         sync()
         start = time.perf_counter()

@@ -3,6 +3,7 @@ line for each thing `--pretrained` changed, checkpoints timm's own loader reads,
 one forward."""
 import json
 import re
+import time
 from pathlib import Path
 from typing import Dict, List
 
@@ -12,6 +13,7 @@ import timm
 import torch
 from PIL import Image
 
+import engine.evaluation
 import engine.loops
 import engine.trainer
 from engine.cli import eval_main, train_main
@@ -199,6 +201,36 @@ def test_throughput_shows_a_first_result_after_one_forward_and_keeps_stdout_for_
     assert re.fullmatch(r'batch_size 4 throughput \d+\.\d images/s', text)
     assert {k: json.loads(result)[k] for k in ('batch_size', 'warmup', 'timed')} == dict(batch_size=4, warmup=2,
                                                                                           timed=3)
+
+
+def test_a_compiled_throughput_estimates_the_run_from_a_forward_after_compiling(capsys, monkeypatch):
+    """The estimate took the first forward, which compiles the model: minutes of compilation times the forwards.
+    A compiled run now estimates from the second, after the compile time is logged."""
+    calls = []
+    real_compile = engine.evaluation.compile_model
+
+    class SlowFirstCall(torch.nn.Module):
+        def __init__(self, model, *args):
+            super().__init__()
+            self.compiled = real_compile(model, *args)
+
+        def forward(self, images):
+            calls.append(images.shape[0])
+            if len(calls) == 1:
+                time.sleep(1.0)  # the compilation
+            return self.compiled(images)
+    monkeypatch.setattr(engine.evaluation, 'compile_model', SlowFirstCall)
+    code = run_cli(eval_main, ['--model', 'inline_deit_tiny', '--throughput', '--batch-size', '4', '--compile',
+                               '--warmup-forwards', '3', '--timed-forwards', '2', '--opts',
+                               'TRAIN.COMPILE_BACKEND', 'eager'] + TINY_MODEL_OPTS)
+    err = capsys.readouterr().err
+    assert code == 0 and len(calls) == 5
+    compiled_line = next(i for i, line in enumerate(err.splitlines()) if 'torch.compile: the forward pass' in line)
+    estimate = next(i for i, line in enumerate(err.splitlines()) if 'images/s; 3 warm-up' in line)
+    assert estimate > compiled_line
+    match = re.search(r'\] first forward after compiling: (\d+\.\d) images/s; 3 warm-up and 2 timed forwards of 4 '
+                      r'images take about \d+:\d\d more$', err, re.M)
+    assert match and float(match.group(1)) > 4.0, err  # a forward of 4 images well under the 1 s compilation
 
 
 @pytest.mark.parametrize('argv, message', [
