@@ -98,7 +98,8 @@ def eval_main(argv: Sequence[str]) -> int:
     parser.add_argument('--throughput', action='store_true',
                         help='print images/s at --batch-size (50 warm-up forwards, 30 timed) instead of accuracy')
     parser.add_argument('--warmup-forwards', type=int, default=50, metavar='N',
-                        help='untimed forwards before --throughput measures (default 50, as the official scripts)')
+                        help='untimed forwards before --throughput measures (default 50, as the official scripts; '
+                             'with --compile after one more, which compiles)')
     parser.add_argument('--timed-forwards', type=int, default=30, metavar='N',
                         help='forwards --throughput times (default 30, as the official scripts)')
     parser.add_argument('--batch-size', type=int,

@@ -147,8 +147,7 @@ def load_weights(cfg: CN, checkpoint: str, ema: bool, adopt_classes: bool,
             not adopt_classes and cfg.MODEL.NUM_CLASSES == 1000 and narrows_to_imagenet1k(cfg.MODEL.NAME, weights)):
         return LoadedWeights(cfg, weights, classes, kind)
     if not adopt_classes:
-        raise CheckpointError(f"checkpoint {checkpoint!r} has a {rows}-class classifier but MODEL.NUM_CLASSES is "
-                              f"{cfg.MODEL.NUM_CLASSES}; expected a checkpoint for {cfg.MODEL.NUM_CLASSES} classes")
+        raise _class_count_error(checkpoint, rows, cfg.MODEL.NUM_CLASSES)
     cfg = cfg.clone()
     cfg.defrost()
     cfg.MODEL.NUM_CLASSES = rows
@@ -156,17 +155,27 @@ def load_weights(cfg: CN, checkpoint: str, ema: bool, adopt_classes: bool,
     return LoadedWeights(cfg, weights, classes, kind)
 
 
-def _for_imagenet1k_folders(cfg: CN, weights: Mapping[str, Tensor], val_classes: Sequence[str], source: str,
-                            folder: str) -> CN:
-    """`cfg` for the 1000 ImageNet-1k classes where the ImageNet-22k classifier of `weights` has ImageNet-1k rows
-    that the model's family takes (`narrows_to_imagenet1k`) and the validation folder holds 1000 classes: those
-    must be ImageNet-1k's synsets in order, or the rows would score the wrong classes."""
+def _class_count_error(checkpoint: str, rows: int, num_classes: int) -> CheckpointError:
+    return CheckpointError(f"checkpoint {checkpoint!r} has a {rows}-class classifier but MODEL.NUM_CLASSES is "
+                           f"{num_classes}; expected a checkpoint for {num_classes} classes")
+
+
+def _for_val_folders(cfg: CN, weights: Mapping[str, Tensor], val_classes: Sequence[str], checkpoint: str,
+                     folder: str) -> CN:
+    """`cfg` for the classes `weights` score on the validation folder's `val_classes`: the 1000 ImageNet-1k
+    classes where the ImageNet-22k classifier of `weights` has ImageNet-1k rows that the model's family takes
+    (`narrows_to_imagenet1k`) and the folder holds 1000 classes, which must then be ImageNet-1k's synsets in order,
+    or the rows would score the wrong classes. Any other classifier must have MODEL.NUM_CLASSES rows
+    (`load_weights` lets the ImageNet-22k ones of 1000-class configs through for this)."""
+    rows = classifier_rows(cfg.MODEL.NAME, weights)
     if len(val_classes) != 1000 or not narrows_to_imagenet1k(cfg.MODEL.NAME, weights):
+        if rows is not None and rows != cfg.MODEL.NUM_CLASSES:
+            raise _class_count_error(checkpoint, rows, cfg.MODEL.NUM_CLASSES)
         return cfg
     differ = imagenet1k_difference(val_classes)
     if differ is not None:
-        raise UsageError(f"{source} classifies the {classifier_rows(cfg.MODEL.NAME, weights)} ImageNet-22k classes, "
-                         f"of which it evaluates ImageNet-1k's on 1000 class folders, but those of {folder} are not "
+        raise UsageError(f"checkpoint {checkpoint!r} classifies the {rows} ImageNet-22k classes, of which it "
+                         f"evaluates ImageNet-1k's on 1000 class folders, but those of {folder} are not "
                          f"ImageNet-1k's ({differ}); expected ImageNet-1k's class folders in order")
     cfg = cfg.clone()
     cfg.defrost()
@@ -195,7 +204,7 @@ def evaluate_weights(cfg: CN, info: DistInfo, checkpoint: str, *, ema: bool = Fa
     source = f"checkpoint {checkpoint!r}"
     root = resolve_data_root(cfg, info)
     val_set = load_split(root, 'val', eval_transform(cfg), bad_images=cfg.DATA.BAD_IMAGES, image_mode=image_mode(cfg))
-    cfg = _for_imagenet1k_folders(cfg, weights, val_set.classes, source, os.path.join(root, 'val'))
+    cfg = _for_val_folders(cfg, weights, val_set.classes, checkpoint, os.path.join(root, 'val'))
     if len(val_set.classes) != cfg.MODEL.NUM_CLASSES:
         raise UsageError(f"{source} is for {cfg.MODEL.NUM_CLASSES} classes but {root}/val has "
                          f"{len(val_set.classes)} class folders; expected the dataset the checkpoint was trained on")

@@ -318,34 +318,34 @@ def measure_throughput(model: nn.Module, images: torch.Tensor, info: DistInfo, *
     """Images per second of `model` on one batch: `warmup` forwards, then `timed` forwards timed (official).
 
     The first warm-up forward is logged with its rate and the time the whole measurement will take, so a slow
-    device shows a first result within one forward; of a compiled model (an enabled `compile_timer`, which gets
-    the time of each warm-up forward), the second, since the first one compiles.
+    device shows a first result within one forward. A model still to compile (an enabled `compile_timer`, which
+    gets the time of each untimed forward) runs one forward more first, which compiles it, so that neither the
+    estimate nor the timed forwards include the compilation, whatever the number of warm-up forwards.
     """
     model.eval()
     images = images.to(info.device)
     compiling = compile_timer is not None and compile_timer.enabled
-    estimated_at = 1 if compiling and warmup > 1 else 0
 
     def sync():
         if info.device.type == 'cuda':
             torch.cuda.synchronize(info.device)
 
-    with autocast(info.device, amp, amp_dtype), Progress(warmup + timed, 'throughput', enabled=info.is_main,
-                                                         interval=10.0) as progress:
-        for i in range(warmup):
+    with autocast(info.device, amp, amp_dtype), Progress(compiling + warmup + timed, 'throughput',
+                                                         enabled=info.is_main, interval=10.0) as progress:
+        for i in range(-1 if compiling else 0, warmup):
             begin = time.perf_counter()
             model(images)
             if compile_timer is not None:
                 sync()
                 compile_timer.record(time.perf_counter() - begin)
-            if i == estimated_at:
+            if i == 0:
                 sync()
                 first = time.perf_counter() - begin
                 if info.is_main:
-                    which = 'first forward after compiling' if estimated_at else 'first forward'
+                    which = 'first forward after compiling' if compiling else 'first forward'
                     logger.info(f"{which}: {images.shape[0] / first:.1f} images/s; {warmup} warm-up and "
                                 f"{timed} timed forwards of {images.shape[0]} images take about "
-                                f"{_duration(first * (warmup + timed - 1 - i))}" + (' more' if estimated_at else ''))
+                                f"{_duration(first * (warmup + timed - 1))}")
             progress.update()
         sync()
         start = time.perf_counter()

@@ -586,7 +586,8 @@ def test_eval_py_scores_imagenet22k_swin_weights_on_imagenet1k_folders_by_their_
     narrowed = dict(source.state_dict(), **{'head.weight': source.head.weight[rows], 'head.bias': source.head.bias[rows]})
     torch.save({'model': narrowed}, tmp_path / 'narrowed.pth')
     generator = torch.Generator().manual_seed(0)
-    for folder, names in (('imagenet', imagenet1k_classes()), ('numbered', [str(i) for i in range(1000)])):
+    for folder, names in (('imagenet', imagenet1k_classes()), ('numbered', [str(i) for i in range(1000)]),
+                          ('ten', imagenet1k_classes()[:10])):
         for name in names:
             (tmp_path / folder / 'val' / name).mkdir(parents=True)
             pixels = torch.randint(0, 256, (8, 8, 3), dtype=torch.uint8, generator=generator).numpy()
@@ -618,6 +619,16 @@ def test_eval_py_scores_imagenet22k_swin_weights_on_imagenet1k_folders_by_their_
         f"error: checkpoint {str(path)!r} classifies the 21841 ImageNet-22k classes, of which it evaluates "
         f"ImageNet-1k's on 1000 class folders, but those of {tmp_path / 'numbered' / 'val'} are not ImageNet-1k's "
         f"(class 0 is '0', not 'n01440764'); expected ImageNet-1k's class folders in order")
+    # elsewhere the classifier's rows are the class count, as before
+    code, out, err = evaluate(['--cfg', str(REPO / 'configs' / 'softmax' / 'swin_tiny_22kto1k.yaml'), '--checkpoint',
+                               str(path)], 'ten')
+    assert code == USAGE_EXIT_CODE and err.strip().splitlines()[-1] == (
+        f"error: checkpoint {str(path)!r} has a 21841-class classifier but MODEL.NUM_CLASSES is 1000; expected a "
+        f"checkpoint for 1000 classes")
+    code, out, err = evaluate(['--model', 'softmax_swin_tiny.ms_in22k', '--checkpoint', str(path)], 'ten')
+    assert code == USAGE_EXIT_CODE and err.strip().splitlines()[-1] == (
+        f"error: checkpoint {str(path)!r} is for 21841 classes but {tmp_path / 'ten'}/val has 10 class folders; "
+        f"expected the dataset the checkpoint was trained on")
 
 
 def test_cswin_starts_a_new_classifier_from_imagenet22k_weights(tmp_path):

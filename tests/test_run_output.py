@@ -204,8 +204,9 @@ def test_throughput_shows_a_first_result_after_one_forward_and_keeps_stdout_for_
 
 
 def test_a_compiled_throughput_estimates_the_run_from_a_forward_after_compiling(capsys, monkeypatch):
-    """The estimate took the first forward, which compiles the model: minutes of compilation times the forwards.
-    A compiled run now estimates from the second, after the compile time is logged."""
+    """The estimate took the first forward, which compiles the model: minutes of compilation times the forwards,
+    and with no warm-up forward the timed ones included the compilation. A compiled run now compiles in one
+    forward more, then estimates from the first warm-up forward, after the compile time is logged."""
     calls = []
     real_compile = engine.evaluation.compile_model
 
@@ -224,13 +225,21 @@ def test_a_compiled_throughput_estimates_the_run_from_a_forward_after_compiling(
                                '--warmup-forwards', '3', '--timed-forwards', '2', '--opts',
                                'TRAIN.COMPILE_BACKEND', 'eager'] + TINY_MODEL_OPTS)
     err = capsys.readouterr().err
-    assert code == 0 and len(calls) == 5
+    assert code == 0 and len(calls) == 6
     compiled_line = next(i for i, line in enumerate(err.splitlines()) if 'torch.compile: the forward pass' in line)
     estimate = next(i for i, line in enumerate(err.splitlines()) if 'images/s; 3 warm-up' in line)
     assert estimate > compiled_line
     match = re.search(r'\] first forward after compiling: (\d+\.\d) images/s; 3 warm-up and 2 timed forwards of 4 '
-                      r'images take about \d+:\d\d more$', err, re.M)
+                      r'images take about 0:0[0-3]$', err, re.M)
     assert match and float(match.group(1)) > 4.0, err  # a forward of 4 images well under the 1 s compilation
+    for warmup in (0, 1):
+        calls.clear()
+        code = run_cli(eval_main, ['--model', 'inline_deit_tiny', '--throughput', '--batch-size', '4', '--compile',
+                                   '--warmup-forwards', str(warmup), '--timed-forwards', '2', '--opts',
+                                   'TRAIN.COMPILE_BACKEND', 'eager'] + TINY_MODEL_OPTS)
+        out = capsys.readouterr().out
+        assert code == 0 and len(calls) == 3 + warmup
+        assert json.loads(out.splitlines()[-1])['throughput'] > 8.0  # 2 timed forwards of 4 images within 1 s
 
 
 @pytest.mark.parametrize('argv, message', [
