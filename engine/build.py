@@ -19,8 +19,8 @@ from torch import Tensor, nn
 from yacs.config import CfgNode as CN
 
 import models  # noqa: F401  (registers the zoo's families with timm)
-from models.checkpoint import (EMA_KEYS, MODEL_KEYS, PRETRAINED_KEYS, CheckpointError, checkpoint_state_dict,
-                               has_released_weights, load_checkpoint_file, load_shared_weights,
+from models.checkpoint import (EMA_KEYS, IMAGENET22K_CLASSES, MODEL_KEYS, PRETRAINED_KEYS, CheckpointError,
+                               checkpoint_state_dict, has_released_weights, load_checkpoint_file, load_shared_weights,
                                imagenet1k_classes, narrow_imagenet22k_classifier, official_keys,
                                unknown_pretrained_tag)
 from models.onednn import convert_to_onednn, onednn_available
@@ -158,6 +158,8 @@ def imagenet1k_difference(classes: Sequence[str]) -> Optional[str]:
 def narrows_to_imagenet1k(name: str, weights: Mapping[str, Tensor]) -> bool:
     """Whether `weights` (official key names) hold an ImageNet-22k classifier whose ImageNet-1k rows a 1000-class
     model `name` takes (`models.checkpoint.narrow_imagenet22k_classifier`: Swin's family)."""
+    if classifier_rows(name, weights) != IMAGENET22K_CLASSES:  # every other classifier: no model to build
+        return False
     with torch.device('meta'):
         target = timm.create_model(name, num_classes=1000)
     given = dict(weights)

@@ -583,7 +583,8 @@ def test_eval_py_scores_imagenet22k_swin_weights_on_imagenet1k_folders_by_their_
     path = tmp_path / 'swin_tiny_patch4_window7_224_22k.pth'
     source = imagenet22k_swin_checkpoint('softmax_swin_tiny', path, img_size=32, **kwargs)
     rows = list(imagenet1k_rows_of_imagenet22k())
-    narrowed = dict(source.state_dict(), **{'head.weight': source.head.weight[rows], 'head.bias': source.head.bias[rows]})
+    narrowed = dict(source.state_dict(),
+                    **{'head.weight': source.head.weight[rows], 'head.bias': source.head.bias[rows]})
     torch.save({'model': narrowed}, tmp_path / 'narrowed.pth')
     generator = torch.Generator().manual_seed(0)
     for folder, names in (('imagenet', imagenet1k_classes()), ('numbered', [str(i) for i in range(1000)]),
