@@ -160,6 +160,13 @@ def test_window_is_clamped_to_the_grid(name):
     x = 2 * torch.randn(2, 32, 16, dtype=torch.float64)
     assert max_abs_err(wide(x, (4, 8)), naive_swin(wide, x, (4, 8), (4, 4), 0)) < 1e-10
 
+    # 4x4 windows would not tile a 4x6 grid: one window over it, as timm's, not two over a padded 4x8 grid
+    uneven = build64(name, 16, 2, (4, 6), grouping='window', window_size=7, shift_size=3, rel_pos_bias=True)
+    assert uneven.window is None and uneven.shift_size == 0
+    assert uneven.relative_position_bias_table.shape == (7 * 11, 2)
+    x = 2 * torch.randn(2, 24, 16, dtype=torch.float64)
+    assert max_abs_err(uneven(x, (4, 6)), naive_swin(uneven, x, (4, 6), (4, 6), 0)) < 1e-10
+
 
 @pytest.mark.parametrize('name', ['sima', 'additive'])
 def test_linear_attentions_mix_each_shifted_window_alone(name):
@@ -299,6 +306,13 @@ def test_bad_input_errors_name_the_bad_value(name):
     windowed = build_attention(name, 16, 2, (4, 4), grouping='window', window_size=2)
     with pytest.raises(ValueError, match='prefix tokens, got 1 before the 4x4 grid'):
         windowed(torch.randn(1, 17, 16), (4, 4))
+    # a grid of one side, or of sides that are not positive integers, failed inside torch or ran on no grid
+    for grid in [(4,), 4, (4, 0), (4.0, 4)]:
+        with pytest.raises(ValueError) as error:
+            build_attention(name, 16, 2, grid)
+        assert str(error.value) == f"grid_size {grid!r} must be an (H, W) pair of positive integers"
+    with pytest.raises(ValueError, match='^grid -2x-2 must have positive sides$'):
+        build_attention(name, 16, 2, (2, 2))(torch.randn(1, 4, 16), (-2, -2))
 
 
 @pytest.mark.parametrize('name, kwargs, message', [

@@ -264,6 +264,25 @@ def test_softmax_swin_loads_timm_swin_weights_and_gives_timm_outputs(tmp_path):
         assert (model(x) - reference.forward_head(reference.forward_features(x), pre_logits=True)).abs().max() < 1e-10
 
 
+def test_window_clamps_side_by_side_on_a_grid_its_short_side_fits():
+    """On a 7x5 grid (Swin-T's last stage at 224x160) a 7x7 window is one 7x5 window over the whole grid, with a
+    13x9 bias table, as in timm: not 5x5 windows over a padded 10x5 grid."""
+    kwargs = dict(img_size=(28, 20), embed_dim=16, depths=(2,), num_heads=(2,), window_size=7)
+    reference = randomize(TimmSwin(num_classes=10, **kwargs)).double().eval()
+    model = timm.create_model('softmax_swin_tiny', num_classes=10, **kwargs).double().eval()
+    model.load_state_dict(checkpoint_filter_fn(reference.state_dict(), model), strict=True)
+    for block in model.layers[0].blocks:
+        assert block.attn.window is None and block.attn.shift_size == 0
+        assert block.attn.relative_position_bias_table.shape == (13 * 9, 2)
+    x = torch.randn(2, 3, 28, 20, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert (model(x) - reference(x)).abs().max() < 1e-10
+    # Swin-T at 224x160: the last stage is global, its tables 13x9 (a 224x224 checkpoint's resize on load)
+    trained = meta_model('softmax_swin_tiny', img_size=(224, 160))
+    assert [trained.layers[3].blocks[j].attn.window for j in (0, 1)] == [None, None]
+    assert trained.layers[3].blocks[1].attn.relative_position_bias_table.shape == (13 * 9, 24)
+
+
 # --------------------------------------------------------------------------------- every entrypoint
 
 

@@ -92,6 +92,9 @@ class GroupedAttention(MixerHost):
         super().__init__()
         self.dim = dim
         self.num_heads = num_heads
+        if grid_size is not None and not (isinstance(grid_size, (tuple, list)) and len(grid_size) == 2
+                                          and all(is_integer(side) and side > 0 for side in grid_size)):
+            raise ValueError(f"grid_size {grid_size!r} must be an (H, W) pair of positive integers")
         self.grid_size: Optional[Grid] = None if grid_size is None else tuple(grid_size)
 
     def _finish(self, mixer: Mixer, proj_drop: float) -> None:
@@ -120,6 +123,8 @@ class GroupedAttention(MixerHost):
 
 def _prefix_tokens(size: Grid, num_tokens: int) -> int:
     """The number of tokens before the `size` grid; a ValueError when there are too few tokens for it."""
+    if size[0] < 1 or size[1] < 1:
+        raise ValueError(f"grid {size[0]}x{size[1]} must have positive sides")
     num_prefix = num_tokens - size[0] * size[1]
     if num_prefix < 0:
         raise ValueError(f"{num_tokens} tokens cannot hold a {size[0]}x{size[1]} grid")
@@ -247,8 +252,10 @@ class SpatialReductionAttention(GroupedAttention):
 def _resolve_window(grid: Grid, window_size: Union[int, Grid], shift_size: int) -> Tuple[Optional[Grid], int]:
     """(window, shift) for a grid, None for one window covering the grid (unshifted).
 
-    A square `window_size` as large as the grid's short side means the whole grid, as Swin clamps it; a window
-    never reaches past the grid. A grid that does not divide into windows is padded to whole ones where used.
+    A square `window_size` as large as the grid's short side is unshifted and shrinks to that side, as in Swin,
+    where such windows tile the grid (4x4 windows on a 4x8 grid); where they do not, it is clamped side by side
+    as timm clamps it (a 7x5 grid under 7x7 windows is one 7x5 window). A window never reaches past the grid; a
+    grid that does not divide into windows is padded to whole ones where used.
     """
     H, W = grid
     pair = isinstance(window_size, (tuple, list)) and len(window_size) == 2 and all(map(is_integer, window_size))
@@ -257,9 +264,13 @@ def _resolve_window(grid: Grid, window_size: Union[int, Grid], shift_size: int) 
     if not is_integer(shift_size):
         raise ValueError(f"shift_size {shift_size!r} must be an integer")
     if isinstance(window_size, int):
-        if min(H, W) <= window_size:
-            window_size, shift_size = min(H, W), 0
-        window = (window_size, window_size)
+        short = min(H, W)
+        if short <= window_size:
+            shift_size = 0
+        if short <= window_size and H % short == 0 and W % short == 0:
+            window = (short, short)
+        else:
+            window = (min(window_size, H), min(window_size, W))
     else:
         window = (min(window_size[0], H), min(window_size[1], W))
     if min(window) < 1:
@@ -283,9 +294,10 @@ class WindowAttention(GroupedAttention):
     """Swin's (shifted) window attention: `qkv`, a relative position bias and the shifted-window mask for mixers
     that accept a score bias, the mixer on every window, `proj`.
 
-    `window_size` is an int for square windows (clamped to the grid: as large as its short side means one
-    unshifted window over the whole grid) or (wh, ww); odd blocks shift by `shift_size`. Mixers that take no
-    score bias get neither the bias table nor the mask, but the same windows and shift.
+    `window_size` is an int for square windows (unshifted and clamped to the grid once as large as its short
+    side: 7 on a 7x7 or 7x5 grid is one window over the whole grid) or (wh, ww); odd blocks shift by
+    `shift_size`. Mixers that take no score bias get neither the bias table nor the mask, but the same windows
+    and shift.
 
     On any grid, windows keep the size and shift they were built with: the map is padded with zeros below and
     right to whole windows before the shift, as Swin does at other resolutions, and the mask is that of the
