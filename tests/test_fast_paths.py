@@ -337,6 +337,17 @@ def test_multimax_flex_path_refuses_dropout():
         multimax_attention(q, k, v, ranges, ts, dropout_p=0.1, use_flex=True)
 
 
+@pytest.mark.parametrize('path', [dict(), dict(use_kernel=False), dict(use_flex=True)])
+def test_multimax_refuses_other_than_four_ranges_and_ts(path):
+    """Three of each made the CPU kernel read past them, in silence."""
+    q, k, v, ranges, ts = kernel_inputs(6, 6)
+    with pytest.raises(ValueError, match=r"^MultiMax takes four ranges \(b0..b3\) and four ts \(t0..t3\), got shapes "
+                                         r"\(3,\) and \(4,\)$"):
+        multimax_attention(q, k, v, ranges[:3], ts, **path)
+    with pytest.raises(ValueError, match=r"got shapes \(4,\) and \(2, 4\)$"):
+        multimax_attention(q, k, v, ranges, ts.expand(2, 4), **path)
+
+
 def test_eager_multimax_on_cpu_takes_flex_only_when_asked(monkeypatch):
     calls = []
     monkeypatch.setattr('models.attention.multimax._multimax_flex', lambda *a: calls.append(a) or (a[2], None))

@@ -225,6 +225,9 @@ def multimax_attention(
     """
     if torch.jit.is_scripting():  # the plain path without the custom autograd functions
         return _multimax_plain(q, k, v, ranges, ts, bias, mask, dropout_p, causal)
+    if ranges.shape != (4,) or ts.shape != (4,):
+        raise ValueError(f"MultiMax takes four ranges (b0..b3) and four ts (t0..t3), got shapes "
+                         f"{tuple(ranges.shape)} and {tuple(ts.shape)}")
     if _under_func_transforms(q, k, v, ranges, ts, bias):
         return _multimax_plain(q, k, v, ranges, ts, bias, mask, dropout_p, causal)
     B, h, n, _ = q.shape
