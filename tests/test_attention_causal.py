@@ -414,6 +414,14 @@ def test_an_attention_without_the_option_refuses_causal_instead_of_ignoring_it(m
     assert str(info.value) == "no_options attention takes no causal option, so it cannot serve causal=True"
 
 
+def test_causal_linear_attention_refuses_queries_and_keys_of_other_lengths():
+    """Five queries over three keys returned three rows, in silence."""
+    q, k, v = torch.randn(1, 2, 5, 4), torch.randn(1, 2, 3, 4), torch.randn(1, 2, 3, 4)
+    with pytest.raises(ValueError, match='^causal linear attention takes as many queries as keys and values, got 5 '
+                                         'queries, 3 keys and 3 values$'):
+        causal_linear_attention(q, k, v)
+
+
 @pytest.mark.filterwarnings('ignore:`torch.jit.script` is deprecated')
 def test_causal_functions_compile_with_torchscript_and_match_eager():
     torch.manual_seed(0)

@@ -64,6 +64,9 @@ def causal_linear_attention(q: Tensor, k: Tensor, v: Tensor, eps: float = 1e-6,
     earlier chunks the sums of φ(k)vᵀ and φ(k) over them, a (d, e) state per chunk.
     """
     if not torch.jit.is_scripting():  # TorchScript has no autocast to turn off
+        if not q.shape[-2] == k.shape[-2] == v.shape[-2]:
+            raise ValueError(f"causal linear attention takes as many queries as keys and values, got "
+                             f"{q.shape[-2]} queries, {k.shape[-2]} keys and {v.shape[-2]} values")
         with autocast_off(v.device):
             return _causal_linear_attention(q, k, v, eps, chunk_size)
     return _causal_linear_attention(q, k, v, eps, chunk_size)
