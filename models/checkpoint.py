@@ -82,8 +82,9 @@ DOWNLOAD_CHUNK = 1 << 20
 CHECKPOINT_MAGIC = (b'PK\x03\x04', b'\x80')
 
 
-class CheckpointError(ValueError):
-    """A checkpoint file that cannot be read, is unsafe, or does not fit the model."""
+class CheckpointError(RuntimeError, ValueError):
+    """A checkpoint file that cannot be read, is unsafe, or does not fit the model: a RuntimeError, as torch's
+    strict `load_state_dict` raises where timm loads, and a ValueError, as bad input."""
 
 
 class DownloadError(CheckpointError):
