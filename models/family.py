@@ -652,6 +652,9 @@ def create_variant(
     if not strict:
         build_kwargs['pretrained_filter_fn'] = functools.partial(build_kwargs['pretrained_filter_fn'], strict=False)
     built = {**model_args, **kwargs}
+    for name in kwargs.keys() & {'depth', 'depths'}:  # read below before the constructor checks them
+        per_stage = (name,) if isinstance(model_args.get(name), (list, tuple)) else ()
+        check_arguments(counts={name: kwargs[name]}, per_stage=per_stage)
     released_elsewhere: Dict[str, Any] = {}
     native: Optional[List[List[str]]] = None
     if 'attn_type' in kwargs or kwargs.keys() & {'depths', 'depth'}:

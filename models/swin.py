@@ -297,7 +297,8 @@ def _create_swin(variant: str, pretrained: bool, model_args: Dict[str, Any],
         kwargs.setdefault('la_window_size', linear_window)
         model_args['window_size'] = softmax_window(linear_window)
     # every stage by default, as many as the model has (timm's Swin takes them from `depths` too)
-    stages = len(kwargs.get('depths', model_args.get('depths', (2, 2, 6, 2))))
+    depths = kwargs.get('depths', model_args.get('depths', (2, 2, 6, 2)))
+    stages = len(depths) if isinstance(depths, (list, tuple)) else 0  # not a list: the constructor names it
     return create_variant(SwinTransformer, variant, pretrained, model_args, kwargs,
                           pretrained_filter_fn=checkpoint_filter_fn,
                           feature_cfg=dict(feature_cls='getter', out_indices=tuple(range(stages))))

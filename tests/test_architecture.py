@@ -104,6 +104,14 @@ def test_an_option_no_attention_of_the_model_takes_is_one_line(family):
     ('softmax_pvt_v2_b0', dict(depths=2), "depths 2 is not a list; expected an integer >= 0 per stage, as a list"),
     ('softmax_pvt_v2_b0', dict(drop_rate=2.0), "drop_rate 2.0 is out of range; expected a number in [0, 1]"),
     ('inline_cswin_tiny', dict(depth=2), "depth 2 is not a list; expected an integer >= 0 per stage, as a list"),
+    # depths are read for the blocks' attentions before the constructor runs: the same messages from there
+    ('inline_deit_tiny', dict(depth=2.5), "depth 2.5 is out of range; expected an integer >= 0"),
+    ('sima_small_12_p16', dict(depth=2.0), "depth 2.0 is out of range; expected an integer >= 0"),
+    ('softmax_swin_tiny', dict(depths=(2, 2, 2.0, 2)),
+     "depths (2, 2, 2.0, 2) is out of range; expected an integer >= 0 each"),
+    ('softmax_swin_tiny', dict(depths=2), "depths 2 is not a list; expected an integer >= 0 per stage, as a list"),
+    ('inline_cswin_tiny', dict(depth=(1, 1, 1.5, 1)), "depth (1, 1, 1.5, 1) is out of range; expected an integer >= 0 "
+                                                       "each"),
     ('inline_cswin_tiny', dict(split_size=7), "split_size 7 must give 4 positive stripe widths, e.g. '56-28-14-7'"),
     ('softmax_deit_tiny', dict(attn_type=3),
      "bad attn_type 3 (neither a name, a list nor a pattern); expected an attention name (softmax, multimax, inline, "
