@@ -219,6 +219,10 @@ class CSWinTransformer(ZooModel):
         drop_rate: dropout in the MLPs; attn_drop_rate: on attention weights; drop_path_rate: stochastic depth,
             linear over all blocks.
         dynamic_img_size: take any input size whose sides are multiples of 4.
+        split_img_size: the input size whose stage grids decide which branches are global (a stripe as wide as its
+            grid, a linear stage without `la_split_size`, the last stage), None for `img_size`. `set_input_size`
+            keeps a model's branches and records the size they were decided at here, so that a model saved after it
+            is rebuilt with the same branches.
     """
 
     official_head_init = True
@@ -244,10 +248,12 @@ class CSWinTransformer(ZooModel):
             attn_drop_rate: float = 0.,
             drop_path_rate: float = 0.,
             dynamic_img_size: bool = False,
+            split_img_size: Optional[Union[int, Tuple[int, int]]] = None,
     ):
         super().__init__()
         check_arguments(
-            sizes=dict(img_size=img_size, in_chans=in_chans, embed_dim=embed_dim, num_heads=num_heads),
+            sizes=dict(img_size=img_size, in_chans=in_chans, embed_dim=embed_dim, num_heads=num_heads,
+                       split_img_size=split_img_size),
             counts=dict(num_classes=num_classes, depth=depth), ratios=dict(mlp_ratio=mlp_ratio),
             rates=dict(drop_rate=drop_rate, attn_drop_rate=attn_drop_rate, drop_path_rate=drop_path_rate),
             per_stage=('depth', 'num_heads'))
@@ -259,9 +265,11 @@ class CSWinTransformer(ZooModel):
         la_split = None if la_split_size is None else _parse_split(la_split_size, 'la_split_size')
         self.img_size: Grid = tuple(to_2tuple(img_size))
         self.img_divisor = 4  # the stem's stride
+        self.split_img_size: Grid = self.img_size if split_img_size is None else tuple(to_2tuple(split_img_size))
         self._init_input_size(dynamic_img_size)
         self._check_size(self.img_size, 'img_size')
-        self.grid_sizes = self._stage_grids(self.img_size)
+        self._check_size(self.split_img_size, 'split_img_size')
+        self.grid_sizes = self._stage_grids(self.split_img_size)
         self._init_output_fmt('NHWC')
         self.in_chans = in_chans
         self.num_classes = num_classes
@@ -296,6 +304,11 @@ class CSWinTransformer(ZooModel):
         self.head = nn.Linear(self.num_features, num_classes) if num_classes > 0 else nn.Identity()
         OfficialKeys(_stage_key_to_official, _official_key_to_module).register(self)
         self.apply(init_weights)
+        if self.split_img_size != self.img_size:  # the branches of that size, on this size's grids
+            self._set_grids(self.img_size)
+
+    def _resize_args(self) -> Dict[str, Any]:
+        return dict(split_img_size=self.split_img_size)
 
     @torch.jit.ignore
     def no_weight_decay(self) -> set:

@@ -181,7 +181,7 @@ _ARGUMENT_KINDS = (
 
 
 # arguments that are an image size, one side for both or an (H, W) pair
-_IMAGE_SIZES = ('img_size', 'window_img_size')
+_IMAGE_SIZES = ('img_size', 'window_img_size', 'split_img_size')
 
 
 def check_arguments(
@@ -194,7 +194,7 @@ def check_arguments(
     """A ValueError naming the first constructor argument out of range, before any layer is built (a layer would
     fail later with a message about tensors): `sizes` (widths, heads, patch and window sizes) take integers > 0,
     `counts` (depths, classes) integers >= 0, `ratios` numbers > 0 and `rates` (dropout, drop path) numbers in
-    [0, 1]. Each argument is one value, `img_size` and `window_img_size` also an (H, W) pair, and those named in
+    [0, 1]. Each argument is one value, the image sizes also an (H, W) pair, and those named in
     `per_stage` a list with a value per stage (None: not used)."""
     given = dict(sizes=sizes, counts=counts, ratios=ratios, rates=rates)
     for kind, expected, valid in _ARGUMENT_KINDS:

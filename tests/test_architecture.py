@@ -20,7 +20,6 @@ import models  # noqa: F401  (registers the families)
 from models.analysis import attention_layers
 from models.attention import GROUPINGS, build_attention, forms_score_matrix, list_attentions
 from models.checkpoint import CheckpointError, hub_weights_file, load_checkpoint_file, load_pretrained_into
-from models.family import Block
 
 FINGERPRINTS = json.loads((Path(__file__).parent / 'data' / 'state_dict_fingerprints.json').read_text())
 FAMILIES = ('deit', 'pvt', 'swin', 'cswin')
@@ -391,23 +390,30 @@ def test_a_model_saved_for_the_hub_loads_back_from_its_folder(tmp_path, family, 
     assert_same_model(loaded, saved, family)
 
 
-@pytest.mark.parametrize('size', [96, 48])
-def test_a_swin_resized_by_set_input_size_comes_back_from_its_folder_with_the_same_windows(tmp_path, size):
-    """`set_input_size` keeps each stage's windows: the last stage, global on its 2×2 grid at 64, stays global at
-    96 (3×3, its bias table resampled), and stage 2, in 2×2 windows at 64, keeps them at 48. A model built at the new
-    size alone would decide its windows there, so the config records the size they were decided at."""
+@pytest.mark.parametrize('family, size, overrides', [
+    ('swin', 96, {}), ('swin', 48, {}),
+    ('cswin', 128, dict(split_size=[2, 8, 2, 2])), ('cswin', 32, dict(split_size=[2, 8, 2, 2])),
+])
+def test_a_model_resized_by_set_input_size_comes_back_from_its_folder_with_the_same_groups(tmp_path, family, size,
+                                                                                            overrides):
+    """`set_input_size` keeps each stage's windows or stripes. Swin at 64: the last stage, global on its 2×2 grid,
+    stays global at 96 (3×3, its bias table resampled), and stage 2, in 2×2 windows, keeps them at 48. CSwin at 64:
+    stage 1, one global branch on its 8×8 grid under 8-wide stripes, stays global at 128 (16×16), and stage 2, in
+    2-wide stripes on 4×4, keeps them at 32 (2×2). A model built at the new size alone would decide its groups
+    there, so the config records the size they were decided at."""
     torch.manual_seed(0)
-    model = timm.create_model('softmax_swin_tiny', **TINY['swin']).eval()
+    model = timm.create_model(f'softmax_{family}_tiny', **{**TINY[family], **overrides}).eval()
     model.set_input_size(size)
     timm.models.save_for_hf(model, str(tmp_path))
     loaded = timm.create_model(f'local-dir:{tmp_path}', pretrained=True).eval()
     assert loaded.state_dict().keys() == model.state_dict().keys()
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in loaded.state_dict().items())
-    assert [repr(b.attn) for b in loaded.modules() if isinstance(b, Block)] == \
-        [repr(b.attn) for b in model.modules() if isinstance(b, Block)]
+    assert repr(loaded) == repr(model)
     x = torch.randn(2, 3, size, size)
     with torch.no_grad():
         assert torch.equal(loaded(x), model(x))
+    built_there = timm.create_model(f'softmax_{family}_tiny', **{**TINY[family], **overrides, 'img_size': size})
+    assert repr(built_there) != repr(model)  # the size alone decides otherwise
 
 
 def test_a_model_of_another_attention_loads_from_the_hub(tmp_path, monkeypatch):
