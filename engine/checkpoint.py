@@ -458,9 +458,11 @@ class TrainingCheckpoint:
     @staticmethod
     def check_same_run(checkpoint: Mapping[str, Any], path: str, cfg: CN) -> None:
         """Raise `UsageError` unless `cfg` builds the model that wrote `checkpoint` (MODEL.NAME, MODEL.KWARGS,
-        MODEL.NUM_CLASSES, DATA.IMG_SIZE) and starts from the same MODEL.PRETRAINED, if it names one: a run resumed
-        under another model goes on from the other model's weights and epoch where the shapes allow it (softmax,
-        SimA and linear DeiT share every one), and weights given to start from are not loaded into a resumed run."""
+        MODEL.NUM_CLASSES, DATA.IMG_SIZE) with its optimizer (TRAIN.OPTIMIZER.NAME, and TRAIN.BACKBONE_LR_SCALE 1
+        or not) and starts from the same MODEL.PRETRAINED, if it names one: a run resumed under another model goes
+        on from the other model's weights and epoch where the shapes allow it (softmax, SimA and linear DeiT share
+        every one), torch loads one optimizer's state into another without a check (AdamW's moments into LAMB or
+        SGD; Adan fails at its first step), and weights given to start from are not loaded into a resumed run."""
         try:
             stored = config_from_yaml_string(checkpoint['config'], f"checkpoint {path!r}")
         except ConfigError:
@@ -470,6 +472,18 @@ class TrainingCheckpoint:
         if changes:
             raise UsageError(f"checkpoint {path!r} holds a run of another model: {'; '.join(changes)}; expected that "
                              f"model to resume it (another model: another --output; to start from its weights: "
+                             f"--pretrained {path} with another --output)")
+        optimizer = []
+        then, now = stored.TRAIN.OPTIMIZER.NAME, cfg.TRAIN.OPTIMIZER.NAME
+        if then.lower() != now.lower():  # timm's names are case-insensitive
+            optimizer.append(f"TRAIN.OPTIMIZER.NAME {then!r} (this run: {now!r})")
+        then, now = stored.TRAIN.BACKBONE_LR_SCALE, cfg.TRAIN.BACKBONE_LR_SCALE
+        if (then == 1) != (now == 1):  # one parameter group or two
+            optimizer.append(f"TRAIN.BACKBONE_LR_SCALE {then!r} (this run: {now!r})")
+        if optimizer:
+            raise UsageError(f"checkpoint {path!r} holds an optimizer state this run would not use: "
+                             f"{'; '.join(optimizer)}; expected the same optimizer to resume it, with "
+                             f"TRAIN.BACKBONE_LR_SCALE 1 in both runs or in neither (another optimizer: "
                              f"--pretrained {path} with another --output)")
         given, started = cfg.MODEL.PRETRAINED, stored.MODEL.PRETRAINED
         if given and not _same_source(given, started):

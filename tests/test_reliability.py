@@ -348,6 +348,29 @@ def test_a_run_of_another_model_is_not_resumed_and_is_refused_before_the_data_is
     assert checkpoints(output) == before
 
 
+@pytest.mark.parametrize('opts, changes', [
+    (['TRAIN.OPTIMIZER.NAME', 'adan'], "TRAIN.OPTIMIZER.NAME 'adamw' (this run: 'adan')"),
+    (['TRAIN.OPTIMIZER.NAME', 'lamb'], "TRAIN.OPTIMIZER.NAME 'adamw' (this run: 'lamb')"),
+    (['TRAIN.BACKBONE_LR_SCALE', '0.1'], "TRAIN.BACKBONE_LR_SCALE 1.0 (this run: 0.1)"),
+])
+def test_a_run_resumed_under_another_optimizer_is_refused_before_the_data_is_read(tmp_path, one_epoch, capsys, opts,
+                                                                                 changes):
+    """torch loads one optimizer's state into another without a check: AdamW's moments went on under LAMB (and
+    Lion, SGD) without a word, and Adan failed at its first update with a bare KeyError, after the config was
+    rewritten. The data path does not exist: the refusal comes before any scan, and nothing is written."""
+    output = tmp_path / 'run'
+    shutil.copytree(one_epoch, output)
+    before = checkpoints(output)
+    config = (output / 'config.yaml').read_bytes()
+    assert run_cli(train_main, [*train_argv(output, tmp_path / 'no-data'), *opts]) == USAGE_EXIT_CODE
+    last = str(output / 'last.pth')
+    assert capsys.readouterr().err == (
+        f"error: checkpoint {last!r} holds an optimizer state this run would not use: {changes}; expected the same "
+        f"optimizer to resume it, with TRAIN.BACKBONE_LR_SCALE 1 in both runs or in neither (another optimizer: "
+        f"--pretrained {last} with another --output)\n")
+    assert checkpoints(output) == before and (output / 'config.yaml').read_bytes() == config
+
+
 def test_weights_to_start_from_are_refused_for_a_run_that_resumes(tmp_path, one_epoch, capsys):
     """--pretrained into a folder whose run is resumed was ignored without a word, and recorded in its config."""
     output = tmp_path / 'run'
