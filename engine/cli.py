@@ -45,7 +45,8 @@ def train_main(argv: Sequence[str]) -> int:
         prog='train.py', description='Train a registered model: python train.py --cfg FILE --data-path DIR, or '
                                      'torchrun --nproc_per_node=N train.py ... on several devices.')
     parser.add_argument('--cfg', help='YAML config (inherits with BASE); the defaults are the DeiT recipe')
-    parser.add_argument('--output', help='output folder for checkpoints and logs (OUTPUT)')
+    parser.add_argument('--output', help='output folder for checkpoints and logs (OUTPUT); by default '
+                                         'output/<config folder>/<config name>')
     parser.add_argument('--resume', help='training checkpoint to resume (MODEL.RESUME); by default OUTPUT/last.pth')
     parser.add_argument('--pretrained', help='weights to start from (MODEL.PRETRAINED), e.g. for fine-tuning: a '
                                              'checkpoint file, a model name for its released weights, or '

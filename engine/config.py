@@ -35,7 +35,7 @@ class ConfigError(UsageError):
 _C = CN()
 _C.SEED = 0
 _C.DEVICE = 'auto'  # 'auto' (cuda when available), 'cuda' or 'cpu'
-_C.OUTPUT = ''  # '' -> output/<config file stem or model name>
+_C.OUTPUT = ''  # '' -> output/<config folder>/<config file stem>, or output/<model name> without a file
 _C.PRINT_FREQ = 10  # progress-bar refresh, in iterations
 _C.SAVE_FREQ = 1  # write last.pth every this many epochs (and always after the last one)
 
@@ -557,7 +557,8 @@ def load_config(
     """Defaults, then `cfg_file` (with its BASE chain), then `overrides` (nested dict from CLI flags), then `opts`
     (named `opts_source` in errors).
 
-    `OUTPUT` '' resolves to `output/<config file stem>` (or `output/<MODEL.NAME>` without a file). Frozen.
+    `OUTPUT` '' resolves to `output/<config folder>/<config file stem>` (or `output/<MODEL.NAME>` without a
+    file): configs/inline/deit_tiny.yaml and configs/softmax/deit_tiny.yaml run into folders of their own. Frozen.
     """
     cfg = get_default_config()
     if cfg_file:
@@ -566,8 +567,11 @@ def load_config(
         merge_dict(cfg, overrides, 'the command line')
     merge_opts(cfg, list(opts), opts_source)
     if not cfg.OUTPUT:
-        stem = os.path.splitext(os.path.basename(cfg_file))[0] if cfg_file else cfg.MODEL.NAME
-        cfg.OUTPUT = os.path.join('output', stem)
+        if cfg_file:
+            folder = os.path.basename(os.path.dirname(os.path.abspath(cfg_file)))
+            cfg.OUTPUT = os.path.join('output', folder, os.path.splitext(os.path.basename(cfg_file))[0])
+        else:
+            cfg.OUTPUT = os.path.join('output', cfg.MODEL.NAME)
     validate_config(cfg)
     cfg.freeze()
     return cfg

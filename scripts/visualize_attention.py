@@ -2,7 +2,7 @@
 token models whose layers all mix the same tokens: DeiT's), Grad-CAM, SimA's token norms, MultiMax's σ per layer
 and the simplex figure.
 
-    python scripts/visualize_attention.py --checkpoint output/digits/best.pth --image digits/val --max-images 2 \
+    python scripts/visualize_attention.py --checkpoint output/demo/digits/best.pth --image digits/val --max-images 2 \
         --layers 0 -1 --queries 16,16 cls --gradcam --simplex --out figures
 
 `--model NAME` alone draws a registered model with random weights, `--model NAME --pretrained` with its

@@ -46,7 +46,10 @@ def test_base_files_merge_first_relative_to_the_including_file(tmp_path):
     assert cfg.TRAIN.BASE_LR == 1e-3  # from a, through b
     assert cfg.DATA.BATCH_SIZE == 16  # the later base wins
     assert cfg.DATA.IMG_SIZE == 32  # the child wins
-    assert cfg.OUTPUT == 'output/child'
+    assert cfg.OUTPUT == 'output/run/child'  # the config's folder and name
+    # the configs of one backbone with two attentions ran into one folder, output/deit_tiny, the second refused
+    assert {load_config(str(CONFIGS / attention / 'deit_tiny.yaml')).OUTPUT for attention in ('inline', 'softmax')} \
+        == {'output/inline/deit_tiny', 'output/softmax/deit_tiny'}
     assert cfg.is_frozen()
 
 
