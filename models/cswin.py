@@ -256,6 +256,7 @@ class CSWinTransformer(ZooModel):
                        split_img_size=split_img_size),
             counts=dict(num_classes=num_classes, depth=depth), ratios=dict(mlp_ratio=mlp_ratio),
             rates=dict(drop_rate=drop_rate, attn_drop_rate=attn_drop_rate, drop_path_rate=drop_path_rate),
+            flags=dict(qkv_bias=qkv_bias, dynamic_img_size=dynamic_img_size),
             per_stage=('depth', 'num_heads'))
         if patch_size != 4:
             raise ValueError(f"patch_size {patch_size} is not supported: the CSwin stem has stride 4 (expected 4)")

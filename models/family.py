@@ -177,6 +177,7 @@ _ARGUMENT_KINDS = (
     ('counts', 'an integer >= 0', lambda v: is_integer(v) and v >= 0),
     ('ratios', 'a number > 0', lambda v: is_number(v) and v > 0),
     ('rates', 'a number in [0, 1]', lambda v: is_number(v) and 0 <= v <= 1),
+    ('flags', 'True or False', lambda v: isinstance(v, bool)),
 )
 
 
@@ -189,14 +190,15 @@ def check_arguments(
         counts: Optional[Mapping[str, Any]] = None,
         ratios: Optional[Mapping[str, Any]] = None,
         rates: Optional[Mapping[str, Any]] = None,
+        flags: Optional[Mapping[str, Any]] = None,
         per_stage: Collection[str] = (),
 ) -> None:
     """A ValueError naming the first constructor argument out of range, before any layer is built (a layer would
     fail later with a message about tensors): `sizes` (widths, heads, patch and window sizes) take integers > 0,
-    `counts` (depths, classes) integers >= 0, `ratios` numbers > 0 and `rates` (dropout, drop path) numbers in
-    [0, 1]. Each argument is one value, the image sizes also an (H, W) pair, and those named in
+    `counts` (depths, classes) integers >= 0, `ratios` numbers > 0, `rates` (dropout, drop path) numbers in
+    [0, 1] and `flags` (qkv_bias, dynamic_img_size, ...) True or False, not a string that reads as one. Each argument is one value, the image sizes also an (H, W) pair, and those named in
     `per_stage` a list with a value per stage (None: not used)."""
-    given = dict(sizes=sizes, counts=counts, ratios=ratios, rates=rates)
+    given = dict(sizes=sizes, counts=counts, ratios=ratios, rates=rates, flags=flags)
     for kind, expected, valid in _ARGUMENT_KINDS:
         for name, value in (given[kind] or {}).items():
             if value is None:
@@ -210,6 +212,8 @@ def check_arguments(
                 raise ValueError(f"{name} {value!r} is not one value; expected {expected}")
             entries = list(value) if listed else [value]
             if not entries or not all(valid(v) for v in entries):
+                if kind == 'flags':
+                    raise ValueError(f"{name} {value!r} is not a bool; expected {expected}")
                 each = ' each' if listed else ''
                 raise ValueError(f"{name} {value!r} is out of range; expected {expected}{each}")
 

@@ -233,6 +233,7 @@ class PyramidVisionTransformerV2(ZooModel):
                        sr_ratios=sr_ratios),
             counts=dict(num_classes=num_classes, depths=depths), ratios=dict(mlp_ratios=mlp_ratios),
             rates=dict(drop_rate=drop_rate, attn_drop_rate=attn_drop_rate, drop_path_rate=drop_path_rate),
+            flags=dict(qkv_bias=qkv_bias, linear=linear, dynamic_img_size=dynamic_img_size),
             per_stage=PER_STAGE_ARGUMENTS)
         la_sr_ratios = check_stage_lists(embed_dims=embed_dims, num_heads=num_heads, mlp_ratios=mlp_ratios,
                                          depths=depths, sr_ratios=sr_ratios, la_sr_ratios=la_sr_ratios)

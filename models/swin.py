@@ -160,6 +160,7 @@ class SwinTransformer(ZooModel):
                        window_img_size=window_img_size),
             counts=dict(num_classes=num_classes, depths=depths), ratios=dict(mlp_ratio=mlp_ratio),
             rates=dict(drop_rate=drop_rate, attn_drop_rate=attn_drop_rate, drop_path_rate=drop_path_rate),
+            flags=dict(qkv_bias=qkv_bias, dynamic_img_size=dynamic_img_size),
             per_stage=('depths', 'num_heads'))
         self.img_size: Grid = tuple(to_2tuple(img_size))
         self.img_divisor = patch_size

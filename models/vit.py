@@ -118,7 +118,9 @@ class DeiT(ZooModel):
                        num_heads=num_heads),
             counts=dict(num_classes=num_classes, depth=depth),
             ratios=dict(mlp_ratio=mlp_ratio, init_values=init_values),
-            rates=dict(drop_rate=drop_rate, attn_drop_rate=attn_drop_rate, drop_path_rate=drop_path_rate))
+            rates=dict(drop_rate=drop_rate, attn_drop_rate=attn_drop_rate, drop_path_rate=drop_path_rate),
+            flags=dict(qkv_bias=qkv_bias, dynamic_img_size=dynamic_img_size, class_token=class_token,
+                       multimax_logits=multimax_logits))
         self.in_chans = in_chans
         self.num_classes = num_classes
         self.num_prefix_tokens = 1 if class_token else 0

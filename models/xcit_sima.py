@@ -279,7 +279,8 @@ class SimAXCiT(ZooModel):
                        num_heads=num_heads),
             counts=dict(num_classes=num_classes, depth=depth, cls_attn_layers=cls_attn_layers),
             ratios=dict(mlp_ratio=mlp_ratio, eta=eta),
-            rates=dict(drop_rate=drop_rate, attn_drop_rate=attn_drop_rate, drop_path_rate=drop_path_rate))
+            rates=dict(drop_rate=drop_rate, attn_drop_rate=attn_drop_rate, drop_path_rate=drop_path_rate),
+            flags=dict(qkv_bias=qkv_bias, tokens_norm=tokens_norm, dynamic_img_size=dynamic_img_size))
         if patch_size in _EMBED_STAGES and embed_dim % 2 ** (_EMBED_STAGES[patch_size] - 1):
             raise ValueError(f"embed_dim {embed_dim} must be a multiple of {2 ** (_EMBED_STAGES[patch_size] - 1)} "
                              f"for patch_size {patch_size}")

@@ -109,6 +109,14 @@ def test_an_option_no_attention_of_the_model_takes_is_one_line(family):
     ('softmax_swin_tiny', dict(depths=(2, 2, 2.0, 2)),
      "depths (2, 2, 2.0, 2) is out of range; expected an integer >= 0 each"),
     ('softmax_swin_tiny', dict(depths=2), "depths 2 is not a list; expected an integer >= 0 per stage, as a list"),
+    # a string that reads as a bool (--opts MODEL.KWARGS.qkv_bias maybe) was taken as True
+    ('inline_deit_tiny', dict(qkv_bias='maybe'), "qkv_bias 'maybe' is not a bool; expected True or False"),
+    ('softmax_swin_tiny', dict(dynamic_img_size='yes'), "dynamic_img_size 'yes' is not a bool; expected True or False"),
+    ('softmax_pvt_v2_b0', dict(linear=1), "linear 1 is not a bool; expected True or False"),
+    ('inline_pvt_tiny', dict(class_token='False'), "class_token 'False' is not a bool; expected True or False"),
+    ('softmax_cswin_tiny', dict(qkv_bias='true'), "qkv_bias 'true' is not a bool; expected True or False"),
+    ('multimax_deit_small', dict(multimax_logits='1'), "multimax_logits '1' is not a bool; expected True or False"),
+    ('sima_small_12_p16', dict(tokens_norm='no'), "tokens_norm 'no' is not a bool; expected True or False"),
     ('inline_cswin_tiny', dict(depth=(1, 1, 1.5, 1)), "depth (1, 1, 1.5, 1) is out of range; expected an integer >= 0 "
                                                        "each"),
     ('inline_cswin_tiny', dict(split_size=7), "split_size 7 must give 4 positive stripe widths, e.g. '56-28-14-7'"),
