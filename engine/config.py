@@ -437,8 +437,8 @@ def validate_config(cfg: CN) -> None:
            f"{size}-pixel crop, at most 16 times the crop and at least 1 pixel")
     for key in ('DATA.MEAN', 'DATA.STD'):
         value = _get(cfg, key)
-        _check(len(value) in (1, 3) and all(isinstance(v, (int, float)) for v in value), key, value,
-               'one or three numbers')
+        _check(len(value) in (1, 3) and all(isinstance(v, (int, float)) and math.isfinite(v) for v in value), key,
+               value, 'one or three finite numbers')
     for key in ('AUG.SCALE', 'AUG.RATIO'):
         value = _get(cfg, key)
         _check(len(value) == 2 and all(isinstance(v, (int, float)) for v in value), key, value, 'two numbers')

@@ -994,7 +994,7 @@ GREY_NEEDS_ONE_MEAN = ("error: config key DATA.MEAN holds 3 values but the model
 @pytest.mark.parametrize('opts, message', [
     (['MODEL.KWARGS.in_chans', '1'], GREY_NEEDS_ONE_MEAN),
     (['MODEL.KWARGS.in_chans', '2', 'DATA.MEAN', '[0.5, 0.5]', 'DATA.STD', '[0.5, 0.5]'],
-     "error: config key DATA.MEAN is [0.5, 0.5]; expected one or three numbers\n"),
+     "error: config key DATA.MEAN is [0.5, 0.5]; expected one or three finite numbers\n"),
     (['MODEL.KWARGS.in_chans', '4'], "error: config key MODEL.KWARGS.in_chans is 4; expected 1 (grey-scale images, "
                                      "read as 'L') or 3 (RGB)\n"),
 ])

@@ -96,6 +96,10 @@ def test_none_turns_clipping_off():
     ('SEED: -1\n', ['config key SEED is -1; expected a value >= 0']),
     ('TRAIN:\n  LR_SCHEDULER:\n    DECAY_RATE: .nan\n', ['config key TRAIN.LR_SCHEDULER.DECAY_RATE is nan; expected a '
                                                         'value > 0']),
+    # a non-finite mean made every image NaN, reported as a non-finite loss to cure with the learning rate
+    ('DATA:\n  MEAN: [.nan, .nan, .nan]\n', ['config key DATA.MEAN is [nan, nan, nan]; expected one or three '
+                                             'finite numbers']),
+    ('DATA:\n  STD: [.inf]\n', ['config key DATA.STD is [inf]; expected one or three finite numbers']),
     ('DATA:\n  BATCH_SIZE: 7\n', ['DATA.BATCH_SIZE', 'even batch size while mixup']),
     ('TRAIN:\n  CLIP_GRAD: -1.0\n', ['TRAIN.CLIP_GRAD', 'None or a value > 0']),
     ('MODEL:\n  KWARGS:\n    Depth: 3\n', ['MODEL.KWARGS', 'lower-case']),
