@@ -244,6 +244,9 @@ def _coerce(value: Any, default: Any, full_key: str, source: str) -> Any:
         return list(value)
     if kind is type(None) or type(value) is kind:
         return value
+    if kind in (list, tuple) and isinstance(value, str) and value.lstrip().startswith('['):
+        raise ConfigError(f"config key {full_key} expects a list, got {value!r} in {source}, which does not read as "
+                          f"one; expected a Python literal with its strings quoted, e.g. \"['name']\"")
     raise ConfigError(f"config key {full_key} expects {_type_name(kind)}, got {value!r} in {source}")
 
 

@@ -227,6 +227,11 @@ def test_bad_opts_name_the_key():
         load_config(None, ['TRAIN.BASE_LR', 'fast'])
     with pytest.raises(ConfigError, match='odd number'):
         merge_opts(get_default_config(), ['TRAIN.EPOCHS'])
+    # a list as the shell leaves it, its names unquoted, was 'expects a list, got '[my_mod]''
+    with pytest.raises(ConfigError) as error:
+        load_config(None, ['MODEL.IMPORTS', '[my_mod]'])
+    assert str(error.value) == ("config key MODEL.IMPORTS expects a list, got '[my_mod]' in --opts, which does not "
+                                "read as one; expected a Python literal with its strings quoted, e.g. \"['name']\"")
 
 
 def test_config_changes_name_each_value_changed_and_each_key_one_side_lacks():
