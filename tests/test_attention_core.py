@@ -374,6 +374,19 @@ class _PositionalOption(Mixer):
         return v
 
 
+class _PositionalAfterMixerArguments(Mixer):
+    def __init__(self, dim, num_heads, group_grid=None, attn_drop=0., temperature: float = 10.):
+        super().__init__(dim, num_heads, group_grid, attn_drop)
+
+    def forward(self, q, k, v, ctx):
+        return v
+
+
+class _ForwardWithoutContext(Mixer):
+    def forward(self, q, k, v):
+        return v
+
+
 @pytest.mark.parametrize('name, cls, error, message', [
     (3, _Subclassed, ValueError, "attention name 3: expected a lower-case identifier such as 'cosine'"),
     ('', _Subclassed, ValueError, "attention name '': expected a lower-case identifier"),
@@ -387,6 +400,15 @@ class _PositionalOption(Mixer):
     ('empty', _NoForward, TypeError, "attention 'empty': _NoForward defines no forward(q, k, v, ctx)"),
     ('positional', _PositionalOption, TypeError, "attention 'positional': _PositionalOption's constructor cannot take "
                                                  "the groupings' (dim, num_heads, group_grid, attn_drop=...)"),
+    # taken positionally, `temperature` was no option: create_model(..., temperature=3.) blamed the model's
+    # constructor, attn_kwargs said the attention takes no options, and without a value its default held silently
+    ('optional', _PositionalAfterMixerArguments, TypeError,
+     "attention 'optional': _PositionalAfterMixerArguments's constructor argument 'temperature' is not keyword-only, "
+     "so it cannot be a method option; expected it after a bare * (__init__(self, dim, num_heads, group_grid=None, "
+     "attn_drop=0., *, temperature=...))"),
+    # failed at the first forward, in training after the data was read, with Python's own argument count error
+    ('noctx', _ForwardWithoutContext, TypeError, "attention 'noctx': _ForwardWithoutContext.forward cannot take the "
+                                                 "groupings' (q, k, v, ctx) ("),
 ])
 def test_registering_a_bad_name_or_class_is_refused_in_one_line(name, cls, error, message):
     """Each was accepted and failed later, elsewhere: an int name broke every later unknown-attention message, a

@@ -343,7 +343,8 @@ def test_bad_input_errors_name_the_bad_value(name):
     ('softmax', dict(grouping='reduction', pool_size=2, sr_ratio=2),
      "pool_size 2 and sr_ratio 2 both reduce the keys; expected one of them (sr_ratio=1 with pool_size)"),
     ('additive', dict(grouping='reduction', pool_size=2), "additive attention takes no reduced keys: pool_size 2 needs "
-                                                          "an attention that supports them (pool_size=None expected)"),
+                                                          "an attention whose mixer sets reduces_keys = True "
+                                                          "(pool_size=None expected)"),
     ('softmax', dict(grouping='window', window_size='7'), "window_size '7' must be an integer or an (h, w) pair of "
                                                           "integers"),
     ('softmax', dict(grouping='window', window_size=2, shift_size=1.0), "shift_size 1.0 must be an integer"),

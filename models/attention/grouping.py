@@ -200,10 +200,11 @@ class SpatialReductionAttention(GroupedAttention):
                                  f"of them (sr_ratio=1 with pool_size)")
             if not mixer_cls.reduces_keys:
                 raise ValueError(f"{mixer_cls.attention_name} attention takes no reduced keys: pool_size "
-                                 f"{pool_size} needs an attention that supports them (pool_size=None expected)")
+                                 f"{pool_size} needs an attention whose mixer sets reduces_keys = True "
+                                 f"(pool_size=None expected)")
         if sr_ratio > 1 and not mixer_cls.reduces_keys:
             raise ValueError(f"{mixer_cls.attention_name} attention takes no reduced keys: sr_ratio {sr_ratio} needs "
-                             f"an attention that supports them (sr_ratio=1 expected)")
+                             f"an attention whose mixer sets reduces_keys = True (sr_ratio=1 expected)")
         if sr_ratio > 1:
             gh, gw = self._require_grid('sr_ratio')
             if sr_ratio > min(gh, gw):

@@ -32,6 +32,9 @@ GROUPINGS: Dict[str, Type[GroupedAttention]] = {
 
 T = TypeVar('T', bound=Type[Mixer])
 
+# the arguments every grouping passes a mixer's constructor; the others are its method options
+_MIXER_ARGUMENTS = ('dim', 'num_heads', 'group_grid', 'attn_drop')
+
 
 def register_attention(name: str) -> Callable[[T], T]:
     """Class decorator that makes a `Mixer` subclass buildable by `name` in every grouping and family.
@@ -56,11 +59,24 @@ def register_attention(name: str) -> Callable[[T], T]:
             raise TypeError(f"attention {name!r}: {cls.__name__} defines no forward(q, k, v, ctx); expected one that "
                             f"maps (B', n, C) queries and (B', m, C) keys and values to (B', n, C)")
         try:
-            inspect.signature(cls).bind(8, 2, None, attn_drop=0.)
+            inspect.signature(cls.forward).bind(None, 'q', 'k', 'v', 'ctx')
+        except TypeError as e:
+            raise TypeError(f"attention {name!r}: {cls.__name__}.forward cannot take the groupings' (q, k, v, ctx) "
+                            f"({e}); expected forward(self, q, k, v, ctx)") from None
+        try:
+            constructor = inspect.signature(cls)
+            constructor.bind(8, 2, None, attn_drop=0.)
         except TypeError as e:
             raise TypeError(f"attention {name!r}: {cls.__name__}'s constructor cannot take the groupings' "
                             f"(dim, num_heads, group_grid, attn_drop=...) ({e}); expected Mixer's arguments, "
                             f"with method options keyword-only") from None
+        # an option that is not keyword-only is no option: attn_kwargs and the families would never pass it
+        positional = [p.name for p in constructor.parameters.values() if p.name not in _MIXER_ARGUMENTS
+                      and p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+        if positional:
+            raise TypeError(f"attention {name!r}: {cls.__name__}'s constructor argument {positional[0]!r} is not "
+                            f"keyword-only, so it cannot be a method option; expected it after a bare * "
+                            f"(__init__(self, dim, num_heads, group_grid=None, attn_drop=0., *, {positional[0]}=...))")
         _MIXERS[name] = cls
         cls.attention_name = name
         return cls
