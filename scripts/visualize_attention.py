@@ -116,7 +116,8 @@ def parse_queries(queries: Sequence[str], size: int, has_class_token: bool) -> L
 
 
 def slug(text: str) -> str:
-    return re.sub(r'[^A-Za-z0-9_-]+', '-', text).strip('-') or 'model'
+    # letters of every script stay: 猫.png and 犬.png, été.png and ête.png are different images
+    return re.sub(r'[^\w-]+', '-', text).strip('-') or 'model'
 
 
 def figure_stems(files: Sequence[str], image: str) -> List[str]:

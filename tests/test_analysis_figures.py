@@ -146,6 +146,8 @@ def test_visualize_attention_gives_images_of_one_stem_and_repeated_queries_one_f
     with pytest.raises(UsageError, match=r"^images 'v/a b\.png' and 'v/a-b\.png' would write figures of one name "
                                          r"\(a-b-png_\.\.\.\); expected paths that differ in more than punctuation$"):
         visualize.figure_stems(['v/a b.png', 'v/a-b.png', 'v/a_b.png'], 'v')
+    # names in other scripts than Latin, or that differ in an accent, were one name or refused as punctuation
+    assert visualize.figure_stems(['v/猫.png', 'v/犬.png', 'v/été.png', 'v/ête.png'], 'v') == ['猫', '犬', 'été', 'ête']
 
 
 @pytest.fixture
