@@ -176,6 +176,11 @@ def test_requested_queries_are_rows_of_the_full_matrix(name, grouping):
     layer = some[0]
     assert layer.queries.tolist() == expected_tokens
     assert max_abs_err(layer.weights, full[0].weights[:, :, expected_tokens]) < 1e-12
+    # token indices as np.argsort and torch give them failed to unpack as points when a layer was read
+    typed_queries = [np.int64(prefix + 5), torch.tensor(prefix + 12), (np.float32(0.9), torch.tensor(0.1))]
+    with record_attention(attn, queries=typed_queries) as typed:
+        attn(x, GRID)
+    assert typed[0].queries.tolist() == [prefix + 5, prefix + 12, prefix + 12]
     assert max_abs_err(layer.local, full[0].local) < 1e-12 if layer.local is not None else full[0].local is None
 
 
@@ -231,10 +236,16 @@ def test_bad_layers_and_queries_are_named():
     with pytest.raises(ValueError, match="unknown layer 'blocks.9.attn'"):
         with record_attention(attn, layers=['blocks.9.attn']):
             pass
-    with pytest.raises(ValueError, match='outside the image'):
-        with record_attention(attn, queries=[(1.2, 0.5)]) as rec:
-            attn(x, GRID)
-        rec[0]
+    # refused on entering, before the model runs (points outside the image were refused when a layer was read)
+    for queries, message in (([(1.2, 0.5)], "query point (1.2, 0.5) is outside the image; expected fractions in "
+                                            "[0, 1)"),
+                             (['3,3'], "query '3,3' is neither a token index nor a (y, x) point; expected an integer "
+                                       "or a pair of fractions in [0, 1)"),
+                             ([True], "query True is neither a token index nor a (y, x) point")):
+        with pytest.raises(ValueError) as error:
+            with record_attention(attn, queries=queries):
+                raise AssertionError('entered')
+        assert str(error.value).startswith(message)
     with pytest.raises(ValueError, match=r"^unknown layer -2; expected an index from -1 to 0 or one of $"):
         with record_attention(attn, layers=[-2]):
             pass

@@ -10,6 +10,7 @@ less. Stripes pad q, k and v with zeros, so their rows still reproduce the outpu
 the projection to q, k, v, whose bias is then the padding's value, so theirs reproduce it only with that term.
 """
 import contextlib
+import operator
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
@@ -144,6 +145,31 @@ def _cell(fraction: float, cells: int) -> int:
     return min(int(fraction * cells + 1e-9), cells - 1)
 
 
+def _check_queries(queries: Optional[Sequence[Any]]) -> Optional[List[Query]]:
+    """`queries` as ints (token indices: Python, NumPy or one-element tensor integers, as `np.argsort` gives them)
+    and (y, x) float pairs, before the model runs; a ValueError naming one that is neither or a point outside the
+    image."""
+    if queries is None:
+        return None
+    checked: List[Query] = []
+    for query in queries:
+        if not isinstance(query, bool):
+            try:
+                checked.append(operator.index(query))
+                continue
+            except TypeError:
+                pass
+        try:
+            y, x = (float(side) for side in query)
+        except (TypeError, ValueError):
+            raise ValueError(f"query {query!r} is neither a token index nor a (y, x) point; expected an integer or "
+                             f"a pair of fractions in [0, 1)") from None
+        if not (0 <= y < 1 and 0 <= x < 1):
+            raise ValueError(f"query point {query} is outside the image; expected fractions in [0, 1)")
+        checked.append((y, x))
+    return checked
+
+
 def _resolve_queries(queries: Sequence[Query], num_prefix: int, grid: Grid, num_tokens: int) -> Tensor:
     resolved = []
     for query in queries:
@@ -153,8 +179,6 @@ def _resolve_queries(queries: Sequence[Query], num_prefix: int, grid: Grid, num_
             resolved.append(query)
         else:
             y, x = query
-            if not (0 <= y < 1 and 0 <= x < 1):
-                raise ValueError(f"query point {query} is outside the image; expected fractions in [0, 1)")
             resolved.append(num_prefix + _cell(y, grid[0]) * grid[1] + _cell(x, grid[1]))
     return torch.tensor(resolved, dtype=torch.long)
 
@@ -165,7 +189,7 @@ class AttentionRecord:
 
     def __init__(self, layers: Dict[str, GroupedAttention], queries: Optional[Sequence[Query]]):
         self.layers = layers
-        self.queries = queries
+        self.queries = _check_queries(queries)
         self._captures: Dict[str, _Capture] = {name: _Capture() for name in layers}
 
     def __iter__(self) -> Iterator[str]:
