@@ -395,6 +395,21 @@ def test_injectivity_probe_finds_linear_attention_collisions_only():
     assert collision_share(inline, q).item() == 0
 
 
+def test_reduced_keys_sit_where_the_stride_puts_them_when_it_does_not_tile_the_grid():
+    """A 5×5 grid under stride 2 has 2×2 keys over its first 4×4 cells (PVT v2 at 80 has 2×2 keys over the first
+    16 of 20 cells): the statistics spread the key cells over the whole image, and the figures drew them there."""
+    torch.manual_seed(0)
+    attn = build_attention('softmax', 8, 2, (5, 5), grouping='reduction', sr_ratio=2).double()
+    with record_attention(attn, queries=[0]) as rec:
+        attn(torch.randn(1, 25, 8, dtype=torch.float64), (5, 5))
+    layer = rec[0]
+    assert layer.key_grid == (2, 2) and layer.key_extent == (0.8, 0.8)
+    layer.weights = torch.zeros_like(layer.weights)
+    layer.weights[..., 3] = 1  # key cell (1, 1): pixels 16 to 32 of 40, its centre at (24, 24)
+    # query token 0 is cell (0, 0) of 8-pixel cells, its centre at (4, 4)
+    assert row_statistics(layer, (40, 40))['distance_px'].tolist() == pytest.approx([20 * 2 ** 0.5] * 2)
+
+
 def test_rank_of_linear_attention_is_bounded_by_the_head_width():
     """φ(Q)φ(K)ᵀ has rank at most d = 4 over the 17 tokens; softmax rows are independent."""
     ranks = {}

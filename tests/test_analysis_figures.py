@@ -664,3 +664,17 @@ def test_an_accelerator_asked_of_the_analysis_scripts_is_refused_not_ignored(ima
     assert run_cli(main, argv + ['--out', str(out / 'stats'), '--opts', 'DEVICE', 'cuda'] + TINY) == 2
     assert capsys.readouterr().err.splitlines()[-1] == ("error: DEVICE 'cuda': the analysis scripts run on the CPU; "
                                                         "expected DEVICE cpu (or auto)")
+
+
+def test_a_key_map_is_drawn_over_the_part_of_the_image_its_keys_cover(monkeypatch, tmp_path):
+    """PVT v2 at 80: stage 0's 20×20 grid under stride 8 has 2×2 keys over its first 16×16 cells, 64 of 80 pixels;
+    the map was stretched over all 80, the last 16 drawn as part of the last key cell."""
+    model = timm.create_model('softmax_pvt_v2_b0', img_size=80, num_classes=0).eval()
+    drawn = []
+    overlay = plots._overlay
+    monkeypatch.setattr(plots, '_overlay', lambda *args, **kwargs: drawn.append(overlay(*args, **kwargs)) or drawn[-1])
+    with record_attention(model, layers=[0], queries=[0]) as rec, torch.no_grad():
+        model(torch.randn(1, 3, 80, 80))
+    plots.plot_query_maps(np.zeros((80, 80)), rec[0], 0, str(tmp_path / 'map.png'))
+    assert rec[0].key_grid == (2, 2)
+    assert [image.get_extent() for image in drawn] == [[0.0, 64.0, 64.0, 0.0]]

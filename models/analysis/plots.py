@@ -51,10 +51,12 @@ def _show_image(ax: plt.Axes, image: np.ndarray) -> None:
     ax.set_yticks([])
 
 
-def _overlay(ax: plt.Axes, image: np.ndarray, values: np.ndarray, signed: bool) -> matplotlib.image.AxesImage:
-    """`values` (h, w) stretched over `image`: signed values on a diverging scale centred at zero."""
+def _overlay(ax: plt.Axes, image: np.ndarray, values: np.ndarray, signed: bool,
+             covered: Tuple[float, float] = (1.0, 1.0)) -> matplotlib.image.AxesImage:
+    """`values` (h, w) stretched over the `covered` share (height, width) of `image` from its top left corner:
+    signed values on a diverging scale centred at zero."""
     _show_image(ax, image)
-    extent = (0, image.shape[1], image.shape[0], 0)
+    extent = (0, image.shape[1] * covered[1], image.shape[0] * covered[0], 0)
     if signed:
         bound = float(np.abs(values).max()) or 1.0
         return ax.imshow(values, cmap='RdBu_r', vmin=-bound, vmax=bound, alpha=0.6, extent=extent,
@@ -78,7 +80,7 @@ def plot_query_maps(image: np.ndarray, layer: LayerAttention, row: int, path: st
         token = int(layer.queries[row])
         title = f"{layer.attention}: query token {token}\n{layer.name}"
     for head, ax in enumerate(axes[0]):
-        shown = _overlay(ax, image, maps[head], signed)
+        shown = _overlay(ax, image, maps[head], signed, layer.key_extent)
         fig.colorbar(shown, ax=ax, fraction=0.046, pad=0.04)
         ax.set_title(f'head {head}', fontsize=9)
         if not layer.is_pooling and token >= layer.num_prefix_tokens:
@@ -172,9 +174,10 @@ def plot_token_norms(image: np.ndarray, layer: LayerAttention, path: str, image_
     `image`, averaged over the heads."""
     prefix = layer.num_prefix_tokens
     fig, axes = plt.subplots(1, 2, figsize=(6.4, 3.2))
-    for ax, key, grid in zip(axes, ('q_norm', 'k_norm'), (layer.grid, layer.key_grid)):
+    for ax, key, grid, covered in zip(axes, ('q_norm', 'k_norm'), (layer.grid, layer.key_grid),
+                                      ((1.0, 1.0), layer.key_extent)):
         values = layer.extras[key][image_index, :, prefix:].mean(dim=0).reshape(grid).float().cpu().numpy()
-        shown = _overlay(ax, image, values, signed=False)
+        shown = _overlay(ax, image, values, signed=False, covered=covered)
         fig.colorbar(shown, ax=ax, fraction=0.046, pad=0.04)
         ax.set_title(f"‖{key[0]}̂‖, {layer.name}", fontsize=9)
     fig.tight_layout()

@@ -53,6 +53,9 @@ class LayerAttention:
         convolution, CSwin's LePE), or None.
     extras: per-token maps: (B, heads, N) over the query tokens (SimA's 'q_norm') or (B, heads, M) over the key
         tokens (its 'k_norm', on `key_grid`).
+    key_extent: the share (height, width) of the image, from its top left corner, that the key grid covers: less
+        than 1 where a strided reduction leaves the grid's last rows or columns out (PVT v2 at 80: a 20×20 grid
+        under stride 8 gives 2×2 keys over its first 16×16 cells).
     """
     name: str
     attention: str
@@ -65,6 +68,7 @@ class LayerAttention:
     values: Tensor
     local: Optional[Tensor] = None
     extras: Dict[str, Tensor] = field(default_factory=dict)
+    key_extent: Tuple[float, float] = (1.0, 1.0)
 
     @property
     def is_pooling(self) -> bool:
@@ -237,11 +241,12 @@ class AttentionRecord:
         mixers = _mixers(layer)
         attention = mixers[0][1].attention_name
         pooling = pools_tokens(type(mixers[0][1]))
-        key_grid = size
+        key_grid, key_extent = size, (1.0, 1.0)
         if isinstance(layer, SpatialReductionAttention) and layer.pool_size is not None:
             key_grid = (layer.pool_size, layer.pool_size)
         elif isinstance(layer, SpatialReductionAttention) and layer.sr_ratio > 1:
             key_grid = (size[0] // layer.sr_ratio, size[1] // layer.sr_ratio)
+            key_extent = (key_grid[0] * layer.sr_ratio / size[0], key_grid[1] * layer.sr_ratio / size[1])
         M = num_prefix + key_grid[0] * key_grid[1]
         device = capture.calls[0].q.device
         work = torch.promote_types(capture.calls[0].q.dtype, torch.float32)
@@ -314,7 +319,7 @@ class AttentionRecord:
         weights = torch.cat([rows for _, rows in sorted(parts, key=lambda part: part[0])], dim=1)
         query_vectors = None if pooling else split_heads(q_full, heads)[:, :, queries]
         return LayerAttention(name, attention, size, key_grid, num_prefix, queries, weights, query_vectors,
-                              split_heads(v_full, heads), local, extras)
+                              split_heads(v_full, heads), local, extras, key_extent)
 
 
 def _ungroup(x: Tensor, origin: Tensor, batch: int, num_tokens: int) -> Tensor:

@@ -46,7 +46,7 @@ def _gini(mass: Tensor) -> Tensor:
 
 
 def _positions(grid: Tuple[int, int], image_size: Tuple[int, int], device: torch.device) -> Tensor:
-    """(h·w, 2) pixel coordinates (y, x) of the centres of a grid's cells over an image of `image_size`."""
+    """(h·w, 2) pixel coordinates (y, x) of the centres of a grid's cells over the top left `image_size` pixels."""
     (h, w), (H, W) = grid, image_size
     ys = (torch.arange(h, device=device, dtype=torch.float64) + 0.5) * H / h
     xs = (torch.arange(w, device=device, dtype=torch.float64) + 0.5) * W / w
@@ -109,7 +109,8 @@ def _distance(layer: LayerAttention, mass: Tensor, image_size: Tuple[int, int]) 
         return torch.full((mass.shape[1],), math.nan, dtype=torch.float64)
     device = mass.device
     queries = _positions(layer.grid, image_size, device)[layer.queries[grid_rows] - prefix]
-    keys = _positions(layer.key_grid, image_size, device)
+    covered = (image_size[0] * layer.key_extent[0], image_size[1] * layer.key_extent[1])
+    keys = _positions(layer.key_grid, covered, device)
     grid_mass = mass[:, :, grid_rows, prefix:]
     grid_mass = grid_mass / grid_mass.sum(dim=-1, keepdim=True).clamp_min(1e-300)
     return (grid_mass * torch.cdist(queries, keys)).sum(dim=-1).mean(dim=(0, 2)).cpu()
