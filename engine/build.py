@@ -308,7 +308,10 @@ def create_model(cfg: CN, weights: Optional[Dict[str, Tensor]] = None, source: s
                  'MODEL.DROP_PATH_RATE': cfg.MODEL.DROP_PATH_RATE}
         given.update({f'MODEL.KWARGS.{key}': value for key, value in cfg.MODEL.KWARGS.items()})
         settings = ', '.join(f'{key} {value!r}' for key, value in given.items())
-        raise ConfigError(f"cannot build model {name!r} from {settings}: {e}") from e
+        # an attention of the user's own is unknown until its module is imported (a local-dir: model saved with it)
+        hint = ('; an attention of your own is registered by importing its module first: --opts MODEL.IMPORTS '
+                '"[\'your_module\']"' if str(e).startswith('bad attn_type ') else '')
+        raise ConfigError(f"cannot build model {name!r} from {settings}: {e}{hint}") from e
     _check_channels(cfg, getattr(model, 'in_chans', 3))
     if weights is not None:
         model.pretrained_cfg.pop('state_dict', None)  # do not keep a second copy of the weights alive

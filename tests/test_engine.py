@@ -986,6 +986,17 @@ def test_a_model_setting_out_of_range_is_named_by_its_config_key_before_any_data
     assert not data.exists() and not (tmp_path / 'out').exists()
 
 
+def test_an_attention_not_registered_points_at_model_imports(tmp_path, capsys):
+    """An attention of the user's own, named before its module is imported (as a local-dir: model saved with it
+    is), was refused as a bad name or pattern without the way to register it."""
+    code, _, err = _run(train_main, ['--cfg', TINY, '--output', str(tmp_path / 'out'), '--opts', 'DATA.DATA_PATH',
+                                     str(tmp_path / 'digits'), 'MODEL.KWARGS.attn_type', 'cosine'], capsys)
+    assert code == USAGE_EXIT_CODE and err.count('\n') == 1
+    assert ": bad attn_type 'cosine' (not a name or pattern); expected an attention name (" in err
+    assert err.endswith("; an attention of your own is registered by importing its module first: --opts "
+                        "MODEL.IMPORTS \"['your_module']\"\n")
+
+
 GREY_NEEDS_ONE_MEAN = ("error: config key DATA.MEAN holds 3 values but the model takes 1 channel "
                        "(MODEL.KWARGS.in_chans 1); expected one mean and one std per channel, e.g. DATA.MEAN [0.5] "
                        "DATA.STD [0.5] for grey-scale images\n")
