@@ -289,7 +289,14 @@ def create_model(cfg: CN, weights: Optional[Dict[str, Tensor]] = None, source: s
             target = timm.create_model(name, num_classes=cfg.MODEL.NUM_CLASSES)
         weights = _with_imagenet1k_classifier(name, target, official_keys(target, dict(weights)), source, classes)
         rows = classifier_rows(name, weights) or cfg.MODEL.NUM_CLASSES
-        kwargs.update(pretrained=True, pretrained_cfg_overlay=dict(state_dict=weights, num_classes=rows))
+        overlay: Dict[str, Any] = dict(state_dict=weights, num_classes=rows)
+        # the weights' own input channels, which timm's loader compares with the model's (a one-channel checkpoint
+        # under the release's 3 logged that its stem 'already matches' on every load)
+        first_conv = target.pretrained_cfg.get('first_conv')
+        stem = weights.get(f'{first_conv}.weight') if isinstance(first_conv, str) else None
+        if stem is not None and stem.ndim == 4 and target.pretrained_cfg.get('input_size'):
+            overlay['input_size'] = (stem.shape[1], *target.pretrained_cfg['input_size'][1:])
+        kwargs.update(pretrained=True, pretrained_cfg_overlay=overlay)
     try:
         model = _timm_create_model(cfg, kwargs)
     except CheckpointError as e:

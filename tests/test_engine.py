@@ -1078,7 +1078,7 @@ def test_a_flat_validation_folder_is_named_before_the_released_weights_are_downl
 GREY = ['MODEL.KWARGS.in_chans', '1', 'DATA.MEAN', '[0.5]', 'DATA.STD', '[0.5]']
 
 
-def test_grey_scale_images_train_and_evaluate_a_one_channel_model(tmp_path, digits, capsys):
+def test_grey_scale_images_train_and_evaluate_a_one_channel_model(tmp_path, digits, capsys, caplog):
     """With in_chans 1 and one mean and std, images are read as 'L' (the digits are grey already) and the whole
     recipe (RandAugment, erasing, mixup) runs on one channel; the checkpoint evaluates and draws the same way."""
     cfg = load_config(TINY, ['DATA.DATA_PATH', str(digits), *GREY, 'AUG.AUTO_AUGMENT', 'rand-m9-mstd0.5-inc1',
@@ -1096,9 +1096,12 @@ def test_grey_scale_images_train_and_evaluate_a_one_channel_model(tmp_path, digi
     assert code == 0, err
     weights = torch.load(output / 'best.pth', weights_only=True)['model']
     assert weights['patch_embed.proj.weight'].shape[1] == 1
+    caplog.clear()
     code, out, err = _run(eval_main, ['--checkpoint', str(output / 'best.pth')], capsys)
     assert code == 0, err
     assert json.loads(out.strip().splitlines()[-1])['count'] == 360
+    # timm's loader took the weights for three-channel ones and warned that their stem 'already matches'
+    assert not [record for record in caplog.records if 'already match' in record.getMessage()]
     code, out, err = _run(eval_main, ['--checkpoint', str(output / 'best.pth'), '--throughput', '--batch-size', '2',
                                       '--warmup-forwards', '0', '--timed-forwards', '1'], capsys)
     assert code == 0, err  # timed on one-channel images (three before: a traceback)
