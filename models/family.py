@@ -196,8 +196,9 @@ def check_arguments(
     """A ValueError naming the first constructor argument out of range, before any layer is built (a layer would
     fail later with a message about tensors): `sizes` (widths, heads, patch and window sizes) take integers > 0,
     `counts` (depths, classes) integers >= 0, `ratios` numbers > 0, `rates` (dropout, drop path) numbers in
-    [0, 1] and `flags` (qkv_bias, dynamic_img_size, ...) True or False, not a string that reads as one. Each argument is one value, the image sizes also an (H, W) pair, and those named in
-    `per_stage` a list with a value per stage (None: not used)."""
+    [0, 1] and `flags` (qkv_bias, dynamic_img_size, ...) True or False, not a string that reads as one. Each
+    argument is one value, the image sizes also an (H, W) pair, and those named in `per_stage` a list with a value
+    per stage (None: not used)."""
     given = dict(sizes=sizes, counts=counts, ratios=ratios, rates=rates, flags=flags)
     for kind, expected, valid in _ARGUMENT_KINDS:
         for name, value in (given[kind] or {}).items():

@@ -266,12 +266,11 @@ def _resolve_window(grid: Grid, window_size: Union[int, Grid], shift_size: int) 
         raise ValueError(f"shift_size {shift_size!r} must be an integer")
     if isinstance(window_size, int):
         short = min(H, W)
+        window = (window_size, window_size)
         if short <= window_size:
             shift_size = 0
-        if short <= window_size and H % short == 0 and W % short == 0:
-            window = (short, short)
-        else:
-            window = (min(window_size, H), min(window_size, W))
+            tiles = H % short == 0 and W % short == 0
+            window = (short, short) if tiles else (min(window_size, H), min(window_size, W))
     else:
         window = (min(window_size[0], H), min(window_size[1], W))
     if min(window) < 1:
