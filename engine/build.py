@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from yacs.config import CfgNode as CN
 
 import models  # noqa: F401  (registers the zoo's families with timm)
+from models.attention import UnknownAttentionError
 from models.checkpoint import (EMA_KEYS, IMAGENET22K_CLASSES, MODEL_KEYS, PRETRAINED_KEYS, CheckpointError,
                                checkpoint_state_dict, has_released_weights, load_checkpoint_file, load_shared_weights,
                                imagenet1k_classes, narrow_imagenet22k_classifier, official_keys,
@@ -317,7 +318,7 @@ def create_model(cfg: CN, weights: Optional[Dict[str, Tensor]] = None, source: s
         settings = ', '.join(f'{key} {value!r}' for key, value in given.items())
         # an attention of the user's own is unknown until its module is imported (a local-dir: model saved with it)
         hint = ('; an attention of your own is registered by importing its module first: --opts MODEL.IMPORTS '
-                '"[\'your_module\']"' if str(e).startswith('bad attn_type ') else '')
+                '"[\'your_module\']"' if isinstance(e, UnknownAttentionError) else '')
         raise ConfigError(f"cannot build model {name!r} from {settings}: {e}{hint}") from e
     _check_channels(cfg, getattr(model, 'in_chans', 3))
     if weights is not None:

@@ -7,7 +7,7 @@ from torch.autograd import gradcheck
 from torch.utils.flop_counter import FlopCounterMode
 
 from models.analysis import record_attention
-from models.attention import Mixer, build_attention, list_attentions, register_attention
+from models.attention import Mixer, build_attention, list_attentions, register_attention, registry
 from models.attention.softmax import SoftmaxMixer
 from models.attention.additive import additive_pool
 from models.attention.multimax import multimax_attention, multimax_modulation
@@ -387,6 +387,22 @@ class _ForwardWithoutContext(Mixer):
         return v
 
 
+class _ReadsTokensUnflagged(Mixer):
+    """Adds the mean input token, as InLine's residual does, without declaring needs_tokens."""
+
+    def forward(self, q, k, v, context):
+        return v + context.tokens.mean(1, keepdim=True)
+
+
+class _ReadsBiasUnflagged(Mixer):
+    def forward(self, q, k, v, ctx):
+        return v if ctx.pos_bias is None else v + 1
+
+
+class _ReadsTokensFlagged(_ReadsTokensUnflagged):
+    needs_tokens = True
+
+
 @pytest.mark.parametrize('name, cls, error, message', [
     (3, _Subclassed, ValueError, "attention name 3: expected a lower-case identifier such as 'cosine'"),
     ('', _Subclassed, ValueError, "attention name '': expected a lower-case identifier"),
@@ -409,6 +425,14 @@ class _ForwardWithoutContext(Mixer):
     # failed at the first forward, in training after the data was read, with Python's own argument count error
     ('noctx', _ForwardWithoutContext, TypeError, "attention 'noctx': _ForwardWithoutContext.forward cannot take the "
                                                  "groupings' (q, k, v, ctx) ("),
+    # its first call failed on None.mean, in training after the data was read, naming neither the field nor the flag
+    ('unflagged', _ReadsTokensUnflagged, TypeError,
+     "attention 'unflagged': _ReadsTokensUnflagged.forward reads ctx.tokens, which the groupings give only to mixers "
+     "that declare it; expected the class attribute needs_tokens = True"),
+    # a bias it can never be given: silently the unbiased branch in every grouping
+    ('unbiased', _ReadsBiasUnflagged, TypeError,
+     "attention 'unbiased': _ReadsBiasUnflagged.forward reads ctx.pos_bias, which the groupings give only to mixers "
+     "that declare it; expected the class attribute accepts_score_bias = True"),
 ])
 def test_registering_a_bad_name_or_class_is_refused_in_one_line(name, cls, error, message):
     """Each was accepted and failed later, elsewhere: an int name broke every later unknown-attention message, a
@@ -419,6 +443,18 @@ def test_registering_a_bad_name_or_class_is_refused_in_one_line(name, cls, error
         register_attention(name)(cls)
     assert str(raised.value).startswith(message) and '\n' not in str(raised.value)
     assert list_attentions() == before and SoftmaxMixer.attention_name == 'softmax'
+
+
+def test_a_mixer_that_declares_the_tokens_it_reads_gets_them_in_every_grouping(monkeypatch):
+    monkeypatch.setattr(registry, '_MIXERS', dict(registry._MIXERS))
+    register_attention('mean_token_value')(_ReadsTokensFlagged)
+    x = torch.randn(2, 16, 8, dtype=torch.float64)
+    attn = build_attention('mean_token_value', 8, 2, (4, 4)).double()
+    expected = attn.proj(attn.qkv(x)[..., 16:] + x.mean(1, keepdim=True))
+    assert max_abs_err(attn(x, (4, 4)), expected) < 1e-14
+    for grouping in (dict(grouping='window', window_size=2), dict(grouping='stripes', split_size=2)):
+        attn = build_attention('mean_token_value', 8, 2, (4, 4), **grouping).double()
+        assert attn(x, (4, 4)).shape == x.shape  # the grouped tokens arrived: None has no mean
 
 
 def test_a_subclass_with_its_own_forward_is_not_recorded_as_its_base():

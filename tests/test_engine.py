@@ -986,13 +986,17 @@ def test_a_model_setting_out_of_range_is_named_by_its_config_key_before_any_data
     assert not data.exists() and not (tmp_path / 'out').exists()
 
 
-def test_an_attention_not_registered_points_at_model_imports(tmp_path, capsys):
+@pytest.mark.parametrize('attn_type, refusal', [
+    ('cosine', ": bad attn_type 'cosine' (not a name or pattern); expected an attention name ("),
+    ("['cosine']", ": unknown attention 'cosine'; expected one of softmax, multimax, "),
+])
+def test_an_attention_not_registered_points_at_model_imports(tmp_path, capsys, attn_type, refusal):
     """An attention of the user's own, named before its module is imported (as a local-dir: model saved with it
-    is), was refused as a bad name or pattern without the way to register it."""
+    is), was refused as a bad name or pattern without the way to register it; named in a list, without the hint."""
     code, _, err = _run(train_main, ['--cfg', TINY, '--output', str(tmp_path / 'out'), '--opts', 'DATA.DATA_PATH',
-                                     str(tmp_path / 'digits'), 'MODEL.KWARGS.attn_type', 'cosine'], capsys)
+                                     str(tmp_path / 'digits'), 'MODEL.KWARGS.attn_type', attn_type], capsys)
     assert code == USAGE_EXIT_CODE and err.count('\n') == 1
-    assert ": bad attn_type 'cosine' (not a name or pattern); expected an attention name (" in err
+    assert refusal in err
     assert err.endswith("; an attention of your own is registered by importing its module first: --opts "
                         "MODEL.IMPORTS \"['your_module']\"\n")
 

@@ -11,7 +11,7 @@ __all__ = [
     'Grid', 'Mixer', 'MixContext', 'autocast_off', 'GroupedAttention', 'GlobalAttention', 'SpatialReductionAttention',
     'WindowAttention', 'StripeBranch', 'CrossShapedAttention', 'GROUPINGS', 'build_attention', 'check_attn_kwargs',
     'forms_score_matrix', 'get_mixer_class', 'list_attention_options', 'list_attentions', 'register_attention',
-    'stage_attentions',
+    'stage_attentions', 'UnknownAttentionError',
 ]
 
 from .layout import Grid
@@ -21,7 +21,7 @@ from .grouping import (
     WindowAttention,
 )
 from .registry import (
-    GROUPINGS, build_attention, check_attn_kwargs, forms_score_matrix, get_mixer_class, list_attention_options,
+    GROUPINGS, UnknownAttentionError, build_attention, check_attn_kwargs, forms_score_matrix, get_mixer_class, list_attention_options,
     list_attentions, register_attention,
 )
 from .pattern import stage_attentions

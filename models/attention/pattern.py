@@ -1,7 +1,7 @@
 """Which attention each block of a staged backbone gets, from a name, a list or an official pattern string."""
 from typing import Any, List, Optional, Sequence, Union
 
-from .registry import get_mixer_class, list_attentions
+from .registry import UnknownAttentionError, get_mixer_class, list_attentions
 
 __all__ = ['PATTERN_LETTERS', 'stage_attentions']
 
@@ -9,9 +9,11 @@ __all__ = ['PATTERN_LETTERS', 'stage_attentions']
 PATTERN_LETTERS = {'I': 'inline', 'L': 'flatten', 'S': 'softmax'}
 
 
-def _pattern_error(attn_type: Any, num_stages: int, why: str) -> ValueError:
+def _pattern_error(attn_type: Any, num_stages: int, why: str, unknown: bool = False) -> ValueError:
+    """The refusal of `attn_type`; an `UnknownAttentionError` where it may be a name not registered yet."""
     plural = '' if num_stages == 1 else 's'
-    return ValueError(
+    error = UnknownAttentionError if unknown else ValueError
+    return error(
         f"bad attn_type {attn_type!r} ({why}); expected an attention name ({', '.join(list_attentions())}), "
         f"a list of {num_stages} name{plural}, or a pattern of {num_stages} letter{plural} from I (inline), "
         f"L (flatten), S (softmax), M (mixed) with the number of linear blocks of the M stage appended, e.g. 'IIMS2'")
@@ -35,7 +37,7 @@ def stage_attentions(
             return [[attn_type] * d for d in depths]
         letters, suffix = attn_type[:num_stages], attn_type[num_stages:]
         if len(letters) < num_stages or any(c not in 'ILSM' for c in letters):
-            raise _pattern_error(attn_type, num_stages, 'not a name or pattern')
+            raise _pattern_error(attn_type, num_stages, 'not a name or pattern', unknown=True)
         if 'M' in letters and not suffix.isdigit():
             raise _pattern_error(attn_type, num_stages, "an M stage needs its number of linear blocks")
         if 'M' not in letters and suffix:

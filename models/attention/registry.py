@@ -3,9 +3,11 @@
 The registry is the single list of attentions: families build every block from it, and the entrypoints, the
 benchmark, the zoo table and the tests iterate it.
 """
+import ast
 import difflib
 import inspect
 import re
+import textwrap
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Type, TypeVar
 
 from .causal import check_causal_grouping
@@ -16,7 +18,7 @@ from .layout import Grid
 from .mixer import Mixer, check_heads
 
 __all__ = [
-    'register_attention', 'build_attention', 'list_attentions', 'get_mixer_class', 'forms_score_matrix',
+    'UnknownAttentionError', 'register_attention', 'build_attention', 'list_attentions', 'get_mixer_class', 'forms_score_matrix',
     'list_attention_options', 'check_attn_kwargs', 'GROUPINGS',
 ]
 
@@ -31,6 +33,31 @@ GROUPINGS: Dict[str, Type[GroupedAttention]] = {
 }
 
 T = TypeVar('T', bound=Type[Mixer])
+
+
+class UnknownAttentionError(ValueError):
+    """An attention name that is not registered (yet: an attention of the user's own registers when its module is
+    imported)."""
+
+
+# MixContext fields the groupings fill only for mixers whose flag asks for them; None for the others
+_CONTEXT_FLAGS = {'tokens': 'needs_tokens', 'pos_bias': 'accepts_score_bias', 'mask': 'accepts_score_bias'}
+
+
+def _unflagged_context_reads(cls: Type[Mixer]) -> List[str]:
+    """The MixContext fields `cls.forward` reads by name from its context argument that the groupings leave None
+    under the class's flags; none where the source is not available."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls.forward)))
+    except (OSError, TypeError, SyntaxError):
+        return []
+    function = tree.body[0]
+    if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)) or len(function.args.args) < 5:
+        return []
+    context = function.args.args[4].arg
+    read = {node.attr for node in ast.walk(function) if isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name) and node.value.id == context}
+    return [field for field, flag in _CONTEXT_FLAGS.items() if field in read and not getattr(cls, flag)]
 
 # the arguments every grouping passes a mixer's constructor; the others are its method options
 _MIXER_ARGUMENTS = ('dim', 'num_heads', 'group_grid', 'attn_drop')
@@ -63,6 +90,11 @@ def register_attention(name: str) -> Callable[[T], T]:
         except TypeError as e:
             raise TypeError(f"attention {name!r}: {cls.__name__}.forward cannot take the groupings' (q, k, v, ctx) "
                             f"({e}); expected forward(self, q, k, v, ctx)") from None
+        unflagged = _unflagged_context_reads(cls)
+        if unflagged:
+            flag = _CONTEXT_FLAGS[unflagged[0]]
+            raise TypeError(f"attention {name!r}: {cls.__name__}.forward reads ctx.{unflagged[0]}, which the groupings "
+                            f"give only to mixers that declare it; expected the class attribute {flag} = True")
         try:
             constructor = inspect.signature(cls)
             constructor.bind(8, 2, None, attn_drop=0.)
@@ -93,7 +125,7 @@ def get_mixer_class(name: str) -> Type[Mixer]:
     try:
         return _MIXERS[name]
     except (KeyError, TypeError):
-        raise ValueError(f"unknown attention {name!r}; expected one of {', '.join(_MIXERS)}") from None
+        raise UnknownAttentionError(f"unknown attention {name!r}; expected one of {', '.join(_MIXERS)}") from None
 
 
 def forms_score_matrix(name: str) -> bool:
