@@ -38,7 +38,7 @@ from .attention.layout import Grid, image_to_tokens, tokens_to_image
 from .checkpoint import filter_checkpoint, rename_loaded_keys
 from .family import (
     FLATTEN_META, INLINE_META, BlockStack, OfficialKeys, ZooModel, check_arguments, create_variant, imagenet_cfg,
-    init_weights, register_variants, tag_weights, tsinghua_url,
+    init_weights, register_variants, split_drop_rates, tag_weights, tsinghua_url,
 )
 
 __all__ = ['CSWinTransformer', 'checkpoint_filter_fn']
@@ -216,7 +216,8 @@ class CSWinTransformer(ZooModel):
         attn_type: an attention name, one name per stage, or an official pattern ('IISS', 'LLSS', ...).
         mixed_linear: the linear attention of an 'M' stage when the pattern has no I or L stage.
         attn_kwargs: method options of the attentions (`models.attention.list_attention_options()`).
-        drop_rate: dropout in the MLPs; attn_drop_rate: on attention weights; drop_path_rate: stochastic depth,
+        drop_rate: dropout in the MLPs; proj_drop_rate: timm's name for it, `drop_rate` unless given;
+        attn_drop_rate: on attention weights; drop_path_rate: stochastic depth,
             linear over all blocks.
         dynamic_img_size: take any input size whose sides are multiples of 4.
         split_img_size: the input size whose stage grids decide which branches are global (a stripe as wide as its
@@ -245,6 +246,7 @@ class CSWinTransformer(ZooModel):
             mixed_linear: Optional[str] = None,
             attn_kwargs: Optional[Dict[str, Any]] = None,
             drop_rate: float = 0.,
+            proj_drop_rate: Optional[float] = None,
             attn_drop_rate: float = 0.,
             drop_path_rate: float = 0.,
             dynamic_img_size: bool = False,
@@ -255,7 +257,8 @@ class CSWinTransformer(ZooModel):
             sizes=dict(img_size=img_size, in_chans=in_chans, embed_dim=embed_dim, num_heads=num_heads,
                        split_img_size=split_img_size),
             counts=dict(num_classes=num_classes, depth=depth), ratios=dict(mlp_ratio=mlp_ratio),
-            rates=dict(drop_rate=drop_rate, attn_drop_rate=attn_drop_rate, drop_path_rate=drop_path_rate),
+            rates=dict(drop_rate=drop_rate, proj_drop_rate=proj_drop_rate, attn_drop_rate=attn_drop_rate,
+                       drop_path_rate=drop_path_rate),
             flags=dict(qkv_bias=qkv_bias, dynamic_img_size=dynamic_img_size),
             per_stage=('depth', 'num_heads'))
         if patch_size != 4:
@@ -282,6 +285,7 @@ class CSWinTransformer(ZooModel):
         attn_kwargs = check_attn_kwargs([name for stage in self.attn_names for name in stage], attn_kwargs)
         self.grad_checkpointing = False
 
+        proj_drop_rate = split_drop_rates(drop_rate, proj_drop_rate=proj_drop_rate)[1]
         dpr = calculate_drop_path_rates(drop_path_rate, sum(depth))
         self.stages = nn.ModuleList()
         self.feature_info = []
@@ -297,7 +301,7 @@ class CSWinTransformer(ZooModel):
                 else:
                     split = max(stage_grid) if la_split is None else la_split[i]
                 blocks.append(CSWinBlock(
-                    dim, num_heads[i], stage_grid, name, split, mlp_ratio, qkv_bias, drop_rate, attn_drop_rate,
+                    dim, num_heads[i], stage_grid, name, split, mlp_ratio, qkv_bias, proj_drop_rate, attn_drop_rate,
                     dpr[sum(depth[:i]) + j], attn_kwargs))
             self.stages.append(CSWinStage(embed, blocks))
             self.feature_info.append(dict(num_chs=dim, reduction=4 * 2 ** i, module=f'stages.{i}'))

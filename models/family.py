@@ -30,7 +30,7 @@ from .checkpoint import (HUB_SOURCES, IMAGENET22K_CLASSES, cached_file_name, dow
 __all__ = [
     'ZooModel', 'create_variant', 'register_variants', 'Block', 'BlockStack', 'init_weights', 'OfficialKeys',
     'NumberedStageKeys', 'new_classifier',
-    'check_arguments', 'refuse_causal', 'check_global_pool', 'check_input', 'check_sides', 'check_output_fmt',
+    'check_arguments', 'split_drop_rates', 'refuse_causal', 'check_global_pool', 'check_input', 'check_sides', 'check_output_fmt',
     'imagenet_cfg', 'tag_weights',
     'tsinghua_url', 'INLINE_META', 'FLATTEN_META',
 ]
@@ -217,6 +217,15 @@ def check_arguments(
                     raise ValueError(f"{name} {value!r} is not a bool; expected {expected}")
                 each = ' each' if listed else ''
                 raise ValueError(f"{name} {value!r} is out of range; expected {expected}{each}")
+
+
+def split_drop_rates(drop_rate: float, pos_drop_rate: Optional[float] = None,
+                     proj_drop_rate: Optional[float] = None) -> Tuple[float, float]:
+    """The dropout after the position embedding and the dropout after the attention projections and MLP layers:
+    `pos_drop_rate` and `proj_drop_rate` (timm's keywords for them) where given, else `drop_rate`, which the
+    official models apply at all of these places."""
+    return (drop_rate if pos_drop_rate is None else pos_drop_rate,
+            drop_rate if proj_drop_rate is None else proj_drop_rate)
 
 
 def refuse_causal(attn_kwargs: Mapping[str, Any], stages: str) -> None:

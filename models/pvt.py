@@ -41,7 +41,8 @@ from .attention.layout import Grid, tokens_to_image
 from .checkpoint import CheckpointError, filter_checkpoint, resample_grid_embedding, resize_grid_embedding
 from .family import (
     FLATTEN_META, INLINE_META, Block, BlockStack, NumberedStageKeys, OfficialKeys, ZooModel, check_arguments,
-    create_variant, imagenet_cfg, init_weights, refuse_causal, register_variants, tag_weights, tsinghua_url,
+    create_variant, imagenet_cfg, init_weights, refuse_causal, register_variants, split_drop_rates, tag_weights,
+    tsinghua_url,
 )
 
 __all__ = ['PyramidVisionTransformer', 'PvtStage', 'check_stage_lists', 'checkpoint_filter_fn', 'key_reduction',
@@ -154,6 +155,8 @@ class PyramidVisionTransformer(ZooModel):
         global_pool: 'token', 'avg', 'max' or 'avgmax' (mean, maximum or their average over the last stage's
             grid tokens) or ''; default 'token' with a class token, else 'avg'.
         drop_rate: dropout after the position embeddings, the attention projections and the MLP layers.
+        pos_drop_rate, proj_drop_rate: timm's names for the first and for the other two of these, each
+            `drop_rate` unless given.
         attn_drop_rate: dropout on attention weights (score-forming attentions).
         drop_path_rate: stochastic depth, rising linearly over all blocks to this rate.
         dynamic_img_size: take any input size whose sides are multiples of `patch_size` · 8.
@@ -179,6 +182,8 @@ class PyramidVisionTransformer(ZooModel):
             global_pool: Optional[str] = None,
             attn_kwargs: Optional[Dict[str, Any]] = None,
             drop_rate: float = 0.,
+            pos_drop_rate: Optional[float] = None,
+            proj_drop_rate: Optional[float] = None,
             attn_drop_rate: float = 0.,
             drop_path_rate: float = 0.,
             dynamic_img_size: bool = False,
@@ -188,7 +193,8 @@ class PyramidVisionTransformer(ZooModel):
             sizes=dict(img_size=img_size, patch_size=patch_size, in_chans=in_chans, embed_dims=embed_dims,
                        num_heads=num_heads, sr_ratios=sr_ratios),
             counts=dict(num_classes=num_classes, depths=depths), ratios=dict(mlp_ratios=mlp_ratios),
-            rates=dict(drop_rate=drop_rate, attn_drop_rate=attn_drop_rate, drop_path_rate=drop_path_rate),
+            rates=dict(drop_rate=drop_rate, pos_drop_rate=pos_drop_rate, proj_drop_rate=proj_drop_rate,
+                       attn_drop_rate=attn_drop_rate, drop_path_rate=drop_path_rate),
             flags=dict(qkv_bias=qkv_bias, class_token=class_token, dynamic_img_size=dynamic_img_size),
             per_stage=PER_STAGE_ARGUMENTS)
         la_sr_ratios = check_stage_lists(embed_dims=embed_dims, num_heads=num_heads, mlp_ratios=mlp_ratios,
@@ -213,6 +219,7 @@ class PyramidVisionTransformer(ZooModel):
         self.grid_sizes = self._stage_grids(self.img_size)
         attn_kwargs = check_attn_kwargs([name for stage in names for name in stage], attn_kwargs)
         refuse_causal(attn_kwargs, "PVT merges patches of the grid between its stages")
+        pos_drop_rate, proj_drop_rate = split_drop_rates(drop_rate, pos_drop_rate, proj_drop_rate)
         rates = iter(calculate_drop_path_rates(drop_path_rate, sum(depths)))
         self.stages = nn.ModuleList()
         for i, grid in enumerate(self.grid_sizes):
@@ -220,14 +227,14 @@ class PyramidVisionTransformer(ZooModel):
             prefix = self.num_prefix_tokens if i == NUM_STAGES - 1 else 0
             patch_embed = PatchEmbed(None, patch_size if i == 0 else 2, in_chans if i == 0 else embed_dims[i - 1], dim,
                                      norm_layer=nn.LayerNorm, strict_img_size=False)
-            self.stages.append(PvtStage(patch_embed, grid, prefix, dim, drop_rate, [
+            self.stages.append(PvtStage(patch_embed, grid, prefix, dim, pos_drop_rate, [
                 Block(
                     dim,
                     build_attention(
                         name, dim, num_heads[i], grid, qkv_bias, grouping='reduction', attn_kwargs=attn_kwargs,
                         sr_ratio=key_reduction(name, sr_ratios[i], la_sr_ratios[i]),
-                        attn_drop=attn_drop_rate, proj_drop=drop_rate),
-                    mlp_ratio=mlp_ratios[i], drop=drop_rate, drop_path=next(rates),
+                        attn_drop=attn_drop_rate, proj_drop=proj_drop_rate),
+                    mlp_ratio=mlp_ratios[i], drop=proj_drop_rate, drop_path=next(rates),
                     norm_layer=partial(nn.LayerNorm, eps=1e-6))
                 for name in names[i]]))
         self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dims[-1])) if class_token else None

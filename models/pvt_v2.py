@@ -41,7 +41,7 @@ from .checkpoint import filter_checkpoint
 from .onednn import fuses_in_inference, onednn_conv2d_gelu
 from .family import (
     FLATTEN_META, BlockStack, NumberedStageKeys, OfficialKeys, ZooModel, check_arguments, create_variant, imagenet_cfg,
-    init_weights, refuse_causal, register_variants, tag_weights, tsinghua_url,
+    init_weights, refuse_causal, register_variants, split_drop_rates, tag_weights, tsinghua_url,
 )
 from .pvt import NUM_STAGES, PER_STAGE_ARGUMENTS, check_stage_lists, key_reduction, smallest_side
 
@@ -200,7 +200,8 @@ class PyramidVisionTransformerV2(ZooModel):
         attn_kwargs: method options of the attentions (`models.attention.list_attention_options()`).
         global_pool: 'avg', 'max' or 'avgmax' (mean, maximum or their average over the last stage's normalised
             tokens) or ''.
-        drop_rate: dropout after the attention projections and the MLP layers.
+        drop_rate: dropout after the attention projections and the MLP layers; proj_drop_rate: timm's name for
+            it, `drop_rate` unless given.
         attn_drop_rate: dropout on attention weights (score-forming attentions).
         drop_path_rate: stochastic depth, rising linearly over all blocks to this rate.
         dynamic_img_size: take any input size, the grids following it.
@@ -223,6 +224,7 @@ class PyramidVisionTransformerV2(ZooModel):
             attn_kwargs: Optional[Dict[str, Any]] = None,
             global_pool: str = 'avg',
             drop_rate: float = 0.,
+            proj_drop_rate: Optional[float] = None,
             attn_drop_rate: float = 0.,
             drop_path_rate: float = 0.,
             dynamic_img_size: bool = False,
@@ -232,7 +234,8 @@ class PyramidVisionTransformerV2(ZooModel):
             sizes=dict(img_size=img_size, in_chans=in_chans, embed_dims=embed_dims, num_heads=num_heads,
                        sr_ratios=sr_ratios),
             counts=dict(num_classes=num_classes, depths=depths), ratios=dict(mlp_ratios=mlp_ratios),
-            rates=dict(drop_rate=drop_rate, attn_drop_rate=attn_drop_rate, drop_path_rate=drop_path_rate),
+            rates=dict(drop_rate=drop_rate, proj_drop_rate=proj_drop_rate, attn_drop_rate=attn_drop_rate,
+                       drop_path_rate=drop_path_rate),
             flags=dict(qkv_bias=qkv_bias, linear=linear, dynamic_img_size=dynamic_img_size),
             per_stage=PER_STAGE_ARGUMENTS)
         la_sr_ratios = check_stage_lists(embed_dims=embed_dims, num_heads=num_heads, mlp_ratios=mlp_ratios,
@@ -256,6 +259,7 @@ class PyramidVisionTransformerV2(ZooModel):
         attn_kwargs = check_attn_kwargs([name for stage in names for name in stage], attn_kwargs)
         refuse_causal(attn_kwargs, "PVT v2 embeds overlapping patches of the grid between its stages and mixes "
                                    "neighbouring tokens in its MLPs' depthwise convolutions")
+        proj_drop_rate = split_drop_rates(drop_rate, proj_drop_rate=proj_drop_rate)[1]
         rates = iter(calculate_drop_path_rates(drop_path_rate, sum(depths)))
         grid = self.img_size
         self.stages = nn.ModuleList()
@@ -270,8 +274,8 @@ class PyramidVisionTransformerV2(ZooModel):
                     build_attention(
                         name, dim, num_heads[i], grid, qkv_bias, grouping='reduction', attn_kwargs=attn_kwargs,
                         **_key_reduction(name, sr_ratios[i], la_sr_ratios[i], linear),
-                        attn_drop=attn_drop_rate, proj_drop=drop_rate),
-                    mlp_ratio=mlp_ratios[i], drop=drop_rate, drop_path=next(rates), extra_relu=linear)
+                        attn_drop=attn_drop_rate, proj_drop=proj_drop_rate),
+                    mlp_ratio=mlp_ratios[i], drop=proj_drop_rate, drop_path=next(rates), extra_relu=linear)
                 for name in names[i]], dim))
         self.head = nn.Linear(embed_dims[-1], num_classes) if num_classes > 0 else nn.Identity()
         self.feature_info = [dict(module=f'stages.{i}', num_chs=embed_dims[i], reduction=4 * 2 ** i)

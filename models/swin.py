@@ -34,7 +34,7 @@ from .attention.layout import Grid
 from .checkpoint import filter_checkpoint
 from .family import (
     FLATTEN_META, INLINE_META, Block, BlockStack, ZooModel, check_arguments, create_variant, imagenet_cfg,
-    init_weights, register_variants, tag_weights, tsinghua_url,
+    init_weights, register_variants, split_drop_rates, tag_weights, tsinghua_url,
 )
 
 __all__ = ['SwinTransformer', 'checkpoint_filter_fn']
@@ -120,6 +120,8 @@ class SwinTransformer(ZooModel):
         mixed_linear: the linear attention of an 'M' stage when the pattern has no I or L stage.
         attn_kwargs: method options of the attentions (`models.attention.list_attention_options()`).
         drop_rate: dropout after the stem, in the MLPs and after the attention projection (as the original).
+        pos_drop_rate, proj_drop_rate: timm's names for the first and for the other two of these, each
+            `drop_rate` unless given.
         attn_drop_rate: dropout on attention weights; drop_path_rate: stochastic depth, linear over all blocks.
         dynamic_img_size: take any input size whose sides are multiples of `patch_size`.
         window_img_size: the input size whose stage grids decide the windows (a window covering its grid makes
@@ -148,6 +150,8 @@ class SwinTransformer(ZooModel):
             mixed_linear: Optional[str] = None,
             attn_kwargs: Optional[Dict[str, Any]] = None,
             drop_rate: float = 0.,
+            pos_drop_rate: Optional[float] = None,
+            proj_drop_rate: Optional[float] = None,
             attn_drop_rate: float = 0.,
             drop_path_rate: float = 0.1,
             dynamic_img_size: bool = False,
@@ -159,7 +163,8 @@ class SwinTransformer(ZooModel):
                        num_heads=num_heads, window_size=window_size, la_window_size=la_window_size,
                        window_img_size=window_img_size),
             counts=dict(num_classes=num_classes, depths=depths), ratios=dict(mlp_ratio=mlp_ratio),
-            rates=dict(drop_rate=drop_rate, attn_drop_rate=attn_drop_rate, drop_path_rate=drop_path_rate),
+            rates=dict(drop_rate=drop_rate, pos_drop_rate=pos_drop_rate, proj_drop_rate=proj_drop_rate,
+                       attn_drop_rate=attn_drop_rate, drop_path_rate=drop_path_rate),
             flags=dict(qkv_bias=qkv_bias, dynamic_img_size=dynamic_img_size),
             per_stage=('depths', 'num_heads'))
         self.img_size: Grid = tuple(to_2tuple(img_size))
@@ -184,7 +189,8 @@ class SwinTransformer(ZooModel):
 
         self.patch_embed = PatchEmbed(self.window_img_size, patch_size, in_chans, embed_dim, norm_layer=nn.LayerNorm,
                                       strict_img_size=False)
-        self.pos_drop = nn.Dropout(drop_rate)
+        pos_drop_rate, proj_drop_rate = split_drop_rates(drop_rate, pos_drop_rate, proj_drop_rate)
+        self.pos_drop = nn.Dropout(pos_drop_rate)
         dpr = calculate_drop_path_rates(drop_path_rate, sum(depths))
         self.layers = nn.ModuleList()
         self.feature_info = []
@@ -192,7 +198,7 @@ class SwinTransformer(ZooModel):
             dim = embed_dim * 2 ** i
             self.layers.append(SwinStage(
                 dim, stage_grid, num_heads[i], self.attn_names[i], window_size, la_window_size, mlp_ratio, qkv_bias,
-                drop_rate, attn_drop_rate, dpr[sum(depths[:i]):sum(depths[:i + 1])], i < num_stages - 1,
+                proj_drop_rate, attn_drop_rate, dpr[sum(depths[:i]):sum(depths[:i + 1])], i < num_stages - 1,
                 attn_kwargs))
             self.feature_info.append(dict(num_chs=dim, reduction=patch_size * 2 ** i, module=f'layers.{i}'))
         self.norm = nn.LayerNorm(self.num_features)

@@ -39,7 +39,7 @@ from .attention.multimax import multimax_modulation
 from .checkpoint import CheckpointError, filter_checkpoint, resample_grid_embedding, resize_grid_embedding
 from .family import (
     INLINE_META, Block, ZooModel, check_arguments, create_variant, imagenet_cfg, init_weights, register_variants,
-    tag_weights, tsinghua_url,
+    split_drop_rates, tag_weights, tsinghua_url,
 )
 
 __all__ = ['DeiT', 'LayerScaleBlock', 'checkpoint_filter_fn']
@@ -80,7 +80,10 @@ class DeiT(ZooModel):
         attn_type: the attention of every block: a registered name, a one-element list of names, or a one-letter
             pattern ('I', 'L', 'S'; 'M' with a block count gives that many linear blocks, then softmax).
         attn_kwargs: method options of the attentions (`models.attention.list_attention_options()`).
-        drop_rate: dropout after the position embedding, the attention projection and the MLP layers.
+        drop_rate: dropout after the position embedding, the attention projection and the MLP layers (the
+            official DeiT's; none before the head).
+        pos_drop_rate, proj_drop_rate: timm's names for the first and for the other two of these, each
+            `drop_rate` unless given.
         attn_drop_rate: dropout on attention weights (score-forming attentions).
         drop_path_rate: stochastic depth, rising linearly over the blocks to this rate.
         dynamic_img_size: take any input size whose sides are multiples of `patch_size`.
@@ -105,6 +108,8 @@ class DeiT(ZooModel):
             attn_type: Union[str, Sequence[str]] = 'softmax',
             attn_kwargs: Optional[Dict[str, Any]] = None,
             drop_rate: float = 0.,
+            pos_drop_rate: Optional[float] = None,
+            proj_drop_rate: Optional[float] = None,
             attn_drop_rate: float = 0.,
             drop_path_rate: float = 0.,
             dynamic_img_size: bool = False,
@@ -118,7 +123,8 @@ class DeiT(ZooModel):
                        num_heads=num_heads),
             counts=dict(num_classes=num_classes, depth=depth),
             ratios=dict(mlp_ratio=mlp_ratio, init_values=init_values),
-            rates=dict(drop_rate=drop_rate, attn_drop_rate=attn_drop_rate, drop_path_rate=drop_path_rate),
+            rates=dict(drop_rate=drop_rate, pos_drop_rate=pos_drop_rate, proj_drop_rate=proj_drop_rate,
+                       attn_drop_rate=attn_drop_rate, drop_path_rate=drop_path_rate),
             flags=dict(qkv_bias=qkv_bias, dynamic_img_size=dynamic_img_size, class_token=class_token,
                        multimax_logits=multimax_logits))
         self.in_chans = in_chans
@@ -147,7 +153,8 @@ class DeiT(ZooModel):
         with_sigma = multimax_logits and num_classes > 0
         self.ranges = nn.Parameter(torch.zeros(4)) if with_sigma else None
         self.ts = nn.Parameter(torch.zeros(4)) if with_sigma else None
-        self.pos_drop = nn.Dropout(drop_rate)
+        pos_drop_rate, proj_drop_rate = split_drop_rates(drop_rate, pos_drop_rate, proj_drop_rate)
+        self.pos_drop = nn.Dropout(pos_drop_rate)
 
         self.num_stages = depth
         rates = calculate_drop_path_rates(drop_path_rate, depth)
@@ -156,8 +163,8 @@ class DeiT(ZooModel):
             block(
                 embed_dim,
                 build_attention(name, embed_dim, num_heads, self.grid_size, qkv_bias, attn_kwargs=attn_kwargs,
-                                attn_drop=attn_drop_rate, proj_drop=drop_rate),
-                mlp_ratio=mlp_ratio, drop=drop_rate, drop_path=rate, norm_layer=norm_layer)
+                                attn_drop=attn_drop_rate, proj_drop=proj_drop_rate),
+                mlp_ratio=mlp_ratio, drop=proj_drop_rate, drop_path=rate, norm_layer=norm_layer)
             for name, rate in zip(names, rates)])
         self.norm = norm_layer(embed_dim)
         self.head = nn.Linear(embed_dim, num_classes) if num_classes > 0 else nn.Identity()

@@ -39,6 +39,7 @@ from .checkpoint import filter_checkpoint
 from .attention.sima import l1_normalize_tokens
 from .family import (
     ZooModel, check_arguments, check_output_fmt, create_variant, imagenet_cfg, init_weights, register_variants,
+    split_drop_rates,
 )
 
 __all__ = ['SimAXCiT', 'ConvPatchEmbed', 'FourierPositionalEncoding', 'LPI', 'ClassAttention', 'SimABlock',
@@ -239,6 +240,8 @@ class SimAXCiT(ZooModel):
         attn_type: the attention of every patch-token block: a registered name or a one-element list.
         attn_kwargs: method options of the attentions (`models.attention.list_attention_options()`).
         drop_rate: dropout after the positional encoding, attention projections and MLP layers.
+        pos_drop_rate, proj_drop_rate: timm's names for the first and for the other two of these, each
+            `drop_rate` unless given.
         attn_drop_rate: dropout on attention weights (the class attention's, and score-forming attentions').
         drop_path_rate: stochastic depth of every patch-token block (uniform, not rising).
         cls_attn_layers: class-attention blocks.
@@ -266,6 +269,8 @@ class SimAXCiT(ZooModel):
             attn_type: Union[str, Sequence[str]] = 'sima',
             attn_kwargs: Optional[Dict[str, Any]] = None,
             drop_rate: float = 0.,
+            pos_drop_rate: Optional[float] = None,
+            proj_drop_rate: Optional[float] = None,
             attn_drop_rate: float = 0.,
             drop_path_rate: float = 0.,
             cls_attn_layers: int = 2,
@@ -279,7 +284,8 @@ class SimAXCiT(ZooModel):
                        num_heads=num_heads),
             counts=dict(num_classes=num_classes, depth=depth, cls_attn_layers=cls_attn_layers),
             ratios=dict(mlp_ratio=mlp_ratio, eta=eta),
-            rates=dict(drop_rate=drop_rate, attn_drop_rate=attn_drop_rate, drop_path_rate=drop_path_rate),
+            rates=dict(drop_rate=drop_rate, pos_drop_rate=pos_drop_rate, proj_drop_rate=proj_drop_rate,
+                       attn_drop_rate=attn_drop_rate, drop_path_rate=drop_path_rate),
             flags=dict(qkv_bias=qkv_bias, tokens_norm=tokens_norm, dynamic_img_size=dynamic_img_size))
         if patch_size in _EMBED_STAGES and embed_dim % 2 ** (_EMBED_STAGES[patch_size] - 1):
             raise ValueError(f"embed_dim {embed_dim} must be a multiple of {2 ** (_EMBED_STAGES[patch_size] - 1)} "
@@ -299,7 +305,8 @@ class SimAXCiT(ZooModel):
 
         self.patch_embed = ConvPatchEmbed(patch_size, in_chans, embed_dim)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim))
-        self.pos_drop = nn.Dropout(drop_rate)
+        pos_drop_rate, proj_drop_rate = split_drop_rates(drop_rate, pos_drop_rate, proj_drop_rate)
+        self.pos_drop = nn.Dropout(pos_drop_rate)
         names = stage_attentions(attn_type, [depth])[0]
         attn_kwargs = check_attn_kwargs(names, attn_kwargs)
         self.num_stages = depth
@@ -307,11 +314,11 @@ class SimAXCiT(ZooModel):
             SimABlock(
                 embed_dim,
                 build_attention(name, embed_dim, num_heads, self.grid_size, qkv_bias, attn_kwargs=attn_kwargs,
-                                attn_drop=attn_drop_rate, proj_drop=drop_rate),
-                mlp_ratio=mlp_ratio, drop=drop_rate, drop_path=drop_path_rate, eta=eta)
+                                attn_drop=attn_drop_rate, proj_drop=proj_drop_rate),
+                mlp_ratio=mlp_ratio, drop=proj_drop_rate, drop_path=drop_path_rate, eta=eta)
             for name in names])
         self.cls_attn_blocks = nn.ModuleList([
-            ClassAttentionBlock(embed_dim, num_heads, mlp_ratio, qkv_bias, drop=drop_rate, attn_drop=attn_drop_rate,
+            ClassAttentionBlock(embed_dim, num_heads, mlp_ratio, qkv_bias, drop=proj_drop_rate, attn_drop=attn_drop_rate,
                                 eta=eta, tokens_norm=tokens_norm)
             for _ in range(cls_attn_layers)])
         self.norm = nn.LayerNorm(embed_dim, eps=1e-6)

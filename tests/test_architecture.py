@@ -102,6 +102,9 @@ def test_an_option_no_attention_of_the_model_takes_is_one_line(family):
     ('inline_pvt_tiny', dict(mlp_ratios=8), "mlp_ratios 8 is not a list; expected a number > 0 per stage, as a list"),
     ('softmax_pvt_v2_b0', dict(depths=2), "depths 2 is not a list; expected an integer >= 0 per stage, as a list"),
     ('softmax_pvt_v2_b0', dict(drop_rate=2.0), "drop_rate 2.0 is out of range; expected a number in [0, 1]"),
+    ('inline_swin_tiny', dict(proj_drop_rate=1.5), "proj_drop_rate 1.5 is out of range; expected a number in [0, 1]"),
+    ('sima_nano_12_p16', dict(pos_drop_rate='0.1'),
+     "pos_drop_rate '0.1' is out of range; expected a number in [0, 1]"),
     ('inline_cswin_tiny', dict(depth=2), "depth 2 is not a list; expected an integer >= 0 per stage, as a list"),
     # depths are read for the blocks' attentions before the constructor runs: the same messages from there
     ('inline_deit_tiny', dict(depth=2.5), "depth 2.5 is out of range; expected an integer >= 0"),

@@ -92,6 +92,42 @@ class TimmTracer(torch.fx.Tracer):
         return isinstance(module, tuple(get_notrace_modules())) or super().is_leaf_module(module, qualified_name)
 
 
+def _dropout_rates(model: torch.nn.Module) -> Dict[str, float]:
+    return {name: module.p for name, module in model.named_modules() if isinstance(module, torch.nn.Dropout)}
+
+
+@pytest.mark.parametrize('ours, timm_name, rates', [
+    ('softmax_deit_tiny', 'deit_tiny_patch16_224', dict(pos_drop_rate=0.2, proj_drop_rate=0.1)),
+    ('softmax_swin_tiny', 'swin_tiny_patch4_window7_224', dict(proj_drop_rate=0.1)),
+    ('softmax_pvt_v2_b0', 'pvt_v2_b0', dict(proj_drop_rate=0.1)),
+    ('sima_nano_12_p16', 'xcit_nano_12_p16_224', dict(pos_drop_rate=0.2, proj_drop_rate=0.1)),
+])
+def test_timm_s_dropout_keywords_set_the_dropouts_timm_s_models_set(ours, timm_name, rates):
+    """`proj_drop_rate` and `pos_drop_rate` were refused by a TypeError: a timm training script that sets them failed
+    on every zoo model. Every dropout the zoo's model shares by name with timm's gets timm's rate."""
+    zoo_rates = _dropout_rates(timm.create_model(ours, pretrained=False, **rates))
+    timm_rates = _dropout_rates(timm.create_model(timm_name, pretrained=False, **rates))
+    shared = set(zoo_rates) & set(timm_rates)
+    assert len(shared) == (16 if 'pvt' in ours else 37 if 'deit' in ours else 36 if 'swin' in ours else 45)
+    assert {name: zoo_rates[name] for name in shared} == {name: timm_rates[name] for name in shared}
+    assert set(zoo_rates) - shared <= {'pos_drop'}  # Swin's dropout after the stem, which timm's Swin has not
+
+
+@pytest.mark.parametrize('name', ['softmax_pvt_tiny', 'softmax_cswin_tiny', 'softmax_deit_tiny', 'softmax_swin_tiny'])
+def test_drop_rate_is_the_official_dropout_everywhere_unless_timm_s_keywords_split_it(name):
+    """The official models apply `drop_rate` after the position embedding, the attention projection and in the MLPs
+    (CSwin in its MLPs only); timm's keywords take the first and the others apart."""
+    official = _dropout_rates(timm.create_model(name, pretrained=False, drop_rate=0.3))
+    assert set(official.values()) == ({0., 0.3} if 'cswin' in name else {0.3})
+    # CSwin has no position embedding, hence no pos_drop_rate (as timm's models without one)
+    pos = {} if 'cswin' in name else dict(pos_drop_rate=0.2)
+    split = _dropout_rates(timm.create_model(name, pretrained=False, drop_rate=0.3, proj_drop_rate=0.1, **pos))
+    for module, rate in official.items():
+        expected = 0.2 if module.endswith('pos_drop') else 0.1 if rate else 0.
+        assert split[module] == expected, module
+    assert any(module.endswith('pos_drop') for module in split) == bool(pos)
+
+
 @pytest.mark.parametrize('name', ALL_MODELS)
 def test_fx_trace_matches_eager(name):
     model = tiny_model(name)
