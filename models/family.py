@@ -30,7 +30,8 @@ from .checkpoint import (HUB_SOURCES, IMAGENET22K_CLASSES, cached_file_name, dow
 __all__ = [
     'ZooModel', 'create_variant', 'register_variants', 'Block', 'BlockStack', 'init_weights', 'OfficialKeys',
     'NumberedStageKeys', 'new_classifier',
-    'check_arguments', 'split_drop_rates', 'refuse_causal', 'check_global_pool', 'check_input', 'check_sides', 'check_output_fmt',
+    'check_arguments', 'split_drop_rates', 'take_feature_indices', 'refuse_causal', 'check_global_pool',
+    'check_input', 'check_sides', 'check_output_fmt', 'format_intermediate',
     'imagenet_cfg', 'tag_weights',
     'tsinghua_url', 'INLINE_META', 'FLATTEN_META',
 ]
@@ -254,11 +255,16 @@ def check_sides(H: int, W: int, divisor: int, least: int, what: str) -> None:
 
 
 @register_notrace_function
-def check_input(x: Tensor, img_size: Grid, divisor: int, dynamic: bool, least: int = 1) -> None:
-    """A ValueError unless `x` is (B, C, H, W) images the model takes: of its (H, W) `img_size`, or with `dynamic`
-    of any size whose sides are positive multiples of `divisor` and at least `least`. A leaf of symbolic traces."""
+def check_input(x: Tensor, img_size: Grid, divisor: int, dynamic: bool, least: int = 1, in_chans: int = 0) -> None:
+    """A ValueError unless `x` is (B, C, H, W) images the model takes: of `in_chans` channels (any for 0), of its
+    (H, W) `img_size`, or with `dynamic` of any size whose sides are positive multiples of `divisor` and at least
+    `least`. A leaf of symbolic traces."""
     if x.dim() != 4:
         raise ValueError(f"expected images (B, C, H, W), got a tensor with {x.dim()} dimensions")
+    if in_chans and x.shape[1] != in_chans:
+        hint = '; channels-last images (B, H, W, C) go in as x.permute(0, 3, 1, 2)' if x.shape[-1] == in_chans else ''
+        raise ValueError(f"input of shape {list(x.shape)} has dimension 1 (channels) {x.shape[1]}, but the model "
+                         f"takes {in_chans} channels; expected images (B, {in_chans}, H, W){hint}")
     H, W = x.shape[-2], x.shape[-1]
     if dynamic:
         check_sides(H, W, divisor, least, 'input image size')
@@ -271,10 +277,37 @@ def check_input(x: Tensor, img_size: Grid, divisor: int, dynamic: bool, least: i
 torch.fx.wrap('check_input')
 
 
+def take_feature_indices(num_features: int, indices: Optional[Union[int, Sequence[int]]]) -> Tuple[List[int], int]:
+    """timm's `feature_take_indices` (the last n of `num_features` levels for an int, the given ones for a list,
+    all for None), with a ValueError naming the index as given where timm asserts on its converted value."""
+    if is_integer(indices):
+        if not 0 < indices <= num_features:
+            raise ValueError(f"feature indices {indices} (the last {indices}) is out of range; expected 1 to "
+                             f"{num_features}, the model's feature levels")
+    elif indices is not None:
+        if not isinstance(indices, (list, tuple)) or not indices:
+            raise ValueError(f"feature indices {indices!r} is neither a count nor a list of indices; expected an int "
+                             f"or a non-empty list of ints")
+        for i in indices:
+            if not is_integer(i) or not -num_features <= i < num_features:
+                raise ValueError(f"feature index {i!r} is out of range; expected an int from {-num_features} to "
+                                 f"{num_features - 1}, of the model's {num_features} feature levels")
+    return feature_take_indices(num_features, indices)
+
+
 def check_output_fmt(output_fmt: str) -> None:
-    """A ValueError unless `output_fmt` is a layout `forward_intermediates` returns: 'NCHW' or 'NLC'."""
-    if output_fmt not in ('NCHW', 'NLC'):
-        raise ValueError(f"output_fmt {output_fmt!r} is not supported; expected 'NCHW' or 'NLC'")
+    """A ValueError unless `output_fmt` is a layout `forward_intermediates` returns: 'NCHW', 'NHWC' or 'NLC'."""
+    if output_fmt not in ('NCHW', 'NHWC', 'NLC'):
+        raise ValueError(f"output_fmt {output_fmt!r} is not supported; expected 'NCHW', 'NHWC' or 'NLC'")
+
+
+def format_intermediate(tokens: Tensor, grid: Grid, output_fmt: str) -> Tensor:
+    """(B, H*W, C) grid tokens as `output_fmt`: (B, C, H, W), (B, H, W, C) or as they are ('NLC')."""
+    if output_fmt == 'NCHW':
+        return tokens_to_image(tokens, grid)
+    if output_fmt == 'NHWC':
+        return tokens.reshape(tokens.shape[0], grid[0], grid[1], tokens.shape[-1])
+    return tokens
 
 
 def imagenet_cfg(url: str = '', **kwargs: Any) -> Dict[str, Any]:
@@ -410,7 +443,7 @@ class ZooModel(nn.Module):
             self.output_fmt = output_fmt
 
     def _check_input(self, x: Tensor) -> None:
-        check_input(x, self.img_size, self.img_divisor, self.dynamic_img_size, self.img_min_side)
+        check_input(x, self.img_size, self.img_divisor, self.dynamic_img_size, self.img_min_side, self.in_chans)
 
     def _check_size(self, size: Grid, what: str) -> None:
         """A ValueError unless `size` has sides that are positive multiples of `img_divisor`, at least
@@ -501,6 +534,7 @@ class ZooModel(nn.Module):
         Without `global_pool` the pooling stays, except that an unpooled (B, C, H, W) map is averaged again under a
         classifier, which needs pooled features.
         """
+        check_arguments(counts=dict(num_classes=num_classes))
         if global_pool is None:
             global_pool = self.global_pool
             if not global_pool and num_classes and self.features_fmt == 'NCHW':
@@ -542,7 +576,7 @@ class ZooModel(nn.Module):
             return_prefix_tokens: bool = False,
             output_dict: bool = False,
     ) -> Union[List[Tensor], Tuple[Tensor, List[Tensor]], List[Tuple[Tensor, Tensor]], Dict[str, Any]]:
-        """Stage outputs without prefix tokens, as (B, C, H, W) ('NCHW') or (B, H*W, C) ('NLC').
+        """Stage outputs without prefix tokens, as (B, C, H, W) ('NCHW'), (B, H, W, C) ('NHWC') or (B, H*W, C) ('NLC').
 
         `indices`: the last n stages (int), the given stages (list) or all (None). `norm` applies the final norm
         (to every output when it does not follow the last stage, else to the last one). Returns the
@@ -554,7 +588,7 @@ class ZooModel(nn.Module):
         (with `return_prefix_tokens`), 'image_features' (unless `intermediates_only`)}.
         """
         check_output_fmt(output_fmt)
-        take_indices, max_index = feature_take_indices(self.num_stages, indices)
+        take_indices, max_index = take_feature_indices(self.num_stages, indices)
         run_all = not (stop_early or intermediates_only)
         num_stages = self.num_stages if run_all else max_index + 1
         final, final_grid, kept = self._run_stages(x, num_stages, take_indices)
@@ -567,7 +601,7 @@ class ZooModel(nn.Module):
             prefix_tokens = self._stage_prefix_tokens(i)
             prefixes.append(y[:, :prefix_tokens])
             y = y[:, prefix_tokens:]
-            intermediates.append(tokens_to_image(y, grid) if output_fmt == 'NCHW' else y)
+            intermediates.append(format_intermediate(y, grid, output_fmt))
         with_prefixes = return_prefix_tokens and self.num_prefix_tokens > 0
         features: Optional[Tensor] = None
         if not intermediates_only:
@@ -593,7 +627,7 @@ class ZooModel(nn.Module):
         """Drop the stages after the last of `indices`, the final norm with `prune_norm` and the head with
         `prune_head` (both where a pyramid loses its last stages: they are as wide as it); returns the kept
         indices."""
-        take_indices, max_index = feature_take_indices(self.num_stages, indices)
+        take_indices, max_index = take_feature_indices(self.num_stages, indices)
         if max_index + 1 < self.num_stages:
             self._prune_stages(max_index + 1)
             self.num_stages = max_index + 1
@@ -666,6 +700,11 @@ def create_variant(
     if not strict:
         build_kwargs['pretrained_filter_fn'] = functools.partial(build_kwargs['pretrained_filter_fn'], strict=False)
     built = {**model_args, **kwargs}
+    takes = inspect.signature(model_cls).parameters
+    for name in sorted(kwargs.keys() & {'depth', 'depths'} - takes.keys()):  # the other family's name for it
+        other = 'depths' if name == 'depth' else 'depth'
+        raise TypeError(f"{model_cls.__name__}.__init__() got an unexpected keyword argument {name!r}; {variant} "
+                        f"takes {other!r} (now {model_args.get(other)!r})")
     for name in kwargs.keys() & {'depth', 'depths'}:  # read below before the constructor checks them
         per_stage = (name,) if isinstance(model_args.get(name), (list, tuple)) else ()
         check_arguments(counts={name: kwargs[name]}, per_stage=per_stage)

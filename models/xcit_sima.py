@@ -31,15 +31,14 @@ from torch.utils.checkpoint import checkpoint
 
 from timm.layers import DropPath, Mlp, register_notrace_module, to_2tuple, trunc_normal_
 from timm.models import generate_default_cfgs
-from timm.models._features import feature_take_indices
 
 from .attention import build_attention, check_attn_kwargs, stage_attentions
 from .attention.layout import Grid, image_to_tokens, tokens_to_image
 from .checkpoint import filter_checkpoint
 from .attention.sima import l1_normalize_tokens
 from .family import (
-    ZooModel, check_arguments, check_output_fmt, create_variant, imagenet_cfg, init_weights, register_variants,
-    split_drop_rates,
+    ZooModel, check_arguments, check_output_fmt, create_variant, format_intermediate, imagenet_cfg, init_weights,
+    register_variants, split_drop_rates, take_feature_indices,
 )
 
 __all__ = ['SimAXCiT', 'ConvPatchEmbed', 'FourierPositionalEncoding', 'LPI', 'ClassAttention', 'SimABlock',
@@ -318,8 +317,8 @@ class SimAXCiT(ZooModel):
                 mlp_ratio=mlp_ratio, drop=proj_drop_rate, drop_path=drop_path_rate, eta=eta)
             for name in names])
         self.cls_attn_blocks = nn.ModuleList([
-            ClassAttentionBlock(embed_dim, num_heads, mlp_ratio, qkv_bias, drop=proj_drop_rate, attn_drop=attn_drop_rate,
-                                eta=eta, tokens_norm=tokens_norm)
+            ClassAttentionBlock(embed_dim, num_heads, mlp_ratio, qkv_bias, drop=proj_drop_rate,
+                                attn_drop=attn_drop_rate, eta=eta, tokens_norm=tokens_norm)
             for _ in range(cls_attn_layers)])
         self.norm = nn.LayerNorm(embed_dim, eps=1e-6)
         self.head = nn.Linear(embed_dim, num_classes) if num_classes > 0 else nn.Identity()
@@ -384,21 +383,21 @@ class SimAXCiT(ZooModel):
             output_fmt: str = 'NCHW',
             intermediates_only: bool = False,
     ) -> Union[List[Tensor], Tuple[Tensor, List[Tensor]]]:
-        """Outputs of the patch-token blocks, as (B, C, H, W) ('NCHW') or (B, H*W, C) ('NLC').
+        """Outputs of the patch-token blocks, as (B, C, H, W) ('NCHW'), (B, H, W, C) ('NHWC') or (B, H*W, C) ('NLC').
 
         `indices`: the last n blocks (int), the given blocks (list) or all (None); `norm` applies the final
         `norm` to each. Returns the intermediates, or (final features, intermediates), the final features those
         of `forward_features` computed from the last block run (the last of `indices` with `stop_early`).
         """
         check_output_fmt(output_fmt)
-        take_indices, max_index = feature_take_indices(len(self.blocks), indices)
+        take_indices, max_index = take_feature_indices(len(self.blocks), indices)
         num_stages = max_index + 1 if stop_early or intermediates_only else len(self.blocks)
         final, _, kept = self._run_stages(x, num_stages, take_indices)
         intermediates = []
         for i in sorted(set(take_indices)):  # in depth order, as timm's models return them
             y, grid = kept[i]
             y = self.norm(y) if norm else y
-            intermediates.append(tokens_to_image(y, grid) if output_fmt == 'NCHW' else y)
+            intermediates.append(format_intermediate(y, grid, output_fmt))
         if intermediates_only:
             return intermediates
         return self._final_norm(final), intermediates
@@ -411,7 +410,7 @@ class SimAXCiT(ZooModel):
     ) -> List[int]:
         """Drop the blocks after the last of `indices`, the final norm with `prune_norm`, and the class token and
         class attention with the head with `prune_head`; returns the kept indices."""
-        take_indices, max_index = feature_take_indices(len(self.blocks), indices)
+        take_indices, max_index = take_feature_indices(len(self.blocks), indices)
         self.blocks = self.blocks[:max_index + 1]
         self.num_stages = len(self.blocks)
         self.feature_info = self.feature_info[:self.num_stages]

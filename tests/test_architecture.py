@@ -129,6 +129,12 @@ def test_an_option_no_attention_of_the_model_takes_is_one_line(family):
      "S (softmax), M (mixed) with the number of linear blocks of the M stage appended, e.g. 'IIMS2'"),
     ('flatten_deit_tiny', dict(attn_kwargs='focusing_factor=3'),
      "attn_kwargs 'focusing_factor=3' is not a dict; expected a dict of method options, e.g. dict(focusing_factor=3)"),
+    # an M stage of 6 blocks took 'IIMS99' as all InLine: a typo for 'IIMS2' trained another model
+    ('inline_swin_tiny', dict(attn_type='IIMS7'),
+     "bad attn_type 'IIMS7' (7 linear blocks in an M stage of 6 blocks); expected an attention name (softmax, "
+     "multimax, inline, flatten, sima, additive, linear), a list of 4 names, or a pattern of 4 letters from I "
+     "(inline), L (flatten), S (softmax), M (mixed) with the number of linear blocks of the M stage appended, "
+     "e.g. 'IIMS2'"),
 ])
 def test_an_argument_out_of_range_is_named_before_any_layer_is_built(name, kwargs, message):
     """A ValueError naming the argument and what it takes, never Python's own error from deep in the constructor
@@ -136,6 +142,64 @@ def test_an_argument_out_of_range_is_named_before_any_layer_is_built(name, kwarg
     with pytest.raises(ValueError) as error:
         timm.create_model(name, **kwargs)
     assert str(error.value) == message
+
+
+@pytest.mark.parametrize('name, keyword, message', [
+    ('softmax_cswin_tiny', 'depths', "CSWinTransformer.__init__() got an unexpected keyword argument 'depths'; "
+                                     "softmax_cswin_tiny takes 'depth' (now (1, 2, 21, 1))"),
+    ('softmax_swin_tiny', 'depth', "SwinTransformer.__init__() got an unexpected keyword argument 'depth'; "
+                                   "softmax_swin_tiny takes 'depths' (now (2, 2, 6, 2))"),
+    ('softmax_deit_tiny', 'depths', "DeiT.__init__() got an unexpected keyword argument 'depths'; softmax_deit_tiny "
+                                    "takes 'depth' (now 12)"),
+])
+def test_the_other_family_s_depth_keyword_is_named_as_unexpected(name, keyword, message):
+    """CSwin's depths=(1, 1, 1, 1) was checked as CSwin's own one-value `depth`: 'is not one value', and the advice
+    taken, depths=1, then failed as an unexpected keyword."""
+    with pytest.raises(TypeError) as error:
+        timm.create_model(name, **{keyword: (1, 1, 1, 1)})
+    assert str(error.value) == message
+
+
+@pytest.mark.parametrize('family', [*FAMILIES, 'sima_xcit'])
+def test_feature_indices_and_classes_out_of_range_are_value_errors_naming_the_value(family):
+    """timm's index helper asserted, naming -9 as the converted -5; reset_classifier(-1) made an Identity head
+    with num_classes -1, and 2.5 or '5' failed inside torch."""
+    name = 'sima_nano_12_p16' if family == 'sima_xcit' else f'softmax_{family}_tiny'
+    kwargs = TINY.get(family, {})
+    model = timm.create_model(name, **kwargs)
+    levels = model.num_stages
+    x = torch.randn(1, 3, *model.img_size)
+    with pytest.raises(ValueError) as error:
+        model.forward_intermediates(x, indices=[-levels - 5])
+    assert str(error.value) == (f"feature index {-levels - 5} is out of range; expected an int from {-levels} to "
+                                f"{levels - 1}, of the model's {levels} feature levels")
+    with pytest.raises(ValueError, match=rf"^feature indices {levels + 1} \(the last {levels + 1}\) is out of range; "
+                                         rf"expected 1 to {levels}, the model's feature levels$"):
+        timm.create_model(name, features_only=True, out_indices=levels + 1, **kwargs)
+    with pytest.raises(ValueError, match=r"^feature indices '1' is neither a count nor a list of indices"):
+        model.forward_intermediates(x, indices='1')
+    for bad in (-1, 2.5, '5'):
+        with pytest.raises(ValueError) as error:
+            model.reset_classifier(bad)
+        assert str(error.value) == f"num_classes {bad!r} is out of range; expected an integer >= 0"
+    assert model.num_classes == kwargs.get('num_classes', 1000)
+
+
+def test_images_with_the_wrong_channel_count_are_named_with_a_hint_for_channels_last():
+    """A (B, H, W, C) batch was read as 32 channels of 32x3 images: 'build the model with img_size=(32, 3)'."""
+    model = timm.create_model('softmax_deit_tiny', **TINY['deit'])
+    with pytest.raises(ValueError) as error:
+        model(torch.randn(2, 32, 32, 3))
+    assert str(error.value) == ("input of shape [2, 32, 32, 3] has dimension 1 (channels) 32, but the model takes 3 "
+                                "channels; expected images (B, 3, H, W); channels-last images (B, H, W, C) go in as "
+                                "x.permute(0, 3, 1, 2)")
+    grey = timm.create_model('softmax_swin_tiny', in_chans=1, **TINY['swin'])
+    with pytest.raises(ValueError, match=r"^input of shape \[1, 3, 32, 32\] has dimension 1 \(channels\) 3, but the "
+                                         r"model takes 1 channels; expected images \(B, 1, H, W\)$"):
+        grey(torch.randn(1, 3, 32, 32))
+    scripted = torch.jit.script(model)
+    with pytest.raises(torch.jit.Error, match='has dimension 1 \\(channels\\) 32'):
+        scripted(torch.randn(2, 32, 32, 3))
 
 
 def test_mixed_attentions_share_one_attn_kwargs():

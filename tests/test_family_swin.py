@@ -452,8 +452,10 @@ def test_features_only_and_intermediates():
         assert torch.equal(nlc[0].transpose(1, 2).reshape(2, 16, 8, 8), inter[0])
         early, (second,) = model.forward_intermediates(x, indices=[1], stop_early=True)
         assert early.shape == (2, 4, 4, 32) and torch.equal(early.permute(0, 3, 1, 2), second)
-    with pytest.raises(ValueError, match="output_fmt 'NHWC'"):
-        model.forward_intermediates(x, output_fmt='NHWC')
+        nhwc = model.forward_intermediates(x, norm=True, output_fmt='NHWC', intermediates_only=True)
+        assert all(torch.equal(a.permute(0, 3, 1, 2), b) for a, b in zip(nhwc, inter))  # timm's Swin layout
+    with pytest.raises(ValueError, match="^output_fmt 'NWC' is not supported; expected 'NCHW', 'NHWC' or 'NLC'$"):
+        model.forward_intermediates(x, output_fmt='NWC')
 
 
 def test_bad_sizes_raise_value_errors():

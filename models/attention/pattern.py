@@ -46,6 +46,10 @@ def stage_attentions(
         if len(set(linear)) > 1 and 'M' in letters:
             raise _pattern_error(attn_type, num_stages, 'an M stage is ambiguous with both I and L stages')
         mixed = linear[0] if linear else PATTERN_LETTERS.get(mixed_linear or 'I', mixed_linear)
+        mixed_depths = [depth for letter, depth in zip(letters, depths) if letter == 'M']
+        if mixed_depths and int(suffix) > min(mixed_depths):
+            raise _pattern_error(attn_type, num_stages, f"{int(suffix)} linear blocks in an M stage of "
+                                                        f"{min(mixed_depths)} blocks")
         stages = []
         for letter, depth in zip(letters, depths):
             if letter == 'M':

@@ -18,8 +18,8 @@ from .layout import Grid
 from .mixer import Mixer, check_heads
 
 __all__ = [
-    'UnknownAttentionError', 'register_attention', 'build_attention', 'list_attentions', 'get_mixer_class', 'forms_score_matrix',
-    'list_attention_options', 'check_attn_kwargs', 'GROUPINGS',
+    'UnknownAttentionError', 'register_attention', 'build_attention', 'list_attentions', 'get_mixer_class',
+    'forms_score_matrix', 'list_attention_options', 'check_attn_kwargs', 'GROUPINGS',
 ]
 
 _MIXERS: Dict[str, Type[Mixer]] = {}
