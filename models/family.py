@@ -25,7 +25,7 @@ from .attention import list_attention_options, stage_attentions
 from .attention.layout import Grid, tokens_to_image
 from .attention.mixer import is_integer, is_number
 from .checkpoint import (HUB_SOURCES, IMAGENET22K_CLASSES, cached_file_name, download_checkpoint, is_derived_buffer,
-                         loaded_key_names, rename_loaded_keys)
+                         load_checkpoint_file, loaded_key_names, rename_loaded_keys)
 
 __all__ = [
     'ZooModel', 'create_variant', 'register_variants', 'Block', 'BlockStack', 'init_weights', 'OfficialKeys',
@@ -730,18 +730,22 @@ def create_variant(
             released_elsewhere = cleared
         else:
             kwargs['pretrained_cfg_overlay'] = {**(kwargs.get('pretrained_cfg_overlay') or {}), **cleared}
+    loaded_here = False
     if pretrained:
-        _download_released_url(variant, kwargs)
+        loaded_here = _load_weights_file(variant, kwargs)
         if getattr(model_cls, 'narrows_imagenet22k_classifier', False):
             _keep_narrowed_imagenet22k_classifier(variant, built.get('num_classes'), kwargs)
     device, dtype = kwargs.pop('device', None), kwargs.pop('dtype', None)
     # timm's factory keywords: parameters are created on `device` (the meta device allocates nothing)
     with torch.device(device) if device is not None else contextlib.nullcontext():
         model = build_model_with_cfg(model_cls, variant, pretrained, **build_kwargs, **dict(model_args, **kwargs))
-    if released_elsewhere:  # started from the release of another attention, which is not this model's release
-        for module in model.modules():  # the model, and the model inside a features_only wrapper
-            if isinstance(getattr(module, 'pretrained_cfg', None), dict):
-                module.pretrained_cfg.update(released_elsewhere, file=None)
+    for module in model.modules():  # the model, and the model inside a features_only wrapper
+        if not isinstance(getattr(module, 'pretrained_cfg', None), dict):
+            continue
+        if loaded_here:  # the weights read from the cfg's file for timm's loader; the file stays on record
+            module.pretrained_cfg.pop('state_dict', None)
+        if released_elsewhere:  # started from the release of another attention, which is not this model's release
+            module.pretrained_cfg.update(released_elsewhere, file=None)
     return model if dtype is None else model.to(dtype=dtype)
 
 
@@ -783,23 +787,30 @@ def _keep_narrowed_imagenet22k_classifier(variant: str, num_classes: Any, kwargs
         kwargs['pretrained_cfg_overlay'] = {**(kwargs.get('pretrained_cfg_overlay') or {}), 'num_classes': 1000}
 
 
-def _download_released_url(variant: str, kwargs: Dict[str, Any]) -> None:
-    """Download the weights URL of `variant`'s pretrained cfg into the cache and point
-    `pretrained_cfg_overlay['file']` at the file, so every release downloads atomically, fails on one line, and
-    works for URLs without a file name in their path (the InLine / FLatten releases' `/f/<id>/?dl=1`, which
-    torch.hub would save as the cache folder itself). A URL's own file name is kept, so a file torch.hub or timm
-    downloaded before is reused."""
+def _load_weights_file(variant: str, kwargs: Dict[str, Any]) -> bool:
+    """Read the weights file of `variant`'s pretrained cfg, downloading its URL into the cache first, and hand
+    them to timm's loader as `pretrained_cfg_overlay['state_dict']`, with the file kept as the cfg's `file`;
+    whether it did (not for weights from a hub, given as a state dict, or without a file or URL).
+
+    Downloads are atomic and fail on one line, and work for URLs without a file name in their path (the InLine /
+    FLatten releases' `/f/<id>/?dl=1`, which torch.hub would save as the cache folder itself); a URL's own file
+    name is kept, so a file torch.hub or timm downloaded before is reused. The zoo's reader names a file that is
+    empty, of another kind, truncated or unsafe on one line, where timm's says EOFError or KeyError: 101."""
     overlay = dict(kwargs.get('pretrained_cfg_overlay') or {})
     cfg = resolve_pretrained_cfg(variant, kwargs.get('pretrained_cfg'), overlay)
     if cfg.source in HUB_SOURCES or cfg.state_dict is not None:
-        return
+        return False
     if cfg.file and not os.path.isfile(cfg.file):  # timm's own error says nothing ('')
         raise FileNotFoundError(errno.ENOENT, "pretrained weights file not found (pretrained_cfg_overlay file=...)",
                                 cfg.file)
-    if cfg.file or cfg.hf_hub_id or not cfg.url:
-        return
-    overlay['file'] = download_checkpoint(cfg.url, cached_file_name(variant, cfg.url), kwargs.get('cache_dir'))
+    if not cfg.file and (cfg.hf_hub_id or not cfg.url):
+        return False
+    if not cfg.file:
+        overlay['file'] = download_checkpoint(cfg.url, cached_file_name(variant, cfg.url), kwargs.get('cache_dir'))
+    overlay['state_dict'] = load_checkpoint_file(overlay.get('file', cfg.file),
+                                                 shown_as=f"pretrained weights file {overlay.get('file', cfg.file)!r}")
     kwargs['pretrained_cfg_overlay'] = overlay
+    return True
 
 
 def register_variants(

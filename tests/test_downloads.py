@@ -284,6 +284,30 @@ def test_a_weights_file_that_does_not_exist_is_named(tmp_path):
                                  f"{str(missing)!r}")
 
 
+@pytest.mark.parametrize('content, problem', [
+    (b'', "is not a checkpoint: it is empty; expected a file written by torch.save"),
+    (b'hello', "is not a checkpoint: it starts with b'hello'; expected a file written by torch.save"),
+    (b'PK\x03\x04 cut short', "is truncated or corrupt"),
+])
+def test_a_weights_file_that_is_no_checkpoint_is_named_in_one_line(tmp_path, content, problem):
+    """timm's reader said EOFError with no message for an empty file and KeyError: 101 for a text file."""
+    path = tmp_path / 'weights.pth'
+    path.write_bytes(content)
+    with pytest.raises(CheckpointError) as raised:
+        timm.create_model('inline_deit_tiny', pretrained=True, **TINY, pretrained_cfg_overlay=dict(file=str(path)))
+    assert str(raised.value).startswith(f"pretrained weights file {str(path)!r} ")
+    assert problem in str(raised.value) and '\n' not in str(raised.value)
+
+
+def test_a_training_checkpoint_given_as_the_weights_file_loads_its_ema_weights_and_is_kept_on_record(tmp_path):
+    state_dict, _ = official_checkpoint(**TINY)
+    path = tmp_path / 'checkpoint.pth'
+    torch.save({'model': {k: v + 1 for k, v in state_dict.items()}, 'model_ema': state_dict, 'epoch': 3}, path)
+    model = timm.create_model('inline_deit_tiny', pretrained=True, **TINY, pretrained_cfg_overlay=dict(file=str(path)))
+    assert_weights(model, state_dict)
+    assert model.pretrained_cfg['file'] == str(path) and 'state_dict' not in model.pretrained_cfg
+
+
 def test_a_safetensors_file_downloads_and_loads(server, cache):
     state_dict, _ = official_checkpoint(**TINY)
     server.files['weights.safetensors'] = safetensors.torch.save(state_dict)
