@@ -341,6 +341,14 @@ def tsinghua_url(file_id: str) -> str:
     return f'https://cloud.tsinghua.edu.cn/f/{file_id}/?dl=1'
 
 
+def _from_other_layouts(module: nn.Module, state_dict: Dict[str, Any], prefix: str, *args: Any) -> None:
+    """Load pre-hook: keys of timm's own layout below `prefix` renamed to the official ones, so that
+    `load_state_dict`, timm's `load_checkpoint` and create_model's `checkpoint_path` take them as the checkpoint
+    filter of `pretrained=True` does."""
+    names = module.official_key_names([key[len(prefix):] for key in state_dict if key.startswith(prefix)])
+    rename_loaded_keys(module, state_dict, {prefix + key: prefix + name for key, name in names.items()})
+
+
 def _skip_derived_buffers(module: nn.Module, state_dict: Dict[str, Any], prefix: str, *args: Any) -> None:
     """Load pre-hook: drop the relative position indices and shifted-window masks of a state dict below `prefix`;
     a zoo model recomputes them (non-persistent buffers)."""
@@ -415,14 +423,21 @@ class ZooModel(nn.Module):
         self.img_min_side = 1
         # official checkpoints hold the buffers these models recompute, so that `load_state_dict` of one works as
         # in the official code, and so does timm's `load_checkpoint` (create_model's `checkpoint_path`)
+        self.register_load_state_dict_pre_hook(_from_other_layouts)
         self.register_load_state_dict_pre_hook(_skip_derived_buffers)
         self.register_load_state_dict_pre_hook(_remember_load)
         self.register_load_state_dict_post_hook(_keys_as_named)
 
+    def official_key_names(self, keys: Sequence[str]) -> Dict[str, str]:
+        """The official name of each of `keys` that a state dict of another layout holds in its place: a family
+        whose weights also circulate in timm's own layout (Swin, PVT v2) names them here; empty for official keys."""
+        return {}
+
     def official_keys_of(self, state_dict: Dict[str, Tensor]) -> Dict[str, Tensor]:
-        """`state_dict` under the family's official key names; a family whose weights also circulate in timm's
-        own layout renames those keys here, for its checkpoint filter and `load_pretrained_into`."""
-        return state_dict
+        """`state_dict` under the family's official key names (`official_key_names`), for its checkpoint filter,
+        `load_pretrained_into` and `load_state_dict`."""
+        names = self.official_key_names(list(state_dict))
+        return {names.get(key, key): value for key, value in state_dict.items()} if names else state_dict
 
     def _stage_prefix_tokens(self, i: int) -> int:
         """Prefix tokens (a class token) before the grid tokens of stage i's output."""

@@ -323,8 +323,10 @@ class PyramidVisionTransformerV2(ZooModel):
                     kept[i] = (x, grid)
         return x, grid, kept
 
-    def official_keys_of(self, state_dict: Dict[str, Tensor]) -> Dict[str, Tensor]:
-        return _from_timm_layout(state_dict)
+    def official_key_names(self, keys: Sequence[str]) -> Dict[str, str]:
+        if 'patch_embed.proj.weight' not in keys:  # timm's stem; the official one is patch_embed1
+            return {}
+        return {key: _timm_key_to_official(key) for key in keys if _timm_key_to_official(key) != key}
 
     def _prune_stages(self, num_stages: int) -> None:
         self.stages = self.stages[:num_stages]
@@ -344,12 +346,6 @@ def _timm_key_to_official(key: str) -> str:
 
     key = _TIMM_STAGE_KEY.sub(stage, key)
     return re.sub(r'\.mlp\.dwconv\.(weight|bias)$', r'.mlp.dwconv.dwconv.\1', key)
-
-
-def _from_timm_layout(state_dict: Dict[str, Tensor]) -> Dict[str, Tensor]:
-    if 'patch_embed.proj.weight' not in state_dict:
-        return state_dict
-    return {_timm_key_to_official(k): v for k, v in state_dict.items()}
 
 
 def checkpoint_filter_fn(state_dict: Dict[str, Tensor], model: PyramidVisionTransformerV2,

@@ -256,8 +256,8 @@ class SwinTransformer(ZooModel):
                     grid = merged_grid(grid)
         return x, grid, kept
 
-    def official_keys_of(self, state_dict: Dict[str, Tensor]) -> Dict[str, Tensor]:
-        return _from_timm_layout(state_dict)
+    def official_key_names(self, keys: Sequence[str]) -> Dict[str, str]:
+        return _official_names_of_timm_keys(keys)
 
     def _prune_stages(self, num_stages: int) -> None:
         self.layers = self.layers[:num_stages]
@@ -267,18 +267,19 @@ class SwinTransformer(ZooModel):
 _TIMM_DOWNSAMPLE = re.compile(r'^layers\.(\d+)\.downsample\.')
 
 
-def _from_timm_layout(state_dict: Dict[str, Tensor]) -> Dict[str, Tensor]:
-    """timm's `swin_*` layout under the official names: its patch merging opens stage i + 1 where Swin's closes
-    stage i, and its classifier is `head.fc`. The merging's weights are the same (timm renames, never permutes)."""
-    stages = {int(m.group(1)) for m in map(_TIMM_DOWNSAMPLE.match, state_dict) if m}
-    if 0 in stages or not (stages or any(k.startswith('head.fc.') for k in state_dict)):
-        return state_dict
+def _official_names_of_timm_keys(keys: Sequence[str]) -> Dict[str, str]:
+    """The official names of the keys of timm's `swin_*` layout: its patch merging opens stage i + 1 where Swin's
+    closes stage i, and its classifier is `head.fc`. The merging's weights are the same (timm renames, never
+    permutes). Empty for keys of the official layout."""
+    stages = {int(m.group(1)) for m in map(_TIMM_DOWNSAMPLE.match, keys) if m}
+    if 0 in stages or not (stages or any(k.startswith('head.fc.') for k in keys)):
+        return {}
 
     def official(key: str) -> str:
         key = _TIMM_DOWNSAMPLE.sub(lambda m: f'layers.{int(m.group(1)) - 1}.downsample.', key)
         return 'head.' + key[len('head.fc.'):] if key.startswith('head.fc.') else key
 
-    return {official(k): v for k, v in state_dict.items()}
+    return {key: official(key) for key in keys if official(key) != key}
 
 
 def checkpoint_filter_fn(state_dict: Dict[str, Tensor], model: SwinTransformer,

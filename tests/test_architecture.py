@@ -564,6 +564,41 @@ def test_timm_layout_weights_start_another_attention_as_the_official_layout_does
     assert reports[0] == reports[1] and any('.residual.' in k for k in reports[0].new)
 
 
+def model_input_size(sizes: dict) -> tuple:
+    size = sizes.get('img_size', 224)
+    return (size, size) if isinstance(size, int) else tuple(size)
+
+
+@pytest.mark.parametrize('family', TIMM_LAYOUTS)
+def test_timm_layout_weights_load_through_every_timm_loader(tmp_path, family):
+    """Only `pretrained_cfg_overlay` renamed them: create_model's `checkpoint_path`, timm's `load_checkpoint` (also
+    of a timm train.py checkpoint) and `load_state_dict` failed with the missing and unexpected keys."""
+    timm_name, sizes = TIMM_LAYOUTS[family]
+    torch.manual_seed(0)
+    reference = timm.create_model(timm_name, **sizes).eval()
+    torch.save(reference.state_dict(), tmp_path / 'timm.pth')
+    torch.save({'epoch': 3, 'state_dict': {k: v + 1 for k, v in reference.state_dict().items()},
+                'state_dict_ema': reference.state_dict()}, tmp_path / 'train.pth.tar')
+    name = f'softmax_{family}_b0' if family == 'pvt_v2' else f'softmax_{family}_tiny'
+    zoo_sizes = {**sizes, 'img_size': 64} if family == 'pvt_v2' else sizes
+    x = torch.randn(2, 3, *model_input_size(zoo_sizes))
+    loaded = [timm.create_model(name, checkpoint_path=str(tmp_path / 'timm.pth'), **zoo_sizes),
+              timm.create_model(name, checkpoint_path=str(tmp_path / 'train.pth.tar'), **zoo_sizes)]
+    model = timm.create_model(name, **zoo_sizes)
+    timm.models.load_checkpoint(model, str(tmp_path / 'timm.pth'))
+    loaded.append(model)
+    model = timm.create_model(name, **zoo_sizes)
+    assert not model.load_state_dict(reference.state_dict()).missing_keys
+    loaded.append(model)
+    with torch.no_grad():
+        expected = reference(x)
+        for model in loaded:
+            assert (model.eval()(x) - expected).abs().max() < 1e-5
+    broken = {k: v for k, v in reference.state_dict().items() if not k.startswith('head.')}
+    with pytest.raises(RuntimeError, match=r'Missing key\(s\) in state_dict: "head\.weight", "head\.bias"\. \s*$'):
+        timm.create_model(name, **zoo_sizes).load_state_dict(broken)  # the model's own keys, and nothing else
+
+
 def test_a_model_saved_for_the_hub_starts_another_attention_by_its_hub_name(tmp_path, monkeypatch):
     """`load_pretrained_into(model, 'local-dir:FOLDER')` and `'hf-hub:REPO'`: the weights timm's `save_for_hf` wrote,
     read by timm's own loaders, start an InLine DeiT as the same weights in a file do."""
