@@ -747,9 +747,9 @@ def create_variant(
             kwargs['pretrained_cfg_overlay'] = {**(kwargs.get('pretrained_cfg_overlay') or {}), **cleared}
     loaded_here = False
     if pretrained:
-        loaded_here = _load_weights_file(variant, kwargs)
-        if getattr(model_cls, 'narrows_imagenet22k_classifier', False):
+        if getattr(model_cls, 'narrows_imagenet22k_classifier', False):  # before the weights are read into the cfg
             _keep_narrowed_imagenet22k_classifier(variant, built.get('num_classes'), kwargs)
+        loaded_here = _load_weights_file(variant, kwargs)
     device, dtype = kwargs.pop('device', None), kwargs.pop('dtype', None)
     # timm's factory keywords: parameters are created on `device` (the meta device allocates nothing)
     with torch.device(device) if device is not None else contextlib.nullcontext():
