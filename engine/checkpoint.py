@@ -110,16 +110,17 @@ def check_writable_folder(folder: str, source: str) -> None:
         raise UsageError(_not_writable(folder, e, source)) from None
 
 
-def prepare_script_out(parser: argparse.ArgumentParser, out: str, prefix: bool, suffixes: Sequence[str] = ()
-                       ) -> None:
+def prepare_script_out(parser: argparse.ArgumentParser, out: str, prefix: bool, suffixes: Sequence[str] = (),
+                       example: str = 'results') -> None:
     """`parser.error` (one line, status 2) unless a script's `--out` can be written: the folder of `out` when it
-    is a prefix of the files (`docs/benchmarks` for .md and .csv: `suffixes`, none of which may name a folder),
+    is a prefix of the files (`docs/benchmarks` for .md and .csv: `suffixes`, none of which may name a folder; a
+    folder given as the prefix is refused with `example` as the name to put in it),
     else `out` itself. The temporary files that runs killed outright (SIGTERM, SIGKILL) while writing there left
     are removed (a finished or stopped run leaves none). The folders made for it are removed at exit if they are
     still empty (the run failed before its results)."""
     if prefix and (out.endswith(os.sep) or os.path.isdir(out)):
         parser.error(f"--out {out}: is a folder; expected a path prefix of the files, such as "
-                     f"{os.path.join(out, 'stats')}")
+                     f"{os.path.join(out, example)}")
     for suffix in suffixes:
         if os.path.isdir(out + suffix):
             parser.error(f"--out {out}: {out + suffix!r} is a folder; expected a prefix whose files "

@@ -97,9 +97,11 @@ def exit_at_once(signum: int, message: str) -> NoReturn:
     os._exit(128 + signum)
 
 
-def run_cli(main: Callable[[Sequence[str]], int], argv: Optional[Sequence[str]] = None) -> int:
+def run_cli(main: Callable[[Sequence[str]], int], argv: Optional[Sequence[str]] = None, *,
+            terminate_unwinds: bool = False) -> int:
     """Run `main(argv)`; a `UsageError`, `CheckpointError` or `NonFiniteLossError` becomes `error: <message>` on
-    stderr and exit status 2.
+    stderr and exit status 2. With `terminate_unwinds` (the scripts, which have no signal handling of their own)
+    SIGTERM is reported and cleaned up after as Ctrl-C is (`terminate_as_interrupt`).
 
     With `--debug` in `argv` the exception propagates with its traceback. Only rank 0 prints, since every rank
     meets the same bad input and all ranks agree on a non-finite loss. An interruption (Ctrl-C outside the
@@ -110,7 +112,8 @@ def run_cli(main: Callable[[Sequence[str]], int], argv: Optional[Sequence[str]] 
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        code = main(argv)
+        with terminate_as_interrupt() if terminate_unwinds else contextlib.nullcontext():
+            code = main(argv)
         sys.stdout.flush()  # here, where a reader that stopped reading is caught below
         return code
     except (UsageError, CheckpointError, NonFiniteLossError) as e:

@@ -80,7 +80,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         parser.error("--ema reads the EMA weights of checkpoints; expected --checkpoints PATH ... or --models "
                      "NAME=FILE")
     refuse_below(parser, {'--max-images': (args.max_images, 1), '--batch-size': (args.batch_size, 1)})
-    prepare_script_out(parser, args.out, prefix=True, suffixes=('.csv', '.md', '.png'))
+    prepare_script_out(parser, args.out, prefix=True, suffixes=('.csv', '.md', '.png'), example='stats')
     return args
 
 
@@ -188,4 +188,4 @@ def main(argv: Sequence[str]) -> int:
 
 
 if __name__ == '__main__':
-    sys.exit(run_cli(main))
+    sys.exit(run_cli(main, terminate_unwinds=True))

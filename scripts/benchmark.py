@@ -71,7 +71,7 @@ with quit_on_interrupt():  # while torch and the models load: nothing has starte
     from engine.compile import compile_model
     from engine.config import load_config
     from engine.distributed import resolve_device
-    from engine.errors import UsageError, refuse_below, run_cli, terminate_as_interrupt
+    from engine.errors import UsageError, refuse_below, run_cli
     from models.attention import forms_score_matrix, list_attentions
     from models.onednn import convert_to_onednn, onednn_available, onednn_linear
 
@@ -249,7 +249,9 @@ def group_specs(family: str, size: str, resolution: int, attentions: Sequence[st
     specs = []
     timm_name = TIMM_REFERENCE.get((family, size)) if reference else None
     if timm_name:
-        specs.append(dict(label=REFERENCE, model=timm_name, kwargs=dict(img_size=resolution)))
+        # timm's PVT v2 takes any input size and has no img_size argument
+        kwargs = {} if family == 'pvt_v2' else dict(img_size=resolution)
+        specs.append(dict(label=REFERENCE, model=timm_name, kwargs=kwargs))
     for attention in attentions:
         name, kwargs = model_spec(attention, family, size, resolution)
         specs.append(dict(label=attention, model=name, kwargs=kwargs))
@@ -411,8 +413,7 @@ def error_result(e: Exception, device: torch.device) -> Dict:
 def child_results(cmd: List[str], timeout: int, env: Optional[Dict[str, str]] = None) -> Union[List[Dict], str]:
     """The results a measuring process prints as JSON on its last line, or why there are none: the timeout, or the
     last line of its error output."""
-    with terminate_as_interrupt(), subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                                    env=env) as proc:
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) as proc:
         try:
             stdout, stderr = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -527,7 +528,7 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -
     except ValueError as e:
         parser.error(f'--resolutions: {e}; expected positive numbers or FAMILY=R1,R2 with FAMILY one of '
                      f'{", ".join(args.families)}')
-    prepare_script_out(parser, args.out, prefix=True, suffixes=('.csv', '.md'))
+    prepare_script_out(parser, args.out, prefix=True, suffixes=('.csv', '.md'), example='benchmark')
     return resolutions
 
 
@@ -798,4 +799,4 @@ def _cpu_name() -> str:
 
 
 if __name__ == '__main__':
-    sys.exit(run_cli(main))
+    sys.exit(run_cli(main, terminate_unwinds=True))

@@ -140,4 +140,4 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 
 
 if __name__ == '__main__':
-    sys.exit(run_cli(main))
+    sys.exit(run_cli(main, terminate_unwinds=True))

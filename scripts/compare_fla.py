@@ -186,7 +186,7 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -
     if not torch.cuda.is_available():
         parser.error(f"--device {args.device}: this machine has no CUDA device, and fla-core's kernels are Triton "
                      f"kernels for GPUs; expected a machine with one")
-    prepare_script_out(parser, args.out, prefix=True, suffixes=('.json', '.md'))
+    prepare_script_out(parser, args.out, prefix=True, suffixes=('.json', '.md'), example='fla_comparison')
     try:
         resolve_device(args.device)
         fla_kernels(args.kernels)
@@ -259,4 +259,4 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 
 
 if __name__ == '__main__':
-    sys.exit(run_cli(main))
+    sys.exit(run_cli(main, terminate_unwinds=True))

@@ -53,7 +53,7 @@ with quit_on_interrupt():  # while torch and the models load: nothing has starte
         load_split, train_transform,
     )
     from engine.distributed import DistInfo, resolve_device
-    from engine.errors import UsageError, refuse_below, run_cli, terminate_as_interrupt
+    from engine.errors import UsageError, refuse_below, run_cli
     from engine.loops import autocast
 
 # ImageNet-1k's median image is 500x375; its JPEGs average about 110 KB.
@@ -151,8 +151,7 @@ def train_py_rate(args: argparse.Namespace, data: str, output: str, epochs: int)
                'OUTPUT', output, 'TRAIN.EPOCHS', str(epochs), 'TRAIN.WARMUP_EPOCHS', '0', 'EMA.EVAL', 'False']
     # with this process's thread count, which the loader and step measurements ran under
     env = dict(os.environ, OMP_NUM_THREADS=str(torch.get_num_threads()))
-    with terminate_as_interrupt():
-        done = subprocess.run(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    done = subprocess.run(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
     if done.returncode:
         said = [line for line in done.stderr.splitlines() if line.strip()]
         reason = said[-1].removeprefix('error: ') if said else f'exit status {done.returncode}'
@@ -243,7 +242,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     except UsageError as e:
         parser.error(f'--device: {e}')
     if args.out:
-        prepare_script_out(parser, args.out, prefix=True, suffixes=('.md',))
+        prepare_script_out(parser, args.out, prefix=True, suffixes=('.md',), example='throughput')
     if args.threads:
         torch.set_num_threads(args.threads)
     start = time.perf_counter()
@@ -275,4 +274,4 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 if __name__ == '__main__':
-    sys.exit(run_cli(main))
+    sys.exit(run_cli(main, terminate_unwinds=True))

@@ -230,4 +230,4 @@ def main(argv: Sequence[str]) -> int:
 
 
 if __name__ == '__main__':
-    sys.exit(run_cli(main))
+    sys.exit(run_cli(main, terminate_unwinds=True))

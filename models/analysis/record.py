@@ -85,6 +85,9 @@ def _select_layers(model: nn.Module, layers: Optional[Sequence[Union[str, int]]]
     if not found:
         raise ValueError(f"{type(model).__name__} has no attention layer of this zoo")
     names = list(found)
+    if layers is not None and not len(layers):
+        raise ValueError(f"layers {layers!r} selects no layer; expected None for all {len(names)} or indices / names "
+                         f"of some, e.g. [-1] for the last")
     chosen: Dict[str, GroupedAttention] = {} if layers is not None else found
     for layer in layers or ():
         if isinstance(layer, int) and -len(names) <= layer < len(names):
