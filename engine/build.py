@@ -224,6 +224,18 @@ def _check_channels(cfg: CN, in_chans: int) -> None:
                               f"{in_chans}); expected one mean and one std per channel, e.g. {example}")
 
 
+# How torch's CPU allocator, where the engine builds models, refuses a tensor too large for the memory left
+_ALLOCATION_FAILURE = re.compile(r"you tried to allocate (\d+) bytes")
+
+
+def _model_settings(cfg: CN) -> str:
+    """The config values the engine builds the model from, as `KEY value, ...`."""
+    given = {'MODEL.NUM_CLASSES': cfg.MODEL.NUM_CLASSES, 'DATA.IMG_SIZE': cfg.DATA.IMG_SIZE,
+             'MODEL.DROP_PATH_RATE': cfg.MODEL.DROP_PATH_RATE}
+    given.update({f'MODEL.KWARGS.{key}': value for key, value in cfg.MODEL.KWARGS.items()})
+    return ', '.join(f'{key} {value!r}' for key, value in given.items())
+
+
 def _unexpected_keywords(error: TypeError) -> List[str]:
     """The keywords a constructor refused, read from its message: Python's "unexpected keyword argument 'x'"
     (Python 3.13 appends a guess), or "unexpected keyword argument(s): ['x', 'y']" of timm models that take
@@ -312,15 +324,18 @@ def create_model(cfg: CN, weights: Optional[Dict[str, Tensor]] = None, source: s
                               f"expected the constructor's own argument names") from e
         raise
     except ValueError as e:
-        given = {'MODEL.NUM_CLASSES': cfg.MODEL.NUM_CLASSES, 'DATA.IMG_SIZE': cfg.DATA.IMG_SIZE,
-                 'MODEL.DROP_PATH_RATE': cfg.MODEL.DROP_PATH_RATE}
-        given.update({f'MODEL.KWARGS.{key}': value for key, value in cfg.MODEL.KWARGS.items()})
-        settings = ', '.join(f'{key} {value!r}' for key, value in given.items())
         # an attention of the user's own is unknown until its module is imported (a local-dir: model saved with it)
         hint = ('; an attention of your own is registered by importing its module first: --opts MODEL.IMPORTS '
                 '"[\'your_module\']"' if isinstance(e, UnknownAttentionError) else '')
-        raise ConfigError(f"cannot build model {name!r} from {settings}: {e}{hint}") from e
-    _check_channels(cfg, getattr(model, 'in_chans', 3))
+        raise ConfigError(f"cannot build model {name!r} from {_model_settings(cfg)}: {e}{hint}") from e
+    except RuntimeError as e:
+        tried = _ALLOCATION_FAILURE.search(str(e))
+        if tried is None:
+            raise
+        raise ConfigError(f"cannot build model {name!r} from {_model_settings(cfg)}: not enough memory for its "
+                          f"parameters (one tensor needs {int(tried.group(1)) / 2 ** 30:.1f} GiB); expected "
+                          f"settings of a model that fits") from e
+    _check_channels(cfg, getattr(model, 'in_chans', 0) or 3)
     if weights is not None:
         model.pretrained_cfg.pop('state_dict', None)  # do not keep a second copy of the weights alive
         for change in weight_changes(name, weights, model):

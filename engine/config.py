@@ -199,6 +199,7 @@ _NON_NEGATIVE = ('SEED', 'DATA.NUM_WORKERS', 'TRAIN.WARMUP_EPOCHS', 'TRAIN.COOLD
                  'TRAIN.OPTIMIZER.MOMENTUM', 'TEST.BATCH_SIZE', 'EMA.REFERENCE_BATCH',
                  'MODEL.DROP_PATH_RATE', 'MODEL.LABEL_SMOOTHING', 'AUG.COLOR_JITTER', 'AUG.MIXUP', 'AUG.CUTMIX',
                  'AUG.REPROB')
+MAX_TIMEOUT_MIN = 365 * 24 * 60
 _UNIT_INTERVAL = ('MODEL.DROP_PATH_RATE', 'MODEL.LABEL_SMOOTHING', 'AUG.HFLIP', 'AUG.REPROB', 'AUG.MIXUP_PROB',
                   'AUG.MIXUP_SWITCH_PROB', 'EMA.DECAY')
 
@@ -425,6 +426,11 @@ def validate_config(cfg: CN) -> None:
     for key in _UNIT_INTERVAL:
         value = _get(cfg, key)
         _check(0 <= value <= 1, key, value, 'a value in [0, 1]')
+    # each process seeds torch with SEED + its rank, which torch takes up to 2**64 - 1
+    _check(cfg.SEED < 2 ** 63, 'SEED', cfg.SEED, 'a value below 2**63')
+    # torch holds the timeout in nanoseconds of a signed 64-bit count (about 292 years); a year is beyond any wait
+    _check(cfg.DIST.TIMEOUT_MIN <= MAX_TIMEOUT_MIN, 'DIST.TIMEOUT_MIN', cfg.DIST.TIMEOUT_MIN,
+           f'at most {MAX_TIMEOUT_MIN} (a year)')
     _check(cfg.TRAIN.CLIP_GRAD is None or cfg.TRAIN.CLIP_GRAD > 0, 'TRAIN.CLIP_GRAD', cfg.TRAIN.CLIP_GRAD,
            'None or a value > 0')
     eps = cfg.TRAIN.OPTIMIZER.EPS

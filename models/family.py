@@ -399,7 +399,7 @@ class ZooModel(nn.Module):
 
     A family builds `norm`, `head`, `feature_info`, `num_features`, `global_pool`, `num_prefix_tokens`,
     `num_stages`, `img_size`, `img_divisor` (and `img_min_side` where its stages need more than one divisor, 1 by
-    default), calls `_init_input_size` and `_init_output_fmt`, and implements
+    default), `in_chans` (the input channels, checked on every input; 0 by default: not checked), calls `_init_input_size` and `_init_output_fmt`, and implements
     `_run_stages(x, num_stages, keep)`: the first `num_stages` stages on the images (grid from `_input_grid`),
     keeping the tokens and (H, W) grid of the stages in `keep`, as a loop over its stage modules that TorchScript
     unrolls, and `_set_grids(img_size)` for `set_input_size`. Intermediates are taken at the stages' outputs.
@@ -421,6 +421,7 @@ class ZooModel(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.img_min_side = 1
+        self.in_chans = 0
         # official checkpoints hold the buffers these models recompute, so that `load_state_dict` of one works as
         # in the official code, and so does timm's `load_checkpoint` (create_model's `checkpoint_path`)
         self.register_load_state_dict_pre_hook(_from_other_layouts)

@@ -986,6 +986,21 @@ def test_a_model_setting_out_of_range_is_named_by_its_config_key_before_any_data
     assert not data.exists() and not (tmp_path / 'out').exists()
 
 
+def test_a_model_too_large_for_memory_is_named_by_its_settings(tmp_path, capsys):
+    """torch's allocator refused the position embedding of DATA.IMG_SIZE 8000000 (1 PB, beyond any address space)
+    with a traceback and exit status 1. The output folder keeps the run's log, which says why, and no lock."""
+    data = tmp_path / 'digits'
+    code, _, err = _run(train_main, ['--cfg', TINY, '--output', str(tmp_path / 'out'), '--opts', 'DATA.DATA_PATH',
+                                     str(data), 'DATA.IMG_SIZE', '8000000'], capsys)
+    assert code == USAGE_EXIT_CODE
+    assert err == ("error: cannot build model 'inline_deit_tiny' from MODEL.NUM_CLASSES 10, DATA.IMG_SIZE 8000000, "
+                   "MODEL.DROP_PATH_RATE 0.0, MODEL.KWARGS.patch_size 4, MODEL.KWARGS.embed_dim 64, "
+                   "MODEL.KWARGS.depth 2, MODEL.KWARGS.num_heads 4: not enough memory for its parameters (one tensor "
+                   "needs 953674.3 GiB); expected settings of a model that fits\n")
+    assert [p.name for p in (tmp_path / 'out').iterdir()] == ['train.log']
+    assert err[:-1] in (tmp_path / 'out' / 'train.log').read_text()
+
+
 @pytest.mark.parametrize('attn_type, refusal', [
     ('cosine', ": bad attn_type 'cosine' (not a name or pattern); expected an attention name ("),
     ("['cosine']", ": unknown attention 'cosine'; expected one of softmax, multimax, "),

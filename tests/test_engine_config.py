@@ -152,6 +152,11 @@ def test_bad_files_name_the_key_and_the_expectation(tmp_path, text, words):
     (['TRAIN.OPTIMIZER.EPS', '-1.0'], "config key TRAIN.OPTIMIZER.EPS is -1.0; expected None (the optimizer's own) or "
                                       "a value >= 0"),
     (['TRAIN.LR_SCHEDULER.DECAY_EPOCHS', '0'], "config key TRAIN.LR_SCHEDULER.DECAY_EPOCHS is 0; expected a value > 0"),
+    # torch.manual_seed's 'Overflow when unpacking long long' at the start of training
+    (['SEED', str(2 ** 64)], f"config key SEED is {2 ** 64}; expected a value below 2**63"),
+    # every rank's 'Python int too large to convert to C int' as the process group started
+    (['DIST.TIMEOUT_MIN', '10000000000000'], "config key DIST.TIMEOUT_MIN is 10000000000000; expected at most 525600 "
+                                             "(a year)"),
     (['EMA.DECAY', '1.0'], "config key EMA.DECAY is 1.0; expected a value in [0, 1) (at 1 the EMA weights never leave "
                            "their start)"),
     (['MODEL.NUM_CLASSES', '10', 'MODEL.KWARGS.num_classes', '5'],
