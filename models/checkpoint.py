@@ -433,15 +433,17 @@ def resample_grid_embedding(embedding: Tensor, grid: Tuple[int, int], new_grid: 
                                   interpolation, antialias=False)
 
 
-def resize_grid_embedding(embedding: Tensor, new_grid: Tuple[int, int], num_prefix_tokens: int = 0) -> Tensor:
-    """Bicubically resize a (1, prefix + S*S, C) embedding over a square grid to (1, prefix + H*W, C)."""
+def resize_grid_embedding(embedding: Tensor, new_grid: Tuple[int, int], num_prefix_tokens: int = 0,
+                          interpolation: str = 'bicubic') -> Tensor:
+    """Resize a (1, prefix + S*S, C) embedding over a square grid to (1, prefix + H*W, C) (a checkpoint holds no
+    grid, so one of another token count is taken as square)."""
     tokens = embedding.shape[1] - num_prefix_tokens
     if tokens == new_grid[0] * new_grid[1]:
         return embedding
     side = int(round(tokens ** 0.5))
     if side * side != tokens:
         raise CheckpointError(f"cannot resize an embedding of {tokens} tokens: not a square grid")
-    return resample_grid_embedding(embedding, (side, side), new_grid, num_prefix_tokens)
+    return resample_grid_embedding(embedding, (side, side), new_grid, num_prefix_tokens, interpolation)
 
 
 def resize_rel_pos_bias_table(table: Tensor, new_window: Tuple[int, int],
@@ -453,6 +455,10 @@ def resize_rel_pos_bias_table(table: Tensor, new_window: Tuple[int, int],
         if table.shape[0] == rows:
             return table
         side = int(round(table.shape[0] ** 0.5))
+        if side * side != table.shape[0] or side % 2 == 0:
+            raise CheckpointError(f"cannot resize a relative position bias table of {table.shape[0]} rows: not that of "
+                                  f"a square window, (2w - 1)² rows; expected a checkpoint of square windows, or the "
+                                  f"model built at the checkpoint's size and resized by set_input_size")
         span = (side, side)
     else:
         if tuple(window) == tuple(new_window):

@@ -113,10 +113,11 @@ class PvtStage(nn.Module):
             block.attn.set_grid(grid)
 
     def adapt_loaded_tensor(self, name: str, tensor: Tensor) -> Tensor:
-        """A checkpoint's `pos_embed` of another square grid, resized bicubically (the class token's row kept)."""
+        """A checkpoint's `pos_embed` of another square grid, resized bilinearly as the model resizes it on the fly
+        (the class token's row kept), so that loading at a size equals running at it."""
         if name == 'pos_embed':
             try:
-                return resize_grid_embedding(tensor, self.grid_size, self.num_prefix_tokens)
+                return resize_grid_embedding(tensor, self.grid_size, self.num_prefix_tokens, 'bilinear')
             except CheckpointError:
                 pass  # not a square grid with this stage's prefix: the key check names it as mis-shaped
         return tensor

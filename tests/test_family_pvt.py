@@ -462,9 +462,9 @@ def test_checkpoint_of_another_model_fails_with_one_line_report(tmp_path):
     assert 'mis-shaped: pos_embed4 (1, 5, 128) vs (1, 4, 128)' in message
 
 
-def bicubic(embedding: torch.Tensor, side: int, new_side: int, prefix: int = 0) -> torch.Tensor:
+def resized(embedding: torch.Tensor, side: int, new_side: int, prefix: int = 0, mode: str = 'bicubic') -> torch.Tensor:
     grid = embedding[:, prefix:].reshape(1, side, side, -1).permute(0, 3, 1, 2)
-    grid = F.interpolate(grid, size=(new_side, new_side), mode='bicubic', align_corners=False).flatten(2).mT
+    grid = F.interpolate(grid, size=(new_side, new_side), mode=mode, align_corners=False).flatten(2).mT
     return torch.cat([embedding[:, :prefix], grid], dim=1)
 
 
@@ -479,10 +479,15 @@ def test_checkpoint_at_another_resolution_is_resized(tmp_path, name):
     prefix = 1 if name == 'softmax_pvt_tiny' else 0
     for i, (side, new_side) in enumerate(zip((16, 8, 4, 2), (24, 12, 6, 3))):
         stage_prefix = prefix if i == 3 else 0
-        expected = bicubic(source.stages[i].pos_embed.detach(), side, new_side, stage_prefix)
+        # bilinear, as PVT resizes it at run time (loading was bicubic, so a loaded model differed from the same
+        # weights run at that size by up to 4e-2 in the logits)
+        expected = resized(source.stages[i].pos_embed.detach(), side, new_side, stage_prefix, 'bilinear')
         assert torch.allclose(model.stages[i].pos_embed, expected, atol=1e-6)
         if name == 'flatten_pvt_tiny':
             encoding = source.stages[i].blocks[0].attn.mixer.positional_encoding.detach()
             assert torch.allclose(model.stages[i].blocks[0].attn.mixer.positional_encoding,
-                                  bicubic(encoding, side, new_side), atol=1e-6)
-    assert model(torch.randn(1, 3, 96, 96)).shape == (1, 10)
+                                  resized(encoding, side, new_side), atol=1e-6)
+    x = torch.randn(2, 3, 96, 96)
+    source.set_input_size(96)
+    with torch.no_grad():
+        assert (model.eval()(x) - source.eval()(x)).abs().max() < 1e-5

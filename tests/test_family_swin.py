@@ -458,6 +458,22 @@ def test_features_only_and_intermediates():
         model.forward_intermediates(x, output_fmt='NWC')
 
 
+def test_a_checkpoint_of_non_square_windows_at_another_size_is_refused_in_one_line(tmp_path):
+    """Swin at (28, 20) runs its first stage in one 7x5 window (a 117-row bias table); loading it at another size
+    failed inside the table resize with "shape '[1, 1, 11, 11]' is invalid for input of size 117"."""
+    sizes = dict(embed_dim=16, depths=[2, 2], num_heads=[1, 2], window_size=7, num_classes=5)
+    source = timm.create_model('softmax_swin_tiny', img_size=(28, 20), **sizes)
+    torch.save(source.state_dict(), tmp_path / 'swin.pth')
+    with pytest.raises(CheckpointError, match=r"^cannot resize a relative position bias table of 117 rows: not that "
+                                              r"of a square window, \(2w - 1\)² rows; expected a checkpoint of square "
+                                              r"windows, or the model built at the checkpoint's size and resized by "
+                                              r"set_input_size$"):
+        timm.create_model('softmax_swin_tiny', img_size=28, pretrained=True, **sizes,
+                          pretrained_cfg_overlay=dict(file=str(tmp_path / 'swin.pth'), num_classes=5))
+    source.set_input_size(28)  # the way it states
+    assert source(torch.randn(1, 3, 28, 28)).shape == (1, 5)
+
+
 def test_bad_sizes_raise_value_errors():
     model = timm.create_model('softmax_swin_tiny', **tiny_kwargs('softmax_swin_tiny'))
     with pytest.raises(ValueError, match='input image size 48x48 does not match the model.s img_size 32x32'):
