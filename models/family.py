@@ -399,7 +399,8 @@ class ZooModel(nn.Module):
 
     A family builds `norm`, `head`, `feature_info`, `num_features`, `global_pool`, `num_prefix_tokens`,
     `num_stages`, `img_size`, `img_divisor` (and `img_min_side` where its stages need more than one divisor, 1 by
-    default), `in_chans` (the input channels, checked on every input; 0 by default: not checked), calls `_init_input_size` and `_init_output_fmt`, and implements
+    default), `in_chans` (the input channels, checked on every input; 0 by default: not checked), calls
+    `_init_input_size` and `_init_output_fmt`, and implements
     `_run_stages(x, num_stages, keep)`: the first `num_stages` stages on the images (grid from `_input_grid`),
     keeping the tokens and (H, W) grid of the stages in `keep`, as a loop over its stage modules that TorchScript
     unrolls, and `_set_grids(img_size)` for `set_input_size`. Intermediates are taken at the stages' outputs.
@@ -821,10 +822,8 @@ def _load_weights_file(variant: str, kwargs: Dict[str, Any]) -> bool:
                                 cfg.file)
     if not cfg.file and (cfg.hf_hub_id or not cfg.url):
         return False
-    if not cfg.file:
-        overlay['file'] = download_checkpoint(cfg.url, cached_file_name(variant, cfg.url), kwargs.get('cache_dir'))
-    overlay['state_dict'] = load_checkpoint_file(overlay.get('file', cfg.file),
-                                                 shown_as=f"pretrained weights file {overlay.get('file', cfg.file)!r}")
+    path = cfg.file or download_checkpoint(cfg.url, cached_file_name(variant, cfg.url), kwargs.get('cache_dir'))
+    overlay.update(file=path, state_dict=load_checkpoint_file(path, shown_as=f"pretrained weights file {path!r}"))
     kwargs['pretrained_cfg_overlay'] = overlay
     return True
 

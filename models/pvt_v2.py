@@ -326,7 +326,8 @@ class PyramidVisionTransformerV2(ZooModel):
     def official_key_names(self, keys: Sequence[str]) -> Dict[str, str]:
         if 'patch_embed.proj.weight' not in keys:  # timm's stem; the official one is patch_embed1
             return {}
-        return {key: _timm_key_to_official(key) for key in keys if _timm_key_to_official(key) != key}
+        official = {key: _timm_key_to_official(key) for key in keys}
+        return {key: name for key, name in official.items() if name != key}
 
     def _prune_stages(self, num_stages: int) -> None:
         self.stages = self.stages[:num_stages]

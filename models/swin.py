@@ -279,7 +279,8 @@ def _official_names_of_timm_keys(keys: Sequence[str]) -> Dict[str, str]:
         key = _TIMM_DOWNSAMPLE.sub(lambda m: f'layers.{int(m.group(1)) - 1}.downsample.', key)
         return 'head.' + key[len('head.fc.'):] if key.startswith('head.fc.') else key
 
-    return {key: official(key) for key in keys if official(key) != key}
+    names = {key: official(key) for key in keys}
+    return {key: name for key, name in names.items() if name != key}
 
 
 def checkpoint_filter_fn(state_dict: Dict[str, Tensor], model: SwinTransformer,

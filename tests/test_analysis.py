@@ -250,8 +250,8 @@ def test_bad_layers_and_queries_are_named():
         with record_attention(attn, layers=[-2]):
             pass
     # recorded nothing, and reading it said 'layer -1 was not recorded; expected an index from 0 to -1'
-    with pytest.raises(ValueError, match=r"^layers \[\] selects no layer; expected None for all 1 or indices / names of "
-                                         r"some, e.g. \[-1\] for the last$"):
+    with pytest.raises(ValueError, match=r"^layers \[\] selects no layer; expected None for all 1 or indices / names "
+                                         r"of some, e.g. \[-1\] for the last$"):
         with record_attention(attn, layers=[]):
             raise AssertionError('entered')
     with record_attention(attn) as rec:  # an index past the recorded layers was list's own error

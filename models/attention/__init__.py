@@ -21,8 +21,8 @@ from .grouping import (
     WindowAttention,
 )
 from .registry import (
-    GROUPINGS, UnknownAttentionError, build_attention, check_attn_kwargs, forms_score_matrix, get_mixer_class, list_attention_options,
-    list_attentions, register_attention,
+    GROUPINGS, UnknownAttentionError, build_attention, check_attn_kwargs, forms_score_matrix, get_mixer_class,
+    list_attention_options, list_attentions, register_attention,
 )
 from .pattern import stage_attentions
 # The backbones' native attention first, then the others in the order the README presents them; any other
