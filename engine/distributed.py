@@ -1,19 +1,21 @@
 """Process-group set-up from torchrun's environment and the few collectives the loops need."""
 import datetime
+import functools
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, List, Optional, TypeVar
+from typing import Any, Callable, List, Optional, Tuple, TypeVar
 
 import torch
 import torch.distributed as dist
-from torch import nn
+from torch import Tensor, nn
 
 from models.checkpoint import CheckpointError
 
 from .errors import UsageError
 
 __all__ = ['DistInfo', 'init_distributed', 'cleanup_distributed', 'all_reduce_sum', 'all_gather_objects', 'barrier',
-           'any_rank', 'average_batchnorm_statistics', 'main_process_first', 'each_node_first', 'resolve_device']
+           'any_rank', 'average_batchnorm_statistics', 'main_process_first', 'each_node_first', 'resolve_device',
+           'match_gradient_strides']
 
 T = TypeVar('T')
 
@@ -117,6 +119,28 @@ def all_reduce_sum(values: List[float], device: torch.device) -> List[float]:
 def any_rank(flag: bool, device: torch.device) -> bool:
     """True on every process when `flag` is true on any of them."""
     return all_reduce_sum([float(flag)], device)[0] > 0
+
+
+def match_gradient_strides(module: nn.Module) -> None:
+    """Restride each gradient of `module`'s parameters to its parameter's strides where the two differ only in
+    dimensions of size 1: the same memory order, so a view, no copy.
+
+    DistributedDataParallel compares a gradient's strides with its parameter's exactly and otherwise warns at the
+    first backward of every process that performance may suffer ("Grad strides do not match bucket view strides").
+    A channels-last convolution's weight gradient ([C, 1, 3, 3] depthwise, [C_out, C_in, 1, 1] pointwise) and a class
+    token's at one image per process come so, and the autograd engine accepts them as they are. Call before DDP
+    wraps the module.
+    """
+    for param in module.parameters():
+        if param.requires_grad:
+            param.register_hook(functools.partial(_restride, shape=param.shape, strides=param.stride()))
+
+
+def _restride(grad: Tensor, shape: torch.Size, strides: Tuple[int, ...]) -> Tensor:
+    if grad.stride() == strides or grad.shape != shape or grad.layout != torch.strided or any(
+            got != want for size, got, want in zip(shape, grad.stride(), strides) if size != 1):
+        return grad
+    return grad.as_strided(shape, strides, grad.storage_offset())
 
 
 def average_batchnorm_statistics(module: nn.Module, info: DistInfo) -> None:

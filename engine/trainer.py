@@ -36,6 +36,7 @@ from .data import (build_batch_augmentation, build_eval_loader, build_train_load
                    report_scan, resolve_data_root, train_transform)
 from .distributed import (
     DistInfo, all_gather_objects, all_reduce_sum, any_rank, average_batchnorm_statistics, barrier, main_process_first,
+    match_gradient_strides,
 )
 from .errors import Stopped, UsageError, error_line, exit_at_once
 from .hub import weights_file
@@ -444,6 +445,7 @@ def _train(cfg: CN, info: DistInfo, lock: OutputLock, check_data: bool, resume: 
     eval_model = compile_model(model, cfg.TRAIN.COMPILE_MODE, cfg.TRAIN.COMPILE_BACKEND) if compiled else model
     train_model = eval_model
     if info.distributed:
+        match_gradient_strides(model)
         train_model = DistributedDataParallel(
             eval_model, device_ids=[info.local_rank] if info.device.type == 'cuda' else None,
             find_unused_parameters=cfg.DIST.FIND_UNUSED_PARAMETERS)

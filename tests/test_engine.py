@@ -44,7 +44,7 @@ from engine.checkpoint import TrainingCheckpoint, atomic_save, atomic_write_text
 from engine.cli import eval_main, train_main
 from engine.config import ConfigError, get_default_config, load_config
 from engine.data import (DIGITS_STAMP, ShardSampler, eval_transform, image_mode, load_split, prepare_digits)
-from engine.distributed import DistInfo
+from engine.distributed import DistInfo, match_gradient_strides
 from engine.errors import USAGE_EXIT_CODE, UsageError, run_cli
 from engine.loops import EpochOptions, TrainState, evaluate, step_schedule, train_one_epoch
 from models._files import UNFINISHED_FILES, files_taken_together
@@ -207,6 +207,31 @@ def test_evaluation_counts_are_exact_when_the_set_does_not_divide_by_the_world_s
     assert loss_sum == pytest.approx(loss)
     whole = evaluate(model, DataLoader(dataset, batch_size=4), CPU)
     assert whole['top1'] == pytest.approx(100 * top1 / 11) and whole['top5'] == pytest.approx(100 * top5 / 11)
+
+
+@pytest.mark.parametrize('name', ['softmax_pvt_v2_b2_li', 'softmax_cswin_tiny', 'sima_nano_12_p16'])
+def test_gradients_reach_ddp_in_their_parameters_strides(name):
+    """Depthwise and pointwise convolutions on channels-last images give weight gradients whose strides differ from
+    the weights' in size-1 dimensions, and so does the class token at one image per process: DDP warned at every
+    run that performance may suffer (the two-process test checks the warning is gone). Restrided, they are the same
+    numbers."""
+    torch.manual_seed(0)
+    model = timm.create_model(name, img_size=32, num_classes=10)
+    gradients = {}
+    for restrided in (False, True):
+        if restrided:
+            match_gradient_strides(model)
+        for batch in (1, 2):
+            model.zero_grad(set_to_none=True)
+            torch.manual_seed(batch)
+            model(torch.randn(batch, 3, 32, 32)).sum().backward()
+            gradients[restrided, batch] = {key: p.grad for key, p in model.named_parameters()}
+    for batch in (1, 2):
+        differing = [key for key, p in model.named_parameters() if gradients[False, batch][key].stride() != p.stride()]
+        assert differing  # the case this covers
+        for key, p in model.named_parameters():
+            assert gradients[True, batch][key].stride() == p.stride(), key
+            assert torch.equal(gradients[True, batch][key], gradients[False, batch][key]), key
 
 
 def test_schedule_warms_up_then_follows_the_cosine_per_update_and_cools_down():
