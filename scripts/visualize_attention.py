@@ -11,6 +11,7 @@ Query points are pixel coordinates `Y,X` of the model input (after resizing and 
 token. Writes PNG files into `--out`.
 """
 import argparse
+import itertools
 import os
 import re
 import sys
@@ -65,6 +66,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument('--debug', action='store_true', help='show tracebacks instead of one-line errors')
     parser.add_argument('--opts', nargs=argparse.REMAINDER, default=[], metavar='KEY VALUE',
                         help='config overrides, last on the command line, e.g. --opts MODEL.KWARGS.depth 2')
+    for token in itertools.takewhile(lambda token: token != '--opts', argv):
+        if NEGATIVE_POINT.fullmatch(token):  # argparse reads '-1,3' as an unknown option, not as a point
+            raise UsageError(_negative_point(token))
     args = parse_args_with_opts(parser, argv)
     if not args.model and not args.checkpoint:
         parser.error('expected --model NAME or --checkpoint PATH')
@@ -95,6 +99,13 @@ def parse_layers(layers: Sequence[str]) -> List[Union[str, int]]:
     return [int(layer) if re.fullmatch(r'-?\d+', layer) else layer for layer in layers]
 
 
+NEGATIVE_POINT = re.compile(r'-\d+,-?\d+|\d+,-\d+')
+
+
+def _negative_point(query: str) -> str:
+    return f"query {query!r} is outside the image; expected Y,X pixel coordinates from its top-left corner, 0 or more"
+
+
 def parse_queries(queries: Sequence[str], size: int, has_class_token: bool) -> List[Query]:
     """Token 0 for 'cls', else the point Y,X as fractions of the `size` x `size` input."""
     parsed: List[Query] = []
@@ -104,6 +115,8 @@ def parse_queries(queries: Sequence[str], size: int, has_class_token: bool) -> L
                 raise UsageError("query 'cls': the model has no class token")
             parsed.append(0)
             continue
+        if NEGATIVE_POINT.fullmatch(query):
+            raise UsageError(_negative_point(query))
         match = re.fullmatch(r'(\d+),(\d+)', query)
         if not match:
             raise UsageError(f"query {query!r}: expected Y,X pixel coordinates or 'cls'")

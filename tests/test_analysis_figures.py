@@ -259,6 +259,11 @@ def test_a_class_token_query_on_a_layer_without_one_is_one_line(images, tmp_path
 @pytest.mark.parametrize('change,message', [
     (['--layers', 'blocks.7.attn'], "error: unknown layer 'blocks.7.attn'"),
     (['--queries', '16,3'], "error: query '16,3' is outside the 16x16 image"),
+    # argparse read '-1,3' as an unknown option: "argument --queries: expected at least one argument"
+    (['--queries', '-1,3'], "error: query '-1,3' is outside the image; expected Y,X pixel coordinates from its "
+                            "top-left corner, 0 or more"),
+    (['--queries', '3,-1'], "error: query '3,-1' is outside the image; expected Y,X pixel coordinates from its "
+                            "top-left corner, 0 or more"),
     (['--image', 'missing.png'], "error: image 'missing.png' not found"),
 ])
 def test_visualize_attention_names_bad_input_in_one_line(images, tmp_path, capsys, change, message):
