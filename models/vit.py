@@ -72,6 +72,9 @@ class DeiT(ZooModel):
         num_classes: classifier outputs; 0 for none.
         global_pool: 'token' (class token), 'avg', 'max' or 'avgmax' (mean, maximum or their average over the
             patch tokens) or '' (no pooling); default 'token' with a class token, else 'avg'.
+        fc_norm: the final norm after pooling (timm's `fc_norm` module) instead of on the tokens before it. None
+            (the official DeiT's) is False at every `global_pool`, where timm's None is True for 'avg', 'max' and
+            'avgmax'.
         class_token: a class token before the patch tokens (with its own `pos_embed` row).
         multimax_logits: the MultiMax σ on the class logits, with the model's own `ranges` and `ts` (4,) each;
             the logits are σ(head(pooled features)). σ belongs to the classifier: without one (`num_classes=0`)
@@ -100,6 +103,7 @@ class DeiT(ZooModel):
             in_chans: int = 3,
             num_classes: int = 1000,
             global_pool: Optional[str] = None,
+            fc_norm: Optional[bool] = None,
             embed_dim: int = 192,
             depth: int = 12,
             num_heads: int = 3,
@@ -126,7 +130,7 @@ class DeiT(ZooModel):
             rates=dict(drop_rate=drop_rate, pos_drop_rate=pos_drop_rate, proj_drop_rate=proj_drop_rate,
                        attn_drop_rate=attn_drop_rate, drop_path_rate=drop_path_rate),
             flags=dict(qkv_bias=qkv_bias, dynamic_img_size=dynamic_img_size, class_token=class_token,
-                       multimax_logits=multimax_logits))
+                       multimax_logits=multimax_logits, fc_norm=fc_norm))
         self.in_chans = in_chans
         self.num_classes = num_classes
         self.num_prefix_tokens = 1 if class_token else 0
@@ -166,7 +170,8 @@ class DeiT(ZooModel):
                                 attn_drop=attn_drop_rate, proj_drop=proj_drop_rate),
                 mlp_ratio=mlp_ratio, drop=proj_drop_rate, drop_path=rate, norm_layer=norm_layer)
             for name, rate in zip(names, rates)])
-        self.norm = norm_layer(embed_dim)
+        self.norm = nn.Identity() if fc_norm else norm_layer(embed_dim)
+        self.fc_norm = norm_layer(embed_dim) if fc_norm else nn.Identity()
         self.head = nn.Linear(embed_dim, num_classes) if num_classes > 0 else nn.Identity()
         self.feature_info = [
             dict(module=f'blocks.{i}', num_chs=embed_dim, reduction=patch_size) for i in range(depth)]
@@ -281,11 +286,23 @@ class DeiT(ZooModel):
             x, indices=indices, norm=norm, stop_early=stop_early, output_fmt=output_fmt,
             intermediates_only=intermediates_only, return_prefix_tokens=return_prefix_tokens, output_dict=output_dict)
 
+    def prune_intermediate_layers(
+            self,
+            indices: Union[int, List[int]] = 1,
+            prune_norm: bool = False,
+            prune_head: bool = True,
+    ) -> List[int]:
+        """`ZooModel.prune_intermediate_layers`; the head's `fc_norm` goes with the head, as in timm."""
+        taken = super().prune_intermediate_layers(indices, prune_norm, prune_head)
+        if prune_head:
+            self.fc_norm = nn.Identity()
+        return taken
+
     def forward_head(self, x: Tensor, pre_logits: bool = False) -> Tensor:
-        """Pool the tokens of `forward_features` (class token, or mean, maximum or both of the patch tokens), then
-        classify; with `multimax_logits` the logits pass through σ (in float32 at least: its squares overflow
+        """Pool the tokens of `forward_features` (class token, or mean, maximum or both of the patch tokens), with
+        `fc_norm` norm the pooled features, then classify; with `multimax_logits` the logits pass through σ (in float32 at least: its squares overflow
         float16), returned in the dtype of the logits and σ's parameters together."""
-        x = global_pool_nlc(x, self.global_pool, self.num_prefix_tokens)
+        x = self.fc_norm(global_pool_nlc(x, self.global_pool, self.num_prefix_tokens))
         if pre_logits:
             return x
         x = self.head(x)

@@ -6,6 +6,7 @@ import pytest
 import timm
 import torch
 import torch.nn.functional as F
+from torch import nn
 from yacs.config import CfgNode
 
 import models
@@ -268,6 +269,28 @@ def test_features_only_and_intermediates():
         assert torch.allclose(tokens, model.blocks[0](embedded, model.grid_size)[:, 1:])
     default = timm.create_model('inline_deit_tiny', features_only=True, **kwargs)
     assert len(default(x)) == 3 and len(default.model.blocks) == 4
+
+
+@pytest.mark.parametrize('global_pool', ['avg', 'token', 'avgmax', ''])
+def test_fc_norm_norms_the_pooled_features_as_timms_deit(global_pool):
+    """timm's `fc_norm=True` (the final norm after pooling, its `fc_norm` keys) was a TypeError. Its default here
+    stays the official DeiT's: the norm on the tokens, at every pooling."""
+    torch.manual_seed(0)
+    ours = timm.create_model('softmax_deit_tiny', global_pool=global_pool, fc_norm=True, **TINY).eval()
+    theirs = timm.create_model('deit_tiny_patch16_224', global_pool=global_pool, fc_norm=True, **TINY).eval()
+    ours.load_state_dict(theirs.state_dict(), strict=True)
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x), theirs(x), rtol=0, atol=1e-6)
+        torch.testing.assert_close(ours.forward_intermediates(x, norm=True), theirs.forward_intermediates(x, norm=True),
+                                   rtol=0, atol=1e-6)
+    default = timm.create_model('softmax_deit_tiny', global_pool=global_pool, **TINY)
+    assert 'norm.weight' in default.state_dict() and 'fc_norm.weight' not in default.state_dict()
+    ours.prune_intermediate_layers(1)  # the head's norm goes with the head, as in timm
+    theirs.prune_intermediate_layers(1)
+    assert isinstance(ours.fc_norm, nn.Identity) and isinstance(theirs.fc_norm, nn.Identity)
+    with pytest.raises(ValueError, match=r"^fc_norm 'yes' is not a bool; expected True or False$"):
+        timm.create_model('softmax_deit_tiny', fc_norm='yes')
 
 
 def test_intermediates_with_prefix_tokens_and_as_a_dict_equal_timms_deit():
