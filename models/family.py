@@ -356,16 +356,36 @@ def _skip_derived_buffers(module: nn.Module, state_dict: Dict[str, Any], prefix:
         del state_dict[key]
 
 
-# The prefix each model's state dict is loaded under (`module.` inside DistributedDataParallel) and the load's list
-# of error messages, which torch gives the load pre-hooks but not the post-hooks.
-_LOADS: 'weakref.WeakKeyDictionary[nn.Module, Tuple[str, List[str]]]' = weakref.WeakKeyDictionary()
+# The prefix each model's state dict is loaded under (`module.` inside DistributedDataParallel), the load's list
+# of error messages, which torch gives the load pre-hooks but not the post-hooks, and the shapes it loads.
+_LOADS: 'weakref.WeakKeyDictionary[nn.Module, Tuple[str, List[str], Dict[str, torch.Size]]]' = \
+    weakref.WeakKeyDictionary()
 _SIZE_MISMATCH = re.compile(r'^size mismatch for (\S+): ')
 
 
 def _remember_load(module: nn.Module, state_dict: Dict[str, Any], prefix: str, local_metadata: Any, strict: bool,
                    missing_keys: List[str], unexpected_keys: List[str], error_msgs: List[str]) -> None:
-    """Load pre-hook: record `prefix` and `error_msgs` for `_keys_as_named`."""
-    _LOADS[module] = (prefix, error_msgs)
+    """Load pre-hook: record `prefix`, `error_msgs` and the loaded shapes for `_keys_as_named`."""
+    shapes = {key: value.shape for key, value in state_dict.items() if isinstance(value, Tensor)}
+    _LOADS[module] = (prefix, error_msgs, shapes)
+
+
+def _resizable(model: nn.Module, path: str, shape: torch.Size) -> bool:
+    """Whether the tensor of `shape` loaded into the parameter at module path `path` is one of another image size
+    that the module resizes where the zoo's loaders read weights (`adapt_loaded_tensor`); found on the meta
+    device, so without a copy of the tensor."""
+    owner_path, _, name = path.rpartition('.')
+    try:
+        owner = model.get_submodule(owner_path)
+    except AttributeError:
+        return False
+    param, adapt = owner._parameters.get(name), getattr(owner, 'adapt_loaded_tensor', None)
+    if param is None or adapt is None:
+        return False
+    try:
+        return adapt(name, torch.empty(shape, dtype=param.dtype, device='meta')).shape == param.shape
+    except (RuntimeError, ValueError):  # a CheckpointError too: a shape it cannot resize
+        return False
 
 
 def _keys_as_named(module: nn.Module, incompatible_keys: Any) -> None:
@@ -374,16 +394,26 @@ def _keys_as_named(module: nn.Module, incompatible_keys: Any) -> None:
     at, so that `load_state_dict` reports (and, strict, refuses) keys a user can find, the model loaded on its own
     or inside a wrapper."""
     renames = loaded_key_names(module)
-    prefix, error_msgs = _LOADS.pop(module, ('', []))
+    prefix, error_msgs, shapes = _LOADS.pop(module, ('', [], {}))
     mismatched = {i: found for i, found in enumerate(map(_SIZE_MISMATCH.match, error_msgs)) if found}
     if incompatible_keys.missing_keys or mismatched:
         saved = {id(tensor): key for key, tensor in module.state_dict(keep_vars=True).items()}
         tensors = itertools.chain(module.named_parameters(remove_duplicate=False), module.named_buffers())
         names = {prefix + name: prefix + saved.get(id(tensor), name) for name, tensor in tensors}
         incompatible_keys.missing_keys[:] = [names.get(key, key) for key in incompatible_keys.missing_keys]
+        resizable = []
         for i, found in mismatched.items():
             key = found.group(1)
             error_msgs[i] = f'size mismatch for {names.get(key, key)}: {error_msgs[i][found.end():]}'
+            shape = shapes.get(names.get(key, key))
+            if shape is not None and _resizable(module, key[len(prefix):], shape):
+                resizable.append(names.get(key, key))
+        if resizable:
+            error_msgs.append(
+                f"{', '.join(resizable[:3])}{', ...' if len(resizable) > 3 else ''} of another image size: "
+                f"load_state_dict copies tensors as they are; timm.create_model(..., pretrained=True, "
+                f"pretrained_cfg_overlay=dict(file=...)) and models.checkpoint.load_pretrained_into resize them to "
+                f"the model's grid, as set_input_size does")
     given = []
     for key in incompatible_keys.unexpected_keys:
         for _ in range(len(renames)):  # a key renamed by the model's hook, then by a block's or an attention's

@@ -184,6 +184,39 @@ def test_released_weights_load_at_another_img_size_as_the_dynamic_model_runs_the
         torch.testing.assert_close(finetune(x), dynamic(x), rtol=0, atol=1e-12)
 
 
+@pytest.mark.parametrize('name', ['inline_deit_tiny', 'flatten_swin_tiny'])
+def test_load_state_dict_of_another_image_size_names_the_loaders_that_resize(tmp_path, name):
+    """`load_state_dict`, timm's `load_checkpoint` and create_model's `checkpoint_path` copy tensors as torch does,
+    as they do for timm's own models: a checkpoint of another size fails there with torch's size mismatches, which
+    said nothing of the loaders that resize it (the README said every path did)."""
+    narrow = (dict(img_size=32, patch_size=8, embed_dim=16, depth=1, num_heads=2) if name == 'inline_deit_tiny'
+              else dict(RELEASED_NARROW[name], img_size=64))
+    weights = randomize(timm.create_model(name, **narrow)).state_dict()
+    torch.save(weights, tmp_path / 'small.pth')
+    resized = {'inline_deit_tiny': 'pos_embed',
+               'flatten_swin_tiny': 'layers.0.blocks.0.attn.positional_encoding, '
+                                    'layers.0.blocks.1.attn.positional_encoding, '
+                                    'layers.1.blocks.0.attn.positional_encoding, ...'}[name]
+    hint = (f"\t{resized} of another image size: load_state_dict copies tensors as they are; "
+            f"timm.create_model(..., pretrained=True, pretrained_cfg_overlay=dict(file=...)) and "
+            f"models.checkpoint.load_pretrained_into resize them to the model's grid, as set_input_size does")
+    with pytest.raises(RuntimeError) as error:
+        timm.create_model(name, checkpoint_path=str(tmp_path / 'small.pth'), **dict(narrow, img_size=96))
+    lines = str(error.value).splitlines()
+    assert lines[-1] == hint and lines[1].startswith('\tsize mismatch for ')
+    wrapped = torch.nn.Sequential(timm.create_model(name, **dict(narrow, img_size=96)))  # keys under '0.'
+    with pytest.raises(RuntimeError) as error:
+        wrapped.load_state_dict({f'0.{key}': value for key, value in weights.items()})
+    assert str(error.value).splitlines()[-1] == hint.replace('\t', '\t0.').replace(', layers', ', 0.layers')
+    # resized where the README says, to the output of the model built at that size (test above)
+    timm.create_model(name, pretrained=True, pretrained_cfg_overlay=dict(file=str(tmp_path / 'small.pth')),
+                      **dict(narrow, img_size=96))
+    other_classes = timm.create_model(name, **dict(narrow, num_classes=7))
+    with pytest.raises(RuntimeError) as error:  # a classifier of another width: nothing to say of the image size
+        other_classes.load_state_dict(weights)
+    assert 'image size' not in str(error.value) and 'size mismatch for head.weight' in str(error.value)
+
+
 # Every family's stem and head, as small as they build.
 STEMS = {
     'inline_deit_tiny': dict(img_size=32, patch_size=8, embed_dim=16, depth=1, num_heads=2),
