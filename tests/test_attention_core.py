@@ -3,6 +3,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch.autograd import gradcheck
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -10,6 +11,7 @@ from models.analysis import record_attention
 from models.attention import Mixer, build_attention, list_attentions, register_attention, registry
 from models.attention.softmax import SoftmaxMixer
 from models.attention.additive import additive_pool
+from models.attention.layout import split_heads
 from models.attention.multimax import multimax_attention, multimax_modulation
 from models.attention.sima import l1_normalize_tokens, sima_attention
 from reference import SPEC_RANGES, SPEC_TS, dense, max_abs_err, naive_l1, naive_sigma, naive_softmax
@@ -455,6 +457,31 @@ def test_a_mixer_that_declares_the_tokens_it_reads_gets_them_in_every_grouping(m
     for grouping in (dict(grouping='window', window_size=2), dict(grouping='stripes', split_size=2)):
         attn = build_attention('mean_token_value', 8, 2, (4, 4), **grouping).double()
         assert attn(x, (4, 4)).shape == x.shape  # the grouped tokens arrived: None has no mean
+
+
+class _HeadsLeftSplit(Mixer):
+    forms_scores = reduces_keys = True
+
+    def forward(self, q, k, v, ctx):
+        h = self.num_heads
+        return F.scaled_dot_product_attention(split_heads(q, h), split_heads(k, h), split_heads(v, h))
+
+
+@pytest.mark.parametrize('grouping', [{}, dict(grouping='reduction', sr_ratio=2),
+                                      dict(grouping='window', window_size=2), dict(grouping='stripes', split_size=2)])
+@pytest.mark.parametrize('heads', [1, 2])
+def test_a_mixer_output_of_another_shape_is_named_in_one_line(monkeypatch, grouping, heads):
+    """Heads left split failed in the projection ("mat1 and mat2 shapes cannot be multiplied"), and with one head
+    ran on as (B, 1, n, C) tokens that the block blamed on the input ("2 tokens cannot hold a 4x4 grid")."""
+    monkeypatch.setattr(registry, '_MIXERS', dict(registry._MIXERS))
+    register_attention('split_heads_out')(_HeadsLeftSplit)
+    heads *= 2 if grouping.get('grouping') == 'stripes' else 1  # two branches of half the heads and channels
+    attn = build_attention('split_heads_out', 8, heads, (4, 4), **grouping)
+    with pytest.raises(ValueError, match=r"^attention 'split_heads_out': _HeadsLeftSplit.forward returned shape "
+                                         r"\(\d+, \d+, \d+, \d+\) for queries of shape \(\d+, \d+, \d+\); "
+                                         r"expected the queries' shape \(B', n, C\), heads merged back "
+                                         r"\(models.attention.layout.merge_heads\)$"):
+        attn(torch.randn(2, 16, 8), (4, 4))
 
 
 def test_a_subclass_with_its_own_forward_is_not_recorded_as_its_base():

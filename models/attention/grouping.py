@@ -82,6 +82,16 @@ class MixerHost(nn.Module):
         self.register_state_dict_post_hook(_lift_mixer_keys)
         self.register_load_state_dict_pre_hook(_sink_mixer_keys)
 
+    def _mixed(self, q: Tensor, k: Tensor, v: Tensor, ctx: MixContext) -> Tensor:
+        """The mixer's output, (B', n, C) as the queries. A mixer of one's own that leaves its heads split failed
+        later, in the projection or as tokens of another grid; here its output is named with the expected shape."""
+        out = self.mixer(q, k, v, ctx)
+        if not torch.jit.is_scripting() and out.shape != q.shape:
+            raise ValueError(f"attention {self.attention_name!r}: {type(self.mixer).__name__}.forward returned shape "
+                             f"{tuple(out.shape)} for queries of shape {tuple(q.shape)}; expected the queries' "
+                             f"shape (B', n, C), heads merged back (models.attention.layout.merge_heads)")
+        return out
+
 
 # reason: FX can't trace the control flow on the token count and grid (prefix tokens, windows, MultiMax's path)
 @register_notrace_module
@@ -164,7 +174,7 @@ class GlobalAttention(GroupedAttention):
     def forward(self, x: Tensor, size: Grid, block_input: Optional[Tensor] = None) -> Tensor:
         ctx = MixContext(size, _prefix_tokens(size, x.shape[1]), tokens=_tokens(self.needs_tokens, x, block_input))
         q, k, v = self.qkv(x).chunk(3, dim=-1)
-        return self._output(self.mixer(q, k, v, ctx))
+        return self._output(self._mixed(q, k, v, ctx))
 
 
 class SpatialReductionAttention(GroupedAttention):
@@ -247,7 +257,7 @@ class SpatialReductionAttention(GroupedAttention):
             if self.act is not None:
                 x = self.act(x)
         k, v = self.kv(x).chunk(2, dim=-1)
-        return self._output(self.mixer(q, k, v, ctx))
+        return self._output(self._mixed(q, k, v, ctx))
 
 
 def _resolve_window(grid: Grid, window_size: Union[int, Grid], shift_size: int) -> Tuple[Optional[Grid], int]:
@@ -413,7 +423,7 @@ class WindowAttention(GroupedAttention):
         if self.window is None:
             ctx = MixContext(size, _prefix_tokens(size, x.shape[1]), self.relative_position_bias(size), None, tokens)
             q, k, v = self.qkv(x).chunk(3, dim=-1)
-            return self._output(self.mixer(q, k, v, ctx))
+            return self._output(self._mixed(q, k, v, ctx))
         _check_no_prefix(size, x.shape[1])
         padded = padded_grid(size, self.window)
         # The projections act token by token, so they commute with the grouping into windows: grouping the
@@ -421,7 +431,7 @@ class WindowAttention(GroupedAttention):
         ctx = MixContext(self.window, 0, self.relative_position_bias(), self._mask(padded, x),
                          None if tokens is None else self._group(tokens, size, padded))
         q, k, v = self.qkv(self._group(x, size, padded)).chunk(3, dim=-1)
-        return self._ungroup(self._output(self.mixer(q, k, v, ctx)), size, padded)
+        return self._ungroup(self._output(self._mixed(q, k, v, ctx)), size, padded)
 
     def _group(self, x: Tensor, size: Grid, padded: Grid) -> Tensor:
         """(B, H*W, C) -> (B * nW, n, C): pad to whole windows, roll by the shift, cut into windows."""
@@ -495,7 +505,7 @@ class StripeBranch(MixerHost):
         return crop_tokens(out, padded, size) if padded != size else out
 
     def _mix(self, q: Tensor, k: Tensor, v: Tensor, grid: Grid, tokens: Optional[Tensor]) -> Tensor:
-        out = self.mixer(q, k, v, MixContext(grid, 0, tokens=tokens))
+        out = self._mixed(q, k, v, MixContext(grid, 0, tokens=tokens))
         return out + image_to_tokens(self.get_v(tokens_to_image(v, grid)))
 
 
