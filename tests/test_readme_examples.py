@@ -34,6 +34,12 @@ swin = timm.create_model('cosine_swin_tiny', temperature=20, img_size=32, embed_
                          num_heads=[1, 2, 2, 2], window_size=4, num_classes=3)
 mixers = [b.attn.mixer for s in swin.layers for b in s.blocks]
 assert all(m.temperature == 20 for m in mixers) and swin.layers[0].blocks[1].attn.shift_size == 2
+x = torch.randn(2, 3, 32, 32)
+for attn_drop_rate in (0.5, 0.):  # attn_drop_rate drops weights in training (it did nothing), and nothing else does
+    dropping = timm.create_model('cosine_swin_tiny', attn_drop_rate=attn_drop_rate, drop_path_rate=0., img_size=32,
+                                 embed_dim=16, depths=[2, 1, 1, 1], num_heads=[1, 2, 2, 2], window_size=4)
+    assert torch.equal(dropping(x), dropping(x)) == (attn_drop_rate == 0.)
+    assert torch.equal(dropping.eval()(x), dropping(x))
 assert sorted(timm.list_models('*_plainvit')) == sorted(f'{a}_plainvit' for a in list_attentions())
 for name in ('inline_plainvit', 'cosine_plainvit'):
     model = timm.create_model(name)
