@@ -16,7 +16,8 @@ from .build import (autocast_dtype, check_model_name, checkpoint_weights, classi
                     official_weights, weights_keys)
 from .checkpoint import recorded_classes
 from .compile import CompileTimer, compile_errors_reported, compile_model
-from .config import config_from_yaml_string, get_default_config, load_config, merge_dict, merge_opts, validate_config
+from .config import (ConfigError, config_changes, config_from_yaml_string, get_default_config, load_config, merge_dict,
+                     merge_opts, validate_config)
 from .data import (build_eval_loader, check_images, check_trained_classes, eval_batch_size, eval_transform,
                    image_channels, image_mode, load_split, report_scan, resolve_data_root)
 from .distributed import DistInfo
@@ -133,6 +134,8 @@ def load_weights(cfg: CN, checkpoint: str, ema: bool, adopt_classes: bool,
     `timm.create_model(name, pretrained=True)` takes: its EMA weights where it holds both); the class folder names
     it was trained on, where it records them; which weights they are."""
     stored = load_checkpoint_file(checkpoint)
+    if adopt_classes:
+        _check_trained_model(stored, checkpoint, cfg)
     classes = recorded_classes(stored)
     kind = held_weights(stored, weights_keys(ema, released))
     weights = official_weights(cfg.MODEL.NAME, checkpoint_weights(stored, checkpoint, ema=ema, released=released))
@@ -153,6 +156,25 @@ def load_weights(cfg: CN, checkpoint: str, ema: bool, adopt_classes: bool,
     cfg.MODEL.NUM_CLASSES = rows
     cfg.freeze()
     return LoadedWeights(cfg, weights, classes, kind)
+
+
+def _check_trained_model(stored: Any, checkpoint: str, cfg: CN) -> None:
+    """A UsageError where one of our checkpoints was trained as another model than the one a model name and
+    options build (MODEL.NAME, MODEL.KWARGS): another attention's weights of the same shapes (softmax's, SimA's,
+    an attention of one's own) loaded without a word and were evaluated in the wrong attention."""
+    text = stored.get('config') if isinstance(stored, Mapping) else None
+    if not isinstance(text, str):
+        return  # weights without our config: a release, a timm or hub file, an official training file
+    try:
+        trained = config_from_yaml_string(text, f"checkpoint {checkpoint!r}")
+    except ConfigError:
+        return  # a config this engine no longer reads: the weights are checked by their keys and shapes
+    changes = [change for change in config_changes(trained, cfg) if change.startswith('MODEL.NAME ') or (
+        change.startswith('MODEL.KWARGS.') and not change.split()[0].endswith('drop_rate'))]  # dropout is off
+    if changes:
+        raise UsageError(f"checkpoint {checkpoint!r} was trained as another model: {'; '.join(changes)}; expected "
+                         f"the checkpoint without a model name (its stored config builds its model), or a model name "
+                         f"and MODEL.KWARGS that build the same")
 
 
 def _class_count_error(checkpoint: str, rows: int, num_classes: int) -> CheckpointError:

@@ -952,6 +952,31 @@ def test_command_line_errors_are_one_line_with_exit_status_2(tmp_path, digits, t
         run_cli(train_main, base + ['--debug', '--opts', 'MODEL.NAME', 'nope', 'DATA.DATA_PATH', str(digits)])
 
 
+def test_a_checkpoint_of_another_model_of_the_same_shapes_is_refused_by_name(tmp_path, digits, tiny_cfg, capsys):
+    """Linear attention's weights have softmax's shapes: `eval.py --model softmax_deit_tiny --checkpoint` of a linear
+    run loaded them without a word and evaluated them in softmax attention. The checkpoint's config names the model
+    it was trained as; the same model, and the checkpoint alone, evaluate."""
+    cfg = tiny_cfg.clone()
+    cfg.defrost()
+    cfg.MODEL.NAME = 'linear_deit_tiny'
+    path = tmp_path / 'linear.pth'
+    torch.save({'model': create_model(cfg).state_dict(), 'config': cfg.dump()}, path)
+    argv = ['--checkpoint', str(path), '--data-path', str(digits)]
+    code, _, err = _run(eval_main, ['--model', 'softmax_deit_tiny', *argv, '--opts', *TINY_MODEL_OPTS], capsys)
+    assert code == USAGE_EXIT_CODE and err == (
+        f"error: checkpoint {str(path)!r} was trained as another model: MODEL.NAME 'linear_deit_tiny' (this run: "
+        f"'softmax_deit_tiny'); expected the checkpoint without a model name (its stored config builds its model), "
+        f"or a model name and MODEL.KWARGS that build the same\n")
+    without_depth = [item for pair in zip(TINY_MODEL_OPTS[::2], TINY_MODEL_OPTS[1::2])
+                     if pair[0] != 'MODEL.KWARGS.depth' for item in pair]
+    code, _, err = _run(eval_main, ['--model', 'linear_deit_tiny', *argv, '--opts', *without_depth], capsys)
+    assert code == USAGE_EXIT_CODE and "MODEL.KWARGS.depth 2 (this run: unset)" in err, err
+    for given in (['--model', 'linear_deit_tiny', *argv, '--opts', *TINY_MODEL_OPTS], argv):
+        code, out, err = _run(eval_main, given, capsys)
+        assert code == 0, err
+        assert json.loads(out.splitlines()[-1])['count'] == 360
+
+
 UNKNOWN_TAG = ("unknown pretrained tag 'in22k' of 'inline_deit_tiny'; expected inline_deit_tiny.in1k, or the name "
                "without a tag")
 
