@@ -14,6 +14,7 @@ from typing import Callable, Iterator, Mapping, NoReturn, Optional, Sequence, Tu
 import torch.distributed
 
 from models._files import UNFINISHED_FILES
+from models.attention.mixer import MixerContractError
 from models.checkpoint import CheckpointError
 
 __all__ = ['UsageError', 'BadImageError', 'NonFiniteLossError', 'Stopped', 'USAGE_EXIT_CODE', 'run_cli',
@@ -97,10 +98,14 @@ def exit_at_once(signum: int, message: str) -> NoReturn:
     os._exit(128 + signum)
 
 
+# reported on one line with exit status 2
+_REPORTED = (UsageError, CheckpointError, MixerContractError, NonFiniteLossError)
+
+
 def run_cli(main: Callable[[Sequence[str]], int], argv: Optional[Sequence[str]] = None, *,
             terminate_unwinds: bool = False) -> int:
-    """Run `main(argv)`; a `UsageError`, `CheckpointError` or `NonFiniteLossError` becomes `error: <message>` on
-    stderr and exit status 2. With `terminate_unwinds` (the scripts, which have no signal handling of their own)
+    """Run `main(argv)`; a `UsageError`, `CheckpointError`, `MixerContractError` (an attention of one's own) or
+    `NonFiniteLossError` becomes `error: <message>` on stderr and exit status 2. With `terminate_unwinds` (the scripts, which have no signal handling of their own)
     SIGTERM is reported and cleaned up after as Ctrl-C is (`terminate_as_interrupt`).
 
     With `--debug` in `argv` the exception propagates with its traceback. Only rank 0 prints, since every rank
@@ -116,7 +121,7 @@ def run_cli(main: Callable[[Sequence[str]], int], argv: Optional[Sequence[str]] 
             code = main(argv)
         sys.stdout.flush()  # here, where a reader that stopped reading is caught below
         return code
-    except (UsageError, CheckpointError, NonFiniteLossError) as e:
+    except _REPORTED as e:
         if '--debug' in argv:
             raise
         if _reports() or isinstance(e, BadImageError):
@@ -153,7 +158,7 @@ def run_cli(main: Callable[[Sequence[str]], int], argv: Optional[Sequence[str]] 
 def error_line(error: Exception) -> str:
     """The line that reports `error`: `run_cli`'s for bad input, a diverged run or a collective failed by another
     process; for any other error (a traceback on the console), its type and first sentence."""
-    if isinstance(error, (UsageError, CheckpointError, NonFiniteLossError)):
+    if isinstance(error, _REPORTED):
         return f"error: {error}"
     if isinstance(error, RuntimeError) and _peer_gone(error):
         return (f"error: a collective with the other processes failed ({_first_sentence(error)}): another process "

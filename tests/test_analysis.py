@@ -111,6 +111,25 @@ def test_a_weight_function_registered_against_what_it_returns_is_named(monkeypat
         rec[0]
 
 
+@pytest.mark.parametrize('grouping', ['global', 'window'])
+def test_a_weight_function_returning_another_shape_is_named(monkeypatch, grouping):
+    """Weights averaged over the heads by mistake failed in a view inside the recorder ("shape '[1, 1, 4, 17, -1]' is
+    invalid for input of size 289"), with a traceback in both analysis scripts."""
+    monkeypatch.setattr(matrices, '_MATRICES', dict(matrices._MATRICES))
+    attn, x = build('softmax', grouping)
+
+    def head_mean(mixer, q, k, v, ctx, rows):
+        return matrices.MixerWeights(weights=matrices.softmax_weights(mixer, q, k, v, ctx, rows).weights.mean(1))
+
+    matrices.attention_matrix(type(attn.mixer))(head_mean)
+    with record_attention(attn) as rec:
+        attn(x, GRID)
+    with pytest.raises(ValueError, match=r"^the attention matrix function of SoftmaxMixer returned weights of shape "
+                                         r"\(\d+, \d+, \d+\); expected \(B', heads, rows, keys\) = "
+                                         r"\(\d+, \d+, \d+, \d+\)$"):
+        rec[0]
+
+
 @pytest.mark.parametrize('name,grouping', CASES)
 def test_recorded_matrix_reproduces_the_global_term(name, grouping):
     attn, x = build(name, grouping)

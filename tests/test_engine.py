@@ -977,6 +977,36 @@ def test_a_checkpoint_of_another_model_of_the_same_shapes_is_refused_by_name(tmp
         assert json.loads(out.splitlines()[-1])['count'] == 360
 
 
+HEADS_LEFT_SPLIT = """
+import torch.nn.functional as F
+from models.attention import Mixer, register_attention
+from models.attention.layout import split_heads
+
+
+@register_attention('heads_left_split')
+class HeadsLeftSplit(Mixer):
+    forms_scores = reduces_keys = True
+
+    def forward(self, q, k, v, ctx):
+        h = self.num_heads
+        return F.scaled_dot_product_attention(split_heads(q, h), split_heads(k, h), split_heads(v, h))
+"""
+
+
+def test_an_attention_of_ones_own_returning_another_shape_stops_training_in_one_line(tmp_path, digits):
+    """It was a 66-line traceback ending in the projection's "mat1 and mat2 shapes cannot be multiplied"."""
+    (tmp_path / 'heads_left_split.py').write_text(HEADS_LEFT_SPLIT)
+    run = subprocess.run([sys.executable, str(REPO / 'train.py'), '--cfg', TINY, '--output', str(tmp_path / 'out'),
+                          '--data-path', str(digits), '--opts', 'MODEL.IMPORTS', "['heads_left_split']",
+                          'MODEL.KWARGS.attn_type', 'heads_left_split'],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    message = ("error: attention 'heads_left_split': HeadsLeftSplit.forward returned shape (16, 4, 17, 16) for queries "
+               "of shape (16, 17, 64); expected the queries' shape (B', n, C), heads merged back "
+               "(models.attention.layout.merge_heads)")
+    assert (run.returncode, run.stderr.splitlines()[-1]) == (USAGE_EXIT_CODE, message), run.stderr[-2000:]
+    assert 'Traceback' not in run.stderr and message in (tmp_path / 'out' / 'train.log').read_text()
+
+
 UNKNOWN_TAG = ("unknown pretrained tag 'in22k' of 'inline_deit_tiny'; expected inline_deit_tiny.in1k, or the name "
                "without a tag")
 

@@ -25,7 +25,7 @@ from ..attention.flatten import FocusedLinearMixer, focused_feature_map
 from ..attention.inline import InLineMixer, inline_local_residual
 from ..attention.layout import split_heads
 from ..attention.linear import LinearMixer, elu_feature_map
-from ..attention.mixer import MixContext, Mixer, autocast_off
+from ..attention.mixer import MixContext, Mixer, MixerContractError, autocast_off
 from ..attention.multimax import MultiMaxMixer, multimax_modulation, regions_apart
 from ..attention.sima import SimAMixer, l1_normalize_tokens
 from ..attention.softmax import SoftmaxMixer
@@ -67,7 +67,15 @@ def mixer_weights(mixer: Mixer, q: Tensor, k: Tensor, v: Tensor, ctx: MixContext
     weights_of = matrix_function(type(mixer))
     work = torch.promote_types(q.dtype, torch.float32)
     with autocast_off(q.device), torch.no_grad():
-        return weights_of(mixer, q.to(work), k.to(work), v.to(work), ctx, rows)
+        result = weights_of(mixer, q.to(work), k.to(work), v.to(work), ctx, rows)
+    batch, heads, queries = q.shape[0], mixer.num_heads, q.shape[1] if rows is None else len(rows)
+    for what, got, expected, layout in (
+            ('weights', result.weights, (batch, heads, queries, k.shape[1]), "(B', heads, rows, keys)"),
+            ('pools', result.pools, (batch, heads, 2, q.shape[1]), "(B', heads, 2, tokens)")):
+        if got is not None and tuple(got.shape) != expected:
+            raise MixerContractError(f"the attention matrix function of {type(mixer).__name__} returned {what} of "
+                                     f"shape {tuple(got.shape)}; expected {layout} = {expected}")
+    return result
 
 
 def _registration(mixer_cls: Type[Mixer]) -> _Registered:

@@ -11,11 +11,11 @@ __all__ = [
     'Grid', 'Mixer', 'MixContext', 'autocast_off', 'GroupedAttention', 'GlobalAttention', 'SpatialReductionAttention',
     'WindowAttention', 'StripeBranch', 'CrossShapedAttention', 'GROUPINGS', 'build_attention', 'check_attn_kwargs',
     'forms_score_matrix', 'get_mixer_class', 'list_attention_options', 'list_attentions', 'register_attention',
-    'stage_attentions', 'UnknownAttentionError',
+    'stage_attentions', 'UnknownAttentionError', 'MixerContractError',
 ]
 
 from .layout import Grid
-from .mixer import MixContext, Mixer, autocast_off
+from .mixer import MixContext, Mixer, MixerContractError, autocast_off
 from .grouping import (
     CrossShapedAttention, GlobalAttention, GroupedAttention, SpatialReductionAttention, StripeBranch,
     WindowAttention,

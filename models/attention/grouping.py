@@ -26,7 +26,7 @@ from .layout import (
     Grid, crop_tokens, image_to_tokens, pad_tokens, padded_grid, relative_position_index, roll_tokens,
     shifted_window_mask, tokens_to_image, window_partition, window_reverse,
 )
-from .mixer import Mixer, MixContext, is_integer
+from .mixer import Mixer, MixContext, MixerContractError, is_integer
 
 __all__ = [
     'MixerHost', 'GroupedAttention', 'GlobalAttention', 'SpatialReductionAttention', 'WindowAttention',
@@ -87,9 +87,10 @@ class MixerHost(nn.Module):
         later, in the projection or as tokens of another grid; here its output is named with the expected shape."""
         out = self.mixer(q, k, v, ctx)
         if not torch.jit.is_scripting() and out.shape != q.shape:
-            raise ValueError(f"attention {self.attention_name!r}: {type(self.mixer).__name__}.forward returned shape "
-                             f"{tuple(out.shape)} for queries of shape {tuple(q.shape)}; expected the queries' "
-                             f"shape (B', n, C), heads merged back (models.attention.layout.merge_heads)")
+            raise MixerContractError(
+                f"attention {self.attention_name!r}: {type(self.mixer).__name__}.forward returned shape "
+                f"{tuple(out.shape)} for queries of shape {tuple(q.shape)}; expected the queries' shape (B', n, C), "
+                f"heads merged back (models.attention.layout.merge_heads)")
         return out
 
 

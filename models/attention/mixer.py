@@ -23,11 +23,16 @@ from torch import Tensor, nn
 
 from .layout import Grid, split_heads
 
-__all__ = ['Mixer', 'MixContext', 'autocast_off', 'cpu_float32_kernels_apply', 'differentiable_grads',
+__all__ = ['Mixer', 'MixContext', 'MixerContractError', 'autocast_off', 'cpu_float32_kernels_apply', 'differentiable_grads',
            'is_exporting', 'is_integer', 'is_number', 'needs_grad', 'check_heads']
 
 # Device types with an autocast mode; others (the meta device used to count parameters and FLOPs) have none to turn off.
 _AUTOCAST_DEVICES = frozenset(d for d in ('cpu', 'cuda', 'xpu', 'mps', 'hpu') if torch.amp.is_autocast_available(d))
+
+
+class MixerContractError(ValueError):
+    """A mixer, or its attention-matrix function, returned what its contract does not allow (a tensor of another
+    shape): bad input from an attention of one's own, which the command-line tools report in one line."""
 
 
 def autocast_off(device: torch.device) -> ContextManager:
