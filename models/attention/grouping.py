@@ -87,11 +87,15 @@ class MixerHost(nn.Module):
         later, in the projection or as tokens of another grid; here its output is named with the expected shape."""
         out = self.mixer(q, k, v, ctx)
         if not torch.jit.is_scripting() and out.shape != q.shape:
-            raise MixerContractError(
-                f"attention {self.attention_name!r}: {type(self.mixer).__name__}.forward returned shape "
-                f"{tuple(out.shape)} for queries of shape {tuple(q.shape)}; expected the queries' shape (B', n, C), "
-                f"heads merged back (models.attention.layout.merge_heads)")
+            self._refuse_output(out, q)
         return out
+
+    @torch.jit.unused
+    def _refuse_output(self, out: Tensor, q: Tensor) -> None:
+        raise MixerContractError(
+            f"attention {self.attention_name!r}: {type(self.mixer).__name__}.forward returned shape "
+            f"{tuple(out.shape)} for queries of shape {tuple(q.shape)}; expected the queries' shape (B', n, C), "
+            f"heads merged back (models.attention.layout.merge_heads)")
 
 
 # reason: FX can't trace the control flow on the token count and grid (prefix tokens, windows, MultiMax's path)
