@@ -228,6 +228,17 @@ def _check_channels(cfg: CN, in_chans: int) -> None:
 _ALLOCATION_FAILURE = re.compile(r"you tried to allocate (\d+) bytes")
 
 
+def _unknown_attention_hint(error: UnknownAttentionError, imports: Sequence[str]) -> str:
+    """The way on from an attention name that is not registered: an attention of the user's own registers when
+    its module is imported (a local-dir: model saved with one too); where MODEL.IMPORTS imported modules, none of
+    them registers the name."""
+    if not imports:
+        return ('; an attention of your own is registered by importing its module first: --opts MODEL.IMPORTS '
+                '"[\'your_module\']"')
+    return (f"; MODEL.IMPORTS {list(imports)!r} imported, but registers no attention {error.name!r}: expected "
+            f"@register_attention({error.name!r}) on its mixer class")
+
+
 def _model_settings(cfg: CN) -> str:
     """The config values the engine builds the model from, as `KEY value, ...`."""
     given = {'MODEL.NUM_CLASSES': cfg.MODEL.NUM_CLASSES, 'DATA.IMG_SIZE': cfg.DATA.IMG_SIZE,
@@ -324,9 +335,7 @@ def create_model(cfg: CN, weights: Optional[Dict[str, Tensor]] = None, source: s
                               f"expected the constructor's own argument names") from e
         raise
     except ValueError as e:
-        # an attention of the user's own is unknown until its module is imported (a local-dir: model saved with it)
-        hint = ('; an attention of your own is registered by importing its module first: --opts MODEL.IMPORTS '
-                '"[\'your_module\']"' if isinstance(e, UnknownAttentionError) else '')
+        hint = _unknown_attention_hint(e, cfg.MODEL.IMPORTS) if isinstance(e, UnknownAttentionError) else ''
         raise ConfigError(f"cannot build model {name!r} from {_model_settings(cfg)}: {e}{hint}") from e
     except RuntimeError as e:
         tried = _ALLOCATION_FAILURE.search(str(e))

@@ -1096,6 +1096,25 @@ def test_an_attention_not_registered_points_at_model_imports(tmp_path, capsys, a
                         "MODEL.IMPORTS \"['your_module']\"\n")
 
 
+def test_a_misspelled_attention_and_a_module_that_registers_none_are_named(tmp_path, capsys, monkeypatch):
+    """A misspelled name had no "did you mean" (model names and attn_kwargs had), and a module of MODEL.IMPORTS that
+    registers nothing was answered with the advice to import a module through MODEL.IMPORTS."""
+    argv = ['--cfg', TINY, '--output', str(tmp_path / 'out'), '--opts', 'DATA.DATA_PATH', str(tmp_path / 'digits')]
+    code, _, err = _run(train_main, argv + ['MODEL.KWARGS.attn_type', 'softmx'], capsys)
+    assert code == USAGE_EXIT_CODE and ": bad attn_type 'softmx' (not a name or pattern; did you mean 'softmax'?); " \
+        "expected an attention name (" in err
+    code, _, err = _run(train_main, argv + ['MODEL.KWARGS.attn_type', "['sima_']"], capsys)
+    assert code == USAGE_EXIT_CODE and ": unknown attention 'sima_' (did you mean 'sima'?); expected one of " in err
+    (tmp_path / 'registers_nothing.py').write_text('CONSTANT = 1\n')
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    code, _, err = _run(train_main, argv + ['MODEL.IMPORTS', "['registers_nothing']", 'MODEL.KWARGS.attn_type',
+                                            'cosine'], capsys)
+    assert code == USAGE_EXIT_CODE and err.endswith(
+        "; MODEL.IMPORTS ['registers_nothing'] imported, but registers no attention 'cosine': expected "
+        "@register_attention('cosine') on its mixer class\n")
+
+
 GREY_NEEDS_ONE_MEAN = ("error: config key DATA.MEAN holds 3 values but the model takes 1 channel "
                        "(MODEL.KWARGS.in_chans 1); expected one mean and one std per channel, e.g. DATA.MEAN [0.5] "
                        "DATA.STD [0.5] for grey-scale images\n")

@@ -1,7 +1,7 @@
 """Which attention each block of a staged backbone gets, from a name, a list or an official pattern string."""
 from typing import Any, List, Optional, Sequence, Union
 
-from .registry import UnknownAttentionError, get_mixer_class, list_attentions
+from .registry import UnknownAttentionError, close_attention_name, get_mixer_class, list_attentions
 
 __all__ = ['PATTERN_LETTERS', 'stage_attentions']
 
@@ -12,11 +12,13 @@ PATTERN_LETTERS = {'I': 'inline', 'L': 'flatten', 'S': 'softmax'}
 def _pattern_error(attn_type: Any, num_stages: int, why: str, unknown: bool = False) -> ValueError:
     """The refusal of `attn_type`; an `UnknownAttentionError` where it may be a name not registered yet."""
     plural = '' if num_stages == 1 else 's'
-    error = UnknownAttentionError if unknown else ValueError
-    return error(
-        f"bad attn_type {attn_type!r} ({why}); expected an attention name ({', '.join(list_attentions())}), "
-        f"a list of {num_stages} name{plural}, or a pattern of {num_stages} letter{plural} from I (inline), "
-        f"L (flatten), S (softmax), M (mixed) with the number of linear blocks of the M stage appended, e.g. 'IIMS2'")
+    close = close_attention_name(attn_type) if unknown else ''
+    message = (
+        f"bad attn_type {attn_type!r} ({why}{f'; {close}' if close else ''}); expected an "
+        f"attention name ({', '.join(list_attentions())}), a list of {num_stages} name{plural}, or a pattern of "
+        f"{num_stages} letter{plural} from I (inline), L (flatten), S (softmax), M (mixed) with the number of linear "
+        f"blocks of the M stage appended, e.g. 'IIMS2'")
+    return UnknownAttentionError(message, attn_type) if unknown else ValueError(message)
 
 
 def stage_attentions(

@@ -37,7 +37,17 @@ T = TypeVar('T', bound=Type[Mixer])
 
 class UnknownAttentionError(ValueError):
     """An attention name that is not registered (yet: an attention of the user's own registers when its module is
-    imported)."""
+    imported); `name` is the name given."""
+
+    def __init__(self, message: str, name: Any):
+        super().__init__(message)
+        self.name = name
+
+
+def close_attention_name(name: Any) -> str:
+    """"did you mean 'softmax'?" for a name close to a registered one, else ''."""
+    close = difflib.get_close_matches(str(name), list(_MIXERS), n=1)
+    return f"did you mean {close[0]!r}?" if close else ''
 
 
 # MixContext fields the groupings fill only for mixers whose flag asks for them; None for the others
@@ -125,7 +135,9 @@ def get_mixer_class(name: str) -> Type[Mixer]:
     try:
         return _MIXERS[name]
     except (KeyError, TypeError):
-        raise UnknownAttentionError(f"unknown attention {name!r}; expected one of {', '.join(_MIXERS)}") from None
+        close = close_attention_name(name)
+        raise UnknownAttentionError(f"unknown attention {name!r}{f' ({close})' if close else ''}; expected one of "
+                                    f"{', '.join(_MIXERS)}", name) from None
 
 
 def forms_score_matrix(name: str) -> bool:
