@@ -242,8 +242,8 @@ def evaluate_weights(cfg: CN, info: DistInfo, checkpoint: str, *, ema: bool = Fa
     with compile_errors_reported(cfg.MODEL.NAME):
         metrics = evaluate(model, loader, info, amp=amp, amp_dtype=dtype, desc='eval',
                            compile_timer=CompileTimer('evaluation', compile))
-    return dict(model=cfg.MODEL.NAME, checkpoint=checkpoint, weights=kind, data=root,
-                img_size=cfg.DATA.IMG_SIZE, crop_pct=cfg.TEST.CROP_PCT, crop_mode=cfg.TEST.CROP_MODE,
+    return dict(model=cfg.MODEL.NAME, model_kwargs=dict(cfg.MODEL.KWARGS), checkpoint=checkpoint, weights=kind,
+                data=root, img_size=cfg.DATA.IMG_SIZE, crop_pct=cfg.TEST.CROP_PCT, crop_mode=cfg.TEST.CROP_MODE,
                 precision=dtype if amp else 'float32', world_size=info.world_size, compiled=compile,
                 onednn=onednn, **metrics)
 
@@ -268,6 +268,7 @@ def throughput(cfg: CN, info: DistInfo, batch_size: int, checkpoint: Optional[st
     with compile_errors_reported(cfg.MODEL.NAME):
         rate = measure_throughput(model, images, info, amp=amp, amp_dtype=dtype, warmup=warmup, timed=timed,
                                   compile_timer=CompileTimer('the forward pass', compile))
-    return dict(model=cfg.MODEL.NAME, batch_size=batch_size, img_size=cfg.DATA.IMG_SIZE,
+    return dict(model=cfg.MODEL.NAME, model_kwargs=dict(cfg.MODEL.KWARGS), batch_size=batch_size,
+                img_size=cfg.DATA.IMG_SIZE,
                 precision=dtype if amp else 'float32', device=str(info.device), warmup=warmup, timed=timed,
                 compiled=compile, onednn=onednn, throughput=rate)

@@ -472,8 +472,10 @@ def _train(cfg: CN, info: DistInfo, lock: OutputLock, check_data: bool, resume: 
         if state.epoch < num_epochs:  # the config of the checkpoints beside it: a run that trains nothing keeps it
             atomic_write_text(os.path.join(output, CONFIG), cfg.dump())
         n_params = sum(p.numel() for p in model.parameters())
-        logger.info(f"model {cfg.MODEL.NAME}: {n_params / 1e6:.2f}M parameters; {len(train_set)} training and "
-                    f"{len(val_set)} validation images in {_count(len(train_set.classes), 'class', 'classes')}")
+        built_with = ', '.join(f'{key} {value!r}' for key, value in cfg.MODEL.KWARGS.items())
+        logger.info(f"model {cfg.MODEL.NAME}{f' ({built_with})' if built_with else ''}: {n_params / 1e6:.2f}M "
+                    f"parameters; {len(train_set)} training and {len(val_set)} validation images in "
+                    f"{_count(len(train_set.classes), 'class', 'classes')}")
         if len(train_set.classes) == 1:
             logger.warning(f"the dataset has 1 class ({train_set.classes[0]}): every prediction is that class, so "
                            f"top-1 is trivially 100 %; expected 2 or more classes for a meaningful accuracy")

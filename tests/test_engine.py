@@ -1333,6 +1333,7 @@ def test_a_model_saved_for_the_hub_evaluates_by_its_local_dir_name(tmp_path, dig
     result = json.loads(out.strip().splitlines()[-1])
     assert (result['model'], result['img_size'], result['checkpoint']) == \
         ('softmax_deit_tiny', 16, str(folder / 'pytorch_model.bin'))
+    assert result['model_kwargs']['attn_type'] == 'sima'  # the model name alone named softmax
     by_hand = ['--model', 'softmax_deit_tiny', '--checkpoint', str(folder / 'pytorch_model.bin'), '--data-path',
                str(digits), '--opts', *TINY_MODEL_OPTS]
     code, out, err = _run(eval_main, by_hand + ['MODEL.KWARGS.attn_type', 'sima'], capsys)
