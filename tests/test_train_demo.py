@@ -252,8 +252,8 @@ def test_an_attention_registered_outside_the_package_trains_and_evaluates_throug
     train = [sys.executable, str(REPO / 'train.py'), '--cfg', TINY, '--data-path', str(digits), '--output', 'run',
              '--opts', 'TRAIN.EPOCHS', '1', 'MODEL.KWARGS.attn_type', 'hot_softmax']
     done = subprocess.run(train, cwd=tmp_path, capture_output=True, text=True, timeout=300)
-    assert done.returncode == USAGE_EXIT_CODE and "bad attn_type 'hot_softmax' (not a name or pattern)" in \
-        done.stderr.splitlines()[-1]
+    assert done.returncode == USAGE_EXIT_CODE and "bad attn_type 'hot_softmax' (not a name or pattern; did you mean " \
+        "'softmax'?)" in done.stderr.splitlines()[-1]
     done = subprocess.run(train + ['MODEL.IMPORTS', "['my_attention']"], cwd=tmp_path, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
