@@ -358,8 +358,8 @@ def _skip_derived_buffers(module: nn.Module, state_dict: Dict[str, Any], prefix:
 
 # The prefix each model's state dict is loaded under (`module.` inside DistributedDataParallel), the load's list
 # of error messages, which torch gives the load pre-hooks but not the post-hooks, and the shapes it loads.
-_LOADS: 'weakref.WeakKeyDictionary[nn.Module, Tuple[str, List[str], Dict[str, torch.Size]]]' = \
-    weakref.WeakKeyDictionary()
+_LoadRecord = Tuple[str, List[str], Dict[str, torch.Size]]
+_LOADS: 'weakref.WeakKeyDictionary[nn.Module, _LoadRecord]' = weakref.WeakKeyDictionary()
 _SIZE_MISMATCH = re.compile(r'^size mismatch for (\S+): ')
 
 
@@ -380,11 +380,11 @@ def _resizable(model: nn.Module, path: str, shape: torch.Size) -> bool:
     except AttributeError:
         return False
     param, adapt = owner._parameters.get(name), getattr(owner, 'adapt_loaded_tensor', None)
-    if param is None or adapt is None:
+    if param is None or adapt is None or len(shape) != param.dim():
         return False
     try:
         return adapt(name, torch.empty(shape, dtype=param.dtype, device='meta')).shape == param.shape
-    except (RuntimeError, ValueError):  # a CheckpointError too: a shape it cannot resize
+    except (RuntimeError, ValueError, IndexError):  # a CheckpointError too: a shape it cannot resize
         return False
 
 
@@ -410,7 +410,7 @@ def _keys_as_named(module: nn.Module, incompatible_keys: Any) -> None:
                 resizable.append(names.get(key, key))
         if resizable:
             error_msgs.append(
-                f"{', '.join(resizable[:3])}{', ...' if len(resizable) > 3 else ''} of another image size: "
+                f"{', '.join(resizable[:3])}{', ...' if len(resizable) > 3 else ''} of another image or window size: "
                 f"load_state_dict copies tensors as they are; timm.create_model(..., pretrained=True, "
                 f"pretrained_cfg_overlay=dict(file=...)) and models.checkpoint.load_pretrained_into resize them to "
                 f"the model's grid, as set_input_size does")

@@ -197,7 +197,7 @@ def test_load_state_dict_of_another_image_size_names_the_loaders_that_resize(tmp
                'flatten_swin_tiny': 'layers.0.blocks.0.attn.positional_encoding, '
                                     'layers.0.blocks.1.attn.positional_encoding, '
                                     'layers.1.blocks.0.attn.positional_encoding, ...'}[name]
-    hint = (f"\t{resized} of another image size: load_state_dict copies tensors as they are; "
+    hint = (f"\t{resized} of another image or window size: load_state_dict copies tensors as they are; "
             f"timm.create_model(..., pretrained=True, pretrained_cfg_overlay=dict(file=...)) and "
             f"models.checkpoint.load_pretrained_into resize them to the model's grid, as set_input_size does")
     with pytest.raises(RuntimeError) as error:
@@ -214,7 +214,12 @@ def test_load_state_dict_of_another_image_size_names_the_loaders_that_resize(tmp
     other_classes = timm.create_model(name, **dict(narrow, num_classes=7))
     with pytest.raises(RuntimeError) as error:  # a classifier of another width: nothing to say of the image size
         other_classes.load_state_dict(weights)
-    assert 'image size' not in str(error.value) and 'size mismatch for head.weight' in str(error.value)
+    assert 'image or window size' not in str(error.value) and 'size mismatch for head.weight' in str(error.value)
+    flattened = {key: value.flatten() if key.endswith(('pos_embed', 'positional_encoding')) else value
+                 for key, value in weights.items()}
+    with pytest.raises(RuntimeError) as error:  # no grid to resize (the hint's probe raised an IndexError instead)
+        other_classes.load_state_dict(flattened)
+    assert 'image or window size' not in str(error.value) and 'size mismatch for ' in str(error.value)
 
 
 # Every family's stem and head, as small as they build.
