@@ -105,8 +105,9 @@ _REPORTED = (UsageError, CheckpointError, MixerContractError, NonFiniteLossError
 def run_cli(main: Callable[[Sequence[str]], int], argv: Optional[Sequence[str]] = None, *,
             terminate_unwinds: bool = False) -> int:
     """Run `main(argv)`; a `UsageError`, `CheckpointError`, `MixerContractError` (an attention of one's own) or
-    `NonFiniteLossError` becomes `error: <message>` on stderr and exit status 2. With `terminate_unwinds` (the scripts, which have no signal handling of their own)
-    SIGTERM is reported and cleaned up after as Ctrl-C is (`terminate_as_interrupt`).
+    `NonFiniteLossError` becomes `error: <message>` on stderr and exit status 2. With `terminate_unwinds` (the
+    scripts, which have no signal handling of their own) SIGTERM is reported and cleaned up after as Ctrl-C is
+    (`terminate_as_interrupt`).
 
     With `--debug` in `argv` the exception propagates with its traceback. Only rank 0 prints, since every rank
     meets the same bad input and all ranks agree on a non-finite loss. An interruption (Ctrl-C outside the

@@ -300,8 +300,9 @@ class DeiT(ZooModel):
 
     def forward_head(self, x: Tensor, pre_logits: bool = False) -> Tensor:
         """Pool the tokens of `forward_features` (class token, or mean, maximum or both of the patch tokens), with
-        `fc_norm` norm the pooled features, then classify; with `multimax_logits` the logits pass through σ (in float32 at least: its squares overflow
-        float16), returned in the dtype of the logits and σ's parameters together."""
+        `fc_norm` norm the pooled features, then classify; with `multimax_logits` the logits pass through σ (in
+        float32 at least: its squares overflow float16), returned in the dtype of the logits and σ's parameters
+        together."""
         x = self.fc_norm(global_pool_nlc(x, self.global_pool, self.num_prefix_tokens))
         if pre_logits:
             return x

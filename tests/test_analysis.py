@@ -9,7 +9,7 @@ import torch.nn.functional as F
 import models  # noqa: F401  (registers the families)
 from models.analysis import attention_layers, matrices, record_attention
 from models.analysis.stats import AttentionStatistics, collision_share, row_statistics
-from models.attention import build_attention, get_mixer_class, list_attentions
+from models.attention import MixerContractError, build_attention, get_mixer_class, list_attentions
 from models.attention.additive import AdditiveMixer
 from models.attention.layout import merge_heads, split_heads
 from models.attention.sima import l1_normalize_tokens
@@ -111,22 +111,27 @@ def test_a_weight_function_registered_against_what_it_returns_is_named(monkeypat
         rec[0]
 
 
+@pytest.mark.parametrize('name, part, layout', [('softmax', 'weights', r"\(B', heads, rows, keys\)"),
+                                                ('additive', 'pools', r"\(B', heads, 2, tokens\)"),
+                                                ('inline', 'local', r"\(B', n, C\)")])
 @pytest.mark.parametrize('grouping', ['global', 'window'])
-def test_a_weight_function_returning_another_shape_is_named(monkeypatch, grouping):
+def test_a_weight_function_returning_another_shape_is_named(monkeypatch, grouping, name, part, layout):
     """Weights averaged over the heads by mistake failed in a view inside the recorder ("shape '[1, 1, 4, 17, -1]' is
     invalid for input of size 289"), with a traceback in both analysis scripts."""
     monkeypatch.setattr(matrices, '_MATRICES', dict(matrices._MATRICES))
-    attn, x = build('softmax', grouping)
+    attn, x = build(name, grouping)
+    registered = matrices._registration(type(attn.mixer))
 
-    def head_mean(mixer, q, k, v, ctx, rows):
-        return matrices.MixerWeights(weights=matrices.softmax_weights(mixer, q, k, v, ctx, rows).weights.mean(1))
+    def averaged(mixer, q, k, v, ctx, rows):
+        result = registered.function(mixer, q, k, v, ctx, rows)
+        return result._replace(**{part: getattr(result, part).mean(1)})
 
-    matrices.attention_matrix(type(attn.mixer))(head_mean)
+    matrices.attention_matrix(type(attn.mixer), pools=registered.pools)(averaged)
     with record_attention(attn) as rec:
         attn(x, GRID)
-    with pytest.raises(ValueError, match=r"^the attention matrix function of SoftmaxMixer returned weights of shape "
-                                         r"\(\d+, \d+, \d+\); expected \(B', heads, rows, keys\) = "
-                                         r"\(\d+, \d+, \d+, \d+\)$"):
+    with pytest.raises(MixerContractError, match=rf"^the attention matrix function of {type(attn.mixer).__name__} "
+                                                 rf"returned {part} of shape \([\d, ]+\); expected {layout} = "
+                                                 r"\([\d, ]+\)$"):
         rec[0]
 
 

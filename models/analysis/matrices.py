@@ -71,7 +71,8 @@ def mixer_weights(mixer: Mixer, q: Tensor, k: Tensor, v: Tensor, ctx: MixContext
     batch, heads, queries = q.shape[0], mixer.num_heads, q.shape[1] if rows is None else len(rows)
     for what, got, expected, layout in (
             ('weights', result.weights, (batch, heads, queries, k.shape[1]), "(B', heads, rows, keys)"),
-            ('pools', result.pools, (batch, heads, 2, q.shape[1]), "(B', heads, 2, tokens)")):
+            ('pools', result.pools, (batch, heads, 2, q.shape[1]), "(B', heads, 2, tokens)"),
+            ('local', result.local, tuple(q.shape), "(B', n, C)")):
         if got is not None and tuple(got.shape) != expected:
             raise MixerContractError(f"the attention matrix function of {type(mixer).__name__} returned {what} of "
                                      f"shape {tuple(got.shape)}; expected {layout} = {expected}")

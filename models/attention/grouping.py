@@ -26,7 +26,7 @@ from .layout import (
     Grid, crop_tokens, image_to_tokens, pad_tokens, padded_grid, relative_position_index, roll_tokens,
     shifted_window_mask, tokens_to_image, window_partition, window_reverse,
 )
-from .mixer import Mixer, MixContext, MixerContractError, is_integer
+from .mixer import Mixer, MixContext, MixerContractError, is_exporting, is_integer
 
 __all__ = [
     'MixerHost', 'GroupedAttention', 'GlobalAttention', 'SpatialReductionAttention', 'WindowAttention',
@@ -86,7 +86,8 @@ class MixerHost(nn.Module):
         """The mixer's output, (B', n, C) as the queries. A mixer of one's own that leaves its heads split failed
         later, in the projection or as tokens of another grid; here its output is named with the expected shape."""
         out = self.mixer(q, k, v, ctx)
-        if not torch.jit.is_scripting() and out.shape != q.shape:
+        # not while tracing or exporting: the tracer warns at every comparison of shapes it reads as tensors
+        if not torch.jit.is_scripting() and not is_exporting() and out.shape != q.shape:
             self._refuse_output(out, q)
         return out
 

@@ -23,8 +23,8 @@ from torch import Tensor, nn
 
 from .layout import Grid, split_heads
 
-__all__ = ['Mixer', 'MixContext', 'MixerContractError', 'autocast_off', 'cpu_float32_kernels_apply', 'differentiable_grads',
-           'is_exporting', 'is_integer', 'is_number', 'needs_grad', 'check_heads']
+__all__ = ['Mixer', 'MixContext', 'MixerContractError', 'autocast_off', 'cpu_float32_kernels_apply',
+           'differentiable_grads', 'is_exporting', 'is_integer', 'is_number', 'needs_grad', 'check_heads']
 
 # Device types with an autocast mode; others (the meta device used to count parameters and FLOPs) have none to turn off.
 _AUTOCAST_DEVICES = frozenset(d for d in ('cpu', 'cuda', 'xpu', 'mps', 'hpu') if torch.amp.is_autocast_available(d))
