@@ -43,6 +43,23 @@ with quit_on_interrupt():  # while torch and the models load: nothing has starte
     from models.attention.multimax import MultiMaxMixer
 
 
+NEGATIVE_POINT = re.compile(r'-\d+,-?\d+|\d+,-\d+')
+
+
+def _negative_point(query: str) -> str:
+    return f"query {query!r} is outside the image; expected Y,X pixel coordinates from its top-left corner, 0 or more"
+
+
+def _refuse_negative_queries(argv: Sequence[str]) -> None:
+    """A UsageError for a negative point among the values of --queries, which argparse reads as an unknown option
+    ('-1,3'), not as a value."""
+    values = False
+    for token in itertools.takewhile(lambda token: token != '--opts', argv):
+        if values and NEGATIVE_POINT.fullmatch(token):
+            raise UsageError(_negative_point(token))
+        values = token == '--queries' or (values and not token.startswith('--'))
+
+
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog='visualize_attention.py', description=__doc__.split('\n\n')[0])
     parser.add_argument('--model', help='registered model name (random weights without --checkpoint or '
@@ -66,9 +83,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument('--debug', action='store_true', help='show tracebacks instead of one-line errors')
     parser.add_argument('--opts', nargs=argparse.REMAINDER, default=[], metavar='KEY VALUE',
                         help='config overrides, last on the command line, e.g. --opts MODEL.KWARGS.depth 2')
-    for token in itertools.takewhile(lambda token: token != '--opts', argv):
-        if NEGATIVE_POINT.fullmatch(token):  # argparse reads '-1,3' as an unknown option, not as a point
-            raise UsageError(_negative_point(token))
+    _refuse_negative_queries(argv)
     args = parse_args_with_opts(parser, argv)
     if not args.model and not args.checkpoint:
         parser.error('expected --model NAME or --checkpoint PATH')
@@ -97,13 +112,6 @@ def _class_token_layers(model: torch.nn.Module, image: torch.Tensor) -> List[str
 
 def parse_layers(layers: Sequence[str]) -> List[Union[str, int]]:
     return [int(layer) if re.fullmatch(r'-?\d+', layer) else layer for layer in layers]
-
-
-NEGATIVE_POINT = re.compile(r'-\d+,-?\d+|\d+,-\d+')
-
-
-def _negative_point(query: str) -> str:
-    return f"query {query!r} is outside the image; expected Y,X pixel coordinates from its top-left corner, 0 or more"
 
 
 def parse_queries(queries: Sequence[str], size: int, has_class_token: bool) -> List[Query]:
