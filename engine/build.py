@@ -19,7 +19,8 @@ from torch import Tensor, nn
 from yacs.config import CfgNode as CN
 
 import models  # noqa: F401  (registers the zoo's families with timm)
-from models.attention import UnknownAttentionError
+from models.attention import UnknownAttentionError, list_attentions
+from models.attention.registry import close_attention_name
 from models.checkpoint import (EMA_KEYS, IMAGENET22K_CLASSES, MODEL_KEYS, PRETRAINED_KEYS, CheckpointError,
                                checkpoint_state_dict, has_released_weights, load_checkpoint_file, load_shared_weights,
                                imagenet1k_classes, narrow_imagenet22k_classifier, official_keys,
@@ -87,6 +88,12 @@ def check_model_name(name: str) -> None:
         raise UsageError(f"model {name!r} is a saved model, not an architecture; expected the architecture's "
                          f"registered name, with --pretrained {name} (train.py) for its weights, or --model {name} "
                          f"(eval.py) alone")
+    for attention in list_attentions():  # one registered outside the package has no entrypoints of its own
+        architecture = f"softmax_{name[len(attention) + 1:]}"
+        if name.startswith(f'{attention}_') and timm.is_model(architecture) and not timm.list_models(f'{attention}_*'):
+            raise UsageError(f"unknown model {name!r}: attention {attention!r} has no entrypoints of its own (it is "
+                             f"registered outside the package); expected {architecture} with attn_type {attention!r}: "
+                             f"--opts MODEL.KWARGS.attn_type {attention}")
     close = difflib.get_close_matches(name, timm.list_models(), n=3, cutoff=0.6)
     hint = f"; did you mean {', '.join(close)}?" if close else "; see timm.list_models('*_deit_*') and friends"
     raise UsageError(f"unknown model {name!r}: expected a model registered with timm{hint}")
@@ -229,13 +236,15 @@ _ALLOCATION_FAILURE = re.compile(r"you tried to allocate (\d+) bytes")
 
 
 def _unknown_attention_hint(error: UnknownAttentionError, imports: Sequence[str]) -> str:
-    """The way on from an attention name that is not registered: an attention of the user's own registers when
-    its module is imported (a local-dir: model saved with one too); where MODEL.IMPORTS imported modules, none of
-    them registers the name."""
+    """The way on from an attention name that is not registered and close to no registered one (the error says
+    "did you mean" there): an attention of the user's own registers when its module is imported (a local-dir:
+    model saved with one too); where MODEL.IMPORTS imported modules, none of them registers the name."""
+    if close_attention_name(error.name):
+        return ''
     if not imports:
         return ('; an attention of your own is registered by importing its module first: --opts MODEL.IMPORTS '
                 '"[\'your_module\']"')
-    return (f"; MODEL.IMPORTS {list(imports)!r} imported, but registers no attention {error.name!r}: expected "
+    return (f"; the modules of MODEL.IMPORTS {list(imports)!r} register no attention {error.name!r}: expected "
             f"@register_attention({error.name!r}) on its mixer class")
 
 

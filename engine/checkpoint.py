@@ -33,7 +33,7 @@ from models._files import (TEMP_NAME, atomic_write, file_in_the_way, files_taken
 from models.checkpoint import CheckpointError, load_checkpoint_file, load_state_dict_checked
 
 from .build import optimizer_settings
-from .config import ConfigError, config_changes, config_from_yaml_string
+from .config import ConfigError, config_changes, config_from_yaml_string, describe_model
 from .distributed import DistInfo, all_gather_objects
 from .errors import UsageError
 from .loops import TrainState, step_schedule
@@ -318,11 +318,7 @@ def _loading(path: str, what: str, expected: str) -> Iterator[None]:
 
 def _model_of(checkpoint: Mapping[str, Any], path: str) -> str:
     """The model name and keywords of the run that wrote `checkpoint`, as its stored config gives them."""
-    model = config_from_yaml_string(checkpoint['config'], f"checkpoint {path!r}").MODEL
-    if not model.KWARGS:
-        return model.NAME
-    kwargs = ', '.join(f"{key}: {value}" for key, value in sorted(model.KWARGS.items()))
-    return f"{model.NAME} with MODEL.KWARGS {{{kwargs}}}"
+    return describe_model(config_from_yaml_string(checkpoint['config'], f"checkpoint {path!r}"))
 
 
 def _as_trained(cfg: CN) -> CN:

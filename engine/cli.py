@@ -5,7 +5,7 @@ import sys
 from typing import Any, Dict, Sequence
 
 from .build import check_model_config, check_onednn
-from .config import load_config, parse_args_with_opts
+from .config import describe_model, load_config, parse_args_with_opts
 from .data import check_splits, resolve_data_root
 from .distributed import cleanup_distributed, init_distributed
 from .evaluation import eval_config, evaluate_weights, throughput
@@ -142,7 +142,7 @@ def eval_main(argv: Sequence[str]) -> int:
                                       adopt_classes=bool(args.model), check_data=args.check_data,
                                       compile=args.compile, onednn=args.onednn, released=not args.checkpoint)
             if info.is_main:
-                print(f"{result['model']} ({result['weights']} weights, {result['precision']}): top-1 "
+                print(f"{describe_model(cfg)} ({result['weights']} weights, {result['precision']}): top-1 "
                       f"{result['top1']:.3f} top-5 {result['top5']:.3f} on {result['count']} images")
         if info.is_main:
             print(json.dumps(result), flush=True)

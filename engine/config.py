@@ -637,6 +637,14 @@ def _plain(value: Any) -> Any:
     return value
 
 
+def describe_model(cfg: CN) -> str:
+    """The model name and keywords of `cfg`: 'NAME', or 'NAME with MODEL.KWARGS {key: value, ...}'."""
+    if not cfg.MODEL.KWARGS:
+        return cfg.MODEL.NAME
+    kwargs = ', '.join(f"{key}: {value}" for key, value in sorted(_plain(cfg.MODEL.KWARGS).items()))
+    return f"{cfg.MODEL.NAME} with MODEL.KWARGS {{{kwargs}}}"
+
+
 def model_kwargs(cfg: CN) -> Dict[str, Any]:
     """Keyword arguments for `timm.create_model(cfg.MODEL.NAME, **kwargs)`."""
     kwargs: Dict[str, Any] = dict(

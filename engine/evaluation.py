@@ -134,8 +134,7 @@ def load_weights(cfg: CN, checkpoint: str, ema: bool, adopt_classes: bool,
     `timm.create_model(name, pretrained=True)` takes: its EMA weights where it holds both); the class folder names
     it was trained on, where it records them; which weights they are."""
     stored = load_checkpoint_file(checkpoint)
-    if adopt_classes:
-        _check_trained_model(stored, checkpoint, cfg)
+    _check_trained_model(stored, checkpoint, cfg)
     classes = recorded_classes(stored)
     kind = held_weights(stored, weights_keys(ema, released))
     weights = official_weights(cfg.MODEL.NAME, checkpoint_weights(stored, checkpoint, ema=ema, released=released))
@@ -158,10 +157,16 @@ def load_weights(cfg: CN, checkpoint: str, ema: bool, adopt_classes: bool,
     return LoadedWeights(cfg, weights, classes, kind)
 
 
+# Model keywords that change no weight and nothing an evaluation computes.
+_EVALUATION_NEUTRAL_KWARGS = frozenset(
+    {'drop_rate', 'pos_drop_rate', 'proj_drop_rate', 'attn_drop_rate', 'drop_path_rate', 'dynamic_img_size'})
+
+
 def _check_trained_model(stored: Any, checkpoint: str, cfg: CN) -> None:
-    """A UsageError where one of our checkpoints was trained as another model than the one a model name and
-    options build (MODEL.NAME, MODEL.KWARGS): another attention's weights of the same shapes (softmax's, SimA's,
-    an attention of one's own) loaded without a word and were evaluated in the wrong attention."""
+    """A UsageError where one of our checkpoints was trained as another model than `cfg` builds (MODEL.NAME,
+    MODEL.KWARGS), from a model name, a config file or overrides: another attention's weights of the same shapes
+    (softmax's, SimA's, an attention of one's own) loaded without a word and were evaluated in the wrong
+    attention."""
     text = stored.get('config') if isinstance(stored, Mapping) else None
     if not isinstance(text, str):
         return  # weights without our config: a release, a timm or hub file, an official training file
@@ -170,11 +175,11 @@ def _check_trained_model(stored: Any, checkpoint: str, cfg: CN) -> None:
     except ConfigError:
         return  # a config this engine no longer reads: the weights are checked by their keys and shapes
     changes = [change for change in config_changes(trained, cfg) if change.startswith('MODEL.NAME ') or (
-        change.startswith('MODEL.KWARGS.') and not change.split()[0].endswith('drop_rate'))]  # dropout is off
+        change.startswith('MODEL.KWARGS.') and change.split()[0].split('.')[2] not in _EVALUATION_NEUTRAL_KWARGS)]
     if changes:
         raise UsageError(f"checkpoint {checkpoint!r} was trained as another model: {'; '.join(changes)}; expected "
-                         f"the checkpoint without a model name (its stored config builds its model), or a model name "
-                         f"and MODEL.KWARGS that build the same")
+                         f"the checkpoint alone (its stored config builds its model), or a model name or config and "
+                         f"MODEL.KWARGS that build the same")
 
 
 def _class_count_error(checkpoint: str, rows: int, num_classes: int) -> CheckpointError:

@@ -30,7 +30,7 @@ from .build import (autocast_dtype, check_model_config, check_onednn, check_opti
                     create_training_model, official_weights, read_weights, synchronize_batchnorm)
 from .checkpoint import BEST, LAST, OutputLock, TrainingCheckpoint, atomic_write_text, remove_stale_temp_files
 from .compile import CompileTimer, compile_errors_reported, compile_model
-from .config import ema_decay, scaled_lrs, total_batch_size
+from .config import describe_model, ema_decay, scaled_lrs, total_batch_size
 from .data import (build_batch_augmentation, build_eval_loader, build_train_loader, check_images, check_splits,
                    check_trained_classes, class_difference, eval_batch_size, eval_transform, image_mode, load_split,
                    report_scan, resolve_data_root, train_transform)
@@ -472,10 +472,8 @@ def _train(cfg: CN, info: DistInfo, lock: OutputLock, check_data: bool, resume: 
         if state.epoch < num_epochs:  # the config of the checkpoints beside it: a run that trains nothing keeps it
             atomic_write_text(os.path.join(output, CONFIG), cfg.dump())
         n_params = sum(p.numel() for p in model.parameters())
-        built_with = ', '.join(f'{key} {value!r}' for key, value in cfg.MODEL.KWARGS.items())
-        logger.info(f"model {cfg.MODEL.NAME}{f' ({built_with})' if built_with else ''}: {n_params / 1e6:.2f}M "
-                    f"parameters; {len(train_set)} training and {len(val_set)} validation images in "
-                    f"{_count(len(train_set.classes), 'class', 'classes')}")
+        logger.info(f"model {describe_model(cfg)}: {n_params / 1e6:.2f}M parameters; {len(train_set)} training and "
+                    f"{len(val_set)} validation images in {_count(len(train_set.classes), 'class', 'classes')}")
         if len(train_set.classes) == 1:
             logger.warning(f"the dataset has 1 class ({train_set.classes[0]}): every prediction is that class, so "
                            f"top-1 is trivially 100 %; expected 2 or more classes for a meaningful accuracy")

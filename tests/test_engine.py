@@ -953,28 +953,34 @@ def test_command_line_errors_are_one_line_with_exit_status_2(tmp_path, digits, t
 
 
 def test_a_checkpoint_of_another_model_of_the_same_shapes_is_refused_by_name(tmp_path, digits, tiny_cfg, capsys):
-    """Linear attention's weights have softmax's shapes: `eval.py --model softmax_deit_tiny --checkpoint` of a linear
-    run loaded them without a word and evaluated them in softmax attention. The checkpoint's config names the model
-    it was trained as; the same model, and the checkpoint alone, evaluate."""
+    """Linear attention's weights have softmax's shapes: `eval.py --model softmax_deit_tiny --checkpoint` (or `--cfg`
+    of a softmax model) of a linear run loaded them without a word and evaluated them in softmax attention. The
+    checkpoint's config names the model it was trained as; the same model, and the checkpoint alone, evaluate, and
+    so do keywords that change no weight (stochastic depth, dropout)."""
     cfg = tiny_cfg.clone()
     cfg.defrost()
     cfg.MODEL.NAME = 'linear_deit_tiny'
+    cfg.MODEL.KWARGS.drop_path_rate = 0.1
     path = tmp_path / 'linear.pth'
     torch.save({'model': create_model(cfg).state_dict(), 'config': cfg.dump()}, path)
     argv = ['--checkpoint', str(path), '--data-path', str(digits)]
+    refusal = (f"error: checkpoint {str(path)!r} was trained as another model: MODEL.NAME 'linear_deit_tiny' (this "
+               f"run: 'softmax_deit_tiny'); expected the checkpoint alone (its stored config builds its model), or a "
+               f"model name or config and MODEL.KWARGS that build the same\n")
     code, _, err = _run(eval_main, ['--model', 'softmax_deit_tiny', *argv, '--opts', *TINY_MODEL_OPTS], capsys)
-    assert code == USAGE_EXIT_CODE and err == (
-        f"error: checkpoint {str(path)!r} was trained as another model: MODEL.NAME 'linear_deit_tiny' (this run: "
-        f"'softmax_deit_tiny'); expected the checkpoint without a model name (its stored config builds its model), "
-        f"or a model name and MODEL.KWARGS that build the same\n")
+    assert (code, err) == (USAGE_EXIT_CODE, refusal)
+    code, _, err = _run(eval_main, ['--cfg', TINY, *argv, '--opts', 'MODEL.NAME', 'softmax_deit_tiny'], capsys)
+    assert code == USAGE_EXIT_CODE and err.startswith(refusal.split(' (this run')[0]), err
     without_depth = [item for pair in zip(TINY_MODEL_OPTS[::2], TINY_MODEL_OPTS[1::2])
                      if pair[0] != 'MODEL.KWARGS.depth' for item in pair]
     code, _, err = _run(eval_main, ['--model', 'linear_deit_tiny', *argv, '--opts', *without_depth], capsys)
     assert code == USAGE_EXIT_CODE and "MODEL.KWARGS.depth 2 (this run: unset)" in err, err
-    for given in (['--model', 'linear_deit_tiny', *argv, '--opts', *TINY_MODEL_OPTS], argv):
+    for given in (['--model', 'linear_deit_tiny', *argv, '--opts', *TINY_MODEL_OPTS], argv,
+                  ['--cfg', TINY, *argv, '--opts', 'MODEL.NAME', 'linear_deit_tiny']):
         code, out, err = _run(eval_main, given, capsys)
         assert code == 0, err
         assert json.loads(out.splitlines()[-1])['count'] == 360
+        assert out.splitlines()[0].startswith('linear_deit_tiny with MODEL.KWARGS {depth: 2, ')  # the human line
 
 
 HEADS_LEFT_SPLIT = """
@@ -1102,7 +1108,7 @@ def test_a_misspelled_attention_and_a_module_that_registers_none_are_named(tmp_p
     argv = ['--cfg', TINY, '--output', str(tmp_path / 'out'), '--opts', 'DATA.DATA_PATH', str(tmp_path / 'digits')]
     code, _, err = _run(train_main, argv + ['MODEL.KWARGS.attn_type', 'softmx'], capsys)
     assert code == USAGE_EXIT_CODE and ": bad attn_type 'softmx' (not a name or pattern; did you mean 'softmax'?); " \
-        "expected an attention name (" in err
+        "expected an attention name (" in err and err.endswith("e.g. 'IIMS2'\n")  # no advice to register it
     code, _, err = _run(train_main, argv + ['MODEL.KWARGS.attn_type', "['sima_']"], capsys)
     assert code == USAGE_EXIT_CODE and ": unknown attention 'sima_' (did you mean 'sima'?); expected one of " in err
     (tmp_path / 'registers_nothing.py').write_text('CONSTANT = 1\n')
@@ -1111,7 +1117,7 @@ def test_a_misspelled_attention_and_a_module_that_registers_none_are_named(tmp_p
     code, _, err = _run(train_main, argv + ['MODEL.IMPORTS', "['registers_nothing']", 'MODEL.KWARGS.attn_type',
                                             'cosine'], capsys)
     assert code == USAGE_EXIT_CODE and err.endswith(
-        "; MODEL.IMPORTS ['registers_nothing'] imported, but registers no attention 'cosine': expected "
+        "; the modules of MODEL.IMPORTS ['registers_nothing'] register no attention 'cosine': expected "
         "@register_attention('cosine') on its mixer class\n")
 
 

@@ -8,7 +8,7 @@ import difflib
 import inspect
 import re
 import textwrap
-from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Type, TypeVar
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple, Type, TypeVar
 
 from .causal import check_causal_grouping
 from .grouping import (
@@ -39,14 +39,18 @@ class UnknownAttentionError(ValueError):
     """An attention name that is not registered (yet: an attention of the user's own registers when its module is
     imported); `name` is the name given."""
 
-    def __init__(self, message: str, name: Any):
+    def __init__(self, message: str, name: Any = None):
         super().__init__(message)
         self.name = name
 
+    def __reduce__(self) -> Tuple[type, Tuple[str, Any]]:  # pickled with its name (processes, deepcopy)
+        return type(self), (str(self), self.name)
+
 
 def close_attention_name(name: Any) -> str:
-    """"did you mean 'softmax'?" for a name close to a registered one, else ''."""
-    close = difflib.get_close_matches(str(name), list(_MIXERS), n=1)
+    """"did you mean 'softmax'?" for a name close to a registered one (a typo, not another word around it: not
+    'hot_softmax'), else ''."""
+    close = difflib.get_close_matches(str(name), list(_MIXERS), n=1, cutoff=0.85)
     return f"did you mean {close[0]!r}?" if close else ''
 
 
