@@ -32,8 +32,8 @@ from .distributed import DistInfo
 from .errors import UsageError
 from .hub import is_hub_name, weights_file
 
-__all__ = ['import_model_modules', 'check_model_name', 'check_model_config', 'check_pretrained', 'official_weights',
-           'classifier_names', 'classifier_rows', 'imagenet1k_difference', 'narrows_to_imagenet1k',
+__all__ = ['import_model_modules', 'import_modules', 'check_model_name', 'check_model_config', 'check_pretrained',
+           'official_weights', 'classifier_names', 'classifier_rows', 'imagenet1k_difference', 'narrows_to_imagenet1k',
            'read_weights', 'weights_keys', 'checkpoint_weights', 'create_model', 'weight_changes', 'create_optimizer',
            'create_scheduler', 'create_criterion', 'autocast_dtype', 'check_onednn', 'create_training_model']
 
@@ -43,23 +43,28 @@ logger = logging.getLogger('engine')
 
 
 def import_model_modules(cfg: CN) -> None:
-    """Import the modules of MODEL.IMPORTS, which register a user's attentions or families, with the working
-    directory on the import path (after the rest); `UsageError` for one that cannot be imported or fails on
-    import, naming the line of its own code that raised."""
-    if cfg.MODEL.IMPORTS and os.getcwd() not in sys.path:
+    """Import the modules of MODEL.IMPORTS (`import_modules`)."""
+    import_modules(cfg.MODEL.IMPORTS)
+
+
+def import_modules(modules: Sequence[str], option: str = 'MODEL.IMPORTS') -> None:
+    """Import `modules`, which register a user's attentions or families, with the working directory on the import
+    path (after the rest); `UsageError` for one that cannot be imported or fails on import, naming the `option`
+    that gave it and the line of its own code that raised."""
+    if modules and os.getcwd() not in sys.path:
         sys.path.append(os.getcwd())
-    for module in cfg.MODEL.IMPORTS:
+    for module in modules:
         try:
             importlib.import_module(module)
         except ModuleNotFoundError as e:
             if e.name is None or not (module == e.name or module.startswith(f'{e.name}.')):  # one it imports
-                raise UsageError(f"MODEL.IMPORTS module {module!r} failed on import ({e}; at {_raised_at(e)}); "
+                raise UsageError(f"{option} module {module!r} failed on import ({e}; at {_raised_at(e)}); "
                                  f"expected a module whose own imports are installed") from None
-            raise UsageError(f"MODEL.IMPORTS module {module!r} cannot be imported ({e}); expected a module on the "
+            raise UsageError(f"{option} module {module!r} cannot be imported ({e}); expected a module on the "
                              f"import path: in the working directory, on PYTHONPATH or installed") from None
         except Exception as e:  # the registry refusing a name or class, a syntax error, a bug in the module
             text = ' '.join(str(e.msg if isinstance(e, SyntaxError) else e).split())  # one line; msg: no place
-            raise UsageError(f"MODEL.IMPORTS module {module!r} failed on import ({type(e).__name__}: {text}; at "
+            raise UsageError(f"{option} module {module!r} failed on import ({type(e).__name__}: {text}; at "
                              f"{_raised_at(e)}); expected a module that imports and registers cleanly") from None
 
 

@@ -35,6 +35,10 @@ profiler. A training step's peak includes the gradients (constant in the resolut
     python scripts/benchmark.py --device cpu --threads 1 --families deit swin --sizes tiny \
         --resolutions 224 512 1024 swin=224,448 --train-max-resolution 512 --out docs/benchmarks
     python scripts/benchmark.py --device cuda --compile --out docs/benchmarks
+    python scripts/benchmark.py --imports my_attention --attentions softmax cosine --families deit swin
+
+An attention of one's own registers when its module is imported (`--imports`, from the working directory); it has
+no entrypoints, so it is timed in softmax's architecture with `attn_type` set to it.
 
 Writes OUT.md (machine, command, date, table, target ratios) and OUT.csv. Text below a line `<!-- notes -->` in
 an existing OUT.md (a hand-written reading of the results) is kept.
@@ -66,7 +70,7 @@ with quit_on_interrupt():  # while torch and the models load: nothing has starte
     import timm
 
     import models  # noqa: F401  (registers the families)
-    from engine.build import create_optimizer
+    from engine.build import create_optimizer, import_modules
     from engine.checkpoint import atomic_write_text, files_taken_together, prepare_script_out, write_table_keeping_notes
     from engine.compile import compile_model
     from engine.config import load_config
@@ -229,6 +233,8 @@ def model_spec(attention: str, family: str, size: str, resolution: int) -> Tuple
     b0-b5, see `FAMILY_SIZES`)."""
     name = f'{attention}_{family}_{FAMILY_SIZES.get(family, {}).get(size, size)}'
     kwargs: Dict = dict(img_size=resolution)
+    if not timm.list_models(f'{attention}_*'):  # registered outside the package: no entrypoints of its own
+        name, kwargs['attn_type'] = f'softmax_{name[len(attention) + 1:]}', attention
     if family == 'swin' and not forms_score_matrix(attention) and _from_paper(name):
         # A paper's linear-attention Swin takes `window_size` as the window of its linear blocks (its softmax
         # window derives from it); the stage-0 grid keeps them global at every resolution, as at the trained one.
@@ -435,6 +441,7 @@ def run_group(args: argparse.Namespace, specs: List[Dict], resolution: int, trai
            '--resolution', str(resolution), '--device', args.device, '--batch-size', str(args.batch_size),
            '--iters', str(args.iters), '--train-iters', str(args.train_iters), '--warmup', str(args.warmup),
            '--threads', str(args.threads), '--stat', args.stat, '--matmul-size', str(args.matmul_size)]
+    cmd += ['--imports', *args.imports] if args.imports else []
     cmd += ['--compile'] * args.compile + ['--channels-last'] * args.channels_last
     cmd += ['--onednn'] * args.onednn + ['--ceiling'] * args.ceiling
     cmd += ['--train' if train else '--no-train']
@@ -445,9 +452,19 @@ def run_group(args: argparse.Namespace, specs: List[Dict], resolution: int, trai
     return results
 
 
+def import_requested(argv: Sequence[str]) -> None:
+    """Import the modules of `--imports` before the parser offers the registry's attentions."""
+    early = argparse.ArgumentParser(add_help=False)
+    early.add_argument('--imports', nargs='+', default=[])
+    import_modules(early.parse_known_args(argv)[0].imports, '--imports')
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """The command line; the attentions to choose from are the registry's."""
+    """The command line; the attentions to choose from are the registry's (those of `--imports` included)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument('--imports', nargs='+', default=[], metavar='MODULE',
+                        help='modules to import first (from the working directory), which register attentions of '
+                             'your own')
     parser.add_argument('--device', default='cuda' if torch.cuda.is_available() else 'cpu')
     parser.add_argument('--families', nargs='+', default=list(FAMILIES), choices=FAMILIES)
     parser.add_argument('--sizes', nargs='+', default=['tiny', 'small'])
@@ -543,6 +560,7 @@ def family_sizes(family: str, attention: str) -> List[str]:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
+    import_requested(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.child:
@@ -586,8 +604,10 @@ def result_row(res: Dict, results: Dict[str, Dict], spec: Dict, suffix: str, **w
     reference, baseline = results.get(REFERENCE + suffix), results.get(BASELINE + suffix)
     eager = results.get(spec['label']) if suffix else None
     ceilings = eager or res  # a compiled model's products are its eager twin's
+    # an attention of one's own runs in softmax's architecture: the row names both
+    attn_type = f" (attn_type {spec['kwargs']['attn_type']})" if 'attn_type' in spec['kwargs'] else ''
     return dict(
-        **where, attention=spec['label'], model=spec['model'] + suffix, compiled=bool(suffix),
+        **where, attention=spec['label'], model=spec['model'] + attn_type + suffix, compiled=bool(suffix),
         params_m=res['params_m'], gflops=res['gflops'], infer_img_s=res['infer_img_s'],
         infer_mm_pct=res['infer_mm_pct'], infer_best_pct=res['infer_best_pct'], train_step_ms=res.get('train_step_ms'),
         train_mm_pct=res.get('train_mm_pct'), train_best_pct=res.get('train_best_pct'),

@@ -256,6 +256,44 @@ def test_benchmark_times_both_cpu_matrix_product_libraries_and_runs_linear_layer
     assert '- batch 1, min of 1 inference rounds after 0 warm-up calls' in text  # --no-train: no training rounds
 
 
+COSINE_ATTENTION = """
+import torch.nn.functional as F
+from models.attention import Mixer, register_attention
+from models.attention.layout import merge_heads, split_heads
+
+
+@register_attention('cosine_of_my_own')
+class CosineOfMyOwn(Mixer):
+    forms_scores = reduces_keys = True
+
+    def forward(self, q, k, v, ctx):
+        h = self.num_heads
+        q, k, v = F.normalize(split_heads(q, h), dim=-1), F.normalize(split_heads(k, h), dim=-1), split_heads(v, h)
+        return merge_heads(F.scaled_dot_product_attention(q, k, v, scale=10.))
+"""
+
+
+def test_benchmark_times_an_attention_of_ones_own_beside_the_built_in_ones(tmp_path):
+    """`--attentions` offered the built-in attentions only, and an outside one has no entrypoints: `--imports`
+    imports its module (in the measuring processes too) and times it in softmax's architecture."""
+    (tmp_path / 'my_attention.py').write_text(COSINE_ATTENTION)
+    command = [sys.executable, os.path.join(SCRIPTS, 'benchmark.py'), '--imports', 'my_attention', '--device', 'cpu',
+               '--threads', '1', '--families', 'deit', '--sizes', 'tiny', '--attentions', 'softmax',
+               'cosine_of_my_own', '--resolutions', '32', '--no-reference', '--no-train', '--iters', '1', '--warmup',
+               '0', '--matmul-size', '64', '--out', 'b']
+    run = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    with open(tmp_path / 'b.csv') as f:
+        rows = {row['attention']: row for row in csv.DictReader(f)}
+    assert rows['cosine_of_my_own']['model'] == 'softmax_deit_tiny (attn_type cosine_of_my_own)'
+    assert float(rows['cosine_of_my_own']['infer_img_s']) > 0 and float(rows['softmax']['infer_img_s']) > 0
+    missing = subprocess.run(command[:3] + ['no_such_module'] + command[4:], cwd=tmp_path, capture_output=True,
+                             text=True, timeout=600)
+    assert (missing.returncode, missing.stderr.splitlines()[-1]) == (2, (
+        "error: --imports module 'no_such_module' cannot be imported (No module named 'no_such_module'); expected a "
+        "module on the import path: in the working directory, on PYTHONPATH or installed"))
+
+
 class Measured(Exception):
     """Raised in place of a measurement, with the config it was given."""
 
