@@ -605,7 +605,8 @@ def result_row(res: Dict, results: Dict[str, Dict], spec: Dict, suffix: str, **w
     eager = results.get(spec['label']) if suffix else None
     ceilings = eager or res  # a compiled model's products are its eager twin's
     # an attention of one's own runs in softmax's architecture: the row names both
-    attn_type = f" (attn_type {spec['kwargs']['attn_type']})" if 'attn_type' in spec['kwargs'] else ''
+    attn_type = spec.get('kwargs', {}).get('attn_type')
+    attn_type = f" (attn_type {attn_type})" if attn_type else ''
     return dict(
         **where, attention=spec['label'], model=spec['model'] + attn_type + suffix, compiled=bool(suffix),
         params_m=res['params_m'], gflops=res['gflops'], infer_img_s=res['infer_img_s'],
