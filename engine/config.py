@@ -11,7 +11,7 @@ import difflib
 import math
 import os
 import re
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 import yaml
 from timm.data import create_transform
@@ -24,7 +24,7 @@ __all__ = [
     'ConfigError', 'get_default_config', 'load_config', 'config_from_yaml_string', 'merge_dict', 'merge_opts',
     'parse_args_with_opts',
     'validate_config', 'config_changes', 'compile_backends', 'mixup_active', 'total_batch_size', 'scaled_lrs',
-    'ema_decay', 'model_kwargs',
+    'ema_decay', 'model_kwargs', 'describe_model', 'stored_config', 'trained_model_changes',
 ]
 
 
@@ -635,6 +635,30 @@ def _plain(value: Any) -> Any:
     if isinstance(value, CN):
         return {k: _plain(v) for k, v in value.items()}
     return value
+
+
+# Model keywords that change no weight and nothing an evaluation computes.
+_WEIGHT_NEUTRAL_KWARGS = frozenset(
+    {'drop_rate', 'pos_drop_rate', 'proj_drop_rate', 'attn_drop_rate', 'drop_path_rate', 'dynamic_img_size'})
+
+
+def stored_config(checkpoint: Any, source: str) -> Optional[CN]:
+    """The config one of our checkpoints stores, None for weights without one (a release, a timm or hub file, an
+    official training file) or with one this engine no longer reads."""
+    text = checkpoint.get('config') if isinstance(checkpoint, Mapping) else None
+    if not isinstance(text, str):
+        return None
+    try:
+        return config_from_yaml_string(text, source)
+    except ConfigError:
+        return None
+
+
+def trained_model_changes(trained: CN, cfg: CN) -> List[str]:
+    """'KEY old (this run: new)' for each MODEL.NAME / MODEL.KWARGS value by which `cfg` builds another model than
+    the config `trained` of a checkpoint, keywords that change no weight (dropout, stochastic depth) aside."""
+    return [change for change in config_changes(trained, cfg) if change.startswith('MODEL.NAME ') or (
+        change.startswith('MODEL.KWARGS.') and change.split()[0].split('.')[2] not in _WEIGHT_NEUTRAL_KWARGS)]
 
 
 def describe_model(cfg: CN) -> str:

@@ -16,8 +16,8 @@ from .build import (autocast_dtype, check_model_name, checkpoint_weights, classi
                     official_weights, weights_keys)
 from .checkpoint import recorded_classes
 from .compile import CompileTimer, compile_errors_reported, compile_model
-from .config import (ConfigError, config_changes, config_from_yaml_string, get_default_config, load_config, merge_dict,
-                     merge_opts, validate_config)
+from .config import (config_from_yaml_string, get_default_config, load_config, merge_dict, merge_opts, stored_config,
+                     trained_model_changes, validate_config)
 from .data import (build_eval_loader, check_images, check_trained_classes, eval_batch_size, eval_transform,
                    image_channels, image_mode, load_split, report_scan, resolve_data_root)
 from .distributed import DistInfo
@@ -157,25 +157,13 @@ def load_weights(cfg: CN, checkpoint: str, ema: bool, adopt_classes: bool,
     return LoadedWeights(cfg, weights, classes, kind)
 
 
-# Model keywords that change no weight and nothing an evaluation computes.
-_EVALUATION_NEUTRAL_KWARGS = frozenset(
-    {'drop_rate', 'pos_drop_rate', 'proj_drop_rate', 'attn_drop_rate', 'drop_path_rate', 'dynamic_img_size'})
-
-
 def _check_trained_model(stored: Any, checkpoint: str, cfg: CN) -> None:
     """A UsageError where one of our checkpoints was trained as another model than `cfg` builds (MODEL.NAME,
     MODEL.KWARGS), from a model name, a config file or overrides: another attention's weights of the same shapes
     (softmax's, SimA's, an attention of one's own) loaded without a word and were evaluated in the wrong
     attention."""
-    text = stored.get('config') if isinstance(stored, Mapping) else None
-    if not isinstance(text, str):
-        return  # weights without our config: a release, a timm or hub file, an official training file
-    try:
-        trained = config_from_yaml_string(text, f"checkpoint {checkpoint!r}")
-    except ConfigError:
-        return  # a config this engine no longer reads: the weights are checked by their keys and shapes
-    changes = [change for change in config_changes(trained, cfg) if change.startswith('MODEL.NAME ') or (
-        change.startswith('MODEL.KWARGS.') and change.split()[0].split('.')[2] not in _EVALUATION_NEUTRAL_KWARGS)]
+    trained = stored_config(stored, f"checkpoint {checkpoint!r}")
+    changes = [] if trained is None else trained_model_changes(trained, cfg)
     if changes:
         raise UsageError(f"checkpoint {checkpoint!r} was trained as another model: {'; '.join(changes)}; expected "
                          f"the checkpoint alone (its stored config builds its model), or a model name or config and "

@@ -12,7 +12,7 @@ import time
 import warnings
 from contextlib import contextmanager
 from dataclasses import replace
-from typing import Any, Callable, Dict, Iterator, List, Optional, TextIO
+from typing import Any, Callable, Dict, Iterator, List, Optional, TextIO, Tuple
 
 import numpy as np
 import torch
@@ -23,14 +23,15 @@ from torch.nn.parallel import DistributedDataParallel
 from yacs.config import CfgNode as CN
 
 from models._files import named_on_error
-from models.checkpoint import CheckpointError
+from models.checkpoint import CheckpointError, load_checkpoint_file
 
 from .build import (autocast_dtype, check_model_config, check_onednn, check_optimizer_config, check_pretrained,
                     check_sync_bn, create_criterion, create_model, create_optimizer, create_scheduler,
-                    create_training_model, official_weights, read_weights, synchronize_batchnorm)
+                    checkpoint_weights, create_training_model, official_weights, read_weights,
+                    synchronize_batchnorm)
 from .checkpoint import BEST, LAST, OutputLock, TrainingCheckpoint, atomic_write_text, remove_stale_temp_files
 from .compile import CompileTimer, compile_errors_reported, compile_model
-from .config import describe_model, ema_decay, scaled_lrs, total_batch_size
+from .config import describe_model, ema_decay, scaled_lrs, stored_config, total_batch_size, trained_model_changes
 from .data import (build_batch_augmentation, build_eval_loader, build_train_loader, check_images, check_splits,
                    check_trained_classes, class_difference, eval_batch_size, eval_transform, image_mode, load_split,
                    report_scan, resolve_data_root, train_transform)
@@ -305,16 +306,16 @@ def train(cfg: CN, info: DistInfo, check_data: bool = False) -> Dict[str, Any]:
             cfg.freeze()
     # so are the weights to start from, read and matched with the model, where they lie in a file already (a
     # download waits for the data check)
-    pretrained = None
+    pretrained, trained_as = None, ''
     if stored is None and cfg.MODEL.PRETRAINED and os.path.isfile(cfg.MODEL.PRETRAINED):
-        pretrained = _read_start_weights(cfg, cfg.MODEL.PRETRAINED)
+        pretrained, trained_as = _read_start_file(cfg, cfg.MODEL.PRETRAINED)
         with warnings.catch_warnings():  # loading into the meta device copies nothing, which torch warns of per tensor
             warnings.filterwarnings('ignore', message='.*copying from a non-meta parameter')
             _with_start_weights(cfg, pretrained, lambda: create_model(
                 cfg, pretrained, source=cfg.MODEL.PRETRAINED, device='meta', strict=cfg.MODEL.PRETRAINED_STRICT))
     lock = OutputLock(cfg.OUTPUT)
     try:
-        return _train(cfg, info, lock, check_data, resume, stored, pretrained)
+        return _train(cfg, info, lock, check_data, resume, stored, pretrained, trained_as)
     except Exception as e:  # a stop after saving has logged its own line
         if lock.fd is not None:  # the run took the folder: its log is this run's (the console has the error)
             _note_in_log_file(cfg.OUTPUT, error_line(e))
@@ -322,6 +323,17 @@ def train(cfg: CN, info: DistInfo, check_data: bool = False) -> Dict[str, Any]:
     finally:
         lock.release()
         _close_log_file(cfg.OUTPUT)
+
+
+def _read_start_file(cfg: CN, path: str) -> Tuple[Dict[str, Tensor], str]:
+    """The weights of the file `path` that MODEL.PRETRAINED_EMA picks, and, where it is one of our checkpoints of
+    another model than `cfg` builds, what differs ('' otherwise): a start from another attention's weights of the
+    same shapes loads strictly, and the log says whose they are."""
+    checkpoint = load_checkpoint_file(path)
+    weights = checkpoint_weights(checkpoint, path, cfg.MODEL.PRETRAINED_EMA,
+                                 without_ema='set MODEL.PRETRAINED_EMA False')
+    trained = stored_config(checkpoint, f"checkpoint {path!r}")
+    return weights, '; '.join(trained_model_changes(trained, cfg)) if trained is not None else ''
 
 
 def _read_start_weights(cfg: CN, path: str, released: bool = False) -> Dict[str, Tensor]:
@@ -365,7 +377,8 @@ def _read_resumed(path: str, auto: bool) -> Dict[str, Any]:
 
 
 def _train(cfg: CN, info: DistInfo, lock: OutputLock, check_data: bool, resume: Optional[str],
-           stored: Optional[Dict[str, Any]], pretrained: Optional[Dict[str, Tensor]]) -> Dict[str, Any]:
+           stored: Optional[Dict[str, Any]], pretrained: Optional[Dict[str, Tensor]],
+           trained_as: str = '') -> Dict[str, Any]:
     root = resolve_data_root(cfg, info)
     check_splits(root, ('train', 'val'))
     bad_images = cfg.DATA.BAD_IMAGES
@@ -416,8 +429,9 @@ def _train(cfg: CN, info: DistInfo, lock: OutputLock, check_data: bool, resume: 
     if pretrained is not None and info.is_main:
         if os.path.isfile(cfg.MODEL.PRETRAINED):
             which = 'EMA' if cfg.MODEL.PRETRAINED_EMA else 'model'
+            of_run = f"; its run trained another model: {trained_as}" if trained_as else ''
             logger.info(f"started from the {which} weights of {cfg.MODEL.PRETRAINED} (MODEL.PRETRAINED_EMA "
-                        f"{cfg.MODEL.PRETRAINED_EMA})")
+                        f"{cfg.MODEL.PRETRAINED_EMA}){of_run}")
         else:
             logger.info(f"started from the weights of {cfg.MODEL.PRETRAINED}")
     ema = None

@@ -139,6 +139,22 @@ def test_pretrained_weights_of_another_attention_start_a_run_only_when_asked(fin
                     f"{', '.join(new)}; dropped: none"]
 
 
+def test_a_start_from_another_attentions_checkpoint_of_the_same_shapes_names_its_model(finished_run, tmp_path):
+    """Linear DeiT's weights have softmax DeiT's shapes, so they start a softmax run strictly (fine-tuning across
+    attentions); the log said only the file's name, not that its run trained another model."""
+    linear = load_config(TINY, ['MODEL.NAME', 'linear_deit_tiny'])
+    path = tmp_path / 'linear.pth'
+    torch.save({'model': timm.create_model('linear_deit_tiny', num_classes=10, img_size=16,
+                                           **linear.MODEL.KWARGS).state_dict(), 'config': linear.dump()}, path)
+    output = tmp_path / 'out'
+    started = train_recording_the_start(['--cfg', TINY, '--output', str(output), '--data-path',
+                                         str(finished_run.parent / 'digits'), '--pretrained', str(path), '--opts',
+                                         'TRAIN.EPOCHS', '1', 'MODEL.NAME', 'softmax_deit_tiny'])
+    assert torch.equal(started['blocks.0.attn.qkv.weight'], torch.load(path)['model']['blocks.0.attn.qkv.weight'])
+    assert (f"started from the model weights of {path} (MODEL.PRETRAINED_EMA False); its run trained another model: "
+            f"MODEL.NAME 'linear_deit_tiny' (this run: 'softmax_deit_tiny')") in (output / 'train.log').read_text()
+
+
 @pytest.mark.parametrize('ema', [False, True])
 def test_pretrained_checkpoint_starts_from_the_weights_asked_for_and_says_which(finished_run, tmp_path, ema):
     """A checkpoint holds model and EMA weights: --pretrained takes the model's, --pretrained-ema the EMA's
