@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from yacs.config import CfgNode as CN
 
 import models  # noqa: F401  (registers the zoo's families with timm)
-from models.attention import UnknownAttentionError, list_attentions
+from models.attention import Mixer, UnknownAttentionError, list_attentions
 from models.attention.registry import close_attention_name
 from models.checkpoint import (EMA_KEYS, IMAGENET22K_CLASSES, MODEL_KEYS, PRETRAINED_KEYS, CheckpointError,
                                checkpoint_state_dict, has_released_weights, load_checkpoint_file, load_shared_weights,
@@ -27,12 +27,12 @@ from models.checkpoint import (EMA_KEYS, IMAGENET22K_CLASSES, MODEL_KEYS, PRETRA
                                unknown_pretrained_tag)
 from models.onednn import convert_to_onednn, onednn_available
 
-from .config import ConfigError, mixup_active, model_kwargs
+from .config import ConfigError, mixup_active, model_kwargs, trained_model_changes
 from .distributed import DistInfo
 from .errors import UsageError
 from .hub import is_hub_name, weights_file
 
-__all__ = ['import_model_modules', 'import_modules', 'check_model_name', 'check_model_config', 'check_pretrained',
+__all__ = ['import_model_modules', 'import_modules', 'trained_as_another_model', 'check_model_name', 'check_model_config', 'check_pretrained',
            'official_weights', 'classifier_names', 'classifier_rows', 'imagenet1k_difference', 'narrows_to_imagenet1k',
            'read_weights', 'weights_keys', 'checkpoint_weights', 'create_model', 'weight_changes', 'create_optimizer',
            'create_scheduler', 'create_criterion', 'autocast_dtype', 'check_onednn', 'create_training_model']
@@ -80,6 +80,31 @@ def _raised_at(error: BaseException) -> str:
            and not os.path.abspath(frame.filename).startswith(machinery)]
     frame = (own or frames)[0]
     return f"{frame.filename}, line {frame.lineno}"
+
+
+def _attentions_built(cfg: CN) -> Optional[List[Tuple[str, str, str]]]:
+    """Each attention of the model `cfg` builds (on the meta device): its module path, class and options; None where
+    the model cannot be built here (a checkpoint's config of an older engine, an attention of one's own whose module
+    is not imported), so that nothing can be compared."""
+    try:
+        with torch.device('meta'):
+            model = timm.create_model(cfg.MODEL.NAME, **model_kwargs(cfg))
+    except (TypeError, ValueError, RuntimeError, KeyError):
+        return None
+    return [(name, type(module).__name__, module.extra_repr()) for name, module in model.named_modules()
+            if isinstance(module, Mixer)]
+
+
+def trained_as_another_model(trained: CN, cfg: CN) -> List[str]:
+    """The config differences (`trained_model_changes`) by which `cfg` builds other attentions than `trained`, the
+    config stored in a checkpoint: another attention's weights of the same shapes load strictly. Empty where the
+    attentions are the same however the configs spell them (an explicit `attn_type` or default, `img_size`), or
+    where they cannot be compared."""
+    changes = trained_model_changes(trained, cfg)
+    if not changes:
+        return []
+    before, after = _attentions_built(trained), _attentions_built(cfg)
+    return changes if before is not None and after is not None and before != after else []
 
 
 def check_model_name(name: str) -> None:

@@ -646,7 +646,7 @@ def stored_config(checkpoint: Any, source: str) -> Optional[CN]:
     """The config one of our checkpoints stores, None for weights without one (a release, a timm or hub file, an
     official training file) or with one this engine no longer reads."""
     text = checkpoint.get('config') if isinstance(checkpoint, Mapping) else None
-    if not isinstance(text, str):
+    if not isinstance(text, str) or not text.strip():  # blank text would read as the defaults
         return None
     try:
         return config_from_yaml_string(text, source)

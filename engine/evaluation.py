@@ -13,11 +13,11 @@ from models.onednn import convert_to_onednn
 
 from .build import (autocast_dtype, check_model_name, checkpoint_weights, classifier_names, classifier_rows,
                     create_model, imagenet1k_difference, import_model_modules, narrows_to_imagenet1k,
-                    official_weights, weights_keys)
+                    official_weights, trained_as_another_model, weights_keys)
 from .checkpoint import recorded_classes
 from .compile import CompileTimer, compile_errors_reported, compile_model
 from .config import (config_from_yaml_string, get_default_config, load_config, merge_dict, merge_opts, stored_config,
-                     trained_model_changes, validate_config)
+                     validate_config)
 from .data import (build_eval_loader, check_images, check_trained_classes, eval_batch_size, eval_transform,
                    image_channels, image_mode, load_split, report_scan, resolve_data_root)
 from .distributed import DistInfo
@@ -158,12 +158,12 @@ def load_weights(cfg: CN, checkpoint: str, ema: bool, adopt_classes: bool,
 
 
 def _check_trained_model(stored: Any, checkpoint: str, cfg: CN) -> None:
-    """A UsageError where one of our checkpoints was trained as another model than `cfg` builds (MODEL.NAME,
-    MODEL.KWARGS), from a model name, a config file or overrides: another attention's weights of the same shapes
+    """A UsageError where `cfg` (from a model name, a config file or overrides) builds other attentions than one of
+    our checkpoints was trained with (`trained_as_another_model`): another attention's weights of the same shapes
     (softmax's, SimA's, an attention of one's own) loaded without a word and were evaluated in the wrong
     attention."""
     trained = stored_config(stored, f"checkpoint {checkpoint!r}")
-    changes = [] if trained is None else trained_model_changes(trained, cfg)
+    changes = [] if trained is None else trained_as_another_model(trained, cfg)
     if changes:
         raise UsageError(f"checkpoint {checkpoint!r} was trained as another model: {'; '.join(changes)}; expected "
                          f"the checkpoint alone (its stored config builds its model), or a model name or config and "

@@ -28,10 +28,10 @@ from models.checkpoint import CheckpointError, load_checkpoint_file
 from .build import (autocast_dtype, check_model_config, check_onednn, check_optimizer_config, check_pretrained,
                     check_sync_bn, create_criterion, create_model, create_optimizer, create_scheduler,
                     checkpoint_weights, create_training_model, official_weights, read_weights,
-                    synchronize_batchnorm)
+                    synchronize_batchnorm, trained_as_another_model)
 from .checkpoint import BEST, LAST, OutputLock, TrainingCheckpoint, atomic_write_text, remove_stale_temp_files
 from .compile import CompileTimer, compile_errors_reported, compile_model
-from .config import describe_model, ema_decay, scaled_lrs, stored_config, total_batch_size, trained_model_changes
+from .config import describe_model, ema_decay, scaled_lrs, stored_config, total_batch_size
 from .data import (build_batch_augmentation, build_eval_loader, build_train_loader, check_images, check_splits,
                    check_trained_classes, class_difference, eval_batch_size, eval_transform, image_mode, load_split,
                    report_scan, resolve_data_root, train_transform)
@@ -333,7 +333,7 @@ def _read_start_file(cfg: CN, path: str) -> Tuple[Dict[str, Tensor], str]:
     weights = checkpoint_weights(checkpoint, path, cfg.MODEL.PRETRAINED_EMA,
                                  without_ema='set MODEL.PRETRAINED_EMA False')
     trained = stored_config(checkpoint, f"checkpoint {path!r}")
-    return weights, '; '.join(trained_model_changes(trained, cfg)) if trained is not None else ''
+    return weights, ('; '.join(trained_as_another_model(trained, cfg)) if trained is not None else '')
 
 
 def _read_start_weights(cfg: CN, path: str, released: bool = False) -> Dict[str, Tensor]:
@@ -378,7 +378,7 @@ def _read_resumed(path: str, auto: bool) -> Dict[str, Any]:
 
 def _train(cfg: CN, info: DistInfo, lock: OutputLock, check_data: bool, resume: Optional[str],
            stored: Optional[Dict[str, Any]], pretrained: Optional[Dict[str, Tensor]],
-           trained_as: str = '') -> Dict[str, Any]:
+           trained_as: str) -> Dict[str, Any]:
     root = resolve_data_root(cfg, info)
     check_splits(root, ('train', 'val'))
     bad_images = cfg.DATA.BAD_IMAGES

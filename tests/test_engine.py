@@ -975,12 +975,15 @@ def test_a_checkpoint_of_another_model_of_the_same_shapes_is_refused_by_name(tmp
                      if pair[0] != 'MODEL.KWARGS.depth' for item in pair]
     code, _, err = _run(eval_main, ['--model', 'linear_deit_tiny', *argv, '--opts', *without_depth], capsys)
     assert code == USAGE_EXIT_CODE and "MODEL.KWARGS.depth 2 (this run: unset)" in err, err
+    # the same attentions however spelled: an explicit attn_type (a list of one name), img_size, in_chans
+    spelled = ['MODEL.KWARGS.attn_type', "['linear']", 'MODEL.KWARGS.img_size', '16', 'MODEL.KWARGS.in_chans', '3']
     for given in (['--model', 'linear_deit_tiny', *argv, '--opts', *TINY_MODEL_OPTS], argv,
-                  ['--cfg', TINY, *argv, '--opts', 'MODEL.NAME', 'linear_deit_tiny']):
+                  ['--cfg', TINY, *argv, '--opts', 'MODEL.NAME', 'linear_deit_tiny'],
+                  ['--cfg', TINY, *argv, '--opts', 'MODEL.NAME', 'linear_deit_tiny', *spelled]):
         code, out, err = _run(eval_main, given, capsys)
         assert code == 0, err
         assert json.loads(out.splitlines()[-1])['count'] == 360
-        assert out.splitlines()[0].startswith('linear_deit_tiny with MODEL.KWARGS {depth: 2, ')  # the human line
+        assert out.splitlines()[0].startswith('linear_deit_tiny with MODEL.KWARGS {')  # the human line
 
 
 HEADS_LEFT_SPLIT = """

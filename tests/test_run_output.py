@@ -168,7 +168,7 @@ def test_pretrained_checkpoint_starts_from_the_weights_asked_for_and_says_which(
     weights = stored['model_ema' if ema else 'model']
     assert started.keys() == weights.keys() and all(torch.equal(started[k], v) for k, v in weights.items())
     log = (output / 'train.log').read_text()
-    assert f"started from the {'EMA' if ema else 'model'} weights of {best} (MODEL.PRETRAINED_EMA {ema})" in log
+    assert f"started from the {'EMA' if ema else 'model'} weights of {best} (MODEL.PRETRAINED_EMA {ema})\n" in log
 
 
 def test_pretrained_ema_of_weights_without_an_ema_is_refused_before_the_data_is_read(finished_run, tmp_path,
