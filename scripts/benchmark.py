@@ -229,13 +229,16 @@ def matmul_steps(device: torch.device, size: int) -> Tuple[Dict[str, Callable[[]
 
 def model_spec(attention: str, family: str, size: str, resolution: int) -> Tuple[str, Dict]:
     """Our model name and its keyword arguments: the registered `{attention}_{family}_{size}`, which every family
-    has for every attention (a paper's official model keeps its own configuration; PVT v2 names its sizes
-    b0-b5, see `FAMILY_SIZES`)."""
-    name = f'{attention}_{family}_{FAMILY_SIZES.get(family, {}).get(size, size)}'
+    has for every built-in attention (a paper's official model keeps its own configuration; PVT v2 names its sizes
+    b0-b5, see `FAMILY_SIZES`); an attention registered outside the package has no entrypoints and runs in
+    softmax's architecture with `attn_type`."""
+    architecture = f'{family}_{FAMILY_SIZES.get(family, {}).get(size, size)}'
     kwargs: Dict = dict(img_size=resolution)
-    if not timm.list_models(f'{attention}_*'):  # registered outside the package: no entrypoints of its own
-        name, kwargs['attn_type'] = f'softmax_{name[len(attention) + 1:]}', attention
-    if family == 'swin' and not forms_score_matrix(attention) and _from_paper(name):
+    if timm.list_models(f'{attention}_{family}_*'):
+        name = f'{attention}_{architecture}'
+    else:
+        name, kwargs['attn_type'] = f'{BASELINE}_{architecture}', attention
+    if family == 'swin' and 'attn_type' not in kwargs and not forms_score_matrix(attention) and _from_paper(name):
         # A paper's linear-attention Swin takes `window_size` as the window of its linear blocks (its softmax
         # window derives from it); the stage-0 grid keeps them global at every resolution, as at the trained one.
         kwargs['window_size'] = resolution // 4
@@ -453,8 +456,11 @@ def run_group(args: argparse.Namespace, specs: List[Dict], resolution: int, trai
 
 
 def import_requested(argv: Sequence[str]) -> None:
-    """Import the modules of `--imports` before the parser offers the registry's attentions."""
-    early = argparse.ArgumentParser(add_help=False)
+    """Import the modules of `--imports` before the parser offers the registry's attentions (not for --help, which a
+    module failing on import would hide)."""
+    if '-h' in argv or '--help' in argv:
+        return
+    early = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     early.add_argument('--imports', nargs='+', default=[])
     import_modules(early.parse_known_args(argv)[0].imports, '--imports')
 
@@ -536,10 +542,11 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -
     for family in args.families:
         for size in args.sizes:
             for attention in args.attentions:
-                name = model_spec(attention, family, size, 224)[0]
+                name, kwargs = model_spec(attention, family, size, 224)
                 if not timm.is_model(name):
-                    parser.error(f"--sizes {size}: no model {name}; {attention}_{family} has sizes "
-                                 f"{', '.join(family_sizes(family, attention))}")
+                    built = BASELINE if 'attn_type' in kwargs else attention  # softmax's, for one of your own
+                    parser.error(f"--sizes {size}: no model {name}; {built}_{family} has sizes "
+                                 f"{', '.join(family_sizes(family, built))}")
     try:
         resolutions = parse_resolutions(args.resolutions, args.families)
     except ValueError as e:

@@ -270,6 +270,11 @@ class CosineOfMyOwn(Mixer):
         h = self.num_heads
         q, k, v = F.normalize(split_heads(q, h), dim=-1), F.normalize(split_heads(k, h), dim=-1), split_heads(v, h)
         return merge_heads(F.scaled_dot_product_attention(q, k, v, scale=10.))
+
+
+@register_attention('xcit')  # the name of timm's own XCiT models: not an attention with entrypoints
+class SameUnderTimmsPrefix(CosineOfMyOwn):
+    pass
 """
 
 
@@ -279,14 +284,19 @@ def test_benchmark_times_an_attention_of_ones_own_beside_the_built_in_ones(tmp_p
     (tmp_path / 'my_attention.py').write_text(COSINE_ATTENTION)
     command = [sys.executable, os.path.join(SCRIPTS, 'benchmark.py'), '--imports', 'my_attention', '--device', 'cpu',
                '--threads', '1', '--families', 'deit', '--sizes', 'tiny', '--attentions', 'softmax',
-               'cosine_of_my_own', '--resolutions', '32', '--no-reference', '--no-train', '--iters', '1', '--warmup',
-               '0', '--matmul-size', '64', '--out', 'b']
+               'cosine_of_my_own', 'xcit', '--resolutions', '32', '--no-reference', '--no-train', '--iters', '1',
+               '--warmup', '0', '--matmul-size', '64', '--out', 'b']
     run = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     with open(tmp_path / 'b.csv') as f:
         rows = {row['attention']: row for row in csv.DictReader(f)}
     assert rows['cosine_of_my_own']['model'] == 'softmax_deit_tiny (attn_type cosine_of_my_own)'
-    assert float(rows['cosine_of_my_own']['infer_img_s']) > 0 and float(rows['softmax']['infer_img_s']) > 0
+    assert rows['xcit']['model'] == 'softmax_deit_tiny (attn_type xcit)'  # timm's xcit_* models are not its own
+    assert all(float(row['infer_img_s']) > 0 for row in rows.values())
+    huge = subprocess.run(command[:command.index('tiny')] + ['huge'] + command[command.index('tiny') + 1:],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert huge.returncode == 2 and huge.stderr.splitlines()[-1].endswith(
+        "error: --sizes huge: no model softmax_deit_huge; softmax_deit has sizes base, small, tiny")
     missing = subprocess.run(command[:3] + ['no_such_module'] + command[4:], cwd=tmp_path, capture_output=True,
                              text=True, timeout=600)
     assert (missing.returncode, missing.stderr.splitlines()[-1]) == (2, (
