@@ -148,7 +148,8 @@ _C.AUG.REPEATED_AUG = 3  # draws of each image an epoch (DeiT's RASampler, on an
 _C.TEST = CN()
 _C.TEST.BATCH_SIZE = 0  # per process; 0 -> 1.5 x DATA.BATCH_SIZE (DeiT)
 _C.TEST.CROP_PCT = 0.875  # resize to floor(IMG_SIZE / CROP_PCT) = int(IMG_SIZE * 256 / 224), then crop IMG_SIZE
-_C.TEST.CROP_MODE = 'center'  # 'center' (shorter side, DeiT/Swin) or 'squash' (square resize, InLine/FLatten)
+# 'center' (shorter side, DeiT/Swin), 'squash' (square resize, InLine/FLatten) or 'border' (longer side, padded)
+_C.TEST.CROP_MODE = 'center'
 
 _C.AMP = CN()
 _C.AMP.ENABLED = True
