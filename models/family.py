@@ -685,8 +685,12 @@ class ZooModel(nn.Module):
         if prune_norm:
             self.norm = nn.Identity()
         if prune_head:
-            self.reset_classifier(0, '')
+            self._prune_head()
         return take_indices
+
+    def _prune_head(self) -> None:
+        """Drop the head: the classifier and its pooling (a family with more modules in its head drops them too)."""
+        self.reset_classifier(0, '')
 
 
 def _fold_attn_options(model_cls: Type[nn.Module], kwargs: Dict[str, Any]) -> Dict[str, Any]:

@@ -286,17 +286,10 @@ class DeiT(ZooModel):
             x, indices=indices, norm=norm, stop_early=stop_early, output_fmt=output_fmt,
             intermediates_only=intermediates_only, return_prefix_tokens=return_prefix_tokens, output_dict=output_dict)
 
-    def prune_intermediate_layers(
-            self,
-            indices: Union[int, List[int]] = 1,
-            prune_norm: bool = False,
-            prune_head: bool = True,
-    ) -> List[int]:
-        """`ZooModel.prune_intermediate_layers`; the head's `fc_norm` goes with the head, as in timm."""
-        taken = super().prune_intermediate_layers(indices, prune_norm, prune_head)
-        if prune_head:
-            self.fc_norm = nn.Identity()
-        return taken
+    def _prune_head(self) -> None:
+        """The classifier, and the head's `fc_norm` with it, as in timm."""
+        super()._prune_head()
+        self.fc_norm = nn.Identity()
 
     def forward_head(self, x: Tensor, pre_logits: bool = False) -> Tensor:
         """Pool the tokens of `forward_features` (class token, or mean, maximum or both of the patch tokens), with
