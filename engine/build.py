@@ -32,8 +32,8 @@ from .distributed import DistInfo
 from .errors import UsageError
 from .hub import is_hub_name, weights_file
 
-__all__ = ['import_model_modules', 'import_modules', 'trained_as_another_model', 'check_model_name', 'check_model_config', 'check_pretrained',
-           'official_weights', 'classifier_names', 'classifier_rows', 'imagenet1k_difference', 'narrows_to_imagenet1k',
+__all__ = ['import_model_modules', 'import_modules', 'trained_as_another_model', 'check_model_name',
+           'check_model_config', 'check_pretrained', 'official_weights', 'classifier_names', 'classifier_rows', 'imagenet1k_difference', 'narrows_to_imagenet1k',
            'read_weights', 'weights_keys', 'checkpoint_weights', 'create_model', 'weight_changes', 'create_optimizer',
            'create_scheduler', 'create_criterion', 'autocast_dtype', 'check_onednn', 'create_training_model']
 

@@ -464,8 +464,8 @@ class TrainingCheckpoint:
             stored = config_from_yaml_string(checkpoint['config'], f"checkpoint {path!r}")
         except ConfigError:
             return  # a config this engine no longer reads: restoring compares the weights, and says so
-        changes = [change for change in config_changes(stored, cfg)
-                   if change.split()[0] in _MODEL_KEYS or change.startswith('MODEL.KWARGS.')]
+        changes = config_changes(stored, cfg,
+                                 compared=lambda key: key in _MODEL_KEYS or key.startswith('MODEL.KWARGS.'))
         if changes:
             raise UsageError(f"checkpoint {path!r} holds a run of another model: {'; '.join(changes)}; expected that "
                              f"model to resume it (another model: another --output; to start from its weights: "

@@ -11,7 +11,7 @@ import difflib
 import math
 import os
 import re
-from typing import Any, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 
 import yaml
 from timm.data import create_transform
@@ -536,16 +536,22 @@ def _leaves(node: Dict[str, Any], prefix: str = '') -> Dict[str, Any]:
     return leaves
 
 
-def config_changes(before: CN, after: CN, ignore: Sequence[str] = ()) -> List[str]:
-    """'KEY old (this run: new)' for every value `after` holds otherwise than `before`, keys of `ignore` aside; a key
-    only one of them holds (such as one of MODEL.KWARGS) is 'unset' in the other."""
+def config_changes(
+        before: CN,
+        after: CN,
+        ignore: Sequence[str] = (),
+        compared: Optional[Callable[[str], bool]] = None,
+) -> List[str]:
+    """'KEY old (this run: new)' for every value `after` holds otherwise than `before`, keys of `ignore` and keys
+    `compared` rejects aside; a key only one of them holds (such as one of MODEL.KWARGS) is 'unset' in the other."""
     old, new = _leaves(before), _leaves(after)
 
     def shown(values: Dict[str, Any], key: str) -> str:
         return repr(values[key]) if key in values else 'unset'
     keys = list(new) + [key for key in old if key not in new]
     return [f"{key} {shown(old, key)} (this run: {shown(new, key)})" for key in keys
-            if key not in ignore and (key not in old or key not in new or old[key] != new[key])]
+            if key not in ignore and (compared is None or compared(key))
+            and (key not in old or key not in new or old[key] != new[key])]
 
 
 def compile_backends() -> List[str]:
@@ -658,8 +664,12 @@ def stored_config(checkpoint: Any, source: str) -> Optional[CN]:
 def trained_model_changes(trained: CN, cfg: CN) -> List[str]:
     """'KEY old (this run: new)' for each MODEL.NAME / MODEL.KWARGS value by which `cfg` builds another model than
     the config `trained` of a checkpoint, keywords that change no weight (dropout, stochastic depth) aside."""
-    return [change for change in config_changes(trained, cfg) if change.startswith('MODEL.NAME ') or (
-        change.startswith('MODEL.KWARGS.') and change.split()[0].split('.')[2] not in _WEIGHT_NEUTRAL_KWARGS)]
+    return config_changes(trained, cfg, compared=_builds_another_model)
+
+
+def _builds_another_model(key: str) -> bool:
+    parts = key.split('.')
+    return key == 'MODEL.NAME' or (parts[:2] == ['MODEL', 'KWARGS'] and parts[2] not in _WEIGHT_NEUTRAL_KWARGS)
 
 
 def describe_model(cfg: CN) -> str:
