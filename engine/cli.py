@@ -1,6 +1,7 @@
 """Command lines of `train.py` and `eval.py` (plain `python` on one device, or under `torchrun`)."""
 import argparse
 import json
+import os
 import sys
 from typing import Any, Dict, Sequence
 
@@ -8,6 +9,7 @@ from .build import check_model_config, check_onednn
 from .config import describe_model, load_config, parse_args_with_opts
 from .data import check_splits, resolve_data_root
 from .distributed import cleanup_distributed, init_distributed
+from .errors import UsageError
 from .evaluation import eval_config, evaluate_weights, throughput
 from .hub import weights_file
 from .trainer import setup_logging, train
@@ -110,6 +112,9 @@ def eval_main(argv: Sequence[str]) -> int:
     args = parse_args_with_opts(parser, argv)
     if not args.checkpoint and not args.throughput and not args.model:
         parser.error('--checkpoint is required (except with --model or --throughput)')
+    if args.checkpoint and not os.path.isfile(args.checkpoint):
+        raise UsageError(f"--checkpoint {args.checkpoint!r} does not exist or is not a file; expected a checkpoint "
+                         f"written by train.py (last.pth / best.pth) or an official release file")
     if args.batch_size is not None and args.batch_size < 1:
         parser.error(f'--batch-size {args.batch_size}: expected at least 1 image')
     if args.warmup_forwards < 0 or args.timed_forwards < 1:

@@ -292,6 +292,9 @@ def train(cfg: CN, info: DistInfo, check_data: bool = False) -> Dict[str, Any]:
     resume = _resume_path(cfg)
     if resume is None:
         check_pretrained(cfg.MODEL.PRETRAINED, cfg.MODEL.PRETRAINED_EMA)
+    elif not os.path.isfile(resume):
+        raise UsageError(f"MODEL.RESUME {resume!r} (--resume) does not exist or is not a file; expected a training "
+                         f"checkpoint of this engine, such as a run's last.pth")
     if cfg.TRAIN.ONEDNN:
         check_onednn(info.device, 'AMP.ENABLED' if cfg.AMP.ENABLED else None, 'TRAIN.ONEDNN')
     # the run to resume is read and compared with this one before the data is scanned, which can take minutes
@@ -503,6 +506,11 @@ def _train(cfg: CN, info: DistInfo, lock: OutputLock, check_data: bool, resume: 
         if cfg.TRAIN.WARMUP_EPOCHS >= cfg.TRAIN.EPOCHS:
             logger.warning(f"TRAIN.WARMUP_EPOCHS {cfg.TRAIN.WARMUP_EPOCHS} >= TRAIN.EPOCHS {cfg.TRAIN.EPOCHS}: the "
                            f"learning rate stays in its warm-up for the whole run, below TRAIN.BASE_LR")
+        if lrs['min_lr'] > lrs['lr']:  # DeiT's recipe at a small total batch: BASE_LR scales, MIN_LR does not
+            logger.warning(f"TRAIN.MIN_LR {lrs['min_lr']:.3e} is above the learning rate {lrs['lr']:.3e} (TRAIN.BASE_LR "
+                           f"{cfg.TRAIN.BASE_LR:g} at total batch {total_batch_size(cfg, info.world_size)}, "
+                           f"TRAIN.LR_SCALING {cfg.TRAIN.LR_SCALING}): the schedule rises to it instead of decaying; "
+                           f"expected a lower TRAIN.MIN_LR, or TRAIN.LR_SCALING all, which scales it too")
 
     record: Dict[str, Any] = {}
     epochs_run, stopped = 0, False

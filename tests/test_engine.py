@@ -794,6 +794,20 @@ def test_a_run_shorter_than_its_warm_up_says_so(tmp_path, digits, capsys):
     assert record['lr'] < load_config(TINY).TRAIN.BASE_LR
 
 
+def test_a_minimum_learning_rate_above_the_peak_says_so(tmp_path, digits, capsys):
+    """DeiT's recipe scales BASE_LR by the total batch / 512 and keeps MIN_LR: at a small batch the cosine schedule
+    rose from its peak to MIN_LR, which the run did in silence."""
+    cfg = load_config(TINY)
+    batch = cfg.DATA.BATCH_SIZE
+    code, out, err = _run(train_main, ['--cfg', TINY, '--data-path', str(digits), '--output', str(tmp_path / 'run'),
+                                       '--opts', 'TRAIN.EPOCHS', '1', 'TRAIN.MIN_LR', '0.5'], capsys)
+    assert code == 0, err
+    peak = cfg.TRAIN.BASE_LR * batch / 512 if cfg.TRAIN.LR_SCALING != 'none' else cfg.TRAIN.BASE_LR
+    assert (f"TRAIN.MIN_LR 5.000e-01 is above the learning rate {peak:.3e} (TRAIN.BASE_LR {cfg.TRAIN.BASE_LR:g} at "
+            f"total batch {batch}, TRAIN.LR_SCALING {cfg.TRAIN.LR_SCALING}): the schedule rises to it instead of "
+            f"decaying") in out + err
+
+
 def test_a_training_checkpoint_missing_keys_fails_with_one_line(tmp_path):
     saved = _training_objects(tmp_path, TrainState())
     saved.save()
@@ -925,7 +939,11 @@ def test_command_line_errors_are_one_line_with_exit_status_2(tmp_path, digits, t
         (train_main, deit + ['--data-path', str(empty)], "has no train/ folder"),
         (train_main, base + ['--opts', 'MODEL.NUM_CLASSES', '5', 'DATA.DATA_PATH', str(digits)],
          'has 10 class folders but the model has 5 classes'),
-        (eval_main, ['--cfg', TINY, '--checkpoint', str(tmp_path / 'missing.pth')], 'does not exist'),
+        (eval_main, ['--cfg', TINY, '--checkpoint', str(tmp_path / 'missing.pth')],
+         f"--checkpoint {str(tmp_path / 'missing.pth')!r} does not exist or is not a file; expected a checkpoint"),
+        (train_main, base + ['--resume', str(tmp_path / 'missing.pth'), '--data-path', str(digits)],
+         f"MODEL.RESUME {str(tmp_path / 'missing.pth')!r} (--resume) does not exist or is not a file; expected a "
+         f"training checkpoint"),
         (eval_main, ['--cfg', TINY, '--checkpoint', _tiny_checkpoint(tmp_path, tiny_cfg, 7), '--data-path',
                      str(digits)], 'has a 7-class classifier but MODEL.NUM_CLASSES is 10'),
         (eval_main, ['--model', 'inline_deit_tiny', '--checkpoint', _tiny_checkpoint(tmp_path, tiny_cfg, 7),
