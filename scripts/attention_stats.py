@@ -123,26 +123,37 @@ def measure(model: torch.nn.Module, inputs: torch.Tensor, batch_size: int, label
 
 
 def markdown_table(rows: Sequence[Dict[str, object]]) -> List[str]:
-    """Per model and layer, every statistic averaged over the heads; then per model over all layers."""
+    """Per model and layer, every statistic averaged over the heads; then per model, those layer means averaged
+    over the layers, each layer weighing the same whatever its number of heads (Swin's stages have 3 to 24)."""
     header = ['model', 'layer'] + list(STATISTICS)
     lines = ['| ' + ' | '.join(header) + ' |', '|' + '---|' * len(header)]
     groups: Dict[Tuple[str, str], List[Dict[str, object]]] = {}
     for row in rows:
         groups.setdefault((str(row['model']), str(row['layer'])), []).append(row)
-    by_model: Dict[str, List[Dict[str, object]]] = {}
+    layer_means: Dict[str, List[np.ndarray]] = {}
     for (model, layer), group in groups.items():
-        by_model.setdefault(model, []).extend(group)
-        lines.append(_line(model, layer, group))
-    for model, group in by_model.items():
-        lines.append(_line(f'**{model}**', 'all', group))
+        means = _head_means(group)
+        layer_means.setdefault(model, []).append(means)
+        lines.append(_line(model, layer, means))
+    for model, means in layer_means.items():
+        lines.append(_line(f'**{model}**', 'all', _nanmean_rows(np.stack(means))))
     return lines
 
 
-def _line(model: str, layer: str, group: Sequence[Dict[str, object]]) -> str:
-    values = []
-    for key in STATISTICS:
-        column = np.array([float(row[key]) for row in group])
-        values.append('–' if np.isnan(column).all() else f'{np.nanmean(column):.3g}')
+def _head_means(group: Sequence[Dict[str, object]]) -> np.ndarray:
+    """Each statistic of STATISTICS averaged over the rows (heads) of `group`, NaN where no row has it."""
+    return _nanmean_rows(np.array([[float(row[key]) for key in STATISTICS] for row in group]))
+
+
+def _nanmean_rows(values: np.ndarray) -> np.ndarray:
+    """The mean of each column of (rows, columns) `values` over its non-NaN entries; NaN for a column of NaN."""
+    counts = (~np.isnan(values)).sum(axis=0)
+    sums = np.nansum(values, axis=0)
+    return np.divide(sums, counts, out=np.full(sums.shape, np.nan), where=counts > 0)
+
+
+def _line(model: str, layer: str, means: np.ndarray) -> str:
+    values = ['–' if np.isnan(value) else f'{value:.3g}' for value in means]
     return '| ' + ' | '.join([model, layer] + values) + ' |'
 
 

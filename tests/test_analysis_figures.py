@@ -340,6 +340,25 @@ def test_attention_stats_writes_csv_markdown_and_plot(images, tmp_path, monkeypa
     assert os.path.getsize(f'{out}.png') > 1000
 
 
+def test_attention_stats_bold_row_averages_the_layers_not_the_heads():
+    """A layer of 1 head and one of 4 (Swin's stages have 3 to 24): the bold row is the mean of the two layer means,
+    as its header says, where it used to weigh the 4-head layer four times; a statistic a layer lacks (NaN) leaves
+    the mean of the others."""
+    statistics = attention_stats.STATISTICS
+
+    def row(layer: str, value: float) -> dict:
+        return dict(model='m', layer=layer, head=0, **{key: value for key in statistics}) | dict(negative=float('nan'))
+    rows = [row('layers.0', 1.0)] + [row('layers.1', 3.0 + head) for head in range(4)]
+    rows[0]['negative'] = 2.0
+    lines = attention_stats.markdown_table(rows)
+    cells = {line.split(' | ')[1]: line.strip('| ').split(' | ')[2:] for line in lines[2:]}
+    entropy = statistics.index('entropy')
+    negative = statistics.index('negative')
+    assert cells['layers.0'][entropy] == '1' and cells['layers.1'][entropy] == '4.5'
+    assert cells['all'][entropy] == '2.75'  # (1 + 4.5) / 2, not (1 + 3 + 4 + 5 + 6) / 5 = 3.8
+    assert cells['layers.1'][negative] == '–' and cells['all'][negative] == '2'
+
+
 def test_attention_stats_stopped_while_writing_keeps_the_previous_three_files(images, tmp_path, monkeypatch):
     """A stop after the new table was written and before its figure left the new CSV and Markdown beside the
     previous run's figure (or, on a first run, without one)."""
