@@ -162,7 +162,9 @@ def train_py_rate(args: argparse.Namespace, data: str, output: str, epochs: int)
 
 
 def train_opts(args: argparse.Namespace, data: str) -> List[str]:
-    opts = ['DATA.DATA_PATH', data, 'MODEL.NUM_CLASSES', str(args.classes), 'DEVICE', args.device]
+    # the images are an ImageFolder (written here or --data) whatever dataset the recipe names, the demo's included
+    opts = ['DATA.DATASET', 'imagefolder', 'DATA.DATA_PATH', data, 'MODEL.NUM_CLASSES', str(args.classes),
+            'DEVICE', args.device]
     if args.model:
         opts += ['MODEL.NAME', args.model]
     if args.batch_size:

@@ -22,6 +22,7 @@ from PIL import Image
 from torch.utils.flop_counter import flop_registry
 
 from engine.checkpoint import NOTES_MARKER
+from engine.data import resolve_data_root
 from engine.distributed import resolve_device
 from engine.errors import UsageError, run_cli
 from models.attention import WindowAttention, forms_score_matrix, list_attentions
@@ -366,6 +367,20 @@ def test_train_throughput_measures_loader_and_step_on_imagenet_shaped_images(tmp
     step_alone = rates['model step alone']
     assert f"| train.py (both) | {rates['train.py (both)']:.1f} | {rates['train.py (both)'] / step_alone:.2f} |" in text
     assert f'| model step alone | {step_alone:.1f} | 1.00 |' in text and 'recipe configs/base/deit.yaml' in text
+
+
+def test_train_throughput_reads_its_images_as_an_image_folder_under_the_demo_recipe(tmp_path):
+    """With `--cfg configs/demo/digits.yaml` the loader and the step were measured on the written ImageFolder, then
+    train.py, given the recipe's DATA.DATASET 'digits', refused that folder as no digits cache, minutes in."""
+    data = str(tmp_path / 'data')
+    train_throughput.write_images(data, classes=2, per_class=1)
+    args = train_throughput.build_parser().parse_args(
+        ['--cfg', os.path.join(os.path.dirname(SCRIPTS), 'configs', 'demo', 'digits.yaml'), '--classes', '2',
+         '--out', str(tmp_path / 't')])
+    cfg = train_throughput.load_config(args.cfg, train_throughput.train_opts(args, data) +
+                                       ['OUTPUT', str(tmp_path / 'out')])
+    info = train_throughput.DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device('cpu'))
+    assert cfg.DATA.DATASET == 'imagefolder' and resolve_data_root(cfg, info) == data
 
 
 def test_train_throughput_runs_train_py_with_its_own_threads_and_names_its_failure(tmp_path, monkeypatch):
