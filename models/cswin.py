@@ -181,6 +181,11 @@ class CSWinBlock(nn.Module):
         self.register_state_dict_post_hook(_to_official_names)
         self.register_load_state_dict_pre_hook(_from_official_names)
 
+    def _fqn_modifiers(self) -> Dict[str, str]:
+        """The state-dict names that skip the `attn` module (`qkv.*` for `attn.qkv.*`), for
+        torch.distributed.checkpoint, as `MixerHost._fqn_modifiers`."""
+        return {name.rstrip('.'): 'attn' for name in _ATTN_KEYS}
+
     def forward(self, x: Tensor, size: Grid) -> Tensor:
         """x: (B, H*W, C) on the grid `size` = (H, W) -> (B, H*W, C)."""
         x = x + self.drop_path(self.attn(self.norm1(x), size, block_input=x))

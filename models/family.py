@@ -500,17 +500,18 @@ class ZooModel(nn.Module):
     def _set_grids(self, img_size: Grid) -> None:
         raise NotImplementedError
 
-    @torch.jit.ignore
-    def get_submodule(self, target: str) -> nn.Module:
-        """The submodule at `target`, also under its official name where the state dict keeps official names
-        (`patch_embed1.proj` for `stages.0.patch_embed.proj`), as timm's loader looks up `first_conv`."""
-        keys: Optional[OfficialKeys] = getattr(self, 'official_keys', None)
+    def __getattr__(self, name: str) -> Any:
+        """A submodule or parameter also under the official name its state-dict key starts with (`patch_embed1` for
+        `stages.0.patch_embed`, `block1` for `stages.0.blocks`), so that tools that follow state-dict keys through
+        attributes (torch.distributed.checkpoint, torch.func.functional_call) find what each key names; timm's
+        loader looks up `first_conv` so too. Reached only for names no module, parameter or buffer has."""
         try:
-            return super().get_submodule(target)
+            return super().__getattr__(name)
         except AttributeError:
-            if keys is None or keys.to_module(target) == target:
+            keys: Optional[OfficialKeys] = self.__dict__.get('official_keys')
+            if keys is None or keys.to_module(name) == name:
                 raise
-            return super().get_submodule(keys.to_module(target))
+            return functools.reduce(getattr, keys.to_module(name).split('.'), self)
 
     @torch.jit.ignore
     def set_input_size(self, img_size: Optional[Union[int, Grid]] = None) -> None:

@@ -82,6 +82,11 @@ class MixerHost(nn.Module):
         self.register_state_dict_post_hook(_lift_mixer_keys)
         self.register_load_state_dict_pre_hook(_sink_mixer_keys)
 
+    def _fqn_modifiers(self) -> Dict[str, str]:
+        """The state-dict names that skip the `mixer` module, for torch.distributed.checkpoint, which maps each
+        state-dict key to its module path through this method where state-dict hooks rename keys."""
+        return {name: 'mixer' for name in getattr(self, 'mixer_keys', ())}  # none where branches hold the mixers
+
     def _mixed(self, q: Tensor, k: Tensor, v: Tensor, ctx: MixContext) -> Tensor:
         """The mixer's output, (B', n, C) as the queries. A mixer of one's own that leaves its heads split failed
         later, in the projection or as tokens of another grid; here its output is named with the expected shape."""
