@@ -3,7 +3,7 @@ registered model name or a model saved for the hub, the evaluation preprocessing
 file or an image folder."""
 import argparse
 import os
-from typing import Iterator, List, Optional, Sequence, Tuple
+from typing import Callable, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import timm
@@ -35,15 +35,17 @@ def refuse_unreleased(parser: argparse.ArgumentParser, names: Sequence[str]) -> 
 
 def load_analysis_model(model_name: Optional[str], checkpoint: Optional[str], opts: Sequence[str] = (),
                         ema: bool = False, model_option: str = '--model', pretrained: bool = False,
-                        without_config: str = 'expected --model NAME with it, the model whose weights it holds'
-                        ) -> Tuple[nn.Module, CN]:
+                        without_config: str = 'expected --model NAME with it, the model whose weights it holds',
+                        check: Callable[[CN], None] = lambda cfg: None) -> Tuple[nn.Module, CN]:
     """The model in eval mode and its config: `model_name` with its pretrained config, else the config stored in
     our `checkpoint`. Its weights: the checkpoint's when given, else those saved with a `local-dir:` / `hf-hub:`
     `model_name`, else with `pretrained` the released weights of registered `model_name` (downloaded once into the
     cache), else random ones. Weights load as eval.py loads them: an official release's layout and derived buffers
     through the family's filter, the class count of a `model_name` from the weights. `opts` override the config;
     `model_option`, the script's option that gave `model_name`, starts the errors about it; `without_config` is
-    the way on for a `checkpoint` alone that stores no config (an official release)."""
+    the way on for a `checkpoint` alone that stores no config (an official release); `check`, a script's check of
+    its options against the config (a UsageError), runs as soon as the config is known: before the model is built
+    and its weights read or downloaded."""
     if checkpoint and not os.path.isfile(checkpoint):
         raise UsageError(f"checkpoint {checkpoint!r} not found")
     cfg = eval_config(None, model_name, None if model_name else checkpoint, opts, model_option=model_option,
@@ -51,6 +53,7 @@ def load_analysis_model(model_name: Optional[str], checkpoint: Optional[str], op
     asked = dict(zip(opts[::2], opts[1::2])).get('DEVICE', 'cpu')  # a checkpoint's own DEVICE is its training's
     if asked not in ('auto', 'cpu'):  # else ignored without a word
         raise UsageError(f"DEVICE {asked!r}: the analysis scripts run on the CPU; expected DEVICE cpu (or auto)")
+    check(cfg)
     # on the meta device, which allocates nothing: before any weights are read or downloaded
     if not attention_layers(create_model(cfg, device='meta')):
         raise UsageError(f"model {cfg.MODEL.NAME!r} has no attention layer of this zoo; expected one of the zoo's "

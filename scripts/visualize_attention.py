@@ -8,25 +8,29 @@ and the simplex figure.
 `--model NAME` alone draws a registered model with random weights, `--model NAME --pretrained` with its
 released weights (its preprocessing from its pretrained config; `--opts` overrides, e.g. MODEL.KWARGS.depth 2).
 Query points are pixel coordinates `Y,X` of the model input (after resizing and cropping), or `cls` for the class
-token. Writes PNG files into `--out`.
+token. Writes PNG files into `--out` and lists them in its `.visualize_attention.txt`. Their names carry no model, so
+a folder that holds the figures of an earlier run is refused unless `--overwrite`, which removes the listed figures
+and no other file; one with PNG files that no run listed is refused either way.
 """
 import argparse
+import contextlib
 import itertools
 import os
 import re
 import sys
-from typing import List, Optional, Sequence, Union
+from typing import List, Optional, Sequence, Tuple, Union
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from engine.startup import quit_on_interrupt  # noqa: E402
 
 with quit_on_interrupt():  # while torch and the models load: nothing has started
     import torch
+    from yacs.config import CfgNode as CN
 
     import models  # noqa: F401  (registers the families)
     from engine.analysis import find_images, load_analysis_model, load_images, refuse_unreleased
     from engine.config import parse_args_with_opts
-    from engine.checkpoint import prepare_script_out
+    from engine.checkpoint import atomic_write_text, prepare_script_out
     from engine.errors import UsageError, exit_for_missing_extra, refuse_below, run_cli
     from engine.distributed import DistInfo
     from engine.loops import Progress
@@ -42,6 +46,10 @@ with quit_on_interrupt():  # while torch and the models load: nothing has starte
     from models.attention.mixer import Mixer
     from models.attention.multimax import MultiMaxMixer
 
+
+# The figures of the last run into an --out folder, one name a line: the only files --overwrite removes.
+MANIFEST = '.visualize_attention.txt'
+MANIFEST_HEADER = '# the figures of the last run of scripts/visualize_attention.py here; --overwrite removes them\n'
 
 NEGATIVE_POINT = re.compile(r'-\d+,-?\d+|\d+,-\d+')
 
@@ -79,7 +87,11 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                         help="query points Y,X in pixels of the model input, or 'cls' (default: the centre)")
     parser.add_argument('--gradcam', action='store_true', help='also draw Grad-CAM of the predicted class')
     parser.add_argument('--simplex', action='store_true', help='also draw the simplex figure')
-    parser.add_argument('--out', required=True, help='output folder of the PNG files')
+    parser.add_argument('--out', required=True, help=f'output folder of the PNG files (listed in its {MANIFEST}); '
+                                                     'refused where it holds figures of an earlier run')
+    parser.add_argument('--overwrite', action='store_true',
+                        help="replace the figures of an earlier run in --out: they are removed (those listed in its "
+                             f"{MANIFEST}, no other file) before this run writes its own")
     parser.add_argument('--debug', action='store_true', help='show tracebacks instead of one-line errors')
     parser.add_argument('--opts', nargs=argparse.REMAINDER, default=[], metavar='KEY VALUE',
                         help='config overrides, last on the command line, e.g. --opts MODEL.KWARGS.depth 2')
@@ -100,7 +112,36 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
             exit_for_missing_extra(missing, 'analysis')
     refuse_below(parser, {'--max-images': (args.max_images, 1)})
     prepare_script_out(parser, args.out, prefix=False)
+    args.earlier_figures = earlier_figures(parser, args.out, args.overwrite)
     return args
+
+
+def _listed_figures(folder: str) -> List[str]:
+    """The names the manifest in `folder` lists (none where there is no manifest)."""
+    try:
+        with open(os.path.join(folder, MANIFEST), encoding='utf-8', errors='surrogateescape') as f:
+            return [line.rstrip('\n') for line in f if not line.startswith('#')]
+    except FileNotFoundError:
+        return []
+
+
+def earlier_figures(parser: argparse.ArgumentParser, out: str, overwrite: bool) -> List[str]:
+    """The figures of an earlier run in the folder `out`, which `overwrite` replaces; `parser.error` (one line,
+    status 2) where it holds some without `overwrite`, or PNG files that no earlier run listed (the figures of a
+    run before the manifest, or the user's own), which would stand beside this run's figures and which this script
+    never removes."""
+    pngs = sorted(name for name in os.listdir(out)
+                  if name.lower().endswith('.png') and os.path.isfile(os.path.join(out, name)))
+    listed = set(_listed_figures(out))
+    others = [name for name in pngs if name not in listed]
+    if others:
+        parser.error(f"--out {out}: the folder holds {len(others)} PNG file(s) that no earlier run listed in its "
+                     f"{MANIFEST}, such as {others[0]!r}; expected a folder without other PNG files, which "
+                     f"--overwrite would leave beside this run's figures: move them away or choose another --out")
+    if pngs and not overwrite:
+        parser.error(f"--out {out}: the folder holds {len(pngs)} figure(s) of an earlier run; expected a new or empty "
+                     f"folder, or --overwrite to replace them")
+    return pngs
 
 
 def _class_token_layers(model: torch.nn.Module, image: torch.Tensor) -> List[str]:
@@ -114,26 +155,40 @@ def parse_layers(layers: Sequence[str]) -> List[Union[str, int]]:
     return [int(layer) if re.fullmatch(r'-?\d+', layer) else layer for layer in layers]
 
 
+def parse_point(query: str, size: int) -> Tuple[float, float]:
+    """The point Y,X of a query other than 'cls' as fractions of the `size` x `size` input; a UsageError where it is
+    no pixel of it."""
+    if NEGATIVE_POINT.fullmatch(query):
+        raise UsageError(_negative_point(query))
+    match = re.fullmatch(r'(\d+),(\d+)', query)
+    if not match:
+        raise UsageError(f"query {query!r}: expected Y,X pixel coordinates or 'cls'")
+    y, x = int(match.group(1)), int(match.group(2))
+    if not (y < size and x < size):
+        raise UsageError(f"query {query!r} is outside the {size}x{size} image")
+    # the pixel's centre: its edge, y / size, can round to just below its patch's first row
+    return (y + 0.5) / size, (x + 0.5) / size
+
+
 def parse_queries(queries: Sequence[str], size: int, has_class_token: bool) -> List[Query]:
     """Token 0 for 'cls', else the point Y,X as fractions of the `size` x `size` input."""
     parsed: List[Query] = []
     for query in queries:
-        if query == 'cls':
-            if not has_class_token:
-                raise UsageError("query 'cls': the model has no class token")
+        if query != 'cls':
+            parsed.append(parse_point(query, size))
+        elif has_class_token:
             parsed.append(0)
-            continue
-        if NEGATIVE_POINT.fullmatch(query):
-            raise UsageError(_negative_point(query))
-        match = re.fullmatch(r'(\d+),(\d+)', query)
-        if not match:
-            raise UsageError(f"query {query!r}: expected Y,X pixel coordinates or 'cls'")
-        y, x = int(match.group(1)), int(match.group(2))
-        if not (y < size and x < size):
-            raise UsageError(f"query {query!r} is outside the {size}x{size} image")
-        # the pixel's centre: its edge, y / size, can round to just below its patch's first row
-        parsed.append(((y + 0.5) / size, (x + 0.5) / size))
+        else:
+            raise UsageError("query 'cls': the model has no class token")
     return parsed
+
+
+def check_points(queries: Sequence[str], cfg: CN) -> None:
+    """A UsageError for a query point outside the input of `cfg`, known before the model is built ('cls' needs the
+    model: it is checked with it)."""
+    for query in queries:
+        if query != 'cls':
+            parse_point(query, cfg.DATA.IMG_SIZE)
 
 
 def slug(text: str) -> str:
@@ -175,7 +230,8 @@ def main(argv: Sequence[str]) -> int:
     args = parse_args(argv)
     # progress as train.py shows it: a bar on a terminal, whole lines in a log file or a pipe
     setup_logging(DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device('cpu')), stream=sys.stderr)
-    model, cfg = load_analysis_model(args.model, args.checkpoint, args.opts, args.ema, pretrained=args.pretrained)
+    model, cfg = load_analysis_model(args.model, args.checkpoint, args.opts, args.ema, pretrained=args.pretrained,
+                                     check=lambda cfg: check_points(args.queries or [], cfg))
     size = cfg.DATA.IMG_SIZE
     files = find_images(args.image, args.max_images)
     inputs, shown = load_images(files, cfg)
@@ -186,8 +242,16 @@ def main(argv: Sequence[str]) -> int:
     written: List[str] = []
 
     def save(name: str) -> str:
+        """The path of the figure `name`, listed in the manifest before it is written: a run stopped half-way leaves
+        no figure that --overwrite would not remove."""
+        if not written:  # the earlier run's figures go only once this run's checks have passed
+            for earlier in args.earlier_figures:
+                with contextlib.suppress(FileNotFoundError):  # removed by hand while this run worked
+                    os.remove(os.path.join(args.out, earlier))
         path = os.path.join(args.out, name)
         written.append(path)
+        atomic_write_text(os.path.join(args.out, MANIFEST),
+                          MANIFEST_HEADER + ''.join(os.path.basename(figure) + '\n' for figure in written))
         return path
 
     try:
@@ -246,7 +310,8 @@ def main(argv: Sequence[str]) -> int:
     if args.simplex:
         first = multimax[0] if multimax else None
         plot_simplex(save('simplex.png'), *((first.ranges.detach(), first.ts.detach()) if first else ()))
-    print(f"wrote {len(written)} figures to {args.out}")
+    replaced = f" in place of the earlier run's {len(args.earlier_figures)}" if args.earlier_figures else ''
+    print(f"wrote {len(written)} figures to {args.out}{replaced}")
     return 0
 
 

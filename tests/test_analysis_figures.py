@@ -124,8 +124,8 @@ def test_visualize_attention_names_each_image_s_figures_by_its_path_under_the_fo
     argv = ['--model', 'softmax_deit_tiny', '--image', str(tmp_path / 'val'), '--layers', '-1', '--queries', 'cls',
             '--out', str(out), '--opts'] + TINY
     assert run_cli(visualize.main, argv) == 0
-    assert sorted(os.listdir(out)) == ['a-0_blocks-1-attn_cls.png', 'a-0_rollout.png', 'b-0_blocks-1-attn_cls.png',
-                                       'b-0_rollout.png']
+    assert sorted(os.listdir(out)) == [visualize.MANIFEST, 'a-0_blocks-1-attn_cls.png', 'a-0_rollout.png',
+                                       'b-0_blocks-1-attn_cls.png', 'b-0_rollout.png']
     assert '\r' not in capsys.readouterr().err
 
 
@@ -140,8 +140,9 @@ def test_visualize_attention_gives_images_of_one_stem_and_repeated_queries_one_f
             '03,3', 'cls', 'cls', '--out', str(out), '--opts'] + TINY
     assert run_cli(visualize.main, argv) == 0
     names = sorted(os.listdir(out))
-    assert names == sorted(f'x-{extension}_{figure}.png' for extension in ('jpg', 'png')
-                           for figure in ('blocks-1-attn_y3x3', 'blocks-1-attn_cls', 'rollout'))
+    figures = [f'x-{extension}_{figure}.png' for extension in ('jpg', 'png')
+               for figure in ('blocks-1-attn_y3x3', 'blocks-1-attn_cls', 'rollout')]
+    assert names == sorted([visualize.MANIFEST, *figures])
     assert capsys.readouterr().out.endswith(f"wrote 6 figures to {out}\n")
     with pytest.raises(UsageError, match=r"^images 'v/a b\.png' and 'v/a-b\.png' would write figures of one name "
                                          r"\(a-b-png_\.\.\.\); expected paths that differ in more than punctuation$"):
@@ -192,7 +193,10 @@ def test_visualize_attention_writes_figures(images, tmp_path):
     names = sorted(os.listdir(out))
     assert '0_blocks-0-attn_y4x12.png' in names and '1_blocks-1-attn_cls.png' in names
     assert {'0_rollout.png', '0_gradcam.png', 'multimax_sigma.png', 'simplex.png'} <= set(names)
-    assert all(os.path.getsize(out / name) > 1000 for name in names)
+    figures = [name for name in names if name != visualize.MANIFEST]
+    assert all(os.path.getsize(out / name) > 1000 for name in figures)
+    # every figure listed for the next run's --overwrite, beside a line that says what the file is
+    assert sorted((out / visualize.MANIFEST).read_text().splitlines()[1:]) == figures
 
 
 def test_a_query_pixel_is_the_token_of_its_patch_at_any_image_size():
@@ -287,8 +291,8 @@ def test_a_required_option_after_opts_is_named_as_misplaced_not_missing(images, 
 
 
 def test_a_failed_run_removes_the_empty_out_folders_it_made(images, tmp_path):
-    """A query outside the image fails after the model is built, when `--out new/figures` was already made to
-    prove that it takes files: both new folders go, and the folder that was there before stays."""
+    """A query outside the image fails after `--out new/figures` was made to prove that it takes files: both new
+    folders go, and the folder that was there before stays."""
     script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'scripts',
                           'visualize_attention.py')
     failed = subprocess.run([sys.executable, script, '--model', 'softmax_deit_tiny', '--image', str(images),
@@ -476,7 +480,7 @@ def test_an_official_release_file_is_drawn_with_its_weights(images, tmp_path):
     argv = ['--model', 'inline_swin_tiny', '--checkpoint', str(tmp_path / 'inline_swin_t.pth'), '--image',
             str(images), '--max-images', '1', '--out', str(tmp_path / 'figures'), '--opts', *opts]
     assert run_cli(visualize.main, argv) == 0
-    assert len(os.listdir(tmp_path / 'figures')) == 2
+    assert len(os.listdir(tmp_path / 'figures')) == 2 + 1  # the figures and their manifest
 
 
 def test_a_release_file_is_measured_with_its_model_s_name_as_each_script_takes_it(images, tmp_path, capsys):

@@ -731,6 +731,84 @@ def test_an_out_whose_file_name_is_a_folder_is_one_line_before_any_work(script, 
                      rf"prefix whose files \(.*{suffix}.*\) are not folders$", capsys.readouterr().err.splitlines()[-1])
 
 
+# A tiny class-token DeiT for the figures of visualize_attention.py.
+TINY_DEIT = ['DATA.IMG_SIZE', '16', 'MODEL.NUM_CLASSES', '10', 'MODEL.KWARGS.patch_size', '4',
+             'MODEL.KWARGS.embed_dim', '16', 'MODEL.KWARGS.depth', '2', 'MODEL.KWARGS.num_heads', '2']
+
+
+def test_visualize_attention_refuses_an_out_holding_an_earlier_run_s_figures_and_overwrite_replaces_them(
+        tmp_path, monkeypatch, capsys):
+    """A second run into the same --out left the first model's figures (its Grad-CAM) beside the second's, under
+    names without the model's: it is refused before any model is built, the first run's files intact, and with
+    --overwrite the folder holds exactly the second run's figures, beside the user's own files."""
+    visualize = load_script('visualize_attention')
+    image, out = tmp_path / 'digit.png', tmp_path / 'figures'
+    Image.new('L', (8, 8), 90).save(image)
+    common = ['--image', str(image), '--queries', '4,4', '--out', str(out)]
+    assert run_cli(visualize.main, ['--model', 'softmax_deit_tiny', *common, '--gradcam', '--opts', *TINY_DEIT]) == 0
+    first = {name: (out / name).read_bytes() for name in os.listdir(out)}
+    assert sorted(first) == ['.visualize_attention.txt', 'digit_blocks-0-attn_y4x4.png', 'digit_blocks-1-attn_y4x4.png',
+                             'digit_gradcam.png', 'digit_rollout.png']
+    (out / 'notes.txt').write_text('mine\n')
+    capsys.readouterr()
+    second = ['--model', 'inline_deit_tiny', *common, '--opts', *TINY_DEIT]
+    with monkeypatch.context() as patch:
+        patch.setattr(visualize, 'load_analysis_model', lambda *args, **kwargs: pytest.fail('model built'))
+        with pytest.raises(SystemExit) as stopped:
+            visualize.main(second)
+    assert stopped.value.code == 2
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1] == (f"visualize_attention.py: error: --out {out}: the folder holds 4 figure(s) of an "
+                                    f"earlier run; expected a new or empty folder, or --overwrite to replace them")
+    assert {name: (out / name).read_bytes() for name in first} == first
+    assert run_cli(visualize.main, ['--overwrite', *second]) == 0
+    assert capsys.readouterr().out.endswith(f"wrote 3 figures to {out} in place of the earlier run's 4\n")
+    figures = ['digit_blocks-0-attn_y4x4.png', 'digit_blocks-1-attn_y4x4.png', 'digit_rollout.png']
+    assert sorted(os.listdir(out)) == sorted(['.visualize_attention.txt', 'notes.txt', *figures])
+    listed = (out / '.visualize_attention.txt').read_text().splitlines()
+    assert listed[0].startswith('#') and sorted(listed[1:]) == figures
+    assert (out / 'notes.txt').read_text() == 'mine\n'
+    assert all((out / name).read_bytes() != first[name] for name in figures)  # the second model's, not the first's
+
+
+@pytest.mark.parametrize('overwrite', [[], ['--overwrite']])
+def test_visualize_attention_refuses_an_out_holding_png_files_it_did_not_write(overwrite, tmp_path, monkeypatch,
+                                                                               capsys):
+    """PNG files no earlier run listed (figures of a run before the manifest, or the user's own) would stand beside
+    the new figures, and --overwrite never removes them: refused either way, before any model is built."""
+    visualize = load_script('visualize_attention')
+    monkeypatch.setattr(visualize, 'load_analysis_model', lambda *args, **kwargs: pytest.fail('model built'))
+    (tmp_path / 'b.png').write_bytes(b'mine')
+    (tmp_path / 'a_rollout.png').write_bytes(b'mine too')
+    with pytest.raises(SystemExit) as stopped:
+        visualize.main(['--model', 'softmax_deit_tiny', '--image', str(tmp_path / 'b.png'), '--out', str(tmp_path),
+                        *overwrite])
+    assert stopped.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"visualize_attention.py: error: --out {tmp_path}: the folder holds 2 PNG file(s) that no earlier run listed "
+        f"in its .visualize_attention.txt, such as 'a_rollout.png'; expected a folder without other PNG files, which "
+        f"--overwrite would leave beside this run's figures: move them away or choose another --out")
+    assert sorted(os.listdir(tmp_path)) == ['a_rollout.png', 'b.png']
+
+
+def test_visualize_attention_checks_its_queries_against_the_input_size_before_building_the_model(
+        tmp_path, monkeypatch, capsys):
+    """`--queries 400,3` of a 224-pixel model was refused only after its released weights were downloaded and read
+    and the images decoded, though the config gives the input size before any of them."""
+    import engine.analysis
+    visualize = load_script('visualize_attention')
+    for step in ('create_model', 'weights_file', 'load_weights'):
+        monkeypatch.setattr(engine.analysis, step, lambda *args, called=step, **kwargs: pytest.fail(f'{called} called'))
+    monkeypatch.setattr(visualize, 'load_images', lambda *args, **kwargs: pytest.fail('images decoded'))
+    image = tmp_path / 'digit.png'
+    Image.new('L', (8, 8), 90).save(image)
+    argv = ['--model', 'inline_deit_tiny', '--pretrained', '--image', str(image), '--queries', 'cls', '400,3',
+            '--out', str(tmp_path / 'figures')]
+    assert run_cli(visualize.main, argv) == 2
+    assert capsys.readouterr().err == "error: query '400,3' is outside the 224x224 image\n"
+    assert not os.listdir(tmp_path / 'figures')  # made to prove it takes files, removed at exit
+
+
 def test_compare_fla_keeps_the_notes_below_its_table(tmp_path, monkeypatch):
     """docs/fla_comparison.md's reading below its table was overwritten by the next run, as benchmark.py's and
     train_throughput.py's notes are not; notes that are not UTF-8 are kept byte for byte (they gave a traceback
