@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 import models  # noqa: F401  (registers the families)
 from models.analysis import attention_layers, matrices, record_attention
+from models.analysis.record import cell_centres
 from models.analysis.stats import AttentionStatistics, collision_share, row_statistics
 from models.attention import MixerContractError, build_attention, get_mixer_class, list_attentions
 from models.attention.additive import AdditiveMixer
@@ -437,6 +438,61 @@ def test_reduced_keys_sit_where_the_stride_puts_them_when_it_does_not_tile_the_g
     layer.weights[..., 3] = 1  # key cell (1, 1): pixels 16 to 32 of 40, its centre at (24, 24)
     # query token 0 is cell (0, 0) of 8-pixel cells, its centre at (4, 4)
     assert row_statistics(layer, (40, 40))['distance_px'].tolist() == pytest.approx([20 * 2 ** 0.5] * 2)
+
+
+# (model, keywords, image side): stage grids that tile the image, and grids padded or rounded up to more than it
+STRIDED_MODELS = {
+    'deit': ('softmax_deit_tiny', FAMILY_MODELS['deit'], 32),
+    'pvt': ('softmax_pvt_tiny', FAMILY_MODELS['pvt'], 64),
+    'swin 40': ('softmax_swin_tiny', dict(img_size=40, embed_dim=16, depths=[2, 1, 1, 1], num_heads=[1, 2, 2, 2],
+                                          window_size=4, num_classes=5), 40),
+    'cswin 40': ('softmax_cswin_tiny', dict(FAMILY_MODELS['cswin'], img_size=40), 40),
+    'pvt_v2 40': ('softmax_pvt_v2_b0', dict(img_size=40, num_classes=0), 40),
+    'pvt_v2 41': ('softmax_pvt_v2_b0', dict(img_size=41, num_classes=0), 41),
+}
+
+
+@pytest.mark.parametrize('model_name, kwargs, side', STRIDED_MODELS.values(), ids=list(STRIDED_MODELS))
+def test_a_query_pixel_is_the_token_of_the_cell_that_holds_it_in_every_stage(model_name, kwargs, side):
+    """A stage's cells are its stride wide from the top left corner; a grid padded below and right before a patch
+    merging (Swin, 5 -> 3 -> 2 at 40) or rounded up by a stride-2 convolution (CSwin, PVT v2) reaches past the
+    image. Pixel 30 of 40 is in cell 1 of 16-pixel cells and cell 0 of 32-pixel ones; it was taken as a fraction
+    of the grid, cell 2 of 3 and cell 1 of 2."""
+    torch.manual_seed(0)
+    model = timm.create_model(model_name, **kwargs).eval()
+    with torch.no_grad(), record_attention(model, queries=[((p + 0.5) / side, (p + 0.5) / side)
+                                                           for p in range(side)]) as rec:
+        model(torch.randn(1, 3, side, side))
+    layers = [rec[name] for name in rec]
+    # DeiT's patches; the others' 4-pixel cells of stage 0, doubled by every stage
+    strides = [kwargs.get('patch_size') or 4 * 2 ** int(layer.name.split('.')[1]) for layer in layers]
+    for layer, stride in zip(layers, strides):
+        w = layer.grid[1]
+        assert layer.queries.tolist() == [layer.num_prefix_tokens + p // stride * (w + 1) for p in range(side)], \
+            layer.name
+    assert [layer.extent for layer in layers] == [(layer.grid[0] * stride / side, layer.grid[1] * stride / side)
+                                                  for layer, stride in zip(layers, strides)]
+    if model_name == 'softmax_swin_tiny':
+        assert [divmod(int(layer.queries[30]), layer.grid[1]) for layer in layers][-2:] == [(1, 1), (0, 0)]
+        assert [layer.extent for layer in layers][-2:] == [(1.2, 1.2), (1.6, 1.6)]
+
+
+def test_statistics_place_a_padded_grid_s_cells_by_their_stride():
+    """Swin at 40, stage 2: the 3×3 grid padded from 5×5 has 16-pixel cells over 48 pixels. Query cell (1, 1) is
+    centred at (24, 24); key cell (2, 2) holds pixels 32 to 39 of the image, centred at (36, 36). The cells were
+    spread evenly over the 40 pixels, at 20 and 33.3."""
+    torch.manual_seed(0)
+    model_name, kwargs, side = STRIDED_MODELS['swin 40']
+    model = timm.create_model(model_name, **kwargs).eval()
+    with torch.no_grad(), record_attention(model, layers=['layers.2.blocks.0.attn'], queries=[4]) as rec:
+        model(torch.randn(1, 3, side, side))
+    layer = rec[0]
+    assert layer.grid == layer.key_grid == (3, 3) and layer.extent == layer.key_extent == (1.2, 1.2)
+    layer.weights = torch.zeros_like(layer.weights)
+    layer.weights[..., 8] = 1
+    assert row_statistics(layer, (side, side))['distance_px'].tolist() == pytest.approx([12 * 2 ** 0.5] * 2)
+    assert cell_centres((3, 2), (1.2, 1.6), (side, side)).tolist() == [
+        [8, 16], [8, 36], [24, 16], [24, 36], [36, 16], [36, 36]]
 
 
 def test_rank_of_linear_attention_is_bounded_by_the_head_width():

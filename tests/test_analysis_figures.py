@@ -707,3 +707,26 @@ def test_a_key_map_is_drawn_over_the_part_of_the_image_its_keys_cover(monkeypatc
     plots.plot_query_maps(np.zeros((80, 80)), rec[0], 0, str(tmp_path / 'map.png'))
     assert rec[0].key_grid == (2, 2)
     assert [image.get_extent() for image in drawn] == [[0.0, 64.0, 64.0, 0.0]]
+
+
+def test_a_padded_grid_s_map_and_query_are_drawn_on_the_cells_of_their_stride(monkeypatch, tmp_path):
+    """Swin at 40, stage 2: the 3×3 grid padded from 5×5 before the merging has 16-pixel cells over 48 pixels. The
+    map is drawn over those 48, cut at the image's 40, and pixel 30's query marked at the centre of its cell (1, 1),
+    (24, 24); the map was stretched over the 40 pixels, and the marker put at 33 in cell (2, 2)."""
+    model = timm.create_model('softmax_swin_tiny', img_size=40, embed_dim=16, depths=[2, 1, 1, 1],
+                              num_heads=[1, 2, 2, 2], window_size=4, num_classes=5).eval()
+    figures = []
+    monkeypatch.setattr(plots, '_save', lambda fig, path: figures.append(fig))
+    with torch.no_grad(), record_attention(model, ['layers.2.blocks.0.attn'],
+                                           visualize.parse_queries(['30,30'], 40, False)) as rec:
+        model(torch.randn(1, 3, 40, 40))
+    assert rec[0].queries.tolist() == [4]
+    plots.plot_query_maps(np.zeros((40, 40)), rec[0], 0, str(tmp_path / 'q.png'))
+    panels = [ax for ax in figures[0].axes if ax.get_title().startswith('head')]
+    assert len(panels) == 2
+    for ax in panels:
+        assert [image.get_extent() for image in ax.get_images()] == [[0.0, 40.0, 40.0, 0.0], [0.0, 48.0, 48.0, 0.0]]
+        assert ax.get_xlim() == (0.0, 40.0) and ax.get_ylim() == (40.0, 0.0)
+        marker, = ax.get_lines()
+        assert marker.get_xydata().tolist() == [[24.0, 24.0]]
+    plt.close(figures[0])

@@ -19,7 +19,7 @@ from torch import Tensor, nn  # noqa: E402
 
 from .._files import atomic_write  # noqa: E402
 from ..attention.multimax import MultiMaxMixer, multimax_modulation  # noqa: E402
-from .record import LayerAttention, attention_layers  # noqa: E402
+from .record import LayerAttention, attention_layers, cell_centres  # noqa: E402
 
 __all__ = [
     'grid_map', 'plot_query_maps', 'rollout_problem', 'attention_rollout', 'plot_heat_map', 'grad_cam',
@@ -53,15 +53,20 @@ def _show_image(ax: plt.Axes, image: np.ndarray) -> None:
 
 def _overlay(ax: plt.Axes, image: np.ndarray, values: np.ndarray, signed: bool,
              covered: Tuple[float, float] = (1.0, 1.0)) -> matplotlib.image.AxesImage:
-    """`values` (h, w) stretched over the `covered` share (height, width) of `image` from its top left corner:
-    signed values on a diverging scale centred at zero."""
+    """`values` (h, w) stretched over the `covered` share (height, width) of `image` from its top left corner, cut
+    at the image's edges where it covers more (a padded grid): signed values on a diverging scale centred at zero."""
     _show_image(ax, image)
     extent = (0, image.shape[1] * covered[1], image.shape[0] * covered[0], 0)
     if signed:
         bound = float(np.abs(values).max()) or 1.0
-        return ax.imshow(values, cmap='RdBu_r', vmin=-bound, vmax=bound, alpha=0.6, extent=extent,
-                         interpolation='nearest')
-    return ax.imshow(values, cmap='inferno', alpha=0.6, extent=extent, interpolation='nearest')
+        shown = ax.imshow(values, cmap='RdBu_r', vmin=-bound, vmax=bound, alpha=0.6, extent=extent,
+                          interpolation='nearest')
+    else:
+        shown = ax.imshow(values, cmap='inferno', alpha=0.6, extent=extent, interpolation='nearest')
+    # a map past the image widened the axes to it
+    ax.set_xlim(0, image.shape[1])
+    ax.set_ylim(image.shape[0], 0)
+    return shown
 
 
 def plot_query_maps(image: np.ndarray, layer: LayerAttention, row: int, path: str, image_index: int = 0) -> None:
@@ -84,9 +89,7 @@ def plot_query_maps(image: np.ndarray, layer: LayerAttention, row: int, path: st
         fig.colorbar(shown, ax=ax, fraction=0.046, pad=0.04)
         ax.set_title(f'head {head}', fontsize=9)
         if not layer.is_pooling and token >= layer.num_prefix_tokens:
-            cell = token - layer.num_prefix_tokens
-            h, w = layer.grid
-            y, x = (cell // w + 0.5) * image.shape[0] / h, (cell % w + 0.5) * image.shape[1] / w
+            y, x = cell_centres(layer.grid, layer.extent, image.shape[:2])[token - layer.num_prefix_tokens].tolist()
             ax.plot([x], [y], marker='x', color='cyan', markersize=8, mew=2)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
@@ -175,7 +178,7 @@ def plot_token_norms(image: np.ndarray, layer: LayerAttention, path: str, image_
     prefix = layer.num_prefix_tokens
     fig, axes = plt.subplots(1, 2, figsize=(6.4, 3.2))
     for ax, key, grid, covered in zip(axes, ('q_norm', 'k_norm'), (layer.grid, layer.key_grid),
-                                      ((1.0, 1.0), layer.key_extent)):
+                                      (layer.extent, layer.key_extent)):
         values = layer.extras[key][image_index, :, prefix:].mean(dim=0).reshape(grid).float().cpu().numpy()
         shown = _overlay(ax, image, values, signed=False, covered=covered)
         fig.colorbar(shown, ax=ax, fraction=0.046, pad=0.04)

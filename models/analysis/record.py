@@ -8,6 +8,11 @@ the token order of the layer's input, so that a query's row can be drawn on the 
 divide into windows or stripes, the weights on the padding (outside the image) are left out, so those rows sum to
 less. Stripes pad q, k and v with zeros, so their rows still reproduce the output; windows pad the tokens before
 the projection to q, k, v, whose bias is then the padding's value, so theirs reproduce it only with that term.
+
+Each layer's grid is placed on the image by the pixel stride of its cells (the `reduction` of the model's
+`feature_info` stage that holds it) and the size of the images the model was called on: a grid padded below and
+right before a patch merging or rounded up by a strided convolution (Swin, CSwin, PVT v2 at sizes that do not halve
+evenly) covers more than the image, its last cells partly outside it.
 """
 import contextlib
 import operator
@@ -27,10 +32,10 @@ from ..attention.layout import (
 from ..attention.mixer import MixContext, Mixer
 from .matrices import matrix_function, mixer_weights, pools_tokens
 
-__all__ = ['LayerAttention', 'AttentionRecord', 'record_attention', 'attention_layers', 'Query']
+__all__ = ['LayerAttention', 'AttentionRecord', 'record_attention', 'attention_layers', 'cell_centres', 'Query']
 
 # A query: a token index of the layer's input (0 is a class token), or a point (y, x) of the image as fractions
-# of its height and width in [0, 1), resolved to the grid token that covers it in every layer.
+# of its height and width in [0, 1), resolved to the grid token whose cell covers it in every layer.
 Query = Union[int, Tuple[float, float]]
 
 
@@ -53,9 +58,12 @@ class LayerAttention:
         convolution, CSwin's LePE), or None.
     extras: per-token maps: (B, heads, N) over the query tokens (SimA's 'q_norm') or (B, heads, M) over the key
         tokens (its 'k_norm', on `key_grid`).
+    extent: the share (height, width) of the image, from its top left corner, that `grid` covers: above 1 where the
+        grid was padded or rounded up (Swin at 40: the 3×3 grid of stage 2, padded from 5×5 before the merging, has
+        16-pixel cells over 48×48 pixels, 1.2); 1 where the stride is not known (a layer run on its own).
     key_extent: the share (height, width) of the image, from its top left corner, that the key grid covers: less
-        than 1 where a strided reduction leaves the grid's last rows or columns out (PVT v2 at 80: a 20×20 grid
-        under stride 8 gives 2×2 keys over its first 16×16 cells).
+        than `extent` where a strided reduction leaves the grid's last rows or columns out (PVT v2 at 80: a 20×20
+        grid under stride 8 gives 2×2 keys over its first 16×16 cells, 0.8).
     """
     name: str
     attention: str
@@ -68,6 +76,7 @@ class LayerAttention:
     values: Tensor
     local: Optional[Tensor] = None
     extras: Dict[str, Tensor] = field(default_factory=dict)
+    extent: Tuple[float, float] = (1.0, 1.0)
     key_extent: Tuple[float, float] = (1.0, 1.0)
 
     @property
@@ -78,6 +87,26 @@ class LayerAttention:
 def attention_layers(model: nn.Module) -> Dict[str, GroupedAttention]:
     """Every attention layer (grouping module) of `model` by module name, in forward order."""
     return {name: module for name, module in model.named_modules() if isinstance(module, GroupedAttention)}
+
+
+def cell_centres(grid: Grid, extent: Tuple[float, float], image_size: Grid,
+                 device: Optional[torch.device] = None) -> Tensor:
+    """(h·w, 2) pixel coordinates (y, x) of the centres of the `grid` (h, w) cells that cover the `extent` share of
+    an image of `image_size` (H, W) from its top left corner: of each cell's part inside the image, which is all of
+    it but for the last cells of a padded grid."""
+    axes = []
+    for cells, share, side in zip(grid, extent, image_size):
+        edges = (torch.arange(cells + 1, device=device, dtype=torch.float64) * (side * share / cells)).clamp(max=side)
+        axes.append((edges[:-1] + edges[1:]) / 2)
+    return torch.stack(torch.meshgrid(*axes, indexing='ij'), dim=-1).view(-1, 2)
+
+
+def _strides(model: nn.Module, layers: Sequence[str]) -> Dict[str, int]:
+    """The pixel stride of the grid cells of each of `layers` that lies in a stage of `model`'s `feature_info`
+    (timm's `reduction` of the stage); a layer outside every stage (one recorded on its own) has none."""
+    stages = getattr(model, 'feature_info', None)
+    stages = stages if isinstance(stages, list) else []  # timm's features-only wrappers hold a FeatureInfo
+    return {name: stage['reduction'] for name in layers for stage in stages if name.startswith(stage['module'] + '.')}
 
 
 def _select_layers(model: nn.Module, layers: Optional[Sequence[Union[str, int]]]) -> Dict[str, GroupedAttention]:
@@ -120,6 +149,7 @@ class _Capture:
     batch: int = 0
     tokens: int = 0
     size: Grid = (0, 0)
+    image: Optional[Grid] = None  # (H, W) of the images of the model's call the layer ran in; None: run on its own
     calls: List[_Call] = field(default_factory=list)
 
 
@@ -146,10 +176,11 @@ def _origin(layer: GroupedAttention, branch: Optional[StripeBranch], size: Grid,
     return origin.masked_fill(origin < 0, num_tokens)
 
 
-def _cell(fraction: float, cells: int) -> int:
-    """The cell of `cells` equal cells of [0, 1) that holds `fraction`, where a fraction on a cell's edge (15 / 22)
-    belongs to that cell though its float product with `cells` falls just below the edge (14.999999999999998)."""
-    return min(int(fraction * cells + 1e-9), cells - 1)
+def _cell(fraction: float, cells: int, covered: float) -> int:
+    """The cell of `cells` equal cells of [0, covered) that holds `fraction` (the last one for a fraction past them),
+    where a fraction on a cell's edge (15 / 22) belongs to that cell though its float product with `cells` falls just
+    below the edge (14.999999999999998)."""
+    return min(int(fraction * cells / covered + 1e-9), cells - 1)
 
 
 def _check_queries(queries: Optional[Sequence[Any]]) -> Optional[List[Query]]:
@@ -177,7 +208,9 @@ def _check_queries(queries: Optional[Sequence[Any]]) -> Optional[List[Query]]:
     return checked
 
 
-def _resolve_queries(queries: Sequence[Query], num_prefix: int, grid: Grid, num_tokens: int) -> Tensor:
+def _resolve_queries(queries: Sequence[Query], num_prefix: int, grid: Grid, extent: Tuple[float, float],
+                     num_tokens: int) -> Tensor:
+    """(R,) the token index of each query on `grid`, which covers the `extent` share of the image."""
     resolved = []
     for query in queries:
         if isinstance(query, int):
@@ -186,7 +219,7 @@ def _resolve_queries(queries: Sequence[Query], num_prefix: int, grid: Grid, num_
             resolved.append(query)
         else:
             y, x = query
-            resolved.append(num_prefix + _cell(y, grid[0]) * grid[1] + _cell(x, grid[1]))
+            resolved.append(num_prefix + _cell(y, grid[0], extent[0]) * grid[1] + _cell(x, grid[1], extent[1]))
     return torch.tensor(resolved, dtype=torch.long)
 
 
@@ -194,9 +227,12 @@ class AttentionRecord:
     """What `record_attention` yields: `rec[name]` (or `rec[i]`) forms a layer's `LayerAttention` from the
     last forward; iterating gives the recorded layer names."""
 
-    def __init__(self, layers: Dict[str, GroupedAttention], queries: Optional[Sequence[Query]]):
+    def __init__(self, layers: Dict[str, GroupedAttention], queries: Optional[Sequence[Query]],
+                 strides: Dict[str, int]):
         self.layers = layers
         self.queries = _check_queries(queries)
+        self.strides = strides
+        self._image: Optional[Grid] = None
         self._captures: Dict[str, _Capture] = {name: _Capture() for name in layers}
 
     def __iter__(self) -> Iterator[str]:
@@ -219,6 +255,11 @@ class AttentionRecord:
                                f"recording began runs without its hooks: record the model itself)")
         return self._form(name, self.layers[name], capture)
 
+    def _on_model(self, module: nn.Module, args: Tuple) -> None:
+        """Keep the (H, W) of the (B, C, H, W) images the model is called on (a layer run on its own takes tokens)."""
+        self._image = tuple(args[0].shape[-2:]) if args and isinstance(args[0], Tensor) and args[0].dim() == 4 \
+            else None
+
     def _hooks(self, name: str, layer: GroupedAttention) -> List[Any]:
         capture = self._captures[name]
 
@@ -226,6 +267,7 @@ class AttentionRecord:
             x = args[0]
             capture.batch, capture.tokens = x.shape[:2]
             capture.size = tuple(args[1] if len(args) > 1 else kwargs['size'])
+            capture.image = self._image
             capture.calls = []
 
         def on_mixer(branch: int):
@@ -244,18 +286,24 @@ class AttentionRecord:
         mixers = _mixers(layer)
         attention = mixers[0][1].attention_name
         pooling = pools_tokens(type(mixers[0][1]))
-        key_grid, key_extent = size, (1.0, 1.0)
+        # a cell's side in pixels and the image's (H, W); without them (a layer run on its own) the grid tiles the
+        # image, one pixel per cell
+        stride, image = (self.strides[name], capture.image) if name in self.strides and capture.image else (1, size)
+        extent = (size[0] * stride / image[0], size[1] * stride / image[1])
+        key_grid, key_extent = size, extent
         if isinstance(layer, SpatialReductionAttention) and layer.pool_size is not None:
             key_grid = (layer.pool_size, layer.pool_size)
         elif isinstance(layer, SpatialReductionAttention) and layer.sr_ratio > 1:
             key_grid = (size[0] // layer.sr_ratio, size[1] // layer.sr_ratio)
-            key_extent = (key_grid[0] * layer.sr_ratio / size[0], key_grid[1] * layer.sr_ratio / size[1])
+            key_extent = (key_grid[0] * layer.sr_ratio * stride / image[0],
+                          key_grid[1] * layer.sr_ratio * stride / image[1])
         M = num_prefix + key_grid[0] * key_grid[1]
         device = capture.calls[0].q.device
         work = torch.promote_types(capture.calls[0].q.dtype, torch.float32)
         queries = None
         if not pooling:
-            queries = torch.arange(N) if self.queries is None else _resolve_queries(self.queries, num_prefix, size, N)
+            queries = torch.arange(N) if self.queries is None else \
+                _resolve_queries(self.queries, num_prefix, size, extent, N)
             queries = queries.to(device)
         C, heads = layer.dim, layer.num_heads
         q_full = torch.zeros(B, N, C, dtype=work, device=device)
@@ -322,7 +370,7 @@ class AttentionRecord:
         weights = torch.cat([rows for _, rows in sorted(parts, key=lambda part: part[0])], dim=1)
         query_vectors = None if pooling else split_heads(q_full, heads)[:, :, queries]
         return LayerAttention(name, attention, size, key_grid, num_prefix, queries, weights, query_vectors,
-                              split_heads(v_full, heads), local, extras, key_extent)
+                              split_heads(v_full, heads), local, extras, extent, key_extent)
 
 
 def _ungroup(x: Tensor, origin: Tensor, batch: int, num_tokens: int) -> Tensor:
@@ -356,14 +404,17 @@ def _with_lepe(local: Optional[Tensor], branch: Optional[StripeBranch], call: _C
 def record_attention(model: nn.Module, layers: Optional[Sequence[Union[str, int]]] = None,
                      queries: Optional[Sequence[Query]] = None) -> Iterator[AttentionRecord]:
     """Record the attention of `layers` (module names or indices into `attention_layers(model)`; None: all) for
-    `queries` (token indices or image points; None: every token) while the block runs.
+    `queries` (token indices or image points; None: every token) while the block runs. Call the model itself on the
+    images, `model(images)`: their size places a padded grid on them (`LayerAttention.extent`).
 
         with record_attention(model, layers=[-1], queries=[0]) as rec:
             model(images)
         row = rec[-1].weights  # (B, heads, 1, M): the class token's attention in the last layer
     """
-    record = AttentionRecord(_select_layers(model, layers), queries)
-    handles = [handle for name, layer in record.layers.items() for handle in record._hooks(name, layer)]
+    chosen = _select_layers(model, layers)
+    record = AttentionRecord(chosen, queries, _strides(model, list(chosen)))
+    handles = [model.register_forward_pre_hook(record._on_model)]
+    handles += [handle for name, layer in record.layers.items() for handle in record._hooks(name, layer)]
     try:
         yield record
     finally:

@@ -9,7 +9,8 @@ distributions of the other attentions p = w), then averaged over the rows and im
 - `near_zero`: the share of weights below 1 % of the uniform weight 1/M;
 - `negative`: the share of weights below zero (of w, not p);
 - `distance_px`: the mean distance in pixels from the query to the keys, weighted by p over the grid keys (the
-  "attention distance" of the ViT paper), for grid queries;
+  "attention distance" of the ViT paper), for grid queries, each token at the centre of its cell's part inside the
+  image (a padded grid's last cells reach past it);
 - `collisions`: the injectivity probe, the share of pairs of queries of one image and head that differ (beyond
   `query_rtol` of their size, in the max norm) yet get the same row (within `row_rtol` of its size);
 - `rank`: the numerical rank of the R × M matrix of recorded rows (`torch.linalg.matrix_rank`'s tolerance for the
@@ -25,7 +26,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from .record import LayerAttention
+from .record import LayerAttention, cell_centres
 
 __all__ = ['STATISTICS', 'row_statistics', 'collision_share', 'AttentionStatistics']
 
@@ -43,14 +44,6 @@ def _gini(mass: Tensor) -> Tensor:
     M = mass.shape[-1]
     ranks = torch.arange(1, M + 1, dtype=mass.dtype, device=mass.device)
     return (mass.sort(dim=-1).values * (2 * ranks - M - 1)).sum(dim=-1) / M
-
-
-def _positions(grid: Tuple[int, int], image_size: Tuple[int, int], device: torch.device) -> Tensor:
-    """(h·w, 2) pixel coordinates (y, x) of the centres of a grid's cells over the top left `image_size` pixels."""
-    (h, w), (H, W) = grid, image_size
-    ys = (torch.arange(h, device=device, dtype=torch.float64) + 0.5) * H / h
-    xs = (torch.arange(w, device=device, dtype=torch.float64) + 0.5) * W / w
-    return torch.stack(torch.meshgrid(ys, xs, indexing='ij'), dim=-1).view(-1, 2)
 
 
 def collision_share(weights: Tensor, query_vectors: Tensor, row_rtol: float = 1e-5,
@@ -108,9 +101,8 @@ def _distance(layer: LayerAttention, mass: Tensor, image_size: Tuple[int, int]) 
     if not grid_rows.any():
         return torch.full((mass.shape[1],), math.nan, dtype=torch.float64)
     device = mass.device
-    queries = _positions(layer.grid, image_size, device)[layer.queries[grid_rows] - prefix]
-    covered = (image_size[0] * layer.key_extent[0], image_size[1] * layer.key_extent[1])
-    keys = _positions(layer.key_grid, covered, device)
+    queries = cell_centres(layer.grid, layer.extent, image_size, device)[layer.queries[grid_rows] - prefix]
+    keys = cell_centres(layer.key_grid, layer.key_extent, image_size, device)
     grid_mass = mass[:, :, grid_rows, prefix:]
     grid_mass = grid_mass / grid_mass.sum(dim=-1, keepdim=True).clamp_min(1e-300)
     return (grid_mass * torch.cdist(queries, keys)).sum(dim=-1).mean(dim=(0, 2)).cpu()
