@@ -49,14 +49,14 @@ from ._files import process_alive, remove_left_by_dead_processes
 
 __all__ = [
     'CheckpointError', 'DownloadError', 'checkpoint_cache_dir', 'cached_file_name', 'download_checkpoint',
-    'process_alive', 'HUB_SOURCES', 'is_hub_name', 'hub_weights_file', 'start_weights_file', 'unknown_pretrained_tag',
-    'has_released_weights', 'released_weights_file', 'official_keys', 'filter_checkpoint', 'adapt_state_dict',
-    'IMAGENET22K_CLASSES', 'imagenet1k_classes', 'imagenet1k_rows_of_imagenet22k', 'narrow_imagenet22k_classifier',
-    'load_pretrained_into', 'load_shared_weights', 'TransferReport', 'SAFE_GLOBALS', 'load_checkpoint_file',
-    'MODEL_KEYS', 'EMA_KEYS', 'PRETRAINED_KEYS', 'checkpoint_state_dict', 'held_weights', 'error_summary',
-    'rename_loaded_keys', 'loaded_key_names',
-    'is_derived_buffer', 'drop_derived_buffers', 'check_state_dict', 'load_state_dict_checked',
-    'resample_grid_embedding', 'resize_grid_embedding', 'resize_rel_pos_bias_table',
+    'process_alive', 'HUB_SOURCES', 'is_hub_name', 'hub_weights_file', 'start_weights_file',
+    'unknown_pretrained_tag', 'has_released_weights', 'released_weights_file', 'official_keys', 'set_tensor_slot',
+    'filter_checkpoint', 'adapt_state_dict', 'IMAGENET22K_CLASSES', 'imagenet1k_classes',
+    'imagenet1k_rows_of_imagenet22k', 'narrow_imagenet22k_classifier', 'load_pretrained_into',
+    'load_shared_weights', 'TransferReport', 'SAFE_GLOBALS', 'load_checkpoint_file', 'MODEL_KEYS', 'EMA_KEYS',
+    'PRETRAINED_KEYS', 'file_weights_keys', 'checkpoint_state_dict', 'held_weights', 'error_summary',
+    'rename_loaded_keys', 'loaded_key_names', 'is_derived_buffer', 'drop_derived_buffers', 'check_state_dict',
+    'load_state_dict_checked', 'resample_grid_embedding', 'resize_grid_embedding', 'resize_rel_pos_bias_table',
 ]
 
 SAFE_GLOBALS = [(OrderedDict, 'yacs.config.CfgNode'), set, argparse.Namespace]
@@ -351,6 +351,16 @@ def checkpoint_state_dict(checkpoint: Any, keys: Sequence[str] = MODEL_KEYS,
 # For each module, the keys its load-state-dict pre-hooks renamed in the loads through it: a new key -> the key it
 # had, so that a model names unexpected keys as the loaded state dict named them
 _LOAD_RENAMES: 'weakref.WeakKeyDictionary[nn.Module, Dict[str, str]]' = weakref.WeakKeyDictionary()
+
+
+def set_tensor_slot(module: nn.Module, name: str, value: Tensor) -> bool:
+    """Put `value` in the parameter or buffer slot `name` of `module`, as torch.func.functional_call swaps tensors in
+    and back (a plain tensor in a parameter's slot included); False where `module` has no such slot."""
+    for slots in (module._parameters, module._buffers):
+        if name in slots:
+            slots[name] = value
+            return True
+    return False
 
 
 def rename_loaded_keys(module: nn.Module, state_dict: Dict[str, Any], renames: Mapping[str, str]) -> None:

@@ -181,6 +181,15 @@ class CSWinBlock(nn.Module):
         self.register_state_dict_post_hook(_to_official_names)
         self.register_load_state_dict_pre_hook(_from_official_names)
 
+    def __getattr__(self, name: str) -> Any:
+        """`attn`'s `qkv`, `proj` and `attns` also under their state-dict names, as `MixerHost.__getattr__`."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name + '.' not in _ATTN_KEYS:
+                raise
+            return getattr(self.attn, name)
+
     def _fqn_modifiers(self) -> Dict[str, str]:
         """The state-dict names that skip the `attn` module (`qkv.*` for `attn.qkv.*`), for
         torch.distributed.checkpoint, as `MixerHost._fqn_modifiers`."""

@@ -25,7 +25,7 @@ from .attention import list_attention_options, stage_attentions
 from .attention.layout import Grid, tokens_to_image
 from .attention.mixer import is_integer, is_number
 from .checkpoint import (HUB_SOURCES, IMAGENET22K_CLASSES, cached_file_name, download_checkpoint, is_derived_buffer,
-                         load_checkpoint_file, loaded_key_names, rename_loaded_keys)
+                         load_checkpoint_file, loaded_key_names, rename_loaded_keys, set_tensor_slot)
 
 __all__ = [
     'ZooModel', 'create_variant', 'register_variants', 'Block', 'BlockStack', 'init_weights', 'OfficialKeys',
@@ -512,6 +512,16 @@ class ZooModel(nn.Module):
             if keys is None or keys.to_module(name) == name:
                 raise
             return functools.reduce(getattr, keys.to_module(name).split('.'), self)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        """A tensor set under the official name of a parameter or buffer (PVT's `pos_embed1`) takes its place, as
+        torch.func.functional_call swaps tensors in and back by state-dict keys; set here, it would be an attribute
+        that the stage never reads."""
+        keys: Optional[OfficialKeys] = self.__dict__.get('official_keys')
+        path = keys.to_module(name) if keys is not None and isinstance(value, Tensor) else name
+        owner, _, slot = path.rpartition('.')
+        if not (path != name and set_tensor_slot(self.get_submodule(owner), slot, value)):
+            super().__setattr__(name, value)
 
     @torch.jit.ignore
     def set_input_size(self, img_size: Optional[Union[int, Grid]] = None) -> None:

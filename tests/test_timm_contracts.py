@@ -312,6 +312,31 @@ def test_distributed_checkpoint_state_dicts_keep_the_official_keys_and_round_tri
             torch.testing.assert_close(other(x), model(x), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize('family', FAMILIES)
+def test_functional_call_and_get_parameter_take_the_official_state_dict_keys(family):
+    """torch.func.functional_call(model, state_dict) swaps tensors in by their keys: a mixer's official key
+    (`attn.ranges` for `attn.mixer.ranges`) was set as an attribute the mixer never read, so MultiMax and FLatten
+    models computed with their own parameters in silence, and InLine's, additive's, PVT's and CSwin's keys failed."""
+    for attn_type in list_attentions():
+        model = tiny_model(family_model(family), attn_type=attn_type)
+        torch.manual_seed(1)
+        other = timm.create_model(family_model(family), num_classes=5, attn_type=attn_type, **TINY[family]).eval()
+        before = {key: value.clone() for key, value in model.state_dict().items()}
+        x = images(model, 2)
+        with torch.no_grad():
+            torch.testing.assert_close(torch.func.functional_call(model, other.state_dict(), (x,)), other(x),
+                                       rtol=0, atol=0, msg=attn_type)
+        after = model.state_dict()
+        assert all(torch.equal(after[key], value) for key, value in before.items()), attn_type
+        assert all(type(p) is torch.nn.Parameter for p in model.parameters()), attn_type
+        parameters = {id(p) for p in model.parameters()}
+        for key, value in after.items():  # each key names, through attributes, the tensor it holds
+            owner, _, name = key.rpartition('.')
+            found = getattr(model.get_submodule(owner), name)
+            assert torch.equal(found, value), key
+            assert id(found) not in parameters or model.get_parameter(key) is found, key
+
+
 @pytest.mark.parametrize('family, attn_type', export_cases())
 def test_torchscript_of_the_whole_model_matches_eager(family, attn_type):
     # timm's TorchScript contract: the model itself scripts, stage loops and all; a second input size checks

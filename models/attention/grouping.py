@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from timm.layers import register_notrace_module, trunc_normal_
 
-from ..checkpoint import rename_loaded_keys, resize_rel_pos_bias_table
+from ..checkpoint import rename_loaded_keys, resize_rel_pos_bias_table, set_tensor_slot
 from .layout import (
     Grid, crop_tokens, image_to_tokens, pad_tokens, padded_grid, relative_position_index, roll_tokens,
     shifted_window_mask, tokens_to_image, window_partition, window_reverse,
@@ -81,6 +81,27 @@ class MixerHost(nn.Module):
         self.needs_tokens = mixer.needs_tokens
         self.register_state_dict_post_hook(_lift_mixer_keys)
         self.register_load_state_dict_pre_hook(_sink_mixer_keys)
+
+    def __getattr__(self, name: str) -> Any:
+        """The mixer's parameter, buffer or submodule also under its state-dict name (`attn.ranges` for
+        `attn.mixer.ranges`), for tools that follow state-dict keys through attributes (`Module.get_parameter`,
+        torch.func.functional_call). Reached only for names this module has not."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            mixer = self.__dict__['_modules'].get('mixer')
+            if mixer is None or name not in self.__dict__.get('mixer_keys', ()):
+                raise
+            return getattr(mixer, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        """A tensor set under the state-dict name of the mixer's parameter or buffer takes its place in the mixer,
+        as torch.func.functional_call swaps tensors in and back by state-dict keys; set here, it would be an
+        attribute that the mixer never reads."""
+        mixer = self.__dict__.get('_modules', {}).get('mixer')
+        if not (mixer is not None and isinstance(value, Tensor) and name in self.__dict__.get('mixer_keys', ())
+                and set_tensor_slot(mixer, name, value)):
+            super().__setattr__(name, value)
 
     def _fqn_modifiers(self) -> Dict[str, str]:
         """The state-dict names that skip the `mixer` module, for torch.distributed.checkpoint, which maps each
