@@ -21,9 +21,9 @@ from yacs.config import CfgNode as CN
 import models  # noqa: F401  (registers the zoo's families with timm)
 from models.attention import Mixer, UnknownAttentionError, list_attentions
 from models.attention.registry import close_attention_name
-from models.checkpoint import (EMA_KEYS, IMAGENET22K_CLASSES, MODEL_KEYS, PRETRAINED_KEYS, CheckpointError,
-                               checkpoint_state_dict, has_released_weights, load_checkpoint_file, load_shared_weights,
-                               imagenet1k_classes, narrow_imagenet22k_classifier, official_keys,
+from models.checkpoint import (EMA_KEYS, IMAGENET22K_CLASSES, PRETRAINED_KEYS, CheckpointError,
+                               checkpoint_state_dict, file_weights_keys, has_released_weights, imagenet1k_classes,
+                               load_checkpoint_file, load_shared_weights, narrow_imagenet22k_classifier, official_keys,
                                unknown_pretrained_tag)
 from models.onednn import convert_to_onednn, onednn_available
 
@@ -33,9 +33,10 @@ from .errors import UsageError
 from .hub import is_hub_name, weights_file
 
 __all__ = ['import_model_modules', 'import_modules', 'trained_as_another_model', 'check_model_name',
-           'check_model_config', 'check_pretrained', 'official_weights', 'classifier_names', 'classifier_rows', 'imagenet1k_difference', 'narrows_to_imagenet1k',
-           'read_weights', 'weights_keys', 'checkpoint_weights', 'create_model', 'weight_changes', 'create_optimizer',
-           'create_scheduler', 'create_criterion', 'autocast_dtype', 'check_onednn', 'create_training_model']
+           'check_model_config', 'check_pretrained', 'official_weights', 'classifier_names', 'classifier_rows',
+           'imagenet1k_difference', 'narrows_to_imagenet1k', 'read_weights', 'weights_keys', 'checkpoint_weights',
+           'create_model', 'weight_changes', 'create_optimizer', 'create_scheduler', 'create_criterion',
+           'autocast_dtype', 'check_onednn', 'create_training_model']
 
 # optimizers whose `fused=True` kernel runs on every device the engine trains on (CPU, CUDA); Adagrad's is CPU only
 FUSED_OPTIMIZERS = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
@@ -232,9 +233,10 @@ def read_weights(path: str, ema: bool = False, without_ema: str = 'drop --ema', 
     return checkpoint_weights(load_checkpoint_file(path), path, ema, without_ema, released)
 
 
-def weights_keys(ema: bool = False, released: bool = False) -> Tuple[str, ...]:
-    """The keys `read_weights` takes a checkpoint's weights from, in order, for `ema` and `released`."""
-    return EMA_KEYS if ema else PRETRAINED_KEYS if released else MODEL_KEYS
+def weights_keys(checkpoint: Any, ema: bool = False, released: bool = False) -> Tuple[str, ...]:
+    """The keys the loaded contents of a checkpoint file give their weights from, in order, for `ema` and a
+    `released` file: `file_weights_keys` unless one of them is set."""
+    return EMA_KEYS if ema else PRETRAINED_KEYS if released else file_weights_keys(checkpoint)
 
 
 def checkpoint_weights(checkpoint: Any, path: str, ema: bool = False, without_ema: str = 'drop --ema',
@@ -244,7 +246,7 @@ def checkpoint_weights(checkpoint: Any, path: str, ema: bool = False, without_em
                 or not any(isinstance(checkpoint.get(k), Mapping) for k in EMA_KEYS)):
         raise CheckpointError(f"checkpoint {path!r} has no EMA weights; expected one of the keys "
                               f"{', '.join(EMA_KEYS)} ({without_ema} to use the model weights)")
-    return checkpoint_state_dict(checkpoint, weights_keys(ema, released), f"checkpoint {path!r}")
+    return checkpoint_state_dict(checkpoint, weights_keys(checkpoint, ema, released), f"checkpoint {path!r}")
 
 
 def _check_channels(cfg: CN, in_chans: int) -> None:

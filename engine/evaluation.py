@@ -136,7 +136,7 @@ def load_weights(cfg: CN, checkpoint: str, ema: bool, adopt_classes: bool,
     stored = load_checkpoint_file(checkpoint)
     _check_trained_model(stored, checkpoint, cfg)
     classes = recorded_classes(stored)
-    kind = held_weights(stored, weights_keys(ema, released))
+    kind = held_weights(stored, weights_keys(stored, ema, released))
     weights = official_weights(cfg.MODEL.NAME, checkpoint_weights(stored, checkpoint, ema=ema, released=released))
     del stored  # a training checkpoint's optimizer state and EMA, not needed here
     rows = classifier_rows(cfg.MODEL.NAME, weights)

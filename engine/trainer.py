@@ -23,12 +23,12 @@ from torch.nn.parallel import DistributedDataParallel
 from yacs.config import CfgNode as CN
 
 from models._files import named_on_error
-from models.checkpoint import CheckpointError, load_checkpoint_file
+from models.checkpoint import CheckpointError, held_weights, load_checkpoint_file
 
 from .build import (autocast_dtype, check_model_config, check_onednn, check_optimizer_config, check_pretrained,
                     check_sync_bn, create_criterion, create_model, create_optimizer, create_scheduler,
                     checkpoint_weights, create_training_model, official_weights, read_weights,
-                    synchronize_batchnorm, trained_as_another_model)
+                    synchronize_batchnorm, trained_as_another_model, weights_keys)
 from .checkpoint import BEST, LAST, OutputLock, TrainingCheckpoint, atomic_write_text, remove_stale_temp_files
 from .compile import CompileTimer, compile_errors_reported, compile_model
 from .config import describe_model, ema_decay, scaled_lrs, stored_config, total_batch_size
@@ -309,16 +309,16 @@ def train(cfg: CN, info: DistInfo, check_data: bool = False) -> Dict[str, Any]:
             cfg.freeze()
     # so are the weights to start from, read and matched with the model, where they lie in a file already (a
     # download waits for the data check)
-    pretrained, trained_as = None, ''
+    pretrained, held, trained_as = None, 'model', ''
     if stored is None and cfg.MODEL.PRETRAINED and os.path.isfile(cfg.MODEL.PRETRAINED):
-        pretrained, trained_as = _read_start_file(cfg, cfg.MODEL.PRETRAINED)
+        pretrained, held, trained_as = _read_start_file(cfg, cfg.MODEL.PRETRAINED)
         with warnings.catch_warnings():  # loading into the meta device copies nothing, which torch warns of per tensor
             warnings.filterwarnings('ignore', message='.*copying from a non-meta parameter')
             _with_start_weights(cfg, pretrained, lambda: create_model(
                 cfg, pretrained, source=cfg.MODEL.PRETRAINED, device='meta', strict=cfg.MODEL.PRETRAINED_STRICT))
     lock = OutputLock(cfg.OUTPUT)
     try:
-        return _train(cfg, info, lock, check_data, resume, stored, pretrained, trained_as)
+        return _train(cfg, info, lock, check_data, resume, stored, pretrained, held, trained_as)
     except Exception as e:  # a stop after saving has logged its own line
         if lock.fd is not None:  # the run took the folder: its log is this run's (the console has the error)
             _note_in_log_file(cfg.OUTPUT, error_line(e))
@@ -328,15 +328,17 @@ def train(cfg: CN, info: DistInfo, check_data: bool = False) -> Dict[str, Any]:
         _close_log_file(cfg.OUTPUT)
 
 
-def _read_start_file(cfg: CN, path: str) -> Tuple[Dict[str, Tensor], str]:
-    """The weights of the file `path` that MODEL.PRETRAINED_EMA picks, and, where it is one of our checkpoints of
-    another model than `cfg` builds, what differs ('' otherwise): a start from another attention's weights of the
-    same shapes loads strictly, and the log says whose they are."""
+def _read_start_file(cfg: CN, path: str) -> Tuple[Dict[str, Tensor], str, str]:
+    """The weights of the file `path` that MODEL.PRETRAINED_EMA picks (a release's EMA weights where it holds both,
+    as its download gives), which they are ('EMA' or 'model'), and, where it is one of our checkpoints of another
+    model than `cfg` builds, what differs ('' otherwise): a start from another attention's weights of the same
+    shapes loads strictly, and the log says whose they are."""
     checkpoint = load_checkpoint_file(path)
     weights = checkpoint_weights(checkpoint, path, cfg.MODEL.PRETRAINED_EMA,
                                  without_ema='set MODEL.PRETRAINED_EMA False')
+    held = 'EMA' if held_weights(checkpoint, weights_keys(checkpoint, cfg.MODEL.PRETRAINED_EMA)) == 'ema' else 'model'
     trained = stored_config(checkpoint, f"checkpoint {path!r}")
-    return weights, ('; '.join(trained_as_another_model(trained, cfg)) if trained is not None else '')
+    return weights, held, ('; '.join(trained_as_another_model(trained, cfg)) if trained is not None else '')
 
 
 def _read_start_weights(cfg: CN, path: str, released: bool = False) -> Dict[str, Tensor]:
@@ -380,7 +382,7 @@ def _read_resumed(path: str, auto: bool) -> Dict[str, Any]:
 
 
 def _train(cfg: CN, info: DistInfo, lock: OutputLock, check_data: bool, resume: Optional[str],
-           stored: Optional[Dict[str, Any]], pretrained: Optional[Dict[str, Tensor]],
+           stored: Optional[Dict[str, Any]], pretrained: Optional[Dict[str, Tensor]], held: str,
            trained_as: str) -> Dict[str, Any]:
     root = resolve_data_root(cfg, info)
     check_splits(root, ('train', 'val'))
@@ -431,9 +433,8 @@ def _train(cfg: CN, info: DistInfo, lock: OutputLock, check_data: bool, resume: 
         classes=train_set.classes))
     if pretrained is not None and info.is_main:
         if os.path.isfile(cfg.MODEL.PRETRAINED):
-            which = 'EMA' if cfg.MODEL.PRETRAINED_EMA else 'model'
             of_run = f"; its run trained another model: {trained_as}" if trained_as else ''
-            logger.info(f"started from the {which} weights of {cfg.MODEL.PRETRAINED} (MODEL.PRETRAINED_EMA "
+            logger.info(f"started from the {held} weights of {cfg.MODEL.PRETRAINED} (MODEL.PRETRAINED_EMA "
                         f"{cfg.MODEL.PRETRAINED_EMA}){of_run}")
         else:
             logger.info(f"started from the weights of {cfg.MODEL.PRETRAINED}")
@@ -507,9 +508,10 @@ def _train(cfg: CN, info: DistInfo, lock: OutputLock, check_data: bool, resume: 
             logger.warning(f"TRAIN.WARMUP_EPOCHS {cfg.TRAIN.WARMUP_EPOCHS} >= TRAIN.EPOCHS {cfg.TRAIN.EPOCHS}: the "
                            f"learning rate stays in its warm-up for the whole run, below TRAIN.BASE_LR")
         if lrs['min_lr'] > lrs['lr']:  # DeiT's recipe at a small total batch: BASE_LR scales, MIN_LR does not
-            logger.warning(f"TRAIN.MIN_LR {lrs['min_lr']:.3e} is above the learning rate {lrs['lr']:.3e} (TRAIN.BASE_LR "
-                           f"{cfg.TRAIN.BASE_LR:g} at total batch {total_batch_size(cfg, info.world_size)}, "
-                           f"TRAIN.LR_SCALING {cfg.TRAIN.LR_SCALING}): the schedule rises to it instead of decaying; "
+            logger.warning(f"TRAIN.MIN_LR {lrs['min_lr']:.3e} is above the learning rate {lrs['lr']:.3e} "
+                           f"(TRAIN.BASE_LR {cfg.TRAIN.BASE_LR:g} at total batch "
+                           f"{total_batch_size(cfg, info.world_size)}, TRAIN.LR_SCALING {cfg.TRAIN.LR_SCALING}): the "
+                           f"schedule rises to it instead of decaying; "
                            f"expected a lower TRAIN.MIN_LR, or TRAIN.LR_SCALING all, which scales it too")
 
     record: Dict[str, Any] = {}

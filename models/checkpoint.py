@@ -313,6 +313,15 @@ def _weights_key(checkpoint: Mapping[str, Any], keys: Sequence[str]) -> Optional
     return next((key for key in (*keys, *EMA_KEYS) if isinstance(checkpoint.get(key), Mapping)), None)
 
 
+def file_weights_keys(checkpoint: Any) -> Tuple[str, ...]:
+    """Where the loaded contents of a checkpoint file give their weights from: one of this engine's training
+    checkpoints (its config kept as YAML text) its model weights (`MODEL_KEYS`); any other file (a release, an
+    official or timm training file) the weights its release gives (`PRETRAINED_KEYS`: the EMA weights of one that
+    holds both, as timm's `load_checkpoint` reads it), so that a release copied by hand gives its download's."""
+    ours = isinstance(checkpoint, Mapping) and isinstance(checkpoint.get('config'), str)
+    return MODEL_KEYS if ours else PRETRAINED_KEYS
+
+
 def held_weights(checkpoint: Any, keys: Sequence[str] = MODEL_KEYS) -> str:
     """Which weights `checkpoint_state_dict(checkpoint, keys)` gives: 'ema' (under one of `EMA_KEYS`) or 'model'."""
     return 'ema' if isinstance(checkpoint, Mapping) and _weights_key(checkpoint, keys) in EMA_KEYS else 'model'
@@ -675,12 +684,14 @@ def load_pretrained_into(model: nn.Module, source: str) -> TransferReport:
     A 1000-class Swin takes the ImageNet-1k rows of an ImageNet-22k classifier (`narrow_imagenet22k_classifier`:
     the function knows no data, so it takes the classes to be ImageNet-1k's, as Swin's fine-tuning does).
     Every tensor whose key and (after adaptation to the model's resolution) shape the model shares is loaded;
-    the report names the model's new keys, which keep their initialisation, and the dropped ones. A file gives its
-    model weights; a name, the weights `timm.create_model(name, pretrained=True)` takes (`PRETRAINED_KEYS`).
+    the report names the model's new keys, which keep their initialisation, and the dropped ones. A name gives the
+    weights `timm.create_model(name, pretrained=True)` takes (`PRETRAINED_KEYS`), and so does its release file; one
+    of our training checkpoints gives its model weights (`file_weights_keys`).
     """
     path = start_weights_file(source)
-    keys = MODEL_KEYS if os.path.isfile(source) else PRETRAINED_KEYS
-    state_dict = checkpoint_state_dict(load_checkpoint_file(path), keys, f"checkpoint {path!r}")
+    checkpoint = load_checkpoint_file(path)
+    keys = file_weights_keys(checkpoint) if os.path.isfile(source) else PRETRAINED_KEYS
+    state_dict = checkpoint_state_dict(checkpoint, keys, f"checkpoint {path!r}")
     return load_shared_weights(model, narrow_imagenet22k_classifier(model, official_keys(model, state_dict)), source)
 
 

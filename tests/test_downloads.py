@@ -356,7 +356,8 @@ TRAIN_TINY = dict(img_size=16, patch_size=4, embed_dim=64, depth=2, num_heads=4)
 
 def test_train_starts_from_the_released_weights_of_a_model_name(server, cache, monkeypatch, tmp_path, capsys):
     """...those `timm.create_model(name, pretrained=True)` takes: of a release that holds model and EMA weights,
-    the EMA weights, which a file gives with --pretrained-ema."""
+    the EMA weights, which the release file copied by hand gives too (it gave its model weights), and the log says
+    so."""
     digits = prepare_digits(str(tmp_path / 'digits'))
     _, _, served = release_with_ema(**TRAIN_TINY)
     server.files['1d6b8191ad6d4114b291'] = served
@@ -365,10 +366,11 @@ def test_train_starts_from_the_released_weights_of_a_model_name(server, cache, m
     local.write_bytes(served)
     argv = ['--cfg', str(REPO / 'configs' / 'demo' / 'digits_tiny.yaml'), '--data-path', digits,
             '--opts', 'TRAIN.EPOCHS', '1', 'DATA.BATCH_SIZE', '128']
-    for start, output, ema in (('inline_deit_tiny', 'by_name', []), (str(local), 'by_file', ['--pretrained-ema'])):
-        assert run_cli(train_main, ['--pretrained', start, *ema, '--output', str(tmp_path / output), *argv]) == 0
-        assert f'{start}: re-initialised the classifier for 10 classes (the weights have 1000)' in \
-            capsys.readouterr().out
+    for start, output in (('inline_deit_tiny', 'by_name'), (str(local), 'by_file')):
+        assert run_cli(train_main, ['--pretrained', start, '--output', str(tmp_path / output), *argv]) == 0
+        out = capsys.readouterr().out
+        assert f'{start}: re-initialised the classifier for 10 classes (the weights have 1000)' in out
+    assert f'started from the EMA weights of {local} (MODEL.PRETRAINED_EMA False)' in out
     assert sorted(p.name for p in cache.iterdir()) == ['inline_deit_tiny.pth'] and len(server.requests) == 1
     by_name, by_file = (torch.load(tmp_path / output / 'last.pth', weights_only=True)['model']
                         for output in ('by_name', 'by_file'))
@@ -389,13 +391,13 @@ def release_with_ema(**model_args) -> Tuple[Dict[str, torch.Tensor], Dict[str, t
     return raw, ema, buffer.getvalue()
 
 
-def test_a_release_with_ema_weights_gives_them_by_every_path_that_names_the_model(server, cache, monkeypatch,
-                                                                                 tmp_path, capsys):
+def test_a_release_with_ema_weights_gives_them_by_every_path_that_names_the_model_or_its_file(
+        server, cache, monkeypatch, tmp_path, capsys):
     """timm reads a pretrained `file` with `load_state_dict(use_ema=True)`, the EMA weights of a file that holds both;
     the same release reached by `url` gave its model weights, and so did eval.py --model, train.py --pretrained
     and load_pretrained_into with the model's name. The CSWin releases are such files, and the CSWin code evaluates
-    their EMA weights. A file given as a checkpoint keeps giving its model weights (--ema / MODEL.PRETRAINED_EMA for
-    the EMA)."""
+    their EMA weights. The release file copied by hand, the offline route every download error names, gave its
+    model weights to `--checkpoint FILE` and `load_pretrained_into(model, FILE)`: it gives its download's now."""
     raw, ema, served = release_with_ema(**EVAL_TINY)
     server.files['1d6b8191ad6d4114b291'] = served
     register_url(monkeypatch, 'inline_deit_tiny', server.url('1d6b8191ad6d4114b291'))
@@ -407,8 +409,9 @@ def test_a_release_with_ema_weights_gives_them_by_every_path_that_names_the_mode
     started = timm.create_model('inline_deit_tiny', **EVAL_TINY)
     load_pretrained_into(started, 'inline_deit_tiny')
     assert_weights(started, ema)
+    started.load_state_dict(raw)
     load_pretrained_into(started, str(local))
-    assert_weights(started, raw)
+    assert_weights(started, ema)
 
     digits = prepare_digits(str(tmp_path / 'digits'))
     args = ['--data-path', digits, '--img-size', '16', '--crop-pct', '1.0', '--opts', *EVAL_OPTS]
@@ -417,8 +420,8 @@ def test_a_release_with_ema_weights_gives_them_by_every_path_that_names_the_mode
                          ('file --ema', ['--checkpoint', str(local), '--ema'])):
         assert eval_main(['--model', 'inline_deit_tiny', *given, *args]) == 0
         results[label] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert [results[label]['weights'] for label in results] == ['ema', 'model', 'ema']
-    assert results['by name']['loss'] == results['file --ema']['loss'] != results['file']['loss']
+    assert [results[label]['weights'] for label in results] == ['ema', 'ema', 'ema']
+    assert results['by name']['loss'] == results['file']['loss'] == results['file --ema']['loss']
 
 
 @pytest.mark.parametrize('entry', ['create_model', 'eval.py', 'train.py'])
