@@ -6,6 +6,7 @@ import re
 import shutil
 import signal
 import threading
+import time
 import uuid
 from contextlib import contextmanager
 from typing import Any, BinaryIO, Callable, Iterator, List, Optional, Pattern, Set, Tuple
@@ -160,17 +161,23 @@ def process_alive(pid: int) -> bool:
     return True
 
 
-def remove_left_by_dead_processes(folder: str, pattern: Pattern[str]) -> List[str]:
+def remove_left_by_dead_processes(folder: str, pattern: Pattern[str], unchanged_s: float = 0.) -> List[str]:
     """Remove the files and folders in `folder` whose names match `pattern`, its first group the PID of the process
     of this host that was writing them, where that process no longer runs: killed outright (SIGKILL, or SIGTERM,
-    whose default action runs no clean-up) before it finished. Return their names, sorted; those of live
-    processes stay."""
+    whose default action runs no clean-up) before it finished. With `unchanged_s`, only those not modified for that
+    many seconds: a PID names a process in one PID namespace only, and containers that share a host name and a
+    folder (`--network host`) see each other's writers as dead. Return their names, sorted; the others stay."""
     removed = []
     for name in sorted(os.listdir(folder)):
         match = pattern.match(name)
         if not match or process_alive(int(match.group(1))):
             continue
         path = os.path.join(folder, name)
+        try:
+            if unchanged_s and time.time() - os.path.getmtime(path) < unchanged_s:
+                continue
+        except FileNotFoundError:
+            continue  # removed by another process at the same time
         if os.path.isdir(path) and not os.path.islink(path):
             shutil.rmtree(path, ignore_errors=True)
         else:

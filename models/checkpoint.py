@@ -139,10 +139,11 @@ def _download_failure(error: BaseException) -> str:
 
 def _remove_stale_partials(folder: str, file_name: str) -> None:
     """Remove the partial downloads of `file_name` left by processes of this host that were killed (SIGKILL, or
-    SIGTERM, whose default action runs no clean-up); those of live processes, and of other hosts that share the
-    folder, stay."""
+    SIGTERM, whose default action runs no clean-up) and not written for ten read timeouts; those of live processes,
+    of other hosts that share the folder, and of writers in other PID namespaces (which still write) stay."""
     remove_left_by_dead_processes(
-        folder, re.compile(re.escape(f'{file_name}.{socket.gethostname()}.') + r'(\d+)\.[0-9a-f]{8}\.partial$'))
+        folder, re.compile(re.escape(f'{file_name}.{socket.gethostname()}.') + r'(\d+)\.[0-9a-f]{8}\.partial$'),
+        unchanged_s=10 * DOWNLOAD_TIMEOUT_S)
 
 
 def _unwritable(folder: str, error: OSError) -> 'DownloadError':
@@ -156,8 +157,8 @@ def download_checkpoint(url: str, file_name: str, cache_dir: Optional[str] = Non
 
     The bytes go to a temporary file in the same folder that replaces the cached name only once complete (its
     length checked against the server's), so an interrupted download leaves nothing behind (the temporary file of
-    a killed process is removed by the next download of the file on its host) and concurrent downloads (one per
-    process) each land whole. Any failure is a `DownloadError` on one line.
+    a killed process is removed by a later download of the file on its host, `_remove_stale_partials`) and
+    concurrent downloads (one per process) each land whole. Any failure is a `DownloadError` on one line.
     """
     folder = checkpoint_cache_dir(cache_dir)
     path = os.path.join(folder, file_name)
@@ -188,6 +189,8 @@ def download_checkpoint(url: str, file_name: str, cache_dir: Optional[str] = Non
                         raise _unwritable(folder, e) from None
                     received += len(chunk)
                     bar.update(len(chunk))
+        if not os.path.exists(partial) and os.path.isfile(path):  # removed by a process that then cached the file
+            return path
         if expected is not None and received != expected:
             raise DownloadError(f"cannot download {url}: the connection closed after {received} of {expected} "
                                 f"bytes; {hint}")
@@ -276,6 +279,18 @@ def load_checkpoint_file(path: str, map_location: Any = 'cpu', shown_as: Optiona
     if not os.path.isfile(path):
         raise CheckpointError(f"{what} does not exist or is not a file")
     try:
+        return _read_checkpoint_file(path, map_location, what, shown_as or repr(path))
+    except CheckpointError as e:
+        if os.path.dirname(os.path.abspath(path)) != os.path.abspath(checkpoint_cache_dir()):
+            raise
+        # downloads land whole or not at all, but a file copied into the cache by hand, or by another tool, may not
+        raise CheckpointError(f"{e}; it is in the download cache: delete it, and the next use downloads it "
+                              f"again") from None
+
+
+def _read_checkpoint_file(path: str, map_location: Any, what: str, named: str) -> Any:
+    """`load_checkpoint_file` of the existing file `path`, named `what` (`named` where it is no checkpoint)."""
+    try:
         with open(path, 'rb') as f:
             head = f.read(9)
     except OSError as e:
@@ -287,8 +302,8 @@ def load_checkpoint_file(path: str, map_location: Any = 'cpu', shown_as: Optiona
             raise CheckpointError(f"{what} is truncated or corrupt ({error_summary(e)})") from None
     if not head.startswith(CHECKPOINT_MAGIC):
         start = f"starts with {head[:8]!r}" if head else "is empty"
-        raise CheckpointError(f"{shown_as or repr(path)} is not a checkpoint: it {start}; expected a file written "
-                              f"by torch.save (a zip archive or a pickle) or a safetensors file")
+        raise CheckpointError(f"{named} is not a checkpoint: it {start}; expected a file written by torch.save (a "
+                              f"zip archive or a pickle) or a safetensors file")
     # Registered again rather than through the `safe_globals` context manager, whose exit would also remove the
     # process-wide registration that timm's own loader relies on.
     torch.serialization.add_safe_globals(SAFE_GLOBALS)

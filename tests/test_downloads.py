@@ -35,8 +35,8 @@ from engine.errors import USAGE_EXIT_CODE, run_cli
 import models.checkpoint
 import models.family
 from models.attention import list_attentions
-from models.checkpoint import (CheckpointError, DownloadError, has_released_weights, load_pretrained_into,
-                               released_weights_file)
+from models.checkpoint import (DOWNLOAD_TIMEOUT_S, CheckpointError, DownloadError, has_released_weights,
+                               load_checkpoint_file, load_pretrained_into, released_weights_file)
 from models.family import tsinghua_url
 from test_scripts import load_script
 
@@ -474,7 +474,7 @@ timm.create_model('inline_deit_tiny', pretrained=True, img_size=16, patch_size=4
 """
 
 
-def test_a_download_killed_by_sigterm_leaves_a_partial_file_the_next_download_removes(server, cache, tmp_path):
+def test_a_download_killed_by_sigterm_leaves_a_partial_file_a_later_download_removes(server, cache, tmp_path):
     _, server.files['1d6b8191ad6d4114b291'] = official_checkpoint(**TRAIN_TINY)
     url = server.url('1d6b8191ad6d4114b291')
     server.mode = 'stall'
@@ -494,9 +494,15 @@ def test_a_download_killed_by_sigterm_leaves_a_partial_file_the_next_download_re
         child.kill()
     left = [p.name for p in cache.iterdir()]
     assert child.returncode == -signal.SIGTERM and len(left) == 1 and left[0].endswith('.partial')
-    # partial files of a live process of this host and of another host sharing the folder are not touched
+    # the killed download's file, unchanged for ten read timeouts, goes
+    stale = time.time() - 10 * DOWNLOAD_TIMEOUT_S - 1
+    os.utime(cache / left[0], (stale, stale))
+    # partial files of a live process of this host, of another host sharing the folder, and of a PID this process
+    # cannot see but still written (a writer in another PID namespace: a container sharing the host's name and the
+    # folder, whose live download another container's clean-up removed) are not touched
     kept = [f'inline_deit_tiny.pth.{socket.gethostname()}.{os.getpid()}.0123abcd.partial',
-            f'inline_deit_tiny.pth.another-host.{child.pid}.0123abcd.partial']
+            f'inline_deit_tiny.pth.another-host.{child.pid}.0123abcd.partial',
+            f'inline_deit_tiny.pth.{socket.gethostname()}.{child.pid}.4567cdef.partial']
     for name in kept:
         (cache / name).write_bytes(b'half')
     server.mode = 'ok'
@@ -657,3 +663,29 @@ def test_the_analysis_scripts_draw_the_released_weights_with_pretrained(server, 
                     str(tmp_path / 'stats'), '--opts', *opts]) == 0
     assert len(server.requests) == 1 and os.listdir(tmp_path / 'figures')
     assert (tmp_path / 'stats.csv').read_text().count('inline_deit_tiny') == 2 * 2  # a row per layer and head
+
+
+def test_a_damaged_file_in_the_download_cache_says_that_deleting_it_downloads_it_again(server, cache, monkeypatch,
+                                                                                     tmp_path):
+    """The zoo's downloads never leave a damaged file, but one copied into the cache by hand (as the offline route
+    suggests) or left by another tool failed at every use with no word of where it lay or how to get past it."""
+    _, served = official_checkpoint(**EVAL_TINY)
+    server.files['1d6b8191ad6d4114b291'] = served
+    register_url(monkeypatch, 'inline_deit_tiny', server.url('1d6b8191ad6d4114b291'))
+    cache.mkdir(parents=True)
+    cached = cache / 'inline_deit_tiny.pth'
+    elsewhere = tmp_path / 'inline_deit_tiny.pth'
+    for damaged in (b'', served[:len(served) // 2]):
+        for path in (cached, elsewhere):
+            path.write_bytes(damaged)
+        with pytest.raises(CheckpointError) as raised:
+            timm.create_model('inline_deit_tiny', pretrained=True, **EVAL_TINY)
+        assert str(raised.value).startswith(f"pretrained weights file {str(cached)!r} ")
+        assert str(raised.value).endswith('; it is in the download cache: delete it, and the next use downloads it '
+                                          'again')
+        with pytest.raises(CheckpointError) as raised:
+            load_checkpoint_file(str(elsewhere))
+        assert 'download cache' not in str(raised.value)
+    cached.unlink()
+    timm.create_model('inline_deit_tiny', pretrained=True, **EVAL_TINY)
+    assert cached.read_bytes() == served and len(server.requests) == 1
