@@ -69,3 +69,14 @@ def onednn_matmuls(capfd) -> Callable[[Callable[[], Any]], Tuple[Any, int]]:
         log = capfd.readouterr().out.splitlines()
         return result, sum(line.startswith('onednn_verbose') and ',exec,cpu,matmul,' in line for line in log)
     return run
+
+
+@pytest.fixture
+def onednn_products() -> None:
+    """Skip where oneDNN's matrix product cannot run: torch's `mkldnn_matmul` refuses, in float32 too, CPUs without
+    AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT, as a CUDA test skips without a GPU. There the zoo keeps the BLAS, which
+    `test_onednn.py::test_a_cpu_that_refuses_onednn_products_keeps_the_blas` checks on every CPU."""
+    from models.attention import multimax_cpu
+    if not multimax_cpu.onednn_products_available():
+        pytest.skip("oneDNN's matrix product does not run on this CPU (torch's mkldnn_matmul needs AVX-512 BW, VL "
+                    "and DQ or AVX-NE-CONVERT)")

@@ -630,10 +630,15 @@ def test_corrupt_and_foreign_checkpoints_fail_with_one_line(tmp_path):
         TrainingCheckpoint.read(str(good))
     with pytest.raises(CheckpointError, match='has no EMA weights'):
         read_weights(str(good), ema=True)
+    # a file of another code (a release) gives the weights its download gives, EMA first; ours, its model weights
     both = tmp_path / 'both.pth'
     torch.save({'state_dict': {'w': torch.ones(1)}, 'state_dict_ema': {'module.w': torch.zeros(1)}}, both)
-    assert torch.equal(read_weights(str(both))['w'], torch.ones(1))
+    assert torch.equal(read_weights(str(both))['w'], torch.zeros(1))
     assert torch.equal(read_weights(str(both), ema=True)['w'], torch.zeros(1))
+    ours = tmp_path / 'ours.pth'
+    torch.save({'model': {'w': torch.ones(1)}, 'model_ema': {'w': torch.zeros(1)}, 'config': 'MODEL: {}\n'}, ours)
+    assert torch.equal(read_weights(str(ours))['w'], torch.ones(1))
+    assert torch.equal(read_weights(str(ours), ema=True)['w'], torch.zeros(1))
 
 
 def test_checkpoints_whose_pickle_is_damaged_fail_with_one_line(tmp_path):

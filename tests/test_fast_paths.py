@@ -451,8 +451,7 @@ def test_multimax_cpu_kernel_gives_the_same_bits_on_two_threads_as_on_one():
 
 
 def test_multimax_cpu_kernel_with_onednn_products_matches_the_float64_formula_forward_and_backward(
-        onednn_matmuls):
-    assert multimax_cpu.onednn_products_available()  # torch's x86-64 and aarch64 Linux wheels have oneDNN
+        onednn_products, onednn_matmuls):
     # 64 channels: every product of the blocks (all 300 rows, 512 keys) is large enough to go through oneDNN
     inputs = kernel_inputs(300, 600, batch=1, heads=2, d=64, dv=64, requires_grad=True)
     grad_out = torch.randn(1, 2, 300, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
@@ -476,7 +475,7 @@ def test_multimax_cpu_kernel_with_onednn_products_matches_the_float64_formula_fo
 
 
 def test_the_onednn_products_leave_small_blocks_to_the_blas_and_give_the_same_bits_on_two_threads(
-        onednn_matmuls):
+        onednn_products, onednn_matmuls):
     # 49-token windows: oneDNN's per-call cost outweighs its speed on products this small
     small = [t.float() for t in kernel_inputs(49, 49, batch=8, d=32, dv=32)]
     _, products = onednn_matmuls(lambda: multimax_cpu.multimax_cpu(*small, None, None, True))
@@ -494,7 +493,7 @@ def test_the_onednn_products_leave_small_blocks_to_the_blas_and_give_the_same_bi
     assert all(torch.equal(a, b) for a, b in zip(*results))
 
 
-def test_through_onednn_the_kernel_packs_strided_heads_once_not_once_per_block():
+def test_through_onednn_the_kernel_packs_strided_heads_once_not_once_per_block(onednn_products):
     """Heads split from one projection have rows 2·h·d apart, and oneDNN's product copies any block whose rows are
     not packed: the kernel packs q, k, v (and the output's gradient) once each, so the copies do not grow with the
     number of blocks; the results are those of packed inputs, bit for bit."""

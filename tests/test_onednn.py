@@ -101,7 +101,7 @@ def test_a_head_on_the_class_token_gets_the_float64_gradients(out_features):
     assert layer.weight.grad.is_contiguous()
 
 
-def test_a_converted_model_keeps_its_state_dict_and_outputs():
+def test_a_converted_model_keeps_its_state_dict_and_outputs(onednn_products):
     plain, converted = tiny_pair()
     linears = [m for m in converted.modules() if isinstance(m, nn.Linear)]
     mlps = [m for m in converted.modules() if isinstance(m, Mlp)]
@@ -310,7 +310,8 @@ LONG_DEIT = dict(img_size=64, patch_size=4, embed_dim=128, depth=1, num_heads=2,
 LONGER_DEIT = dict(LONG_DEIT, img_size=128)
 
 
-def test_softmax_takes_the_fused_kernel_with_onednn_products_in_inference_and_training(onednn_matmuls):
+def test_softmax_takes_the_fused_kernel_with_onednn_products_in_inference_and_training(onednn_products,
+                                                                                       onednn_matmuls):
     plain, converted = tiny_pair('softmax_deit_tiny', **LONG_DEIT)
     assert 'onednn=True' in repr(converted.blocks[0].attn)
     x = torch.randn(2, 3, 64, 64)
@@ -391,7 +392,7 @@ def test_a_gradient_penalty_through_the_softmax_kernel_differentiates_the_formul
         assert (got - want).abs().max().item() <= 1e-3 * want.abs().max().item() + 1e-7
 
 
-def test_multimax_trains_through_its_kernel_with_onednn_products(onednn_matmuls):
+def test_multimax_trains_through_its_kernel_with_onednn_products(onednn_products, onednn_matmuls):
     plain, converted = tiny_pair('softmax_deit_tiny', attn_type='multimax', **LONG_DEIT)
     plain.train(), converted.train()
     x = torch.randn(2, 3, 64, 64)
@@ -413,7 +414,8 @@ def test_shifted_windows_of_49_tokens_keep_scaled_dot_product_attention():
         assert ATTENTION_KERNEL not in ops and (out - plain(x)).abs().max().item() < 1e-5
 
 
-def test_a_compiled_converted_softmax_model_calls_the_kernel_and_trains_to_the_plain_gradients(onednn_matmuls):
+def test_a_compiled_converted_softmax_model_calls_the_kernel_and_trains_to_the_plain_gradients(
+        onednn_products, onednn_matmuls):
     torch.compiler.reset()
     plain, converted = tiny_pair('softmax_deit_tiny', **LONGER_DEIT)
     compiled, graphs = compile_recording_graphs(converted)
@@ -432,7 +434,8 @@ def test_a_compiled_converted_softmax_model_calls_the_kernel_and_trains_to_the_p
 
 
 @pytest.mark.parametrize('transposed', [(False, False), (True, False), (False, True), (True, True)])
-def test_the_batched_product_and_its_gradients_are_the_float64_formula_to_float32_rounding(transposed):
+def test_the_batched_product_and_its_gradients_are_the_float64_formula_to_float32_rounding(onednn_products,
+                                                                                           transposed):
     torch.manual_seed(0)
     exact = [torch.randn(5, 37, 24, dtype=torch.float64), torch.randn(5, 24, 19, dtype=torch.float64)]
     # operands as the attentions pass them: packed, or transposed views of packed tensors
@@ -451,7 +454,7 @@ def test_the_batched_product_and_its_gradients_are_the_float64_formula_to_float3
 
 
 @pytest.mark.parametrize('attention, products', [('inline', 2), ('flatten', 2), ('linear', 2), ('sima', 2)])
-def test_the_linear_attentions_multiply_through_onednn_in_inference_and_training(attention, products,
+def test_the_linear_attentions_multiply_through_onednn_in_inference_and_training(onednn_products, attention, products,
                                                                                  onednn_matmuls):
     plain, converted = tiny_pair('softmax_deit_tiny', attn_type=attention, **TINY_DEIT)
     blocks = len(converted.blocks)
@@ -473,7 +476,7 @@ def test_the_linear_attentions_multiply_through_onednn_in_inference_and_training
 
 
 def test_a_compiled_converted_linear_attention_model_calls_the_batched_product_and_trains_to_the_plain_gradients(
-        onednn_matmuls):
+        onednn_products, onednn_matmuls):
     torch.compiler.reset()
     plain, converted = tiny_pair('softmax_deit_tiny', attn_type='flatten', **TINY_DEIT)
     blocks = len(converted.blocks)
@@ -491,6 +494,40 @@ def test_a_compiled_converted_linear_attention_model_calls_the_batched_product_a
     for (name, p), q in zip(plain.named_parameters(), converted.parameters()):
         assert (p.grad - q.grad).abs().max().item() <= 1e-4 * p.grad.abs().max().item() + 1e-7, name
     torch.compiler.reset()
+
+
+REFUSED_PRODUCT = ('mkldnn_matmul: mkldnn_matmul bf16 path needs the cpu support avx_ne_convert or avx512bw, '
+                   'avx512vl and avx512dq, or AWS Graviton3')
+
+
+def test_a_cpu_that_refuses_onednn_products_keeps_the_blas(monkeypatch, caplog):
+    """torch's `mkldnn_matmul` refuses CPUs without AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT, float32 products
+    included: the kernels took oneDNN's products wherever torch had them, and on such a CPU every converted model
+    and MultiMax's oneDNN path failed in that error. A first product now tells, and the BLAS multiplies."""
+    built = multimax_cpu._load()
+
+    class RefusingCpu:
+        def __getattr__(self, name):
+            return getattr(built, name)
+
+        def onednn_bmm(self, a, b):
+            raise RuntimeError(REFUSED_PRODUCT)
+    monkeypatch.setattr(multimax_cpu, '_extension', RefusingCpu())
+    monkeypatch.setattr(multimax_cpu, '_onednn_products', None)
+    with caplog.at_level('INFO', logger=multimax_cpu.__name__):
+        assert not multimax_cpu.onednn_products_available()
+    assert f"oneDNN's matrix product does not run on this CPU ({REFUSED_PRODUCT})" in caplog.text
+    x = torch.randn(2, 3, 32, 32)
+    for attention in ('inline', 'multimax'):
+        plain, converted = tiny_pair('softmax_deit_tiny', attn_type=attention, **TINY_DEIT)
+        with torch.no_grad():
+            out, ops = recorded_ops(converted, x)
+            assert ONEDNN_BMM not in ops and (out - plain(x)).abs().max().item() < 1e-5, attention
+        plain.train(), converted.train()
+        (plain(x) ** 2).sum().backward()
+        (converted(x) ** 2).sum().backward()
+        for (name, p), q in zip(plain.named_parameters(), converted.parameters()):
+            assert (p.grad - q.grad).abs().max().item() <= 1e-4 * p.grad.abs().max().item() + 1e-7, name
 
 
 def test_without_the_kernel_a_converted_linear_attention_model_keeps_torch_matmul(kernel_build_fails, caplog):

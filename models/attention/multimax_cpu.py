@@ -51,6 +51,8 @@ _SOURCE = os.path.join(os.path.dirname(__file__), 'csrc', 'multimax_cpu.cpp')
 # -ffast-math lets the compiler call the vector exponential (libmvec); the kernel keeps no inf or NaN of its own
 _CFLAGS = ['-O3', '-march=native', '-ffast-math', '-fopenmp']
 _NOT_LOADED = object()
+# whether oneDNN's matrix product runs here, found on first use
+_onednn_products: Optional[bool] = None
 _extension: Any = _NOT_LOADED
 
 
@@ -164,8 +166,25 @@ def cpu_kernel_available() -> bool:
 
 @torch.compiler.assume_constant_result
 def onednn_products_available() -> bool:
-    """Whether the kernel is built and this torch has the oneDNN matrix product its `onednn` option calls."""
-    return cpu_kernel_available() and _load().onednn_products_available()
+    """Whether the kernel is built, this torch has the oneDNN matrix product its `onednn` option calls, and the
+    product runs on this CPU: torch's `mkldnn_matmul` refuses, in float32 too, CPUs without AVX-512 (BW, VL, DQ) or
+    AVX-NE-CONVERT, where the kernels keep the BLAS."""
+    global _onednn_products
+    if not (cpu_kernel_available() and _load().onednn_products_available()):
+        return False
+    if _onednn_products is None:
+        _onednn_products = _onednn_product_runs()
+    return _onednn_products
+
+
+def _onednn_product_runs() -> bool:
+    try:
+        _load().onednn_bmm(torch.ones(1, 1, 1), torch.ones(1, 1, 1))
+    except RuntimeError as e:
+        _logger.info(f"oneDNN's matrix product does not run on this CPU ({str(e).splitlines()[0]}); the kernels "
+                     f"multiply through the BLAS")
+        return False
+    return True
 
 
 # Inductor's on-disk cache keys a compiled graph by the ops it calls, not by their fake implementations: a change
