@@ -89,7 +89,7 @@ class MixerHost(nn.Module):
         try:
             return super().__getattr__(name)
         except AttributeError:
-            mixer = self.__dict__['_modules'].get('mixer')
+            mixer = self.__dict__.get('_modules', {}).get('mixer')
             if mixer is None or name not in self.__dict__.get('mixer_keys', ()):
                 raise
             return getattr(mixer, name)
