@@ -1552,6 +1552,7 @@ def test_a_timm_model_without_stochastic_depth_evaluates_and_trains_only_at_a_dr
     cfg.write_text('DATA: {DATASET: digits, BATCH_SIZE: 64, IMG_SIZE: 32, NUM_WORKERS: 0}\n'
                    'MODEL: {NAME: dla46x_c, NUM_CLASSES: 10}\n'
                    'TRAIN: {EPOCHS: 1, WARMUP_EPOCHS: 0}\n'
+                   'AMP: {ENABLED: false}\n'
                    'AUG: {AUTO_AUGMENT: "", REPROB: 0.0, MIXUP: 0.0, CUTMIX: 0.0, REPEATED_AUG: 1}\n')
     argv = ['--cfg', str(cfg), '--data-path', str(digits), '--output', str(tmp_path / 'run')]
     code, _, err = _run(train_main, argv, capsys)
