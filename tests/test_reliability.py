@@ -36,8 +36,8 @@ from engine.checkpoint import OutputLock, TrainingCheckpoint
 from engine.cli import eval_main, train_main
 from engine.config import config_from_yaml_string, load_config, scaled_lrs
 from engine.data import build_train_loader, load_split, prepare_digits, train_transform
-from engine.distributed import DistInfo
-from engine.errors import USAGE_EXIT_CODE, NonFiniteLossError, run_cli
+from engine.distributed import DistInfo, cleanup_distributed, each_node_first, init_distributed, main_process_first
+from engine.errors import USAGE_EXIT_CODE, NonFiniteLossError, UsageError, run_cli
 from engine.loops import EpochOptions, TrainState, train_one_epoch
 from models.attention import list_attentions
 
@@ -891,34 +891,27 @@ def test_a_collective_failed_by_a_peer_that_ended_is_one_line_from_rank_0(monkey
     assert capsys.readouterr().err == (said if rank == '0' else '')
 
 
-# Each rank records what `main_process_first` gave it, with and without `per_node`, then what `each_node_first`
-# gave it: the action fails, or returns.
-MAIN_PROCESS_FIRST = '''
-import os
-import sys
-
-from engine.distributed import cleanup_distributed, each_node_first, init_distributed, main_process_first
-from engine.errors import UsageError
-
-info = init_distributed('cpu')
-outcomes = []
-for first in ('main', 'main per node', 'each node'):
-    for action in ('fails', 'returns'):
-        def run(action=action):
-            if action == 'fails':
-                raise UsageError(f'rank {info.rank} could not')
-            return f'done by rank {info.rank}'
-        try:
-            if first == 'each node':
-                outcomes.append(repr(each_node_first(info, run, 'do it')))
-            else:
-                outcomes.append(repr(main_process_first(info, run, 'do it', per_node=first == 'main per node')))
-        except UsageError as e:
-            outcomes.append(str(e))
-with open(os.path.join(sys.argv[1], f'rank{info.rank}.txt'), 'w') as f:
-    f.write('\\n'.join(outcomes))
-cleanup_distributed()
-'''
+def record_what_each_rank_gets(env: Dict[str, str], folder: Path) -> None:
+    """Join the process group `env` describes, as a rank under torchrun; record what `main_process_first` gave this
+    rank, with and without `per_node`, then what `each_node_first` gave it: the action fails, or returns."""
+    os.environ.update(env)
+    info = init_distributed('cpu')
+    outcomes = []
+    for first in ('main', 'main per node', 'each node'):
+        for action in ('fails', 'returns'):
+            def run(action=action):
+                if action == 'fails':
+                    raise UsageError(f'rank {info.rank} could not')
+                return f'done by rank {info.rank}'
+            try:
+                if first == 'each node':
+                    outcomes.append(repr(each_node_first(info, run, 'do it')))
+                else:
+                    outcomes.append(repr(main_process_first(info, run, 'do it', per_node=first == 'main per node')))
+            except UsageError as e:
+                outcomes.append(str(e))
+    (folder / f'rank{info.rank}.txt').write_text('\n'.join(outcomes))
+    cleanup_distributed()
 
 
 @pytest.mark.parametrize('nodes', [1, 2])
@@ -928,19 +921,27 @@ def test_what_the_main_process_does_alone_reaches_every_rank(tmp_path, nodes):
     another never reaches; its result stays where it ran. `each_node_first` fails as the per-node form, and then
     runs the action on the others too, each with its own result. Two ranks as one node or as two nodes of one
     process."""
-    script = tmp_path / 'script.py'
-    script.write_text(MAIN_PROCESS_FIRST)
     with socket.socket() as probe:
         probe.bind(('127.0.0.1', 0))
         port = probe.getsockname()[1]
+    # forked from this process, as DataLoader workers are: the ranks join at once, where a new interpreter would
+    # first import torch for seconds
+    fork = multiprocessing.get_context('fork')
     ranks = []
-    for rank in range(2):
-        env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS='1', MASTER_ADDR='127.0.0.1',
-                   MASTER_PORT=str(port), WORLD_SIZE='2', RANK=str(rank), LOCAL_RANK=str(rank if nodes == 1 else 0))
-        ranks.append(subprocess.Popen([sys.executable, str(script), str(tmp_path)], env=env, stderr=subprocess.PIPE,
-                                      text=True))
-    errors = [process.communicate(timeout=300)[1] for process in ranks]
-    assert [process.returncode for process in ranks] == [0, 0], errors
+    try:
+        for rank in range(2):
+            env = dict(MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port), WORLD_SIZE='2', RANK=str(rank),
+                       LOCAL_RANK=str(rank if nodes == 1 else 0))
+            ranks.append(fork.Process(target=record_what_each_rank_gets, args=(env, tmp_path)))
+            ranks[-1].start()
+        for process in ranks:
+            process.join(timeout=300)
+        assert [process.exitcode for process in ranks] == [0, 0]  # a rank's error is in the captured stderr
+    finally:
+        for process in ranks:
+            if process.is_alive():
+                process.kill()
+                process.join()
     main, other = ['rank 0 could not', "'done by rank 0'"], ['another process could not do it', 'None']
     own = ['rank 1 could not', "'done by rank 1'"]
     assert (tmp_path / 'rank0.txt').read_text().splitlines() == main + main + main
