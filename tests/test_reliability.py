@@ -172,6 +172,14 @@ def train_argv(output: Path, digits: Path):
     return ['--cfg', TINY, '--output', str(output), '--data-path', str(digits), '--opts', *SHORT]
 
 
+@pytest.fixture(scope='module')
+def uninterrupted(tmp_path_factory, digits) -> Path:
+    """The output folder of a run of both epochs without a stop, where a stopped or killed run must end too."""
+    output = tmp_path_factory.mktemp('uninterrupted')
+    assert run_cli(train_main, train_argv(output, digits)) == 0
+    return output
+
+
 def test_a_non_finite_loss_stops_training_with_exit_status_2_and_keeps_last_checkpoint(
         tmp_path, digits, one_epoch, monkeypatch, capsys):
     output = tmp_path / 'run'
@@ -556,12 +564,10 @@ WORKERS = ['DATA.NUM_WORKERS', '2', 'AUG.AUTO_AUGMENT', 'rand-m9-mstd0.5-inc1', 
 
 
 def test_a_signal_during_validation_resumes_at_the_next_epoch_to_the_uninterrupted_result(tmp_path, digits,
-                                                                                          monkeypatch):
+                                                                                          uninterrupted, monkeypatch):
     """SIGTERM while epoch 0 is validated: the run saves after the validation and stops; running again trains
     epoch 1 and ends where an uninterrupted run ends (the saved epoch was counted twice: the resumed run skipped
     epoch 1 and ended at step 22 of 44)."""
-    reference = tmp_path / 'uninterrupted'
-    assert run_cli(train_main, train_argv(reference, digits)) == 0
     output = tmp_path / 'stopped'
     real_evaluate, calls = engine.trainer.evaluate, []
 
@@ -576,8 +582,8 @@ def test_a_signal_during_validation_resumes_at_the_next_epoch_to_the_uninterrupt
     assert calls == ['val', 'val ema'] and len(records(output)) == 1  # epoch 0 validated whole, then the stop
     monkeypatch.undo()
     assert run_cli(train_main, train_argv(output, digits)) == 0
-    assert records(output) == records(reference)
-    assert_same_end(output, reference)
+    assert records(output) == records(uninterrupted)
+    assert_same_end(output, uninterrupted)
 
 
 def assert_same_end(output: Path, reference: Path) -> None:
@@ -776,9 +782,21 @@ def test_every_attention_trains_50_steps_under_float16_autocast(attn, digits):
     assert sum(losses[-10:]) < sum(losses[:10])
 
 
+def wait_for(process: subprocess.Popen, ready, seconds: float = 120) -> None:
+    deadline = time.monotonic() + seconds
+    while not ready():
+        assert process.poll() is None and time.monotonic() < deadline, process.stderr.read()[-3000:]
+        time.sleep(0.02)
+
+
+def log_text(output: Path) -> str:
+    path = output / 'train.log'
+    return path.read_text() if path.exists() else ''
+
+
 def start_training(output: Path, digits: Path, *opts: str) -> subprocess.Popen:
     command = [sys.executable, str(REPO / 'train.py'), *train_argv(output, digits), *opts]
-    # one thread each: the two runs share the machine, and the same thread count keeps their sums identical
+    # one thread, as in the tests' own process: the run shares the machine with them
     env = dict(os.environ, OMP_NUM_THREADS='1')
     return subprocess.Popen(command, cwd=output.parent, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             text=True)
@@ -789,28 +807,23 @@ def finish(process: subprocess.Popen) -> None:
     assert process.returncode == 0, err[-3000:]
 
 
-def test_a_run_killed_with_sigkill_resumes_to_the_uninterrupted_result(tmp_path, digits):
-    uninterrupted = start_training(tmp_path / 'uninterrupted', digits)
+def test_a_run_killed_with_sigkill_resumes_to_the_uninterrupted_result(tmp_path, digits, one_epoch, uninterrupted):
     killed_output = tmp_path / 'killed'
+    shutil.copytree(one_epoch, killed_output)
     killed = start_training(killed_output, digits)
-    log = killed_output / 'log.jsonl'
-    deadline = time.monotonic() + 120
-    # epoch 0 logged and saved: the run is in epoch 1
-    while not (log.exists() and log.read_text().count('\n') == 1 and (killed_output / 'last.pth').exists()):
-        assert killed.poll() is None and time.monotonic() < deadline, killed.stderr.read()[-3000:]
-        time.sleep(0.02)
+    # epoch 0 logged and saved, and the run has resumed from it: it is in epoch 1
+    wait_for(killed, lambda: log_text(killed_output).count('updates per epoch') == 2)
     time.sleep(0.2)  # some way into epoch 1 (of about 4 s)
     os.kill(killed.pid, signal.SIGKILL)
     killed.communicate(timeout=60)
     assert killed.returncode == -signal.SIGKILL
     assert torch.load(killed_output / 'last.pth', weights_only=True)['epoch'] == 0  # killed before epoch 1's save
 
-    finish(start_training(killed_output, digits))  # resumes from last.pth on its own
-    finish(uninterrupted)
-    assert records(killed_output) == records(tmp_path / 'uninterrupted')
+    assert run_cli(train_main, train_argv(killed_output, digits)) == 0  # resumes from last.pth on its own
+    assert records(killed_output) == records(uninterrupted)
     assert [r['epoch'] for r in records(killed_output)] == [0, 1]
     resumed = torch.load(killed_output / 'last.pth', weights_only=True)
-    reference = torch.load(tmp_path / 'uninterrupted' / 'last.pth', weights_only=True)
+    reference = torch.load(uninterrupted / 'last.pth', weights_only=True)
     assert resumed['step'] == reference['step'] == 44
     for key in ('model', 'model_ema'):
         assert resumed[key].keys() == reference[key].keys()
@@ -1001,18 +1014,6 @@ def test_a_non_finite_loss_on_one_rank_skips_then_stops_every_rank(tmp_path, dig
             in result.stderr), result.stdout[-3000:] + result.stderr[-3000:]
     assert 'exitcode  : 2' in result.stderr.split('Root Cause')[-1], result.stderr[-3000:]
     assert not (tmp_path / 'out' / 'last.pth').exists()
-
-
-def wait_for(process: subprocess.Popen, ready, seconds: float = 120) -> None:
-    deadline = time.monotonic() + seconds
-    while not ready():
-        assert process.poll() is None and time.monotonic() < deadline, process.stderr.read()[-3000:]
-        time.sleep(0.02)
-
-
-def log_text(output: Path) -> str:
-    path = output / 'train.log'
-    return path.read_text() if path.exists() else ''
 
 
 def test_sigterm_to_train_py_saves_exits_143_and_the_run_resumes(tmp_path, digits):
