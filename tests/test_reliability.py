@@ -657,6 +657,13 @@ sys.exit(run_cli(train_main))
 '''
 
 
+def assert_lock_taken_over(output: Path, digits: Path) -> None:
+    """The next command goes on in `output`, which a process stopped at once left with its lock: with one epoch in
+    all, it takes the lock, reads last.pth, then has nothing to train."""
+    assert run_cli(train_main, [*train_argv(output, digits), 'TRAIN.EPOCHS', '1']) == 0
+    assert 'took over the lock of a run that has ended' in log_text(output)
+
+
 @pytest.mark.parametrize('signum', [signal.SIGTERM, signal.SIGINT])
 def test_a_second_signal_stops_at_once_without_saving(tmp_path, digits, one_epoch, signum):
     output = tmp_path / 'run'
@@ -671,7 +678,7 @@ def test_a_second_signal_stops_at_once_without_saving(tmp_path, digits, one_epoc
     assert result.stderr.splitlines()[-1] == (f"error: stopped at once by a second {signal.Signals(signum).name}, "
                                               f"without saving; the checkpoints saved before are unchanged")
     assert checkpoints(output) == saved
-    assert run_cli(train_main, train_argv(output, digits)) == 0  # the lock of the ended run is taken over
+    assert_lock_taken_over(output, digits)
 
 
 # A first SIGINT at update 3, and a second one while the checkpoint it asks for is being written (its bytes are
@@ -705,7 +712,7 @@ def test_a_second_signal_during_a_checkpoint_write_leaves_no_temporary_file(tmp_
     assert result.stderr.splitlines()[-1].startswith('error: stopped at once by a second SIGINT')
     assert checkpoints(output) == saved
     assert not [p.name for p in output.iterdir() if p.name.endswith('.tmp')]
-    assert run_cli(train_main, train_argv(output, digits)) == 0
+    assert_lock_taken_over(output, digits)
 
 
 def test_the_copy_of_a_signal_that_torchrun_passes_on_is_not_a_second_one(tmp_path, digits, one_epoch, monkeypatch,
