@@ -1044,8 +1044,7 @@ def test_ctrl_c_with_dataloader_workers_is_one_line_and_exits_130(tmp_path, digi
     # a terminal's Ctrl-C signals the whole process group: the run and its DataLoader workers
     process = subprocess.Popen(command, cwd=tmp_path, env=dict(os.environ, OMP_NUM_THREADS='1'),
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    wait_for(process, lambda: 'updates per epoch' in log_text(output))
-    time.sleep(1.0)  # the workers have started
+    wait_for(process, lambda: descendants(process.pid) >= 2)  # the workers have started
     os.killpg(process.pid, signal.SIGINT)
     _, err = process.communicate(timeout=60)
     assert process.returncode == 128 + signal.SIGINT, err[-3000:]
