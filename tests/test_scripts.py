@@ -25,7 +25,7 @@ from engine.checkpoint import NOTES_MARKER
 from engine.data import resolve_data_root
 from engine.distributed import resolve_device
 from engine.errors import UsageError, run_cli
-from models.attention import WindowAttention, forms_score_matrix, list_attentions
+from models.attention import WindowAttention, forms_score_matrix, list_attentions, registry
 
 from dispatch import DispatchRecorder
 
@@ -279,30 +279,36 @@ class SameUnderTimmsPrefix(CosineOfMyOwn):
 """
 
 
-def test_benchmark_times_an_attention_of_ones_own_beside_the_built_in_ones(tmp_path):
+def test_benchmark_times_an_attention_of_ones_own_beside_the_built_in_ones(tmp_path, monkeypatch, capsys, request):
     """`--attentions` offered the built-in attentions only, and an outside one has no entrypoints: `--imports`
-    imports its module (in the measuring processes too) and times it in softmax's architecture."""
+    imports its module (in the measuring processes too) and times it in softmax's architecture. (The command runs
+    in this process, its measuring process in one of its own.)"""
     (tmp_path / 'my_attention.py').write_text(COSINE_ATTENTION)
-    command = [sys.executable, os.path.join(SCRIPTS, 'benchmark.py'), '--imports', 'my_attention', '--device', 'cpu',
-               '--threads', '1', '--families', 'deit', '--sizes', 'tiny', '--attentions', 'softmax',
-               'cosine_of_my_own', 'xcit', '--resolutions', '32', '--no-reference', '--no-train', '--iters', '1',
-               '--warmup', '0', '--matmul-size', '64', '--out', 'b']
-    run = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
+    monkeypatch.chdir(tmp_path)
+    # what importing the module does here lasts for this test only: its attentions, the working directory on the
+    # import path, the module
+    monkeypatch.setattr(registry, '_MIXERS', dict(registry._MIXERS))
+    monkeypatch.setattr(sys, 'path', list(sys.path))
+    request.addfinalizer(lambda: sys.modules.pop('my_attention', None))
+    argv = ['--imports', 'my_attention', '--device', 'cpu', '--threads', '1', '--families', 'deit', '--sizes', 'tiny',
+            '--attentions', 'softmax', 'cosine_of_my_own', 'xcit', '--resolutions', '32', '--no-reference',
+            '--no-train', '--iters', '1', '--warmup', '0', '--matmul-size', '64', '--out', 'b']
+    benchmark.main(argv)
     with open(tmp_path / 'b.csv') as f:
         rows = {row['attention']: row for row in csv.DictReader(f)}
     assert rows['cosine_of_my_own']['model'] == 'softmax_deit_tiny (attn_type cosine_of_my_own)'
     assert rows['xcit']['model'] == 'softmax_deit_tiny (attn_type xcit)'  # timm's xcit_* models are not its own
     assert all(float(row['infer_img_s']) > 0 for row in rows.values())
-    huge = subprocess.run(command[:command.index('tiny')] + ['huge'] + command[command.index('tiny') + 1:],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=600)
-    assert huge.returncode == 2 and huge.stderr.splitlines()[-1].endswith(
+    capsys.readouterr()
+    huge = argv[:argv.index('tiny')] + ['huge'] + argv[argv.index('tiny') + 1:]
+    with pytest.raises(SystemExit) as stopped:
+        benchmark.main(huge)
+    assert stopped.value.code == 2 and capsys.readouterr().err.splitlines()[-1].endswith(
         "error: --sizes huge: no model softmax_deit_huge; softmax_deit has sizes base, small, tiny")
-    missing = subprocess.run(command[:3] + ['no_such_module'] + command[4:], cwd=tmp_path, capture_output=True,
-                             text=True, timeout=600)
-    assert (missing.returncode, missing.stderr.splitlines()[-1]) == (2, (
+    assert run_cli(benchmark.main, argv[:1] + ['no_such_module'] + argv[2:]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
         "error: --imports module 'no_such_module' cannot be imported (No module named 'no_such_module'); expected a "
-        "module on the import path: in the working directory, on PYTHONPATH or installed"))
+        "module on the import path: in the working directory, on PYTHONPATH or installed")
 
 
 class Measured(Exception):
