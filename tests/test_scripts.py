@@ -1,8 +1,10 @@
 """The benchmark and the zoo table take their attentions from the registry, so a new attention shows in both."""
+import contextlib
 import csv
 import functools
 import importlib.metadata
 import importlib.util
+import io
 import json
 import os
 import platform
@@ -13,7 +15,7 @@ import subprocess
 import sys
 import time
 from types import ModuleType
-from typing import Tuple
+from typing import Dict, List, Optional, Tuple
 
 import pytest
 import timm
@@ -199,6 +201,21 @@ def test_benchmark_stopped_before_its_table_is_in_place_keeps_the_previous_table
     assert 'the last run' not in text and text.endswith(f'{NOTES_MARKER}\nnotes written by hand\n')
 
 
+@pytest.fixture
+def measuring_here(monkeypatch) -> None:
+    """The benchmark's measuring processes run in the test's process: the same `main` on their command line, its
+    JSON line read back as `child_results` reads a process's. A process would start with seconds of imports; the
+    tests of an attention of one's own and of a stop run real ones, and `child_results` has its own test."""
+    def child_results(cmd: List[str], timeout: int, env: Optional[Dict[str, str]] = None) -> List[Dict]:
+        assert cmd[:2] == [sys.executable, benchmark.__file__]
+        with contextlib.redirect_stdout(io.StringIO()) as out:
+            benchmark.main(cmd[2:])
+        return json.loads(out.getvalue().strip().splitlines()[-1])
+
+    monkeypatch.setattr(benchmark, 'child_results', child_results)
+
+
+@pytest.mark.usefixtures('measuring_here')
 def test_benchmark_that_measured_nothing_fails_and_keeps_the_previous_table(tmp_path, capsys):
     """Every model skipped (DeiT cannot take 8-pixel images): the run exited 0 and replaced the table and the CSV
     with empty ones, which with --out docs/benchmarks would wipe the published table."""
@@ -241,6 +258,7 @@ def test_benchmark_table_of_a_numbered_gpu_states_cuda_its_precision_product_and
     assert (args.matmul_size, cpu.matmul_size) == (8192, 2048)  # on a GPU, a product near the card's rate
 
 
+@pytest.mark.usefixtures('measuring_here')
 def test_benchmark_times_both_cpu_matrix_product_libraries_and_runs_linear_layers_through_onednn(tmp_path):
     steps, flops = benchmark.matmul_steps(torch.device('cpu'), 64)
     assert sorted(steps) == ['matmul', 'onednn'] and flops == 2 * 64 ** 3
@@ -568,6 +586,7 @@ def test_benchmark_ceiling_replays_exactly_the_counted_ops_of_a_pass():
         assert torch.ops.aten.native_layer_norm.default not in recorder.ops
 
 
+@pytest.mark.usefixtures('measuring_here')
 def test_benchmark_ceiling_column_gives_each_model_and_its_compiled_twin_the_eager_models_ceiling(tmp_path):
     out = tmp_path / 'b'
     benchmark.main(['--device', 'cpu', '--families', 'deit', '--sizes', 'tiny', '--attentions', 'softmax',
