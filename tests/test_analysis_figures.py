@@ -3,10 +3,12 @@ models writing non-empty PNG, CSV and Markdown files, with one-line errors for b
 import argparse
 import csv
 import io
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Dict, Tuple
 
 import matplotlib.figure
 import matplotlib.pyplot as plt
@@ -548,25 +550,69 @@ def test_pretrained_without_released_weights_is_refused_before_any_work(images, 
     assert not list(tmp_path.iterdir())
 
 
-BLOCKED_IMPORT = ("import runpy, sys; sys.modules[sys.argv[1]] = None; sys.argv = sys.argv[2:]; "
-                  "runpy.run_path(sys.argv[0], run_name='__main__')")
-
-
-@pytest.mark.parametrize('script, argv, missing', [
+# Runs `python SCRIPT ARGS` for each case of argv[1] (JSON: [module, SCRIPT, *ARGS] each) with `module` hidden, as a
+# Python without it runs the script, and prints each case's exit status and error output (JSON). torch and timm, most
+# of a start's seconds and neither an analysis dependency, load once: each case's process forks from this one after
+# them, imports the rest as the script does, and ends with the status and output the interpreter would give it, but
+# at once, without the seconds the interpreter takes to tear torch down (nor the exit handlers that would remove a
+# folder the script made: one left is seen).
+HIDDEN_IMPORTS = """
+import json, os, runpy, sys, traceback
+import timm, torch
+done = []
+for missing, *argv in json.loads(sys.argv[1]):
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.dup2(write, 2)
+        sys.modules[missing], sys.argv = None, argv
+        try:
+            runpy.run_path(argv[0], run_name='__main__')
+            status = 0
+        except SystemExit as stop:
+            status = stop.code  # the scripts exit with a number
+        except BaseException:
+            traceback.print_exc()
+            status = 1
+        sys.stderr.flush()
+        os._exit(status)
+    os.close(write)
+    with os.fdopen(read) as err:
+        said = err.read()
+    done.append([os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), said])
+print(json.dumps(done))
+"""
+MISSING_DEPENDENCY = [
     ('visualize_attention.py', ['--model', 'softmax_deit_tiny'], 'matplotlib'),
     ('visualize_attention.py', ['--model', 'softmax_deit_tiny', '--gradcam'], 'pytorch_grad_cam'),
     ('attention_stats.py', ['--models', 'softmax_deit_tiny'], 'entmax'),
-])
-def test_a_missing_analysis_dependency_is_one_line_before_any_work(images, tmp_path, script, argv, missing):
+]
+
+
+@pytest.fixture(scope='module')
+def runs_without_a_dependency(images, tmp_path_factory) -> Dict[str, Tuple[int, str, Path]]:
+    """The exit status, error output and folder of `--out` of each case of MISSING_DEPENDENCY, by module, run in
+    one process (see HIDDEN_IMPORTS)."""
+    scripts = Path(__file__).resolve().parents[1] / 'scripts'
+    cases, folders = [], {}
+    for script, argv, missing in MISSING_DEPENDENCY:
+        folders[missing] = tmp_path_factory.mktemp(missing)
+        data = ['--image', str(images)] if script == 'visualize_attention.py' else ['--data', str(images)]
+        cases.append([missing, str(scripts / script), *argv, *data, '--out', str(folders[missing] / 'out')])
+    done = subprocess.run([sys.executable, '-c', HIDDEN_IMPORTS, json.dumps(cases)], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(done.stdout.splitlines()[-1])
+    return {missing: (*result, folders[missing]) for (missing, *_), result in zip(cases, results)}
+
+
+@pytest.mark.parametrize('missing', [missing for *_, missing in MISSING_DEPENDENCY])
+def test_a_missing_analysis_dependency_is_one_line_before_any_work(runs_without_a_dependency, missing):
     """Without the `analysis` extra, the scripts name the missing module and the extra that installs it."""
-    data = ['--image', str(images)] if script == 'visualize_attention.py' else ['--data', str(images)]
-    path = Path(__file__).resolve().parents[1] / 'scripts' / script
-    done = subprocess.run([sys.executable, '-c', BLOCKED_IMPORT, missing, str(path), *argv, *data, '--out',
-                           str(tmp_path / 'out')], capture_output=True, text=True, timeout=300)
-    assert (done.returncode, done.stderr) == (2, f"error: {missing} is not installed; expected the 'analysis' extra: "
-                                                 f"pip install 'swappable-attention-zoo[analysis]' (pip install -e "
-                                                 f"'.[analysis]' in a clone)\n")
-    assert not list(tmp_path.iterdir())
+    status, err, folder = runs_without_a_dependency[missing]
+    assert (status, err) == (2, f"error: {missing} is not installed; expected the 'analysis' extra: pip install "
+                                f"'swappable-attention-zoo[analysis]' (pip install -e '.[analysis]' in a clone)\n")
+    assert not list(folder.iterdir())
 
 
 def test_a_model_without_attention_layers_of_the_zoo_is_refused_before_its_weights_are_fetched(images, tmp_path, capsys,
