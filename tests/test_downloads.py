@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 import zipfile
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -550,20 +551,19 @@ def test_eval_reports_an_unreachable_host_on_one_line(server, cache, monkeypatch
     assert not cache.exists() or not list(cache.iterdir())
 
 
-def test_eval_py_reads_a_file_copied_to_the_cache_path_without_network(tmp_path):
-    """The offline recipe of the README, through the command line: the released file copied to the cache path
-    is evaluated by model name, and the release host is never asked (nothing serves it here)."""
+def test_eval_py_reads_a_file_copied_to_the_cache_path_without_network(tmp_path, monkeypatch, capsys):
+    """The offline recipe of the README, through eval.py's command line: the released file copied to the cache path
+    is evaluated by model name, and the release host is never asked (nothing may open a URL here)."""
     digits = prepare_digits(str(tmp_path / 'digits'))
     cache = tmp_path / 'torch' / 'hub' / 'checkpoints'
     cache.mkdir(parents=True)
     _, served = official_checkpoint(**EVAL_TINY)
     (cache / 'inline_deit_tiny.pth').write_bytes(served)
-    env = dict(os.environ, TORCH_HOME=str(tmp_path / 'torch'), OMP_NUM_THREADS='1')
-    done = subprocess.run([sys.executable, str(REPO / 'eval.py'), '--model', 'inline_deit_tiny', '--data-path', digits,
-                           '--img-size', '16', '--crop-pct', '1.0', '--opts', *EVAL_OPTS],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    monkeypatch.setenv('TORCH_HOME', str(tmp_path / 'torch'))
+    monkeypatch.setattr(urllib.request, 'urlopen', lambda *args, **kwargs: pytest.fail('the release host was asked'))
+    assert run_cli(eval_main, ['--model', 'inline_deit_tiny', '--data-path', digits, '--img-size', '16',
+                               '--crop-pct', '1.0', '--opts', *EVAL_OPTS]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result['checkpoint'] == str(cache / 'inline_deit_tiny.pth') and result['count'] > 0
     assert sorted(p.name for p in cache.iterdir()) == ['inline_deit_tiny.pth']
 
