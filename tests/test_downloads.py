@@ -121,6 +121,12 @@ def cache(tmp_path, monkeypatch) -> Path:
     return tmp_path / 'torch' / 'hub' / 'checkpoints'
 
 
+@pytest.fixture(scope='module')
+def digits(tmp_path_factory) -> str:
+    """The digits image folder, written once for the tests that train or evaluate on it (they only read it)."""
+    return prepare_digits(str(tmp_path_factory.getbasetemp() / 'digits'))
+
+
 def official_checkpoint(**model_args) -> Tuple[Dict[str, torch.Tensor], bytes]:
     """A tiny InLine DeiT's weights and the bytes of its checkpoint in the official layout ({'model': ...})."""
     torch.manual_seed(0)
@@ -334,8 +340,7 @@ def test_a_cache_folder_that_cannot_be_written_is_named_as_such(server, tmp_path
     assert server.requests == []
 
 
-def test_eval_by_model_name_downloads_the_released_weights(server, cache, monkeypatch, tmp_path, capsys):
-    digits = prepare_digits(str(tmp_path / 'digits'))
+def test_eval_by_model_name_downloads_the_released_weights(server, cache, monkeypatch, tmp_path, capsys, digits):
     _, served = official_checkpoint(**EVAL_TINY)
     server.files['1d6b8191ad6d4114b291'] = served
     register_url(monkeypatch, 'inline_deit_tiny', server.url('1d6b8191ad6d4114b291'))
@@ -355,11 +360,10 @@ def test_eval_by_model_name_downloads_the_released_weights(server, cache, monkey
 TRAIN_TINY = dict(img_size=16, patch_size=4, embed_dim=64, depth=2, num_heads=4)
 
 
-def test_train_starts_from_the_released_weights_of_a_model_name(server, cache, monkeypatch, tmp_path, capsys):
+def test_train_starts_from_the_released_weights_of_a_model_name(server, cache, monkeypatch, tmp_path, capsys, digits):
     """...those `timm.create_model(name, pretrained=True)` takes: of a release that holds model and EMA weights,
     the EMA weights, which the release file copied by hand gives too (it gave its model weights), and the log says
     so."""
-    digits = prepare_digits(str(tmp_path / 'digits'))
     _, _, served = release_with_ema(**TRAIN_TINY)
     server.files['1d6b8191ad6d4114b291'] = served
     register_url(monkeypatch, 'inline_deit_tiny', server.url('1d6b8191ad6d4114b291'))
@@ -393,7 +397,7 @@ def release_with_ema(**model_args) -> Tuple[Dict[str, torch.Tensor], Dict[str, t
 
 
 def test_a_release_with_ema_weights_gives_them_by_every_path_that_names_the_model_or_its_file(
-        server, cache, monkeypatch, tmp_path, capsys):
+        server, cache, monkeypatch, tmp_path, capsys, digits):
     """timm reads a pretrained `file` with `load_state_dict(use_ema=True)`, the EMA weights of a file that holds both;
     the same release reached by `url` gave its model weights, and so did eval.py --model, train.py --pretrained
     and load_pretrained_into with the model's name. The CSWin releases are such files, and the CSWin code evaluates
@@ -414,7 +418,6 @@ def test_a_release_with_ema_weights_gives_them_by_every_path_that_names_the_mode
     load_pretrained_into(started, str(local))
     assert_weights(started, ema)
 
-    digits = prepare_digits(str(tmp_path / 'digits'))
     args = ['--data-path', digits, '--img-size', '16', '--crop-pct', '1.0', '--opts', *EVAL_OPTS]
     results = {}
     for label, given in (('by name', []), ('file', ['--checkpoint', str(local)]),
@@ -427,10 +430,9 @@ def test_a_release_with_ema_weights_gives_them_by_every_path_that_names_the_mode
 
 @pytest.mark.parametrize('entry', ['create_model', 'eval.py', 'train.py'])
 def test_a_signal_mid_download_stops_with_the_signal_and_leaves_no_file(server, cache, monkeypatch, tmp_path, capsys,
-                                                                         entry):
+                                                                         digits, entry):
     _, server.files['1d6b8191ad6d4114b291'] = official_checkpoint(**TRAIN_TINY)
     register_url(monkeypatch, 'inline_deit_tiny', server.url('1d6b8191ad6d4114b291'))
-    digits = prepare_digits(str(tmp_path / 'digits'))
     server.mode = 'stall'
 
     def interrupt() -> None:  # Ctrl-C once half the file has arrived
@@ -540,21 +542,20 @@ def test_a_start_that_is_neither_a_file_nor_a_release_fails_before_any_data_is_r
     assert not (tmp_path / 'run').exists()
 
 
-def test_eval_reports_an_unreachable_host_on_one_line(server, cache, monkeypatch, tmp_path, capsys):
+def test_eval_reports_an_unreachable_host_on_one_line(server, cache, monkeypatch, tmp_path, capsys, digits):
     url = server.url('1d6b8191ad6d4114b291')
     server.stop()
     register_url(monkeypatch, 'inline_deit_tiny', url)
-    digits = prepare_digits(str(tmp_path / 'digits'))  # the data is checked before the download
+    # the data (digits) is checked before the download
     status = run_cli(eval_main, ['--model', 'inline_deit_tiny', '--data-path', digits, '--opts', *EVAL_OPTS])
     err = capsys.readouterr().err.strip()
     assert status == 2 and err.startswith('error: cannot download ' + url) and '\n' not in err
     assert not cache.exists() or not list(cache.iterdir())
 
 
-def test_eval_py_reads_a_file_copied_to_the_cache_path_without_network(tmp_path, monkeypatch, capsys):
+def test_eval_py_reads_a_file_copied_to_the_cache_path_without_network(tmp_path, monkeypatch, capsys, digits):
     """The offline recipe of the README, through eval.py's command line: the released file copied to the cache path
     is evaluated by model name, and the release host is never asked (nothing may open a URL here)."""
-    digits = prepare_digits(str(tmp_path / 'digits'))
     cache = tmp_path / 'torch' / 'hub' / 'checkpoints'
     cache.mkdir(parents=True)
     _, served = official_checkpoint(**EVAL_TINY)
@@ -630,9 +631,8 @@ def test_a_release_on_the_hub_under_its_own_file_name_is_read_as_timm_reads_it(t
                                       ('lab/inline-deit-tiny', 'inline_deit_t.bin')]
 
 
-def test_a_timm_model_s_hub_weights_offline_are_one_line(tmp_path, monkeypatch, capsys):
+def test_a_timm_model_s_hub_weights_offline_are_one_line(tmp_path, monkeypatch, capsys, digits):
     monkeypatch.setattr(timm.models._hub, 'hf_hub_download', FakeHub(tmp_path, offline=True))
-    digits = prepare_digits(str(tmp_path / 'digits'))
     status = run_cli(train_main, ['--cfg', str(REPO / 'configs' / 'demo' / 'digits_tiny.yaml'), '--pretrained',
                                   'deit_tiny_patch16_224', '--data-path', digits, '--output', str(tmp_path / 'run')])
     err = capsys.readouterr().err.splitlines()[-1]
