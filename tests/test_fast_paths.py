@@ -692,12 +692,12 @@ def test_compiled_flex_attention_keeps_a_graph_for_every_shape_a_model_needs(mon
     torch._dynamo.utils.counters.clear()
     try:
         attend = multimax._fused_flex()
-        for n in range(16, 28):
+        for n in range(16, 25):  # nine shapes: one past the default limit
             q = torch.randn(1, 2, n, 16)
             expected = (q @ q.transpose(-2, -1) / 2).softmax(-1) @ q
             with torch.no_grad():
                 assert max_abs_err(attend(q, q, q, score_mod=lambda score, b, h, i, j: score * 2), expected) < 1e-5
-        assert dict(torch._dynamo.utils.counters['frames']) == dict(total=12, ok=12)  # each shape compiled
+        assert dict(torch._dynamo.utils.counters['frames']) == dict(total=9, ok=9)  # each shape compiled
         assert torch._dynamo.config.recompile_limit == multimax._FLEX_GRAPHS
     finally:
         torch._dynamo.config.recompile_limit = limit
