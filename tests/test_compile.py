@@ -11,6 +11,7 @@ import json
 import math
 import shutil
 from pathlib import Path
+from typing import Any, Dict
 
 import pytest
 import torch
@@ -42,6 +43,11 @@ TINY = {
     'swin': dict(img_size=64, embed_dim=16, depths=[2, 1, 1, 1], num_heads=[2, 2, 2, 2], window_size=2),
     'cswin': dict(img_size=64, embed_dim=16, depth=[1, 1, 1, 1], num_heads=[2, 2, 2, 2], split_size=[1, 2, 2, 2]),
 }
+# Smaller still where the CPU tests trace, which takes seconds per block: one DeiT block, and Swin in two stages, a
+# 4x4 grid of 2x2 windows (shifted in the second block) then a 2x2 grid that one window covers. (test_cuda.py keeps
+# TINY: there the heads of Swin's deeper stages are wide enough for FlexAttention on windows.)
+TRACED = {**TINY, 'deit': dict(TINY['deit'], depth=1),
+          'swin': dict(img_size=16, embed_dim=16, depths=[2, 1], num_heads=[2, 2], window_size=2)}
 
 
 @pytest.fixture(autouse=True)
@@ -55,16 +61,17 @@ def gradients(model: torch.nn.Module):
     return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
 
 
-def tiny_model(family: str, attention: str) -> nn.Module:
-    """The tiny model of `family` with `attention` in every block, 5 classes, no drop path, from seed 0."""
+def tiny_model(family: str, attention: str, sizes: Dict[str, Dict[str, Any]] = TINY) -> nn.Module:
+    """The tiny model of `family` (its `sizes`) with `attention` in every block, 5 classes, no drop path, from
+    seed 0."""
     torch.manual_seed(0)
     return timm.create_model(f'softmax_{family}_tiny', attn_type=attention, num_classes=5, drop_path_rate=0.,
-                             **TINY[family])
+                             **sizes[family])
 
 
 def assert_compiled_matches_eager(family: str, attention: str) -> None:
-    model = tiny_model(family, attention)
-    size = TINY[family]['img_size']
+    model = tiny_model(family, attention, TRACED)
+    size = TRACED[family]['img_size']
     x = torch.randn(2, 3, size, size)
     weights = torch.randn(2, 5)
 
@@ -105,11 +112,16 @@ def test_only_torch_export_takes_the_exporters_paths():
     assert torch.export.export(_ExportProbe(), (x,)).module()(x).tolist() == [1, 1]
 
 
-@pytest.mark.parametrize('family', ['deit', 'swin'])
+# Bytes of scores per block of query rows that leave a few rows per block, which the trace unrolls: 7 of DeiT's 17
+# tokens (272 bytes a row for two images of two heads), 2 of the 4 tokens of a window in Swin's first stage, shifted
+# and not (256 bytes a row: four windows an image); Swin's last stage, one window, is small enough for the plain path.
+ROW_BLOCK_BYTES = {'deit': 2048, 'swin': 512}
+
+
+@pytest.mark.parametrize('family', list(ROW_BLOCK_BYTES))
 def test_fullgraph_compile_of_multimax_in_row_blocks_matches_eager(family, monkeypatch):
     """MultiMax's path in blocks of query rows (an autograd.Function with a recomputing backward) traces too."""
-    # a few rows per block: every layer still runs in several blocks, which the trace unrolls
-    monkeypatch.setattr('models.attention.multimax._ROW_BLOCK_BYTES', 2048)
+    monkeypatch.setattr('models.attention.multimax._ROW_BLOCK_BYTES', ROW_BLOCK_BYTES[family])
     monkeypatch.setattr('models.attention.multimax._PLAIN_TRAINING_BYTES', 0)
     monkeypatch.setattr('models.attention.multimax.cpu_kernel_available', lambda: False)
     assert_compiled_matches_eager(family, 'multimax')
@@ -214,8 +226,8 @@ def test_inductor_compiles_multimax_swin_for_cpu_inference_in_one_graph(monkeypa
     if use_kernel is False:
         monkeypatch.setattr(multimax_cpu, '_extension', None)  # a build that failed
     torch.manual_seed(0)
-    model = timm.create_model('multimax_swin_tiny', num_classes=5, **TINY['swin']).eval()
-    x = torch.randn(2, 3, 64, 64)
+    model = timm.create_model('multimax_swin_tiny', num_classes=5, **TRACED['swin']).eval()
+    x = torch.randn(2, 3, TRACED['swin']['img_size'], TRACED['swin']['img_size'])
     counter = CompileCounterWithBackend('inductor')
     with torch.no_grad():
         out = torch.compile(model, fullgraph=True, backend=counter)(x)
