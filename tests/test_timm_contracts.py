@@ -27,7 +27,7 @@ from timm.models._features import FeatureGetterNet, FeatureHookNet
 from timm.models._manipulate import reinit_non_persistent_buffers
 
 import models  # noqa: F401  (registers the families)
-from models.attention import build_attention, get_mixer_class, list_attentions
+from models.attention import build_attention, forms_score_matrix, get_mixer_class, list_attentions
 from models.attention import multimax
 from models.onednn import convert_to_onednn
 
@@ -217,9 +217,19 @@ EXPORT_SIZES = {
 }
 
 
+def export_sizes(family: str, attn_type: Any) -> Dict[str, Any]:
+    """EXPORT_SIZES of `family`, where a Swin stage whose attention forms no scores, which attends to its whole grid
+    with no window to shift, has one block."""
+    sizes = dict(EXPORT_SIZES.get(family, {}))
+    if family == 'swin':
+        sizes['depths'] = tuple(depth if forms_score_matrix(name) else 1
+                                for depth, name in zip(sizes['depths'], attn_type))
+    return sizes
+
+
 @pytest.mark.parametrize('family, attn_type', export_cases())
 def test_export_dynamic_batch_and_onnx_match_eager(family, attn_type, tmp_path):
-    model = tiny_model(family_model(family), attn_type=attn_type, **EXPORT_SIZES.get(family, {}))
+    model = tiny_model(family_model(family), attn_type=attn_type, **export_sizes(family, attn_type))
     program = export_dynamic_batch(model, images(model, 2))
     exported = program.module()
     batches = [images(model, 1), images(model, 3)]
@@ -250,7 +260,7 @@ def test_jit_trace_and_the_torchscript_onnx_exporter_keep_a_dynamic_batch(family
     operator, a custom op), fixed InLine's grouped convolution to the traced batch, had no `cummax` (causal
     additive), and the ONNX one dropped MultiMax's shifted-window mask (an in-place add through a view)."""
     causal = dict(attn_kwargs=dict(causal=True), global_pool='avg') if attn_type == 'additive' else {}
-    model = tiny_model(family_model(family), attn_type=attn_type, **EXPORT_SIZES.get(family, {}), **causal)
+    model = tiny_model(family_model(family), attn_type=attn_type, **export_sizes(family, attn_type), **causal)
     traced_at, x = images(model, 2), images(model, 3)
     with torch.no_grad():
         expected = model(x)
@@ -342,7 +352,7 @@ def test_torchscript_of_the_whole_model_matches_eager(family, attn_type):
     # timm's TorchScript contract: the model itself scripts, stage loops and all; a second input size checks
     # that no grid was frozen into the scripted model under dynamic_img_size
     model = tiny_model(family_model(family), attn_type=attn_type, dynamic_img_size=True,
-                       **EXPORT_SIZES.get(family, {}))
+                       **export_sizes(family, attn_type))
     with timm.layers.set_scriptable(True), warnings.catch_warnings():
         warnings.filterwarnings('error', message='The TorchScript type system')
         scripted = torch.jit.script(model)
@@ -356,7 +366,7 @@ def test_torchscript_of_the_whole_model_matches_eager(family, attn_type):
 @pytest.mark.parametrize('family, attn_type', export_cases())
 def test_torchscript_of_the_fx_graph_matches_eager(family, attn_type):
     # timm's FX + TorchScript contract: the traced graph of the model scripts, with its attentions as submodules
-    model = tiny_model(family_model(family), attn_type=attn_type, **EXPORT_SIZES.get(family, {}))
+    model = tiny_model(family_model(family), attn_type=attn_type, **export_sizes(family, attn_type))
     scripted = torch.jit.script(torch.fx.GraphModule(model, TimmTracer().trace(model)))
     x = images(model, 2)
     with torch.no_grad():
