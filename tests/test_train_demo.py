@@ -1,6 +1,7 @@
 """Training runs on the digits demo: exact resumption (after an epoch and after SIGTERM mid-epoch), a 2-process
 torchrun run that is stopped, resumed and evaluated (its first epoch compiled, under DDP), and 1-process vs
 2-process agreement at the same total batch."""
+import copy
 import json
 import math
 import os
@@ -9,8 +10,10 @@ import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Iterator
 
 import pytest
+import timm.models._registry as timm_registry
 import torch
 
 import engine.loops
@@ -21,7 +24,8 @@ from engine.cli import eval_main, train_main
 from engine.config import load_config
 from engine.data import build_train_loader, load_split, prepare_digits, train_transform
 from engine.distributed import DistInfo
-from engine.errors import USAGE_EXIT_CODE, Stopped
+from engine.errors import USAGE_EXIT_CODE, Stopped, run_cli
+from models.attention import registry as attention_registry
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / 'configs' / 'demo' / 'digits_tiny.yaml')
@@ -244,43 +248,63 @@ register_variants(__name__, VARIANTS, lambda name, pretrained, model_args, kwarg
 """
 
 
-def test_an_attention_registered_outside_the_package_trains_and_evaluates_through_model_imports(tmp_path, digits):
+USER_MODULES = ('my_attention', 'my_family')  # written, and imported in this process, by the test below
+
+
+@pytest.fixture
+def users_modules(monkeypatch) -> Iterator[None]:
+    """A test that imports a user's modules in this process, as MODEL.IMPORTS does (from the working directory): the
+    import path, the attention and timm registries and the module table are as before after it, so that no other
+    test meets what they registered."""
+    monkeypatch.setattr(sys, 'path', list(sys.path))
+    monkeypatch.setattr(attention_registry, '_MIXERS', dict(attention_registry._MIXERS))
+    for name in ('_module_to_models', '_model_to_module', '_model_entrypoints', '_model_has_pretrained',
+                 '_model_default_cfgs', '_model_pretrained_cfgs', '_model_with_tags'):
+        monkeypatch.setattr(timm_registry, name, copy.copy(getattr(timm_registry, name)))
+    yield
+    for name in USER_MODULES:
+        sys.modules.pop(name, None)
+
+
+def test_an_attention_registered_outside_the_package_trains_and_evaluates_through_model_imports(
+        tmp_path, digits, capsys, monkeypatch, users_modules):
     """train.py, eval.py and the scripts build models from a config, with no way to import a user's module: an
     attention registered outside the package was 'bad attn_type'. MODEL.IMPORTS names the modules to import; the
-    checkpoint's stored config names them again for eval.py."""
+    checkpoint's stored config names them again for eval.py. The scripts run as a user starts them, in the folder
+    of the module; the refusals are those of their entry functions, called here in that folder."""
     (tmp_path / 'my_attention.py').write_text(USER_ATTENTION)
-    train = [sys.executable, str(REPO / 'train.py'), '--cfg', TINY, '--data-path', str(digits), '--output', 'run',
-             '--opts', 'TRAIN.EPOCHS', '1', 'MODEL.KWARGS.attn_type', 'hot_softmax']
-    done = subprocess.run(train, cwd=tmp_path, capture_output=True, text=True, timeout=300)
-    assert done.returncode == USAGE_EXIT_CODE and "bad attn_type 'hot_softmax' (not a name or pattern)" in \
-        done.stderr.splitlines()[-1]
-    done = subprocess.run(train + ['MODEL.IMPORTS', "['my_attention']"], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=300)
+    (tmp_path / 'my_family.py').write_text(USER_FAMILY)
+    monkeypatch.chdir(tmp_path)
+    train = ['--cfg', TINY, '--data-path', str(digits), '--output', 'run', '--opts', 'TRAIN.EPOCHS', '1',
+             'MODEL.KWARGS.attn_type', 'hot_softmax']
+    assert run_cli(train_main, train) == USAGE_EXIT_CODE
+    assert "bad attn_type 'hot_softmax' (not a name or pattern)" in capsys.readouterr().err.splitlines()[-1]
+    # one thread, as in this process (conftest.py): a second costs more than it saves on a small machine
+    one_thread = dict(os.environ, OMP_NUM_THREADS='1')
+    done = subprocess.run([sys.executable, str(REPO / 'train.py'), *train, 'MODEL.IMPORTS', "['my_attention']"],
+                          cwd=tmp_path, env=one_thread, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     evaluated = subprocess.run([sys.executable, str(REPO / 'eval.py'), '--checkpoint', 'run/last.pth', '--data-path',
-                                str(digits)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+                                str(digits)], cwd=tmp_path, env=one_thread, capture_output=True, text=True,
+                               timeout=300)
     assert evaluated.returncode == 0, evaluated.stderr[-3000:]
     assert json.loads(evaluated.stdout.splitlines()[-1])['count'] == 360
     # a family of the user's module, named to eval.py: known once the module is imported (it was 'unknown model',
     # checked before), and then refused for what it lacks, released weights
-    (tmp_path / 'my_family.py').write_text(USER_FAMILY)
-    by_name = subprocess.run([sys.executable, str(REPO / 'eval.py'), '--model', 'my_family_tiny', '--data-path',
-                              str(digits), '--opts', 'MODEL.IMPORTS', "['my_family']", 'MODEL.NUM_CLASSES', '10',
-                              'DATA.IMG_SIZE', '16'], cwd=tmp_path, capture_output=True, text=True, timeout=300)
-    assert by_name.returncode == USAGE_EXIT_CODE and by_name.stderr.splitlines()[-1] == (
+    assert run_cli(eval_main, ['--model', 'my_family_tiny', '--data-path', str(digits), '--opts', 'MODEL.IMPORTS',
+                               "['my_family']", 'MODEL.NUM_CLASSES', '10', 'DATA.IMG_SIZE', '16']) == USAGE_EXIT_CODE
+    assert capsys.readouterr().err.splitlines()[-1] == (
         "error: model 'my_family_tiny' has no released weights; expected a checkpoint file of your own (eval.py: "
         "--checkpoint FILE, train.py: --pretrained FILE)")
     # an entrypoint it has not: named as such, where the closest names were offered ('linear_deit_tiny', ...)
-    by_name = subprocess.run([sys.executable, str(REPO / 'eval.py'), '--model', 'hot_softmax_deit_tiny', '--data-path',
-                              str(digits), '--opts', 'MODEL.IMPORTS', "['my_attention']"], cwd=tmp_path,
-                             capture_output=True, text=True, timeout=300)
-    assert by_name.returncode == USAGE_EXIT_CODE and by_name.stderr.splitlines()[-1] == (
+    assert run_cli(eval_main, ['--model', 'hot_softmax_deit_tiny', '--data-path', str(digits), '--opts',
+                               'MODEL.IMPORTS', "['my_attention']"]) == USAGE_EXIT_CODE
+    assert capsys.readouterr().err.splitlines()[-1] == (
         "error: unknown model 'hot_softmax_deit_tiny': attention 'hot_softmax' has no entrypoints of its own (it is "
         "registered outside the package); expected softmax_deit_tiny with attn_type 'hot_softmax': --opts "
         "MODEL.KWARGS.attn_type hot_softmax")
-    missing = subprocess.run(train + ['MODEL.IMPORTS', "['no_such_module']"], cwd=tmp_path, capture_output=True,
-                             text=True, timeout=300)
-    assert missing.returncode == USAGE_EXIT_CODE and missing.stderr.splitlines()[-1] == (
+    assert run_cli(train_main, [*train, 'MODEL.IMPORTS', "['no_such_module']"]) == USAGE_EXIT_CODE
+    assert capsys.readouterr().err.splitlines()[-1] == (
         "error: MODEL.IMPORTS module 'no_such_module' cannot be imported (No module named 'no_such_module'); "
         "expected a module on the import path: in the working directory, on PYTHONPATH or installed")
 
