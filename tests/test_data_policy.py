@@ -247,9 +247,11 @@ def test_repeated_augmentation_draws_each_image_three_times_on_one_process_too(d
 
 
 # Python 3.14 starts DataLoader workers by forkserver on Linux, and macOS and Windows start them by spawn: the
-# dataset, its transforms and the collate function reach those workers pickled, not inherited.
+# dataset, its transforms and the collate function reach those workers pickled, not inherited. One worker: what a
+# worker draws depends on each sample's seed alone (SeededSamples), and each worker started by forkserver or spawn
+# imports torch and the engine again, seconds of the suite.
 def test_the_training_loader_gives_the_same_batches_however_its_workers_start(data):
-    cfg = load_config(TINY, ['DATA.DATASET', 'imagefolder', 'DATA.DATA_PATH', str(data), 'DATA.NUM_WORKERS', '2',
+    cfg = load_config(TINY, ['DATA.DATASET', 'imagefolder', 'DATA.DATA_PATH', str(data), 'DATA.NUM_WORKERS', '1',
                              'AUG.AUTO_AUGMENT', 'rand-m9-mstd0.5-inc1', 'AUG.REPROB', '0.25', *ELEVENS])
     batches = {}
     for start_method in ('fork', 'forkserver', 'spawn'):
