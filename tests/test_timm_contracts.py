@@ -9,11 +9,10 @@
 - ONNX (torch.onnx dynamo export) of the same programs, run in onnxruntime within 1e-4 of eager;
 - the tracing exporters, `torch.jit.trace` and the TorchScript-based ONNX exporter, with a dynamic batch too.
 """
-import functools
 import io
 import re
 import warnings
-from typing import Any, Dict, Iterator, List
+from typing import Any, Dict, List
 
 import numpy as np
 import onnxruntime
@@ -228,18 +227,6 @@ def export_sizes(family: str, attn_type: Any) -> Dict[str, Any]:
     return sizes
 
 
-@pytest.fixture(scope='module')
-def onnx_registry_built_once() -> Iterator[None]:
-    """`torch.onnx.export(dynamo=True)` builds its registry of ONNX functions from onnxscript's torchlib anew at
-    every call (about a second: it parses each function's source), and only reads it when no custom translation is
-    given; one registry serves every export here."""
-    from torch.onnx._internal.exporter._registration import ONNXRegistry as registry
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(registry, 'from_torchlib', classmethod(functools.cache(registry.from_torchlib.__func__)))
-        yield
-
-
-@pytest.mark.usefixtures('onnx_registry_built_once')
 @pytest.mark.parametrize('family, attn_type', export_cases())
 def test_export_dynamic_batch_and_onnx_match_eager(family, attn_type, tmp_path):
     model = tiny_model(family_model(family), attn_type=attn_type, **export_sizes(family, attn_type))
