@@ -46,6 +46,16 @@ def child_temporaries(tmp_path_factory) -> Iterator[None]:
 
 
 @pytest.fixture(scope='session', autouse=True)
+def single_threaded_children() -> Iterator[None]:
+    """The processes the tests start run one intra-op thread, as the tests' own process does: with a worker per
+    core, children that each start a thread per core overcommit the machine (a one-epoch train.py took 52 s of CPU
+    with two threads against 13 s with one, on two loaded cores). A test that needs another count sets its own."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv('OMP_NUM_THREADS', '1')
+        yield
+
+
+@pytest.fixture(scope='session', autouse=True)
 def ctrl_c_delivered() -> Iterator[None]:
     """The tests stop runs with Ctrl-C as a terminal delivers it. A suite started with SIGINT ignored (a background
     job of a shell script) would hand that on to the runs it starts, which keep an ignored signal ignored; for the

@@ -423,10 +423,11 @@ def test_train_throughput_runs_train_py_with_its_own_threads_and_names_its_failu
         return subprocess.CompletedProcess(command, status, stderr=err.getvalue())
 
     monkeypatch.setattr(subprocess, 'run', run)
-    monkeypatch.setattr(torch, 'get_num_threads', lambda: 1)
+    # not the tests' own count, which their children inherit (conftest.py)
+    monkeypatch.setattr(torch, 'get_num_threads', lambda: 3)
     with pytest.raises(UsageError) as failed:
         train_throughput.train_py_rate(args, str(tmp_path / 'missing'), str(tmp_path / 'run'), epochs=2)
-    assert seen['OMP_NUM_THREADS'] == '1'
+    assert seen['OMP_NUM_THREADS'] == '3'
     assert str(failed.value) == (f"train.py failed, so no rate of it: data path {str(tmp_path / 'missing')!r} does "
                                  f"not exist; expected a folder with train and val inside")
 
