@@ -9,7 +9,6 @@ MultiMax's paths, and its outputs and gradients must match the eager model's.
 """
 import json
 import math
-import shutil
 from pathlib import Path
 from typing import Any, Dict
 
@@ -29,6 +28,7 @@ from models.attention import list_attentions
 from models.attention import multimax_cpu
 from models.attention.mixer import is_exporting
 from models.attention.multimax import multimax_attention
+from digits_subset import copy_digits_subset
 from reference import SPEC_RANGES, SPEC_TS, max_abs_err
 
 REPO = Path(__file__).resolve().parents[1]
@@ -243,13 +243,7 @@ def test_inductor_compiles_multimax_swin_for_cpu_inference_in_one_graph(monkeypa
 def few_digits(tmp_path_factory) -> Path:
     """An image folder of the digits demo's first 8 training and 5 validation images of each of its 10 classes."""
     digits = Path(prepare_digits(str(tmp_path_factory.getbasetemp() / 'digits')))
-    root = tmp_path_factory.mktemp('few_digits')
-    for split, count in (('train', 8), ('val', 5)):
-        for folder in sorted((digits / split).iterdir()):
-            (root / split / folder.name).mkdir(parents=True)
-            for image in sorted(folder.iterdir())[:count]:
-                shutil.copy(image, root / split / folder.name / image.name)
-    return root
+    return copy_digits_subset(digits, tmp_path_factory.mktemp('few_digits'), 8, 5)
 
 
 def graphs_compiled() -> int:

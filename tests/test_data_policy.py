@@ -30,6 +30,7 @@ from engine.data import (BadImage, build_eval_loader, build_train_loader, class_
 from engine.distributed import DistInfo
 from engine.errors import USAGE_EXIT_CODE, BadImageError, UsageError, run_cli
 from engine.loops import evaluate
+from digits_subset import copy_digits_subset
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / 'configs' / 'demo' / 'digits_tiny.yaml')
@@ -49,13 +50,7 @@ def digits(tmp_path_factory) -> Path:
 @pytest.fixture
 def data(tmp_path, digits) -> Path:
     """A small copy of the digits folder: 12 training and 4 validation images per class."""
-    root = tmp_path / 'data'
-    for split, count in (('train', TRAIN_PER_CLASS), ('val', VAL_PER_CLASS)):
-        for folder in sorted((digits / split).iterdir()):
-            (root / split / folder.name).mkdir(parents=True)
-            for image in sorted(folder.iterdir())[:count]:
-                shutil.copy(image, root / split / folder.name / image.name)
-    return root
+    return copy_digits_subset(digits, tmp_path / 'data', TRAIN_PER_CLASS, VAL_PER_CLASS)
 
 
 def truncated_jpeg(path: Path) -> Path:

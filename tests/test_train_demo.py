@@ -5,7 +5,6 @@ import copy
 import json
 import math
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -27,6 +26,7 @@ from engine.data import build_train_loader, load_split, prepare_digits, train_tr
 from engine.distributed import DistInfo
 from engine.errors import USAGE_EXIT_CODE, Stopped, run_cli
 from models.attention import registry as attention_registry
+from digits_subset import copy_digits_subset
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / 'configs' / 'demo' / 'digits_tiny.yaml')
@@ -51,13 +51,7 @@ def digits(tmp_path_factory) -> Path:
 def few_digits(tmp_path_factory, digits) -> Path:
     """The first TRAIN_PER_CLASS training images of each class and the whole validation split (360 images): for the
     runs whose checks hold at any size, a quarter of the training."""
-    root = tmp_path_factory.getbasetemp() / 'few_digits'
-    for split, count in (('train', TRAIN_PER_CLASS), ('val', None)):
-        for folder in sorted((digits / split).iterdir()):
-            (root / split / folder.name).mkdir(parents=True)
-            for image in sorted(folder.iterdir())[:count]:
-                shutil.copy(image, root / split / folder.name / image.name)
-    return root
+    return copy_digits_subset(digits, tmp_path_factory.getbasetemp() / 'few_digits', TRAIN_PER_CLASS, None)
 
 
 def train(output: Path, data: Path, *opts: str) -> None:
