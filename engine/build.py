@@ -35,8 +35,8 @@ from .hub import is_hub_name, weights_file
 __all__ = ['import_model_modules', 'import_modules', 'trained_as_another_model', 'check_model_name',
            'check_model_config', 'check_pretrained', 'official_weights', 'classifier_names', 'classifier_rows',
            'imagenet1k_difference', 'narrows_to_imagenet1k', 'read_weights', 'weights_keys', 'checkpoint_weights',
-           'create_model', 'weight_changes', 'cpu_has_bfloat16_kernels', 'create_optimizer', 'create_scheduler', 'create_criterion',
-           'autocast_dtype', 'check_onednn', 'create_training_model']
+           'create_model', 'weight_changes', 'create_optimizer', 'create_scheduler', 'create_criterion',
+           'cpu_has_bfloat16_kernels', 'autocast_dtype', 'check_onednn', 'create_training_model']
 
 # optimizers whose `fused=True` kernel runs on every device the engine trains on (CPU, CUDA); Adagrad's is CPU only
 FUSED_OPTIMIZERS = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
