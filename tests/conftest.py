@@ -2,11 +2,14 @@
 import logging
 import random
 import signal
+from pathlib import Path
 from typing import Any, Callable, Iterator, Tuple
 
 import numpy as np
 import pytest
 import torch
+
+from engine.data import prepare_digits
 
 # The tests run many tiny models; on a small machine intra-op threads cost more than they save.
 torch.set_num_threads(1)
@@ -34,6 +37,13 @@ def engine_logger_restored() -> Iterator[None]:
             handler.close()
     logger.handlers[:] = handlers
     logger.propagate, logger.level = propagate, level
+
+
+@pytest.fixture(scope='session')
+def digits(tmp_path_factory) -> Path:
+    """The digits demo's image folder, written once per test process for the tests that train or evaluate on it
+    (they only read it)."""
+    return Path(prepare_digits(str(tmp_path_factory.getbasetemp() / 'digits')))
 
 
 @pytest.fixture(scope='session', autouse=True)

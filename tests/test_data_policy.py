@@ -26,7 +26,7 @@ import engine.loops
 from engine.cli import eval_main, train_main
 from engine.config import ConfigError, load_config
 from engine.data import (BadImage, build_eval_loader, build_train_loader, class_difference, eval_transform,
-                         load_split, prepare_digits, read_image, train_transform)
+                         load_split, read_image, train_transform)
 from engine.distributed import DistInfo
 from engine.errors import USAGE_EXIT_CODE, BadImageError, UsageError, run_cli
 from engine.loops import evaluate
@@ -40,11 +40,6 @@ TRAIN_PER_CLASS, VAL_PER_CLASS = 12, 4  # 120 training images: 7 updates of 16 p
 ELEVENS = ['DATA.BATCH_SIZE', '11']
 TIMING = ('epoch_seconds', 'images_per_second')
 NOBODY = 65534
-
-
-@pytest.fixture(scope='module')
-def digits(tmp_path_factory) -> Path:
-    return Path(prepare_digits(str(tmp_path_factory.getbasetemp() / 'digits')))
 
 
 @pytest.fixture

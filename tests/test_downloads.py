@@ -31,7 +31,6 @@ from timm.models._registry import _model_pretrained_cfgs
 
 from engine.analysis import load_analysis_model
 from engine.cli import eval_main, train_main
-from engine.data import prepare_digits
 from engine.errors import USAGE_EXIT_CODE, run_cli
 import models.checkpoint
 import models.family
@@ -119,12 +118,6 @@ def cache(tmp_path, monkeypatch) -> Path:
     """torch.hub's checkpoints folder under a TORCH_HOME of the test's own."""
     monkeypatch.setenv('TORCH_HOME', str(tmp_path / 'torch'))
     return tmp_path / 'torch' / 'hub' / 'checkpoints'
-
-
-@pytest.fixture(scope='module')
-def digits(tmp_path_factory) -> str:
-    """The digits image folder, written once for the tests that train or evaluate on it (they only read it)."""
-    return prepare_digits(str(tmp_path_factory.getbasetemp() / 'digits'))
 
 
 def official_checkpoint(**model_args) -> Tuple[Dict[str, torch.Tensor], bytes]:
@@ -344,7 +337,7 @@ def test_eval_by_model_name_downloads_the_released_weights(server, cache, monkey
     _, served = official_checkpoint(**EVAL_TINY)
     server.files['1d6b8191ad6d4114b291'] = served
     register_url(monkeypatch, 'inline_deit_tiny', server.url('1d6b8191ad6d4114b291'))
-    args = ['--data-path', digits, '--img-size', '16', '--crop-pct', '1.0', '--opts', *EVAL_OPTS]
+    args = ['--data-path', str(digits), '--img-size', '16', '--crop-pct', '1.0', '--opts', *EVAL_OPTS]
     assert eval_main(['--model', 'inline_deit_tiny', *args]) == 0
     downloaded = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert downloaded['checkpoint'] == str(cache / 'inline_deit_tiny.pth') and len(server.requests) == 1
@@ -369,7 +362,7 @@ def test_train_starts_from_the_released_weights_of_a_model_name(server, cache, m
     register_url(monkeypatch, 'inline_deit_tiny', server.url('1d6b8191ad6d4114b291'))
     local = tmp_path / 'local.pth'
     local.write_bytes(served)
-    argv = ['--cfg', str(REPO / 'configs' / 'demo' / 'digits_tiny.yaml'), '--data-path', digits,
+    argv = ['--cfg', str(REPO / 'configs' / 'demo' / 'digits_tiny.yaml'), '--data-path', str(digits),
             '--opts', 'TRAIN.EPOCHS', '1', 'DATA.BATCH_SIZE', '128']
     for start, output in (('inline_deit_tiny', 'by_name'), (str(local), 'by_file')):
         assert run_cli(train_main, ['--pretrained', start, '--output', str(tmp_path / output), *argv]) == 0
@@ -418,7 +411,7 @@ def test_a_release_with_ema_weights_gives_them_by_every_path_that_names_the_mode
     load_pretrained_into(started, str(local))
     assert_weights(started, ema)
 
-    args = ['--data-path', digits, '--img-size', '16', '--crop-pct', '1.0', '--opts', *EVAL_OPTS]
+    args = ['--data-path', str(digits), '--img-size', '16', '--crop-pct', '1.0', '--opts', *EVAL_OPTS]
     results = {}
     for label, given in (('by name', []), ('file', ['--checkpoint', str(local)]),
                          ('file --ema', ['--checkpoint', str(local), '--ema'])):
@@ -448,11 +441,11 @@ def test_a_signal_mid_download_stops_with_the_signal_and_leaves_no_file(server, 
             with pytest.raises(KeyboardInterrupt):
                 timm.create_model('inline_deit_tiny', pretrained=True, **TRAIN_TINY)
         elif entry == 'eval.py':
-            assert run_cli(eval_main, ['--model', 'inline_deit_tiny', '--data-path', digits, '--img-size', '16',
+            assert run_cli(eval_main, ['--model', 'inline_deit_tiny', '--data-path', str(digits), '--img-size', '16',
                                        '--opts', *EVAL_OPTS]) == 128 + signal.SIGINT
         else:
             assert run_cli(train_main, [
-                '--cfg', str(REPO / 'configs' / 'demo' / 'digits_tiny.yaml'), '--data-path', digits,
+                '--cfg', str(REPO / 'configs' / 'demo' / 'digits_tiny.yaml'), '--data-path', str(digits),
                 '--pretrained', 'inline_deit_tiny', '--output', str(tmp_path / 'run')]) == 128 + signal.SIGINT
     finally:
         server.release.set()
@@ -547,7 +540,7 @@ def test_eval_reports_an_unreachable_host_on_one_line(server, cache, monkeypatch
     server.stop()
     register_url(monkeypatch, 'inline_deit_tiny', url)
     # the data (digits) is checked before the download
-    status = run_cli(eval_main, ['--model', 'inline_deit_tiny', '--data-path', digits, '--opts', *EVAL_OPTS])
+    status = run_cli(eval_main, ['--model', 'inline_deit_tiny', '--data-path', str(digits), '--opts', *EVAL_OPTS])
     err = capsys.readouterr().err.strip()
     assert status == 2 and err.startswith('error: cannot download ' + url) and '\n' not in err
     assert not cache.exists() or not list(cache.iterdir())
@@ -562,7 +555,7 @@ def test_eval_py_reads_a_file_copied_to_the_cache_path_without_network(tmp_path,
     (cache / 'inline_deit_tiny.pth').write_bytes(served)
     monkeypatch.setenv('TORCH_HOME', str(tmp_path / 'torch'))
     monkeypatch.setattr(urllib.request, 'urlopen', lambda *args, **kwargs: pytest.fail('the release host was asked'))
-    assert run_cli(eval_main, ['--model', 'inline_deit_tiny', '--data-path', digits, '--img-size', '16',
+    assert run_cli(eval_main, ['--model', 'inline_deit_tiny', '--data-path', str(digits), '--img-size', '16',
                                '--crop-pct', '1.0', '--opts', *EVAL_OPTS]) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result['checkpoint'] == str(cache / 'inline_deit_tiny.pth') and result['count'] > 0
@@ -634,7 +627,7 @@ def test_a_release_on_the_hub_under_its_own_file_name_is_read_as_timm_reads_it(t
 def test_a_timm_model_s_hub_weights_offline_are_one_line(tmp_path, monkeypatch, capsys, digits):
     monkeypatch.setattr(timm.models._hub, 'hf_hub_download', FakeHub(tmp_path, offline=True))
     status = run_cli(train_main, ['--cfg', str(REPO / 'configs' / 'demo' / 'digits_tiny.yaml'), '--pretrained',
-                                  'deit_tiny_patch16_224', '--data-path', digits, '--output', str(tmp_path / 'run')])
+                                  'deit_tiny_patch16_224', '--data-path', str(digits), '--output', str(tmp_path / 'run')])
     err = capsys.readouterr().err.splitlines()[-1]
     assert status == USAGE_EXIT_CODE
     assert err == ("error: the released weights of 'deit_tiny_patch16_224' (hub repository "

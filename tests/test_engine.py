@@ -55,11 +55,6 @@ TINY = str(REPO / 'configs' / 'demo' / 'digits_tiny.yaml')
 CPU = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device('cpu'))
 
 
-@pytest.fixture(scope='session')
-def digits(tmp_path_factory) -> Path:
-    return Path(prepare_digits(str(tmp_path_factory.getbasetemp() / 'digits')))
-
-
 @pytest.fixture
 def tiny_cfg(digits):
     return load_config(TINY, ['DATA.DATA_PATH', str(digits)])

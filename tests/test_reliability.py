@@ -35,7 +35,7 @@ from engine.build import create_criterion, create_model, create_optimizer, creat
 from engine.checkpoint import OutputLock, TrainingCheckpoint
 from engine.cli import eval_main, train_main
 from engine.config import config_from_yaml_string, load_config, scaled_lrs
-from engine.data import build_train_loader, load_split, prepare_digits, train_transform
+from engine.data import build_train_loader, load_split, train_transform
 from engine.distributed import DistInfo, cleanup_distributed, each_node_first, init_distributed, main_process_first
 from engine.errors import USAGE_EXIT_CODE, NonFiniteLossError, UsageError, run_cli
 from engine.loops import EpochOptions, TrainState, train_one_epoch
@@ -48,11 +48,6 @@ ATTENTIONS = list_attentions()
 # 22 updates per epoch instead of 89: the runs below only need a few.
 SHORT = ['DATA.BATCH_SIZE', '64']
 TIMING = ('epoch_seconds', 'images_per_second')
-
-
-@pytest.fixture(scope='module')
-def digits(tmp_path_factory) -> Path:
-    return Path(prepare_digits(str(tmp_path_factory.getbasetemp() / 'digits')))
 
 
 def records(output: Path):

@@ -22,7 +22,7 @@ from engine.build import create_criterion, create_model
 from engine.checkpoint import TrainingCheckpoint
 from engine.cli import eval_main, train_main
 from engine.config import load_config
-from engine.data import build_train_loader, load_split, prepare_digits, train_transform
+from engine.data import build_train_loader, load_split, train_transform
 from engine.distributed import DistInfo
 from engine.errors import USAGE_EXIT_CODE, Stopped, run_cli
 from models.attention import registry as attention_registry
@@ -40,11 +40,6 @@ TIMING = ('epoch_seconds', 'images_per_second')
 # `few_digits` is an image folder, not the digits cache
 IMAGE_FOLDER = ['DATA.DATASET', 'imagefolder']
 TRAIN_PER_CLASS = 36  # of the digits' 139 to 146: 360 training images, 22 updates of 16 an epoch
-
-
-@pytest.fixture(scope='session')
-def digits(tmp_path_factory) -> Path:
-    return Path(prepare_digits(str(tmp_path_factory.getbasetemp() / 'digits')))
 
 
 @pytest.fixture(scope='session')
